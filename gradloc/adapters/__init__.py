@@ -1,0 +1,3 @@
+from gradloc.adapters.pytorch import Monitor, StepReport, watch
+
+__all__ = ["Monitor", "StepReport", "watch"]

@@ -1,0 +1,10 @@
+"""Per-token rules; importing this package registers every built-in rule."""
+from gradloc.collector.rules import embedding, layer_norm, linear, rms_norm  # noqa: F401  (registers)
+from gradloc.collector.rules.registry import (
+    TokenRule,
+    register_duck_rule,
+    register_rule,
+    rule_for,
+)
+
+__all__ = ["TokenRule", "register_rule", "register_duck_rule", "rule_for"]

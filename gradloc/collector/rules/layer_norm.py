@@ -1,0 +1,40 @@
+"""nn.LayerNorm: y_p = x̂_p ⊙ w + b, so position p routes g_p ⊙ x̂_p into ∇w and g_p into ∇b.
+
+x̂ is recomputed in the tensor hook from the input, which autograd saves for LayerNorm's own
+backward anyway: gradloc holds a reference, not a copy.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradloc.collector.rules.registry import register_rule, sq_norm_last
+
+
+def layer_norm_hat(x: torch.Tensor, n_dims: int, eps: float) -> torch.Tensor:
+    """x̂ = (x − mean) / sqrt(var + eps) over the last ``n_dims`` dims, in float32."""
+    dims = tuple(range(x.dim() - n_dims, x.dim()))
+    x = x.float()
+    mean = x.mean(dim=dims, keepdim=True)
+    var = x.var(dim=dims, keepdim=True, unbiased=False)
+    return (x - mean) * torch.rsqrt(var + eps)
+
+
+@register_rule(nn.LayerNorm)
+class LayerNormRule:
+    def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
+        return tuple(y.shape[: y.dim() - len(module.normalized_shape)])
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.detach()  # shares storage with the tensor autograd already saved
+
+    def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        n = len(module.normalized_shape)
+        g_sq = sq_norm_last(g, n)  # (*lead, *normalized_shape) -> (*lead)
+        score = torch.zeros_like(g_sq)
+        if module.weight is not None and module.weight.requires_grad:
+            x_hat = layer_norm_hat(saved, n, module.eps)
+            score = score + sq_norm_last(g.float() * x_hat, n)
+        if module.bias is not None and module.bias.requires_grad:
+            score = score + g_sq
+        return score

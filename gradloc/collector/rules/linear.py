@@ -1,0 +1,27 @@
+"""nn.Linear: y_p = W a_p + b, so position p routes g_p a_pᵀ into ∇W and g_p into ∇b.
+
+‖g_p a_pᵀ‖_F² = ‖g_p‖²·‖a_p‖² — no outer product is ever formed. ‖a_p‖² (shape ``lead``) is taken in
+the forward hook, so the activation itself is not kept alive by gradloc.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradloc.collector.rules.registry import feature_lead, register_rule, sq_norm_last
+
+
+@register_rule(nn.Linear)
+class LinearRule:
+    def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
+        return feature_lead(y)
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return sq_norm_last(x)  # (*lead, d_in) -> (*lead)
+
+    def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        g_sq = sq_norm_last(g)  # (*lead, d_out) -> (*lead)
+        score = g_sq * saved if module.weight.requires_grad else torch.zeros_like(g_sq)
+        if module.bias is not None and module.bias.requires_grad:
+            score = score + g_sq
+        return score

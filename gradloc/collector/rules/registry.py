@@ -1,0 +1,81 @@
+"""Per-token rule registry, keyed by module type (as opacus keys its per-sample rules).
+
+A rule turns what autograd already has at one module into a per-position score: the squared
+Frobenius norm of the parameter-gradient contribution routed through each position
+(DESIGN.md §3). It is split in two so that nothing extra stays alive between forward and backward:
+
+- ``capture(module, x, y)`` runs in the forward hook under ``no_grad`` and returns a small saved
+  state (e.g. ‖a_p‖², shape ``lead``) or a reference to a tensor autograd saves anyway;
+- ``score(module, saved, g)`` runs in the output's tensor hook with g = ∂L/∂y and returns a float32
+  tensor of shape ``lead`` (every dimension of y but the feature ones).
+
+Modules without a rule are not ignored: their parameters' gradient norm² is reported as the
+*unattributed* share, and the localizer falls back to probe bisection when it is large.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+
+class TokenRule(Protocol):
+    def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]: ...
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any: ...
+
+    def score(self, module: nn.Module, saved: Any, g: torch.Tensor) -> torch.Tensor: ...
+
+
+_BY_TYPE: dict[type, TokenRule] = {}
+_BY_PREDICATE: list[tuple[Callable[[nn.Module], bool], TokenRule]] = []
+
+
+def register_rule(*module_types: type) -> Callable[[type], type]:
+    """Class decorator: one instance of the rule serves every listed module type."""
+
+    def deco(cls: type) -> type:
+        rule = cls()
+        for t in module_types:
+            if t in _BY_TYPE:
+                raise ValueError(f"a per-token rule for {t.__name__} is already registered")
+            _BY_TYPE[t] = rule
+        return cls
+
+    return deco
+
+
+def register_duck_rule(predicate: Callable[[nn.Module], bool]) -> Callable[[type], type]:
+    """Class decorator for module families recognised by shape rather than type (HF RMSNorm)."""
+
+    def deco(cls: type) -> type:
+        _BY_PREDICATE.append((predicate, cls()))
+        return cls
+
+    return deco
+
+
+def rule_for(module: nn.Module) -> TokenRule | None:
+    """The rule for ``module``; subclasses qualify only if they keep the base class's forward."""
+    t = type(module)
+    if t in _BY_TYPE:
+        return _BY_TYPE[t]
+    for base in t.__mro__[1:]:
+        if base in _BY_TYPE and t.forward is base.forward:
+            return _BY_TYPE[base]
+    for predicate, rule in _BY_PREDICATE:
+        if predicate(module):
+            return rule
+    return None
+
+
+def feature_lead(y: torch.Tensor, n_feature_dims: int = 1) -> tuple[int, ...]:
+    """Leading (position) dimensions of an output whose last ``n_feature_dims`` are features."""
+    return tuple(y.shape[: y.dim() - n_feature_dims])
+
+
+def sq_norm_last(t: torch.Tensor, n_dims: int = 1) -> torch.Tensor:
+    """Σ of squares over the last ``n_dims`` dimensions, in float32. (*lead, *feat) -> (*lead)."""
+    t = t.float()
+    return t.pow(2).sum(dim=tuple(range(t.dim() - n_dims, t.dim())))

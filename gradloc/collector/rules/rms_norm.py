@@ -1,0 +1,70 @@
+"""RMSNorm: y_p = w ⊙ x̂_p with x̂_p = x_p / rms(x_p); position p routes g_p ⊙ x̂_p into ∇w.
+
+Covers ``torch.nn.RMSNorm`` by type and Hugging Face-style RMSNorm classes (LlamaRMSNorm,
+Qwen2RMSNorm, …) by shape: a class named ``*RMSNorm`` with a 1-D ``weight`` and an epsilon in
+``variance_epsilon`` or ``eps``. HF computes x̂ in float32 and casts back to the input dtype before
+the weight multiply; we do the same so the score matches the gradient HF's weight receives.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradloc.collector.rules.registry import (
+    feature_lead,
+    register_duck_rule,
+    register_rule,
+    sq_norm_last,
+)
+
+
+def rms_hat(x: torch.Tensor, n_dims: int, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) over the last ``n_dims`` dims, computed in float32."""
+    dims = tuple(range(x.dim() - n_dims, x.dim()))
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)).to(out_dtype).float()
+
+
+def _weight_score(weight: nn.Parameter | None, x_hat: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+    if weight is None or not weight.requires_grad:
+        return torch.zeros(g.shape[: g.dim() - n], device=g.device)
+    return sq_norm_last(g.float() * x_hat, n)  # (*lead, *feat) -> (*lead)
+
+
+@register_rule(nn.RMSNorm)
+class TorchRMSNormRule:
+    def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
+        return tuple(y.shape[: y.dim() - len(module.normalized_shape)])
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        n = len(module.normalized_shape)
+        eps = module.eps if module.eps is not None else torch.finfo(saved.dtype).eps
+        return _weight_score(module.weight, rms_hat(saved, n, eps, torch.float32), g, n)
+
+
+def is_hf_rms_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    has_eps = hasattr(module, "variance_epsilon") or hasattr(module, "eps")
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(weight, nn.Parameter)
+        and weight.dim() == 1
+        and has_eps
+        and not isinstance(module, nn.RMSNorm)
+    )
+
+
+@register_duck_rule(is_hf_rms_norm)
+class HFRMSNormRule:
+    def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
+        return feature_lead(y)
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+        return _weight_score(module.weight, rms_hat(saved, 1, float(eps), saved.dtype), g, 1)

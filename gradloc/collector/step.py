@@ -1,0 +1,103 @@
+"""Assemble one optimizer step's measurements into a :class:`StepRecord` with one host transfer.
+
+Packed layout (float64): ``[layer pack (4L) | uncovered_sq | scale | loss? | token summary? |
+previous step's update_sq (L)?]``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gradloc.collector.layer_stats import LayerStatsCollector
+from gradloc.collector.token_summary import StepScores, summary_length, summary_pack, unpack_summary
+from gradloc.records import StepRecord
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    step: int
+    job: str
+    rank: int
+    micro_batches: int
+    loss: float | torch.Tensor | None
+    scale: torch.Tensor | None  # GradScaler scale the gradients were produced with
+    unscaled_already: bool  # scaler.unscale_(optimizer) ran before end_step
+    scores: StepScores | None
+    token_layers: tuple[str, ...]
+    top_k: int
+    previous_update: torch.Tensor | None  # (L,) ‖Δθ‖² of the previous step, still on the device
+
+
+@dataclass(frozen=True)
+class Assembled:
+    record: StepRecord
+    param_sq: np.ndarray  # (L,) host, to turn the next update_sq into update ratios
+    previous_update_sq: np.ndarray | None
+    scale: float  # host GradScaler scale (1.0 without a scaler)
+
+
+def assemble(layers: LayerStatsCollector, uncovered: torch.Tensor, x: StepInputs) -> Assembled:
+    dev = uncovered.device
+    if x.scale is not None:
+        scale = x.scale.to(dev, torch.float64).reshape(1)
+    else:
+        scale = torch.ones(1, dtype=torch.float64, device=dev)
+    inv = 1.0 if (x.scale is None or x.unscaled_already) else scale.reciprocal()
+    parts = [layers.grad_pack(inv, uncovered), scale]  # (4L + 1,), (1,)
+    loss_t = x.loss if isinstance(x.loss, torch.Tensor) else None
+    if loss_t is not None:
+        parts.append(loss_t.detach().reshape(1))
+    if x.scores is not None:
+        parts.append(summary_pack(x.scores, x.top_k))
+    if x.previous_update is not None:
+        parts.append(x.previous_update)
+    host = torch.cat([p.to(dev, torch.float64).flatten() for p in parts]).cpu().numpy()  # one transfer
+    return _parse(host, layers, x, loss_t is not None)
+
+
+def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_loss_t: bool) -> Assembled:
+    L = layers.n_layers
+    pack = host[: 4 * L]
+    uncovered_sq, scale = float(host[4 * L]), float(host[4 * L + 1])
+    pos = 4 * L + 2
+    if has_loss_t:
+        loss: float | None = float(host[pos])
+        pos += 1
+    else:
+        loss = float(x.loss) if x.loss is not None else None
+    total_sq = float(pack[:L].sum())
+    finite = math.isfinite(total_sq)
+    nonfinite = None if finite else layers.nonfinite_counts()  # rare path: exact counts
+    tokens = None
+    if x.scores is not None:
+        n = summary_length(x.scores, x.top_k, len(x.token_layers))
+        share = uncovered_sq / total_sq if finite and total_sq > 0 else 0.0
+        tokens = unpack_summary(host[pos:pos + n], x.scores, x.top_k, x.token_layers, 1.0 / scale**2, share)
+        pos += n
+    record = StepRecord(
+        job=x.job, rank=x.rank, step=x.step, time_unix=time.time(),
+        global_norm=math.sqrt(total_sq) if finite else float("nan"), loss=loss,
+        micro_batches=x.micro_batches, layers=layers.unpack(pack, nonfinite, None), tokens=tokens,
+        nonfinite=sum(nonfinite) if nonfinite else 0,
+        grad_scale=scale if x.scale is not None else None,
+        skipped=x.scale is not None and not finite,
+    )
+    previous = host[pos:pos + L].copy() if x.previous_update is not None else None
+    return Assembled(record, pack[2 * L:3 * L].copy(), previous, scale)
+
+
+def with_update_ratios(record: StepRecord, layer_names: Sequence[str], param_sq: np.ndarray,
+                       update_sq: np.ndarray) -> StepRecord:
+    """The record with each layer's ‖Δθ‖/‖θ‖ filled in once the optimizer step has run."""
+    index = {name: i for i, name in enumerate(layer_names)}
+    new = []
+    for s in record.layers:
+        i = index[s.layer]
+        ratio = math.sqrt(update_sq[i]) / math.sqrt(param_sq[i]) if param_sq[i] > 0 else None
+        new.append(replace(s, update_ratio=ratio))
+    return replace(record, layers=tuple(new))

@@ -1,0 +1,128 @@
+"""Forward hooks + output tensor hooks that accumulate per-position scores on the device.
+
+For every module with a rule, each forward call inside a micro-batch block captures a small state
+and attaches a hook to the output; in backward that hook adds the rule's score (shape B×T) to row
+``layer`` of the micro-batch buffer ``(n_layers, B, T)``. No host sync, no exception ever leaves a
+hook: failures and shape mismatches are counted in the buffer instead.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradloc.collector.rules import rule_for
+from gradloc.collector.rules.registry import TokenRule
+
+log = logging.getLogger("gradloc")
+
+
+@dataclass
+class MicroBatchScores:
+    """Mutable accumulator of one micro-batch; owned by the collector until ``end()``."""
+
+    index: int
+    batch: int
+    seq: int
+    n_layers: int
+    scores: torch.Tensor | None = None  # (n_layers, B, T) float32, created on the first score
+    dropped_calls: int = 0  # module calls whose shape did not map onto (B, T)
+    matched_calls: int = 0
+    hook_errors: int = 0
+    dropped_layers: set[int] = field(default_factory=set)
+
+    def add(self, layer: int, score: torch.Tensor) -> None:
+        if self.scores is None:
+            self.scores = torch.zeros(self.n_layers, self.batch, self.seq, device=score.device)
+        self.scores[layer] += score.reshape(self.batch, self.seq)  # (*lead) -> (B, T)
+
+
+@dataclass(frozen=True)
+class WatchedModule:
+    name: str
+    module: nn.Module
+    rule: TokenRule
+    layer: int  # index into the token-layer list
+
+
+class TokenHooks:
+    def __init__(self, model: nn.Module, layer_of: dict[str, str]) -> None:
+        """``layer_of`` maps a module name to its layer group (the per-layer stats' grouping)."""
+        self.layers: list[str] = []
+        self.watched: list[WatchedModule] = []
+        for name, module in model.named_modules():
+            rule = rule_for(module)
+            if rule is None or not any(p.requires_grad for p in module.parameters(recurse=False)):
+                continue
+            group = layer_of.get(name, name or "<root>")
+            if group not in self.layers:
+                self.layers.append(group)
+            self.watched.append(WatchedModule(name, module, rule, self.layers.index(group)))
+        self._handles: list[Any] = []
+        self.current: MicroBatchScores | None = None
+        self.suspended = False
+
+    @property
+    def covered_modules(self) -> set[str]:
+        return {w.name for w in self.watched}
+
+    def attach(self) -> None:
+        for w in self.watched:
+            self._handles.append(w.module.register_forward_hook(self._make_hook(w)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def begin(self, index: int, batch: int, seq: int) -> None:
+        self.current = MicroBatchScores(index, batch, seq, len(self.layers))
+
+    def end(self) -> MicroBatchScores | None:
+        current, self.current = self.current, None
+        return current
+
+    def _make_hook(self, w: WatchedModule):
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            buf = self.current
+            if buf is None or self.suspended or not torch.is_grad_enabled():
+                return
+            try:
+                _capture(w, buf, args, out)
+            except Exception:  # never raise into the training loop
+                buf.hook_errors += 1
+                log.debug("gradloc: forward hook failed on %s", w.name, exc_info=True)
+
+        return hook
+
+
+def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> None:
+    if not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return
+    if torch.compiler.is_compiling():
+        buf.dropped_calls += 1
+        buf.dropped_layers.add(w.layer)
+        return
+    x = args[0]
+    lead = w.rule.lead_shape(w.module, x, out)
+    if math.prod(lead) != buf.batch * buf.seq:
+        buf.dropped_calls += 1
+        buf.dropped_layers.add(w.layer)
+        return
+    with torch.no_grad():
+        saved = w.rule.capture(w.module, x, out)
+    buf.matched_calls += 1
+
+    def on_grad(g: torch.Tensor) -> None:
+        try:
+            with torch.no_grad():
+                buf.add(w.layer, w.rule.score(w.module, saved, g))
+        except Exception:
+            buf.hook_errors += 1
+            log.debug("gradloc: backward hook failed on %s", w.name, exc_info=True)
+
+    out.register_hook(on_grad)

@@ -1,0 +1,95 @@
+"""Reduce a step's micro-batch score buffers on the device; unpack the host copy into records."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.token_hooks import MicroBatchScores
+from gradloc.records import LayerShare, TokenScore, TokenStats
+
+
+@dataclass(frozen=True)
+class StepScores:
+    """Device tensors of one step's scores (kept until the step is done, fetched on a spike)."""
+
+    metas: tuple[MicroBatchMeta, ...]
+    totals: torch.Tensor  # (N,) Σ over layers, raw (GradScaler-scaled²)
+    per_layer: torch.Tensor  # (L, N)
+    eligible: torch.Tensor  # (N,) bool
+    dropped_calls: int
+    dropped_layers: frozenset[int]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out = [0]
+        for m in self.metas:
+            out.append(out[-1] + m.batch * m.seq)
+        return tuple(out)
+
+
+def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
+               device: torch.device) -> StepScores:
+    per_layer, eligible = [], []
+    dropped, dropped_layers = 0, set()
+    for meta, buf in parts:
+        n = meta.batch * meta.seq
+        if buf is not None and buf.scores is not None:
+            per_layer.append(buf.scores.reshape(n_layers, n))  # (L, B, T) -> (L, B·T)
+        else:
+            per_layer.append(torch.zeros(n_layers, n, device=device))
+        if buf is not None:
+            dropped += buf.dropped_calls + buf.hook_errors
+            dropped_layers |= buf.dropped_layers
+        mask = meta.loss_mask if meta.loss_mask is not None else torch.ones(meta.batch, meta.seq, dtype=torch.bool)
+        eligible.append(mask.reshape(n).to(per_layer[-1].device))  # (B, T) -> (B·T,)
+    stacked = torch.cat(per_layer, dim=1)  # (L, N)
+    return StepScores(tuple(m for m, _ in parts), stacked.sum(0), stacked, torch.cat(eligible),
+                      dropped, frozenset(dropped_layers))
+
+
+def summary_pack(s: StepScores, k: int) -> torch.Tensor:
+    """``[mb_sums(M) | top_vals(k) | top_idx(k) | breakdown(L·k) | total | median]`` (float64)."""
+    masked = torch.where(s.eligible, s.totals, torch.zeros_like(s.totals))
+    k = min(k, masked.numel())
+    vals, idx = torch.topk(masked, k)
+    offs = s.offsets
+    mb_sums = torch.stack([s.totals[a:b].sum() for a, b in zip(offs, offs[1:])])
+    pool = s.totals[s.eligible]
+    median = pool.median() if pool.numel() else s.totals.new_zeros(())
+    parts = [mb_sums, vals, idx.to(vals.dtype), s.per_layer[:, idx].flatten(), s.totals.sum()[None], median[None]]
+    return torch.cat([p.double() for p in parts])
+
+
+def summary_length(s: StepScores, k: int, n_layers: int) -> int:
+    k = min(k, int(s.totals.numel()))
+    return len(s.metas) + 2 * k + n_layers * k + 2
+
+
+def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str], scale_sq: float,
+                   unattributed_share: float) -> TokenStats:
+    M, L = len(s.metas), len(layers)
+    k = min(k, int(s.totals.numel()))
+    mb = host[:M] * scale_sq
+    vals, idx = host[M:M + k] * scale_sq, host[M + k:M + 2 * k].astype(np.int64)
+    breakdown = host[M + 2 * k:M + 2 * k + L * k].reshape(L, k) * scale_sq  # (L·k,) -> (L, k)
+    total = float(host[M + 2 * k + L * k]) * scale_sq
+    offs = np.asarray(s.offsets)
+    top = []
+    for j in range(k):
+        if not vals[j] > 0:
+            continue
+        m = int(np.searchsorted(offs, idx[j], side="right")) - 1
+        meta, local = s.metas[m], int(idx[j] - offs[m])
+        b, t = divmod(local, meta.seq)
+        col = breakdown[:, j]
+        lshares = tuple(LayerShare(layers[i], float(col[i] / vals[j])) for i in np.argsort(-col)[:5] if col[i] > 0)
+        top.append(TokenScore(meta.index, b, t, float(vals[j]), float(vals[j] / total) if total > 0 else 0.0,
+                              int(meta.token_ids[b, t]) if meta.token_ids is not None else None,
+                              meta.sample_ids[b] if meta.sample_ids else None, lshares))
+    mb_shares = tuple(float(x / total) if total > 0 else 0.0 for x in mb)
+    return TokenStats(int(s.totals.numel()), total, tuple(top), top[0].share if top else 0.0,
+                      mb_shares, unattributed_share, s.dropped_calls)

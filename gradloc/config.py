@@ -1,0 +1,95 @@
+"""Typed configuration, validated on construction (invalid values raise :class:`ConfigError`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+from gradloc.errors import ConfigError
+
+# "module": one layer per module that owns parameters; an int N: the first N dotted name parts;
+# a callable: parameter name -> layer name.
+LayerGrouping = Union[str, int, Callable[[str], str]]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """ZClip-style EMA z-score detector (DESIGN.md §4). Detection never changes the update."""
+
+    warmup: int = 25
+    alpha: float = 0.97
+    z_threshold: float = 2.5
+    layer_z_threshold: float = 6.0
+    abs_threshold: float | None = None  # absolute global-norm threshold (GradLoc's τ semantics)
+    loss_z_threshold: float = 4.0
+    divergence_patience: int = 20  # steps the fast EMA must stay above the slow one
+    divergence_margin: float = 0.5  # fast EMA > (1 + margin) × slow EMA counts as rising
+    min_std_fraction: float = 0.02  # σ is floored at this fraction of μ (flat warm-ups)
+
+    def __post_init__(self) -> None:
+        _check(self.warmup >= 2, f"warmup must be >= 2 steps, got {self.warmup}")
+        _check(0.0 < self.alpha < 1.0, f"alpha must be in (0, 1), got {self.alpha}")
+        for name in ("z_threshold", "layer_z_threshold", "loss_z_threshold"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _check(self.abs_threshold is None or self.abs_threshold > 0, "abs_threshold must be > 0")
+        _check(self.divergence_patience >= 1, "divergence_patience must be >= 1")
+        _check(self.divergence_margin > 0, "divergence_margin must be > 0")
+        _check(0 <= self.min_std_fraction < 1, "min_std_fraction must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class LocalizerConfig:
+    """One-pass attribution, verified with at most ``max_probes`` masked-loss probes."""
+
+    max_probes: int = 3
+    min_explained_share: float = 0.5
+    max_candidates: int = 32
+    candidate_rel_score: float = 0.1  # a candidate's score must be >= this × the top score
+    candidate_outlier_factor: float = 20.0  # ... and >= this × the median token score
+    fallback_bisection: bool = True
+    bisection_budget: int = 48
+    bisection_sigma: float = 4.0  # a token subset is hot above sigma × the healthy-noise level
+    context_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self.max_probes >= 1, f"max_probes must be >= 1, got {self.max_probes}")
+        _check(0 < self.min_explained_share <= 1, "min_explained_share must be in (0, 1]")
+        _check(self.max_candidates >= 1, "max_candidates must be >= 1")
+        _check(0 < self.candidate_rel_score <= 1, "candidate_rel_score must be in (0, 1]")
+        _check(self.candidate_outlier_factor >= 1, "candidate_outlier_factor must be >= 1")
+        _check(self.bisection_budget >= 1, "bisection_budget must be >= 1")
+        _check(self.bisection_sigma > 0, "bisection_sigma must be > 0")
+        _check(self.context_tokens >= 0, "context_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    job: str = "default"
+    rank: int = 0
+    token_stats: bool = True
+    top_k: int = 16  # tokens kept (with per-layer breakdown) in every StepRecord
+    layer_grouping: LayerGrouping = "module"
+    update_ratio: bool = True  # needs one parameter snapshot per step (memory: 1× params)
+    strict: bool = True  # wiring mistakes (shape mismatch) raise BatchMetadataError at block exit
+    incident_path: str | None = None  # JSONL incident file (embedded mode)
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    localizer: LocalizerConfig = field(default_factory=LocalizerConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.job) and isinstance(self.job, str), "job must be a non-empty string")
+        _check(self.rank >= 0, f"rank must be >= 0, got {self.rank}")
+        _check(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
+        g = self.layer_grouping
+        ok = g in ("module", "parameter") or callable(g) or (isinstance(g, int) and g >= 1)
+        _check(ok, f"layer_grouping must be 'module', 'parameter', an int >= 1 or a callable, got {g!r}")
+        _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")
+        _check(isinstance(self.localizer, LocalizerConfig), "localizer must be a LocalizerConfig")
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

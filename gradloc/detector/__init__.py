@@ -1,0 +1,3 @@
+from gradloc.detector.detector import LOCALIZE, SpikeDetector
+
+__all__ = ["LOCALIZE", "SpikeDetector"]

@@ -1,0 +1,64 @@
+"""JSONL sink: one incident (and optionally one step record) per line, flushed per write.
+
+Every sink has ``on_step / on_incident / force_flush / shutdown`` (opentelemetry-python's shape).
+A sink never raises into training: the monitor counts a sink's failures and carries on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import IO, Protocol
+
+from gradloc.records import Incident, StepRecord, to_dict
+
+
+class Sink(Protocol):
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def on_incident(self, incident: Incident) -> None: ...
+
+    def force_flush(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class JsonlSink:
+    def __init__(self, path: str | os.PathLike[str], steps: bool = False) -> None:
+        self.path, self.steps = os.fspath(path), steps
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        self._fh: IO[str] | None = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def _write(self, kind: str, payload: dict) -> None:
+        with self._lock:
+            if self._fh is None:
+                return
+            self._fh.write(json.dumps({"kind": kind, **payload}, ensure_ascii=False) + "\n")
+            self._fh.flush()
+
+    def on_step(self, record: StepRecord) -> None:
+        if self.steps:
+            self._write("step", to_dict(record))
+
+    def on_incident(self, incident: Incident) -> None:
+        self._write("incident", to_dict(incident))
+
+    def force_flush(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.flush()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+def read_incidents(path: str | os.PathLike[str]) -> list[dict]:
+    """The incident objects of a JSONL file written by :class:`JsonlSink`."""
+    with open(path, encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return [r for r in rows if r.get("kind") == "incident"]

@@ -1,0 +1,135 @@
+"""Spike -> Localization: one-pass attribution, verified by ≤ max_probes probes, bisection fallback.
+
+Verification: for the candidate set C (grouped by micro-batch, one probe per micro-batch) we get
+∇_C and compare it with the stored training gradient ∇ (never recomputed):
+explained_share = ⟨∇_C, ∇⟩ / ‖∇‖², norm_without_culprits = ‖∇ − ∇_C‖.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from gradloc.config import LocalizerConfig
+from gradloc.localizer.bisection import bisect, sqrt_threshold
+from gradloc.localizer.candidates import select_candidates
+from gradloc.localizer.probes import Grads, ProbeSession, add_into, dot, grad_norm
+from gradloc.localizer.spans import Decode, build_culprits, build_spans
+from gradloc.localizer.token_view import TokenView
+from gradloc.records import Localization
+
+_MAX_UNATTRIBUTED = 0.5  # above this share of ‖∇‖² outside per-token rules, attribution is not trusted
+
+
+@dataclass(frozen=True)
+class StoredGradient:
+    grads: Grads  # the training gradient, as the optimizer will see it (possibly GradScaler-scaled)
+    inv_scale: float
+    norm: float  # unscaled global norm
+
+
+class Localizer:
+    def __init__(self, cfg: LocalizerConfig, decode: Decode | None) -> None:
+        self.cfg, self.decode = cfg, decode
+
+    def localize(self, step: int, view: TokenView | None, stored: StoredGradient,
+                 open_probes: Callable[[], ProbeSession] | None, healthy_norm: float | None) -> Localization:
+        usable = view is not None and view.unattributed_share <= _MAX_UNATTRIBUTED and view.scores.size > 0
+        if usable:
+            cands = select_candidates(view.scores, view.eligible, self.cfg)
+            if cands.size and not np.isfinite(view.scores[cands]).all():
+                return self._result(step, "attribution", "located", 0, None, stored, view, cands,
+                                    np.full(cands.size, float("nan")), None,
+                                    "non-finite gradient: culprits are the positions where it appears")
+            if cands.size and open_probes is None:
+                return self._attribution_only(step, view, stored, cands)
+            if cands.size:
+                with open_probes() as session:
+                    loc = self._verify(step, view, stored, cands, session)
+                    if loc.status == "located" or not self.cfg.fallback_bisection:
+                        return loc
+                    return self._bisect(step, view, stored, session, healthy_norm, loc.probes, loc.note)
+        if view is not None and open_probes is not None and self.cfg.fallback_bisection:
+            with open_probes() as session:
+                why = "no attribution candidates" if usable else "attribution unavailable (unattributed share too high)"
+                return self._bisect(step, view, stored, session, healthy_norm, 0, why)
+        return Localization(step, "none", "unavailable", 0, None, stored.norm, None, None, (), (),
+                            view.micro_batch_shares() if view else (),
+                            view.unattributed_share if view else 0.0,
+                            "no per-token statistics or probe closure for this step")
+
+    # -- attribution + verification -------------------------------------------------------------
+    def _verify(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray,
+                session: ProbeSession) -> Localization:
+        groups = _by_micro_batch(view, cands)
+        kept = sorted(groups, key=lambda m: -float(view.scores[groups[m]].sum()))[: self.cfg.max_probes]
+        cands = np.concatenate([groups[m] for m in kept])
+        g_c: Grads = [None] * len(stored.grads)
+        for m in kept:
+            mask = torch.from_numpy(view.mask_for(m, groups[m]))
+            g_c = add_into(g_c, session.grad(view.metas[m].index, mask))
+        explained, c_norm, without = _explained(stored, g_c)
+        scores = view.scores[cands]
+        shares = explained * scores / scores.sum() if math.isfinite(explained) else scores * float("nan")
+        ok = math.isfinite(explained) and explained >= self.cfg.min_explained_share
+        note = "" if len(kept) == len(groups) else f"candidates in {len(groups) - len(kept)} more micro-batches not probed (max_probes)"
+        if not ok:
+            note = (note + "; " if note else "") + f"candidates explain only {explained:.2f} of ‖∇‖²"
+        return self._result(step, "attribution", "located" if ok else "diffuse", session.count, explained,
+                            stored, view, cands, shares, (c_norm, without), note)
+
+    def _attribution_only(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray) -> Localization:
+        total = float(view.scores.sum())
+        return self._result(step, "attribution", "unverified", 0, None, stored, view, cands,
+                            view.scores[cands] / total, None, "no probe closure given: shares are attribution scores")
+
+    # -- fallback ---------------------------------------------------------------------------------
+    def _bisect(self, step: int, view: TokenView, stored: StoredGradient, session: ProbeSession,
+                healthy_norm: float | None, used: int, why: str) -> Localization:
+        n_tokens = max(int(view.eligible.sum()), 1)
+        reference = healthy_norm if healthy_norm else stored.norm
+        threshold = sqrt_threshold(reference / math.sqrt(n_tokens), self.cfg.bisection_sigma)
+        groups = [np.flatnonzero(view.eligible[a:b]) + a for a, b in zip(view.offsets, view.offsets[1:])]
+
+        def grad_of(m: int, flats: np.ndarray) -> Grads:
+            return session.grad(view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+
+        res = bisect(groups, grad_of, threshold, max(self.cfg.bisection_budget - used, 1))
+        g_c: Grads = [None] * len(stored.grads)
+        for g in res.grads:
+            g_c = add_into(g_c, g)
+        explained, c_norm, without = _explained(stored, g_c)
+        cands = np.asarray(res.culprits, dtype=np.int64)
+        sq = np.asarray(res.norms) ** 2
+        shares = explained * sq / sq.sum() if cands.size and math.isfinite(explained) else sq * 0
+        ok = cands.size > 0 and math.isfinite(explained) and explained >= self.cfg.min_explained_share
+        note = f"{why}; bisection" + (" stopped at its probe budget" if res.exhausted else "")
+        return self._result(step, "bisection", "located" if ok else "diffuse", session.count,
+                            explained if cands.size else None, stored, view, cands, shares, (c_norm, without), note)
+
+    def _result(self, step, method, status, probes, explained, stored, view, cands, shares, norms, note) -> Localization:
+        culprits = build_culprits(view, [int(c) for c in cands], [float(s) for s in shares], self.decode)
+        spans = build_spans(view, culprits, self.decode, self.cfg.context_tokens)
+        c_norm, without = norms if norms else (None, None)
+        return Localization(step, method, status, probes, explained, stored.norm, c_norm, without,
+                            culprits, spans, view.micro_batch_shares(), view.unattributed_share, note)
+
+
+def _by_micro_batch(view: TokenView, flats: np.ndarray) -> dict[int, np.ndarray]:
+    groups: dict[int, list[int]] = {}
+    for f in flats:
+        groups.setdefault(view.locate(int(f))[0], []).append(int(f))
+    return {m: np.asarray(v, dtype=np.int64) for m, v in groups.items()}
+
+
+def _explained(stored: StoredGradient, g_c: Grads) -> tuple[float, float, float]:
+    """(⟨∇_C, ∇⟩/‖∇‖², ‖∇_C‖, ‖∇ − ∇_C‖) with ∇ the unscaled stored gradient."""
+    total_sq = stored.norm ** 2
+    inner = dot(g_c, stored.grads, stored.inv_scale)
+    c_norm = grad_norm(g_c)
+    without_sq = max(total_sq - 2 * inner + c_norm**2, 0.0)
+    explained = inner / total_sq if total_sq > 0 else float("nan")
+    return explained, c_norm, math.sqrt(without_sq)

@@ -1,0 +1,81 @@
+"""Culprit tokens -> records with decoded text, spans of adjacent tokens and their context."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import numpy as np
+
+from gradloc.localizer.token_view import TokenView
+from gradloc.records import Culprit, CulpritSpan, LayerShare
+
+Decode = Callable[[list[int]], str]
+log = logging.getLogger("gradloc")
+_TOP_LAYERS = 5
+
+
+def safe_decode(decode: Decode | None, ids: Sequence[int]) -> str | None:
+    if decode is None or not ids:
+        return None if decode is None else ""
+    try:
+        return str(decode(list(ids)))
+    except Exception:  # a tokenizer error must not lose the incident
+        log.debug("gradloc: decode failed", exc_info=True)
+        return None
+
+
+def _layer_shares(view: TokenView, flat: int) -> tuple[LayerShare, ...]:
+    col = view.per_layer[:, flat]  # (L,)
+    total = float(col.sum())
+    if not np.isfinite(total) or total <= 0:
+        return ()
+    order = np.argsort(-col)[:_TOP_LAYERS]
+    return tuple(LayerShare(view.layers[i], float(col[i]) / total) for i in order if col[i] > 0)
+
+
+def build_culprits(view: TokenView, flats: Sequence[int], shares: Sequence[float],
+                   decode: Decode | None) -> tuple[Culprit, ...]:
+    total = float(view.scores.sum())
+    out = []
+    for flat, share in zip(flats, shares):
+        m, b, t = view.locate(int(flat))
+        meta = view.metas[m]
+        tok = int(meta.token_ids[b, t]) if meta.token_ids is not None else None
+        score_share = float(view.scores[flat]) / total if np.isfinite(total) and total > 0 else float("nan")
+        out.append(Culprit(
+            micro_batch=meta.index, sample=b, position=t, share=float(share), score_share=score_share,
+            token_id=tok, text=safe_decode(decode, [tok]) if tok is not None else None,
+            sample_id=meta.sample_ids[b] if meta.sample_ids else None, layers=_layer_shares(view, int(flat)),
+        ))
+    return tuple(sorted(out, key=lambda c: -c.share if np.isfinite(c.share) else 0.0))
+
+
+def build_spans(view: TokenView, culprits: Sequence[Culprit], decode: Decode | None,
+                context: int) -> tuple[CulpritSpan, ...]:
+    by_sample: dict[tuple[int, int], list[Culprit]] = {}
+    for c in culprits:
+        by_sample.setdefault((c.micro_batch, c.sample), []).append(c)
+    metas = {m.index: m for m in view.metas}
+    spans = []
+    for (mb, b), cs in by_sample.items():
+        cs.sort(key=lambda c: c.position)
+        run = [cs[0]]
+        for c in cs[1:] + [None]:
+            if c is not None and c.position == run[-1].position + 1:
+                run.append(c)
+                continue
+            spans.append(_span(metas[mb], b, run, decode, context))
+            run = [c] if c is not None else []
+    return tuple(sorted(spans, key=lambda s: -s.share))
+
+
+def _span(meta, b: int, run: list[Culprit], decode: Decode | None, context: int) -> CulpritSpan:
+    start, end = run[0].position, run[-1].position + 1
+    ids: list[int] = [] if meta.token_ids is None else [int(x) for x in meta.token_ids[b].tolist()]
+    return CulpritSpan(
+        micro_batch=meta.index, sample=b, start=start, end=end, share=sum(c.share for c in run),
+        token_ids=tuple(ids[start:end]), text=safe_decode(decode, ids[start:end]) if ids else None,
+        context_before=safe_decode(decode, ids[max(0, start - context):start]) if ids else None,
+        context_after=safe_decode(decode, ids[end:end + context]) if ids else None,
+        sample_id=meta.sample_ids[b] if meta.sample_ids else None,
+    )

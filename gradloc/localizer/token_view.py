@@ -1,0 +1,39 @@
+"""Host-side view of one step's per-token scores (fetched only when a spike is localized)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradloc.collector.batch import MicroBatchMeta
+
+
+@dataclass(frozen=True)
+class TokenView:
+    layers: tuple[str, ...]
+    metas: tuple[MicroBatchMeta, ...]
+    offsets: tuple[int, ...]  # flat offset of each micro-batch (length M + 1)
+    scores: np.ndarray  # (N,) Σ over layers, unscaled
+    per_layer: np.ndarray  # (L, N)
+    eligible: np.ndarray  # (N,) bool: positions with a loss term
+    unattributed_share: float
+
+    def locate(self, flat: int) -> tuple[int, int, int]:
+        """Flat index -> (micro-batch position in ``metas``, sample, position)."""
+        m = int(np.searchsorted(self.offsets, flat, side="right")) - 1
+        local = flat - self.offsets[m]
+        T = self.metas[m].seq
+        return m, local // T, local % T
+
+    def micro_batch_shares(self) -> tuple[float, ...]:
+        total = float(self.scores.sum())
+        if not np.isfinite(total) or total <= 0:
+            return tuple(0.0 for _ in self.metas)
+        return tuple(float(self.scores[a:b].sum()) / total for a, b in zip(self.offsets, self.offsets[1:]))
+
+    def mask_for(self, m: int, flats: np.ndarray) -> "np.ndarray":
+        """(B, T) bool mask selecting ``flats`` (flat indices inside micro-batch m)."""
+        meta = self.metas[m]
+        mask = np.zeros(meta.batch * meta.seq, dtype=bool)
+        mask[np.asarray(flats) - self.offsets[m]] = True
+        return mask.reshape(meta.batch, meta.seq)  # (B·T,) -> (B, T)
