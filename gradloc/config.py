@@ -26,7 +26,8 @@ class DetectorConfig:
     z_threshold: float = 2.5
     layer_z_threshold: float = 6.0
     abs_threshold: float | None = None  # absolute global-norm threshold (GradLoc's τ semantics)
-    loss_z_threshold: float = 4.0
+    loss_z_threshold: float = 2.5  # on log(loss), like ZClip's 2.5 on the norm
+    token_z_threshold: float = 4.0  # z of log(top token share): one token suddenly dominating
     divergence_patience: int = 20  # steps the fast EMA must stay above the slow one
     divergence_margin: float = 0.5  # fast EMA > (1 + margin) × slow EMA counts as rising
     min_std_fraction: float = 0.02  # σ is floored at this fraction of μ (flat warm-ups)
@@ -34,7 +35,7 @@ class DetectorConfig:
     def __post_init__(self) -> None:
         _check(self.warmup >= 2, f"warmup must be >= 2 steps, got {self.warmup}")
         _check(0.0 < self.alpha < 1.0, f"alpha must be in (0, 1), got {self.alpha}")
-        for name in ("z_threshold", "layer_z_threshold", "loss_z_threshold"):
+        for name in ("z_threshold", "layer_z_threshold", "loss_z_threshold", "token_z_threshold"):
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _check(self.abs_threshold is None or self.abs_threshold > 0, "abs_threshold must be > 0")
         _check(self.divergence_patience >= 1, "divergence_patience must be >= 1")

@@ -96,7 +96,11 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class SpikeEvent:
-    """The detector's verdict on one step; ``kinds`` is empty for a healthy step."""
+    """The detector's verdict on one step; ``kinds`` is empty for a healthy step.
+
+    ``mean``/``std``/``loss_mean`` are the healthy statistics the step was judged against (before
+    the step itself updated them).
+    """
 
     step: int
     kinds: tuple[str, ...]
@@ -106,6 +110,7 @@ class SpikeEvent:
     std: float | None
     loss: float | None = None
     loss_z: float | None = None
+    loss_mean: float | None = None
     layers: tuple[str, ...] = ()  # layers whose own z-score crossed the layer threshold
     detail: str = ""
 
@@ -151,7 +156,9 @@ class Localization:
 
     ``explained_share`` = ⟨∇_C, ∇⟩ / ‖∇‖² for the culprit set C, measured with probes (additive over
     a partition of the tokens); ``norm_without_culprits`` = ‖∇ − ∇_C‖, the norm the step would have
-    had without them.
+    had without them; ``loss_share`` = the culprits' part of the step's loss. ``verified`` means the
+    detector would not have flagged the step without the culprits (or C explains
+    ≥ ``min_explained_share`` of ‖∇‖²).
     """
 
     step: int
@@ -166,6 +173,8 @@ class Localization:
     spans: tuple[CulpritSpan, ...]
     micro_batch_shares: tuple[float, ...] = ()
     unattributed_share: float = 0.0
+    loss_share: float | None = None
+    loss_without_culprits: float | None = None
     note: str = ""
 
 

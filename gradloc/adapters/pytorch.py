@@ -29,10 +29,10 @@ from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.config import WatchConfig
-from gradloc.detector import LOCALIZE, SpikeDetector
+from gradloc.detector import INCIDENT, LOCALIZE, SpikeDetector
 from gradloc.errors import AttachError, BatchMetadataError, UnsupportedModelError
 from gradloc.exporters.jsonl import JsonlSink, Sink
-from gradloc.localizer import Localizer, ProbeFn, ProbeSession, StoredGradient, TokenView
+from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
 from gradloc.records import Incident, Localization, SpikeEvent, StepRecord
 
 log = logging.getLogger("gradloc")
@@ -104,7 +104,7 @@ class Monitor:
         self.attached = False
 
     def close(self) -> None:
-        """Emit the last record, flush and shut down sinks, detach."""
+        """Emit the last record, flush and shut down sinks, detach. Safe to call twice."""
         self._emit_pending(self._take_update_host())
         for sink in self.sinks:
             self._safe(sink.force_flush)
@@ -166,7 +166,9 @@ class Monitor:
         self._pending = assembled
         record = assembled.record
         spike = self.detector.observe(record)
-        incident = self._incident(record, spike, scores, probe, assembled.scale, unscaled) if spike.is_spike else None
+        incident = None
+        if INCIDENT.intersection(spike.kinds):
+            incident = self._incident(record, spike, scores, probe, assembled.scale, unscaled)
         self.step += 1
         return StepReport(record, spike, incident)
 
@@ -180,7 +182,7 @@ class Monitor:
         loc = None
         if LOCALIZE.intersection(spike.kinds):
             try:
-                loc = self._localize(record, scores, probe, scale, unscaled)
+                loc = self._localize(record, spike, scores, probe, scale, unscaled)
             except Exception as exc:  # never raise into the training loop
                 self.counters["localize_errors"] += 1
                 log.warning("gradloc: localization of step %d failed: %s", record.step, exc, exc_info=True)
@@ -194,8 +196,8 @@ class Monitor:
             self._safe(sink.on_incident, incident)
         return incident
 
-    def _localize(self, record: StepRecord, scores: StepScores | None, probe: ProbeFn | None,
-                  scale: float, unscaled: bool) -> Localization:
+    def _localize(self, record: StepRecord, spike: SpikeEvent, scores: StepScores | None,
+                  probe: ProbeFn | None, scale: float, unscaled: bool) -> Localization:
         view = _token_view(scores, self.hooks.layers if self.hooks else [], scale,
                            record.tokens.unattributed_share if record.tokens else 1.0)
         stored = StoredGradient(self.layer_stats.grads(), 1.0 if unscaled else 1.0 / scale, record.global_norm)
@@ -203,7 +205,8 @@ class Monitor:
         if probe is not None and scores is not None:
             def opener() -> ProbeSession:
                 return ProbeSession(self.model, self.layer_stats.params, scores.metas, probe, self._suspend)
-        return self.localizer.localize(record.step, view, stored, opener, self.detector.healthy_norm())
+        ctx = SpikeContext(spike.mean, record.loss, spike.loss_mean)
+        return self.localizer.localize(record.step, view, stored, opener, ctx)
 
     def _suspend(self, on: bool) -> None:
         if self.hooks:
@@ -283,7 +286,7 @@ def _token_view(scores: StepScores | None, layers: Sequence[str], scale: float,
     k = 1.0 / scale**2
     return TokenView(tuple(layers), scores.metas, scores.offsets,
                      scores.totals.double().cpu().numpy() * k, scores.per_layer.double().cpu().numpy() * k,
-                     scores.eligible.cpu().numpy(), unattributed)
+                     scores.eligible.cpu().numpy(), unattributed, scores.exact_layer)
 
 
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -294,4 +297,11 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         from dataclasses import replace
 
         config = replace(config or WatchConfig(), **overrides)
-    return Monitor(model, optimizer, config, decode, sinks).attach()
+    if model in _ATTACHED:
+        raise AttachError("this model already has a gradloc monitor attached; detach() it first")
+    mon = Monitor(model, optimizer, config, decode, sinks)
+    try:
+        return mon.attach()
+    except BaseException:
+        mon.close()
+        raise

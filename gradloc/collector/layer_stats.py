@@ -26,6 +26,25 @@ def group_name(param_name: str, grouping: LayerGrouping) -> str:
     return ".".join(parts[: min(int(grouping), max(len(parts) - 1, 1))])
 
 
+def foreach_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
+    """Per-tensor norms as one float32 tensor (P,); low-precision tensors are reduced in float32.
+
+    ``_foreach_norm(dtype=float32)`` refuses float64 inputs, so those are reduced in their own
+    dtype and cast.
+    """
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    if not wide:
+        return torch.stack(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+    narrow = [i for i in range(len(tensors)) if tensors[i].dtype != torch.float64]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for i, n in zip(wide, torch._foreach_norm([tensors[i] for i in wide], ord)):
+        out[i] = n.float()
+    if narrow:
+        for i, n in zip(narrow, torch._foreach_norm([tensors[i] for i in narrow], ord, dtype=torch.float32)):
+            out[i] = n
+    return torch.stack(out)  # type: ignore[arg-type]
+
+
 class LayerStatsCollector:
     def __init__(self, model: nn.Module, grouping: LayerGrouping) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -56,15 +75,17 @@ class LayerStatsCollector:
         uncovered parameters (those no per-token rule attributes).
         """
         L = self.n_layers
+        if isinstance(inv_scale, torch.Tensor):  # a float64 GradScaler scale would promote the packs
+            inv_scale = inv_scale.to(self._device, torch.float32)
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         idx = self._group_index[present] if len(present) != len(self.params) else self._group_index
         grads = [self.params[i].grad for i in present]
         params = [self.params[i].detach() for i in present]
         zeros = torch.zeros(L, device=self._device)
         if grads:
-            g_norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))  # (P,)
-            g_max = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
-            p_norm = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
+            g_norm = foreach_norms(grads)  # (P,)
+            g_max = foreach_norms(grads, float("inf"))
+            p_norm = foreach_norms(params)
             grad_sq = zeros.index_add(0, idx, g_norm.pow(2) * inv_scale**2)
             grad_max = zeros.scatter_reduce(0, idx, g_max * inv_scale, "amax", include_self=True)
             param_sq = zeros.index_add(0, idx, p_norm.pow(2))
@@ -94,7 +115,7 @@ class LayerStatsCollector:
         if self._snapshot is None:
             return None
         torch._foreach_sub_(self._snapshot, [p.detach() for p in self.params])  # before − after
-        norms = torch.stack(torch._foreach_norm(self._snapshot, 2, dtype=torch.float32))  # (P,)
+        norms = foreach_norms(self._snapshot)  # (P,)
         return torch.zeros(self.n_layers, device=self._device).index_add(0, self._group_index, norms.pow(2))
 
     def release_snapshot(self) -> None:

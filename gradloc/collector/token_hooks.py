@@ -8,7 +8,6 @@ hook: failures and shape mismatches are counted in the buffer instead.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ class MicroBatchScores:
     matched_calls: int = 0
     hook_errors: int = 0
     dropped_layers: set[int] = field(default_factory=set)
+    last_layer: int | None = None  # token layer of the last watched module called in forward
 
     def add(self, layer: int, score: torch.Tensor) -> None:
         if self.scores is None:
@@ -109,13 +109,14 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
         return
     x = args[0]
     lead = w.rule.lead_shape(w.module, x, out)
-    if math.prod(lead) != buf.batch * buf.seq:
+    if lead != (buf.batch, buf.seq) and lead != (buf.batch * buf.seq,):  # (B, T) or flattened (B·T,)
         buf.dropped_calls += 1
         buf.dropped_layers.add(w.layer)
         return
     with torch.no_grad():
         saved = w.rule.capture(w.module, x, out)
     buf.matched_calls += 1
+    buf.last_layer = w.layer
 
     def on_grad(g: torch.Tensor) -> None:
         try:

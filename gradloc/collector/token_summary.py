@@ -22,6 +22,7 @@ class StepScores:
     eligible: torch.Tensor  # (N,) bool
     dropped_calls: int
     dropped_layers: frozenset[int]
+    exact_layer: int | None  # last watched layer in forward order (the LM head): position-exact
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -34,7 +35,7 @@ class StepScores:
 def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
                device: torch.device) -> StepScores:
     per_layer, eligible = [], []
-    dropped, dropped_layers = 0, set()
+    dropped, dropped_layers, exact = 0, set(), None
     for meta, buf in parts:
         n = meta.batch * meta.seq
         if buf is not None and buf.scores is not None:
@@ -44,11 +45,12 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
         if buf is not None:
             dropped += buf.dropped_calls + buf.hook_errors
             dropped_layers |= buf.dropped_layers
+            exact = buf.last_layer if exact is None else exact
         mask = meta.loss_mask if meta.loss_mask is not None else torch.ones(meta.batch, meta.seq, dtype=torch.bool)
         eligible.append(mask.reshape(n).to(per_layer[-1].device))  # (B, T) -> (B·T,)
     stacked = torch.cat(per_layer, dim=1)  # (L, N)
     return StepScores(tuple(m for m, _ in parts), stacked.sum(0), stacked, torch.cat(eligible),
-                      dropped, frozenset(dropped_layers))
+                      dropped, frozenset(dropped_layers), exact)
 
 
 def summary_pack(s: StepScores, k: int) -> torch.Tensor:

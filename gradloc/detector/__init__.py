@@ -1,3 +1,3 @@
-from gradloc.detector.detector import LOCALIZE, SpikeDetector
+from gradloc.detector.detector import INCIDENT, LOCALIZE, SpikeDetector
 
-__all__ = ["LOCALIZE", "SpikeDetector"]
+__all__ = ["INCIDENT", "LOCALIZE", "SpikeDetector"]

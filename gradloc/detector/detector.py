@@ -1,9 +1,13 @@
 """Spike detection on step records. Observability only: it never clips or changes the update.
 
-Kinds a :class:`SpikeEvent` can carry (``LOCALIZE`` ones trigger the localizer):
+Kinds a :class:`SpikeEvent` can carry (``INCIDENT`` ones open an incident, ``LOCALIZE`` ones also
+run the localizer; ``layer_spike`` and ``skipped_step`` alone are reported on the step only):
 ``grad_spike`` (global-norm z > z_threshold), ``abs_threshold`` (global norm > abs_threshold),
 ``layer_spike`` (some layer's own z > layer_z_threshold), ``nonfinite_grad``, ``nonfinite_loss``,
-``loss_spike`` (loss z > loss_z_threshold), ``divergence`` (the fast EMA of the global norm stayed
+``loss_spike`` (z of log(loss) > loss_z_threshold: loss spikes are multiplicative, and a falling
+loss inflates a linear σ), ``token_spike`` (z of log(top token's attribution share) >
+token_z_threshold: one token suddenly carries a large part of the gradient, as a corrupted label
+does even when its bounded cross-entropy gradient leaves the global norm unremarkable), ``divergence`` (the fast EMA of the global norm stayed
 above (1 + margin) × the slow EMA for ``divergence_patience`` steps), ``skipped_step`` (GradScaler
 found inf/NaN and will skip the update — normal while the scale calibrates, so not localized).
 """
@@ -17,7 +21,8 @@ from gradloc.config import DetectorConfig
 from gradloc.detector.ema import EmaZ
 from gradloc.records import SpikeEvent, StepRecord
 
-LOCALIZE = frozenset({"grad_spike", "abs_threshold", "layer_spike", "nonfinite_grad", "loss_spike"})
+LOCALIZE = frozenset({"grad_spike", "abs_threshold", "nonfinite_grad", "loss_spike", "token_spike"})
+INCIDENT = LOCALIZE | {"nonfinite_loss", "divergence"}
 _FAST_ALPHA = 0.7
 
 
@@ -33,8 +38,13 @@ class SpikeDetector:
         self._global = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
         self._loss = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
         self._layers = EmaZ(len(layers), c.warmup, c.alpha, c.min_std_fraction)
+        self._top = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
         self._fast: float | None = None
         self._rising = 0
+
+    def healthy_loss(self) -> float | None:
+        """Healthy loss level: exp of the EMA mean of log(loss) (None during warm-up)."""
+        return float(math.exp(self._loss.mean[0])) if self._loss.ready[0] else None
 
     def healthy_norm(self) -> float | None:
         """EMA mean of the global norm (None during warm-up): the localizer's noise reference."""
@@ -48,6 +58,8 @@ class SpikeDetector:
         c = self.config
         kinds: list[str] = []
         g = rec.global_norm
+        mean, loss_mean = self.healthy_norm(), self.healthy_loss()
+        std = float(self._global.std[0]) if mean is not None else None
         if rec.skipped:
             kinds.append("skipped_step")
         elif rec.nonfinite > 0 or not math.isfinite(g):
@@ -62,20 +74,30 @@ class SpikeDetector:
         hot_layers = self._layer_spikes(rec)
         if hot_layers:
             kinds.append("layer_spike")
+        if self._token_spike(rec):
+            kinds.append("token_spike")
         loss_z = None
-        if _finite(rec.loss):
-            lz = float(self._loss.z(np.array([rec.loss]))[0])
+        if _finite(rec.loss) and rec.loss > 0:
+            log_loss = np.array([math.log(rec.loss)])
+            lz = float(self._loss.z(log_loss)[0])
             loss_z = lz if math.isfinite(lz) else None
             if loss_z is not None and loss_z > c.loss_z_threshold:
                 kinds.append("loss_spike")
-            self._loss.update(np.array([rec.loss]), c.loss_z_threshold)
+            self._loss.update(log_loss, c.loss_z_threshold)
         if math.isfinite(g) and not rec.skipped:
             if self._divergence(g):
                 kinds.append("divergence")
             self._global.update(np.array([g]), c.z_threshold)
-        mean = self.healthy_norm()
-        std = float(self._global.std[0]) if mean is not None else None
-        return SpikeEvent(rec.step, tuple(kinds), g, z, mean, std, rec.loss, loss_z, hot_layers)
+        return SpikeEvent(rec.step, tuple(kinds), g, z, mean, std, rec.loss, loss_z, loss_mean, hot_layers)
+
+    def _token_spike(self, rec: StepRecord) -> bool:
+        share = rec.tokens.top_share if rec.tokens is not None else 0.0
+        if rec.skipped or not (share > 0 and math.isfinite(share)):
+            return False
+        x = np.array([math.log(share)])
+        z = float(self._top.z(x)[0])
+        self._top.update(x, self.config.token_z_threshold)
+        return math.isfinite(z) and z > self.config.token_z_threshold
 
     def _layer_spikes(self, rec: StepRecord) -> tuple[str, ...]:
         if not self.layers:

@@ -1,8 +1,13 @@
 """Spike -> Localization: one-pass attribution, verified by ≤ max_probes probes, bisection fallback.
 
 Verification: for the candidate set C (grouped by micro-batch, one probe per micro-batch) we get
-∇_C and compare it with the stored training gradient ∇ (never recomputed):
-explained_share = ⟨∇_C, ∇⟩ / ‖∇‖², norm_without_culprits = ‖∇ − ∇_C‖.
+∇_C and the culprits' loss ℓ_C, and compare with the stored training gradient ∇ (never recomputed):
+explained_share = ⟨∇_C, ∇⟩ / ‖∇‖², norm_without_culprits = ‖∇ − ∇_C‖, loss_without = ℓ − ℓ_C.
+C is *verified* when it explains ≥ s = min_explained_share of ‖∇‖², or of the spike's *excess*
+over the healthy level (⟨∇_C, ∇⟩ ≥ s·(‖∇‖² − μ²)), or carries ≥ s of the step's (positive) loss
+or of its excess over the healthy loss. The loss criteria matter for a corrupted label: its
+cross-entropy gradient is bounded, so its share of ‖∇‖² can be modest while it carries most of
+the loss.
 """
 from __future__ import annotations
 
@@ -25,6 +30,13 @@ _MAX_UNATTRIBUTED = 0.5  # above this share of ‖∇‖² outside per-token rul
 
 
 @dataclass(frozen=True)
+class SpikeContext:
+    healthy_norm: float | None  # detector's EMA mean of the global norm (also bisection's noise level)
+    loss: float | None  # the step's loss as reported to end_step
+    healthy_loss: float | None  # detector's EMA mean of the loss
+
+
+@dataclass(frozen=True)
 class StoredGradient:
     grads: Grads  # the training gradient, as the optimizer will see it (possibly GradScaler-scaled)
     inv_scale: float
@@ -36,10 +48,10 @@ class Localizer:
         self.cfg, self.decode = cfg, decode
 
     def localize(self, step: int, view: TokenView | None, stored: StoredGradient,
-                 open_probes: Callable[[], ProbeSession] | None, healthy_norm: float | None) -> Localization:
+                 open_probes: Callable[[], ProbeSession] | None, ctx: SpikeContext) -> Localization:
         usable = view is not None and view.unattributed_share <= _MAX_UNATTRIBUTED and view.scores.size > 0
         if usable:
-            cands = select_candidates(view.scores, view.eligible, self.cfg)
+            cands = select_candidates(view.rank_scores, view.eligible, self.cfg)
             if cands.size and not np.isfinite(view.scores[cands]).all():
                 return self._result(step, "attribution", "located", 0, None, stored, view, cands,
                                     np.full(cands.size, float("nan")), None,
@@ -48,14 +60,14 @@ class Localizer:
                 return self._attribution_only(step, view, stored, cands)
             if cands.size:
                 with open_probes() as session:
-                    loc = self._verify(step, view, stored, cands, session)
+                    loc = self._verify(step, view, stored, cands, session, ctx)
                     if loc.status == "located" or not self.cfg.fallback_bisection:
                         return loc
-                    return self._bisect(step, view, stored, session, healthy_norm, loc.probes, loc.note)
+                    return self._bisect(step, view, stored, session, ctx, loc.probes, loc.note)
         if view is not None and open_probes is not None and self.cfg.fallback_bisection:
             with open_probes() as session:
                 why = "no attribution candidates" if usable else "attribution unavailable (unattributed share too high)"
-                return self._bisect(step, view, stored, session, healthy_norm, 0, why)
+                return self._bisect(step, view, stored, session, ctx, 0, why)
         return Localization(step, "none", "unavailable", 0, None, stored.norm, None, None, (), (),
                             view.micro_batch_shares() if view else (),
                             view.unattributed_share if view else 0.0,
@@ -63,7 +75,7 @@ class Localizer:
 
     # -- attribution + verification -------------------------------------------------------------
     def _verify(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray,
-                session: ProbeSession) -> Localization:
+                session: ProbeSession, ctx: SpikeContext) -> Localization:
         groups = _by_micro_batch(view, cands)
         kept = sorted(groups, key=lambda m: -float(view.scores[groups[m]].sum()))[: self.cfg.max_probes]
         cands = np.concatenate([groups[m] for m in kept])
@@ -72,14 +84,31 @@ class Localizer:
             mask = torch.from_numpy(view.mask_for(m, groups[m]))
             g_c = add_into(g_c, session.grad(view.metas[m].index, mask))
         explained, c_norm, without = _explained(stored, g_c)
-        scores = view.scores[cands]
+        loss_c = sum(session.losses)
+        scores = view.rank_scores[cands]
         shares = explained * scores / scores.sum() if math.isfinite(explained) else scores * float("nan")
-        ok = math.isfinite(explained) and explained >= self.cfg.min_explained_share
+        ok = self._verified(explained, stored.norm, loss_c, ctx)
         note = "" if len(kept) == len(groups) else f"candidates in {len(groups) - len(kept)} more micro-batches not probed (max_probes)"
         if not ok:
-            note = (note + "; " if note else "") + f"candidates explain only {explained:.2f} of ‖∇‖²"
+            note = (note + "; " if note else "") + f"candidates explain only {explained:.2f} of ‖∇‖² and less than half of the spike's excess"
         return self._result(step, "attribution", "located" if ok else "diffuse", session.count, explained,
-                            stored, view, cands, shares, (c_norm, without), note)
+                            stored, view, cands, shares, (c_norm, without), note, _loss_fields(ctx, loss_c))
+
+    def _verified(self, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:
+        need = self.cfg.min_explained_share
+        if not math.isfinite(explained):
+            return False
+        if explained >= need:
+            return True
+        mu = ctx.healthy_norm
+        if mu is not None and norm > mu and explained * norm**2 >= need * (norm**2 - mu**2):
+            return True
+        loss, mu_l = ctx.loss, ctx.healthy_loss
+        if loss is None or not math.isfinite(loss) or loss <= 0:
+            return False
+        if loss_c >= need * loss:
+            return True
+        return mu_l is not None and loss > mu_l and loss_c >= need * (loss - mu_l)
 
     def _attribution_only(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray) -> Localization:
         total = float(view.scores.sum())
@@ -88,14 +117,19 @@ class Localizer:
 
     # -- fallback ---------------------------------------------------------------------------------
     def _bisect(self, step: int, view: TokenView, stored: StoredGradient, session: ProbeSession,
-                healthy_norm: float | None, used: int, why: str) -> Localization:
+                ctx: SpikeContext, used: int, why: str) -> Localization:
         n_tokens = max(int(view.eligible.sum()), 1)
-        reference = healthy_norm if healthy_norm else stored.norm
+        reference = ctx.healthy_norm if ctx.healthy_norm else stored.norm
         threshold = sqrt_threshold(reference / math.sqrt(n_tokens), self.cfg.bisection_sigma)
         groups = [np.flatnonzero(view.eligible[a:b]) + a for a, b in zip(view.offsets, view.offsets[1:])]
 
+        single_loss: dict[int, float] = {}
+
         def grad_of(m: int, flats: np.ndarray) -> Grads:
-            return session.grad(view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+            g = session.grad(view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+            if len(flats) == 1:
+                single_loss[int(flats[0])] = session.losses[-1]
+            return g
 
         res = bisect(groups, grad_of, threshold, max(self.cfg.bisection_budget - used, 1))
         g_c: Grads = [None] * len(stored.grads)
@@ -105,17 +139,28 @@ class Localizer:
         cands = np.asarray(res.culprits, dtype=np.int64)
         sq = np.asarray(res.norms) ** 2
         shares = explained * sq / sq.sum() if cands.size and math.isfinite(explained) else sq * 0
-        ok = cands.size > 0 and math.isfinite(explained) and explained >= self.cfg.min_explained_share
+        loss_c = sum(single_loss.get(int(c), 0.0) for c in cands)
+        ok = cands.size > 0 and self._verified(explained, stored.norm, loss_c, ctx)
         note = f"{why}; bisection" + (" stopped at its probe budget" if res.exhausted else "")
         return self._result(step, "bisection", "located" if ok else "diffuse", session.count,
-                            explained if cands.size else None, stored, view, cands, shares, (c_norm, without), note)
+                            explained if cands.size else None, stored, view, cands, shares, (c_norm, without),
+                            note, _loss_fields(ctx, loss_c) if cands.size else (None, None))
 
-    def _result(self, step, method, status, probes, explained, stored, view, cands, shares, norms, note) -> Localization:
+    def _result(self, step, method, status, probes, explained, stored, view, cands, shares, norms, note,
+                loss_fields: tuple[float | None, float | None] = (None, None)) -> Localization:
         culprits = build_culprits(view, [int(c) for c in cands], [float(s) for s in shares], self.decode)
         spans = build_spans(view, culprits, self.decode, self.cfg.context_tokens)
         c_norm, without = norms if norms else (None, None)
         return Localization(step, method, status, probes, explained, stored.norm, c_norm, without,
-                            culprits, spans, view.micro_batch_shares(), view.unattributed_share, note)
+                            culprits, spans, view.micro_batch_shares(), view.unattributed_share,
+                            loss_fields[0], loss_fields[1], note)
+
+
+def _loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float | None]:
+    """(loss_share, loss_without_culprits) when the step's loss is known."""
+    if ctx.loss is None or not math.isfinite(ctx.loss) or ctx.loss == 0:
+        return None, None
+    return loss_c / ctx.loss, ctx.loss - loss_c
 
 
 def _by_micro_batch(view: TokenView, flats: np.ndarray) -> dict[int, np.ndarray]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gradloc.collector.batch import MicroBatchMeta, RngState
+from gradloc.collector.layer_stats import foreach_norms
 from gradloc.errors import ProbeError
 
 ProbeFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -27,6 +28,7 @@ class ProbeSession:
         self.model, self.params, self.closure, self._suspend = model, list(params), closure, suspend
         self.metas = {m.index: m for m in metas}
         self.count = 0
+        self.losses: list[float] = []  # each probe's loss value (same scaling as training)
         self._saved: Grads = []
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rng: RngState | None = None
@@ -58,6 +60,7 @@ class ProbeSession:
         loss = self.closure(micro_batch, token_mask)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ProbeError("the probe closure must return a scalar loss tensor that requires grad")
+        self.losses.append(float(loss.detach()))
         loss.backward()
         out = [p.grad for p in self.params]
         for p in self.params:
@@ -76,7 +79,7 @@ def grad_norm(grads: Grads) -> float:
     present = [g for g in grads if g is not None]
     if not present:
         return 0.0
-    return float(torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32)).norm())
+    return float(foreach_norms(present).double().norm())
 
 
 def dot(a: Grads, b: Grads, b_scale: float = 1.0) -> float:

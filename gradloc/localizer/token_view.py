@@ -17,6 +17,13 @@ class TokenView:
     per_layer: np.ndarray  # (L, N)
     eligible: np.ndarray  # (N,) bool: positions with a loss term
     unattributed_share: float
+    exact_layer: int | None = None  # layer whose per-position score comes from that position's loss only
+
+    @property
+    def rank_scores(self) -> np.ndarray:
+        """Scores to rank culprit candidates by: the exact layer's when known (an earlier layer also
+        carries later tokens' gradients through attention, which would drag innocent context in)."""
+        return self.per_layer[self.exact_layer] if self.exact_layer is not None else self.scores
 
     def locate(self, flat: int) -> tuple[int, int, int]:
         """Flat index -> (micro-batch position in ``metas``, sample, position)."""

@@ -36,10 +36,11 @@ def register_rule(*module_types: type) -> Callable[[type], type]:
     """Class decorator: one instance of the rule serves every listed module type."""
 
     def deco(cls: type) -> type:
-        rule = cls()
-        for t in module_types:
+        for t in module_types:  # check every type first: a failed call registers nothing
             if t in _BY_TYPE:
                 raise ValueError(f"a per-token rule for {t.__name__} is already registered")
+        rule = cls()
+        for t in module_types:
             _BY_TYPE[t] = rule
         return cls
 

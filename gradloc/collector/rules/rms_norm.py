@@ -41,7 +41,9 @@ class TorchRMSNormRule:
 
     def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         n = len(module.normalized_shape)
-        eps = module.eps if module.eps is not None else torch.finfo(saved.dtype).eps
+        # eps=None: torch uses the epsilon of its computation dtype (float32 for bf16/fp16/fp32 input,
+        # float64 for float64), not of the input dtype (bf16's would be ~6e4× too large).
+        eps = module.eps if module.eps is not None else torch.finfo(torch.promote_types(saved.dtype, torch.float32)).eps
         return _weight_score(module.weight, rms_hat(saved, n, eps, torch.float32), g, n)
 
 
