@@ -1,0 +1,126 @@
+"""The demo: train a small causal LM, plant a culprit, detect and localize the spike.
+
+Library code (no click): ``gradloc.agent.cli`` turns flags into a :class:`DemoConfig`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from gradloc.adapters.pytorch import watch
+from gradloc.config import DetectorConfig, WatchConfig
+from gradloc.demo.data import Corpus, cl100k_corpus
+from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
+from gradloc.errors import ConfigError
+from gradloc.records import Incident, StepRecord
+
+INJECT_KINDS = ("advantage", "label")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    seed: int = 0
+    steps: int = 200
+    inject_step: int = 180
+    inject: str = "advantage"  # "advantage" | "label"
+    micro_batches: int = 4
+    batch: int = 4
+    seq: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    lr: float = 6e-3
+    advantage: float = 5000.0  # per-token loss weight of the planted RL token (others: 1)
+    prompt: int = 8  # leading positions with no loss (like a prompt): they lack the context to predict
+    detector_alpha: float = 0.9  # a short run: the EMA must forget the steep start of training
+    incident_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.inject not in INJECT_KINDS:
+            raise ConfigError(f"inject must be one of {INJECT_KINDS}, got {self.inject!r}")
+        if not 0 <= self.inject_step < self.steps:
+            raise ConfigError(f"inject_step must be in [0, steps={self.steps}), got {self.inject_step}")
+        if self.inject_step < 26:
+            raise ConfigError("inject_step must be >= 26: the detector warms up on the first 25 steps")
+        if min(self.micro_batches, self.batch, self.seq) < 1:
+            raise ConfigError("micro_batches, batch and seq must be >= 1")
+        if not 0 <= self.prompt < self.seq // 2:
+            raise ConfigError(f"prompt must be in [0, seq/2), got {self.prompt}")
+
+
+@dataclass(frozen=True)
+class Planted:
+    micro_batch: int
+    sample: int
+    position: int
+    token_id: int
+
+
+@dataclass
+class DemoResult:
+    planted: list[Planted]
+    incidents: list[Incident]
+    records: list[StepRecord] = field(default_factory=list)
+    to_text: Callable[[list[int]], str] | None = None
+
+
+def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None = None) -> DemoResult:
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    corpus = cl100k_corpus()
+    model = TinyGPT(GPTConfig(vocab=corpus.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    mon = watch(model, opt, config=WatchConfig(job="demo", incident_path=cfg.incident_path,
+                                               detector=DetectorConfig(alpha=cfg.detector_alpha)), decode=corpus.to_text)
+    planted: list[Planted] = []
+    records: list[StepRecord] = []
+    n_tokens = cfg.micro_batches * cfg.batch * (cfg.seq - cfg.prompt)
+    loss_mask = torch.ones(cfg.batch, cfg.seq, dtype=torch.bool)
+    loss_mask[:, : cfg.prompt] = False
+    with mon:
+        for step in range(cfg.steps):
+            batches = [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]
+            weights = loss_mask.float().expand(cfg.micro_batches, -1, -1).clone()  # (M, B, T) per-token weights
+            if step == cfg.inject_step:
+                planted.append(_plant(cfg, model, batches, weights, gen))
+
+            def loss_for(i: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+                x, y = batches[i]
+                w = weights[i] if mask is None else weights[i] * mask
+                return (token_losses(model(x), y) * w).sum() / n_tokens
+
+            total = torch.zeros(())
+            for i, (_, y) in enumerate(batches):
+                uids = [f"s{step}-{i}-{b}" for b in range(cfg.batch)]
+                with mon.micro_batch(y, loss_mask=loss_mask, sample_ids=uids):
+                    loss = loss_for(i)
+                    loss.backward()
+                total += loss.detach()
+            report = mon.end_step(total, probe=loss_for)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            records.append(report.record)
+            if on_step is not None:
+                on_step(step, report.record)
+    return DemoResult(planted, list(mon.incidents), records, corpus.to_text)
+
+
+def _plant(cfg: DemoConfig, model: TinyGPT, batches: list, weights: torch.Tensor,
+           gen: torch.Generator) -> Planted:
+    mb = int(torch.randint(0, cfg.micro_batches, (1,), generator=gen))
+    b = int(torch.randint(0, cfg.batch, (1,), generator=gen))
+    x, y = batches[mb]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(x[b : b + 1])[0].float(), dim=-1)  # (T, V)
+    lo = max(cfg.prompt, cfg.seq // 4)
+    if cfg.inject == "advantage":  # RL-style: a sampled low-probability token with a huge weight
+        t = lo + int(logp[lo:].gather(1, y[b, lo:, None]).squeeze(1).argmin())
+        weights[mb, b, t] = cfg.advantage
+    else:  # a corrupted label: where the model is surest, the token it finds least likely
+        t = lo + int(logp[lo:].max(dim=-1).values.argmax())
+        y = y.clone()  # labels are a view of the inputs' window: corrupt the target only
+        y[b, t] = int(logp[t].argmin())
+        batches[mb] = (x, y)
+    return Planted(mb, b, t, int(y[b, t]))
