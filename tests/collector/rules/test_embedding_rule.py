@@ -1,0 +1,177 @@
+"""nn.Embedding per-token rule vs a brute-force autograd reference (one table copy per position)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+from gradloc.collector.rules import rule_for
+from gradloc.collector.rules.embedding import EmbeddingRule
+
+SETTINGS = settings(max_examples=25, deadline=None)
+
+
+def per_position_reference(module: nn.Module, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """(*lead) float64: ‖∇E_p ⟨y_p, g_p⟩‖² where E_p is a private copy of the table for position p."""
+    lead = tuple(ids.shape)
+    n = math.prod(lead)
+    flat, gs = ids.reshape(n), g.reshape(n, g.shape[-1])
+    out = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        table = module.weight.detach().clone().requires_grad_(True)
+        y_i = functional_call(module, {"weight": table}, (flat[i:i + 1],))
+        (grad,) = torch.autograd.grad((y_i * gs[i:i + 1]).sum(), [table])
+        out[i] = grad.double().pow(2).sum()
+    return out.reshape(lead)
+
+
+def rule_score(module: nn.Module, ids: torch.Tensor, g: torch.Tensor):
+    rule = rule_for(module)
+    y = module(ids)
+    lead = rule.lead_shape(module, ids, y)
+    with torch.no_grad():
+        saved = rule.capture(module, ids, y)
+        score = rule.score(module, saved, g.to(y.dtype))
+    return rule, lead, score
+
+
+@SETTINGS
+@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=3), vocab=st.integers(1, 5),
+       dim=st.integers(1, 6), pad=st.sampled_from([None, 0, -1]), seed=st.integers(0, 2**31 - 1))
+def test_embedding_matches_per_position_autograd(lead, vocab, dim, pad, seed):
+    torch.manual_seed(seed)
+    emb = nn.Embedding(vocab, dim, padding_idx=pad).double()
+    ids = torch.randint(0, vocab, tuple(lead))  # small vocab: repeated ids are the norm
+    g = torch.randn(*lead, dim, dtype=torch.float64)
+
+    rule, got_lead, score = rule_score(emb, ids, g)
+    ref = per_position_reference(emb, ids, g)
+
+    assert isinstance(rule, EmbeddingRule)
+    assert got_lead == tuple(lead)
+    assert score.dtype == torch.float32 and tuple(score.shape) == tuple(lead)
+    torch.testing.assert_close(score.double(), ref, rtol=1e-5, atol=1e-9)
+    if emb.padding_idx is not None:
+        assert (score[ids == emb.padding_idx] == 0).all()
+
+
+def test_padding_positions_score_zero_and_others_full():
+    emb = nn.Embedding(6, 4, padding_idx=2).double()
+    ids = torch.tensor([[2, 1, 2, 5]])
+    g = torch.ones(1, 4, 4, dtype=torch.float64)
+    _, _, score = rule_score(emb, ids, g)
+    assert score.tolist() == [[0.0, 4.0, 0.0, 4.0]]
+
+
+def test_repeated_ids_are_scored_per_position_not_per_row():
+    """Two positions hit the same row with opposite g: the row's gradient cancels (‖∇E‖ = 0), but each
+    position still routed ‖g‖² into it; the rule reports the per-position contributions."""
+    emb = nn.Embedding(5, 3).double()
+    ids = torch.tensor([3, 3])
+    g = torch.tensor([[1.0, 2.0, -1.0], [-1.0, -2.0, 1.0]], dtype=torch.float64)
+    (emb(ids) * g).sum().backward()
+    assert emb.weight.grad.abs().sum() == 0
+
+    _, _, score = rule_score(emb, ids, g)
+    torch.testing.assert_close(score.double(), per_position_reference(emb, ids, g))
+    assert score.tolist() == [6.0, 6.0]
+
+
+def test_distinct_ids_scores_sum_to_table_gradient_norm():
+    torch.manual_seed(3)
+    emb = nn.Embedding(10, 4).double()
+    ids = torch.randperm(10)[:6].reshape(2, 3)
+    g = torch.randn(2, 3, 4, dtype=torch.float64)
+    (emb(ids) * g).sum().backward()
+    _, _, score = rule_score(emb, ids, g)
+    torch.testing.assert_close(score.double().sum(), emb.weight.grad.pow(2).sum(), rtol=1e-6, atol=0)
+
+
+# -- exact case through the real hooks --------------------------------------------------------------
+def _retain_output(store: dict, key: str):
+    def hook(module, args, out):
+        out.retain_grad()
+        store[key] = out
+
+    return hook
+
+
+def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    B, T, V = logits.shape
+    return nn.functional.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T), reduction="none").view(B, T)
+
+
+def test_embedding_scores_through_hooks_equal_output_gradient_norms():
+    """Token and position embeddings of TinyGPT: score_p = ‖∂L/∂(embedding output at p)‖². The position
+    embedding is looked up with the same ids in every row of the batch (repeated ids)."""
+    import gradloc
+    from gradloc.demo.model import GPTConfig, TinyGPT
+
+    torch.manual_seed(8)
+    B, T, V = 3, 4, 7
+    model = TinyGPT(GPTConfig(vocab=V, seq=T, d_model=8, n_layers=1, n_heads=2))
+    idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    idx[0, :] = idx[1, 2]  # repeated token ids too
+    mon = gradloc.watch(model, config=gradloc.WatchConfig(update_ratio=False))
+    outs: dict = {}
+    handles = [model.tok.register_forward_hook(_retain_output(outs, "tok")),
+               model.pos.register_forward_hook(_retain_output(outs, "pos"))]
+    try:
+        with mon.micro_batch(targets):
+            _token_ce(model(idx), targets).mean().backward()
+        buf = mon._parts[-1][1]
+        layers = mon.hooks.layers
+        for name in ("tok", "pos"):
+            expected = outs[name].grad.pow(2).sum(-1)  # (B, T, d) -> (B, T)
+            assert (expected > 0).all()
+            torch.testing.assert_close(buf.scores[layers.index(name)], expected, rtol=1e-5, atol=1e-12)
+        # x = tok(idx) + pos(pos): both see the same upstream gradient
+        torch.testing.assert_close(buf.scores[layers.index("tok")], buf.scores[layers.index("pos")])
+    finally:
+        for h in handles:
+            h.remove()
+        mon.close()
+
+
+class PaddedLM(nn.Module):
+    def __init__(self, vocab: int, d: int, pad: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=pad)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + torch.tanh(self.mix(h)).cumsum(1)  # positions interact
+        return self.head(h)
+
+
+def test_padding_idx_positions_score_zero_through_hooks():
+    import gradloc
+
+    torch.manual_seed(9)
+    B, T, V, PAD = 2, 6, 9, 0
+    model = PaddedLM(V, 5, PAD)
+    idx = torch.randint(1, V, (B, T))
+    idx[0, 4:] = PAD
+    idx[1, 0] = PAD
+    targets = torch.randint(0, V, (B, T))
+    mon = gradloc.watch(model, config=gradloc.WatchConfig(update_ratio=False))
+    outs: dict = {}
+    handle = model.emb.register_forward_hook(_retain_output(outs, "emb"))
+    try:
+        with mon.micro_batch(targets):
+            _token_ce(model(idx), targets).sum().backward()
+        score = mon._parts[-1][1].scores[mon.hooks.layers.index("emb")]
+        g_sq = outs["emb"].grad.pow(2).sum(-1)
+        assert (g_sq[idx == PAD] > 0).all()  # upstream gradient does arrive at padded positions...
+        assert (score[idx == PAD] == 0).all()  # ...but nothing reaches the (frozen) padding row
+        torch.testing.assert_close(score[idx != PAD], g_sq[idx != PAD], rtol=1e-5, atol=1e-12)
+        assert model.emb.weight.grad[PAD].abs().sum() == 0
+    finally:
+        handle.remove()
+        mon.close()

@@ -1,0 +1,205 @@
+"""RMSNorm per-token rules (torch.nn.RMSNorm by type, HF-style *RMSNorm by shape) vs a brute-force
+autograd reference (one weight copy per position)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+from gradloc.collector.rules import rule_for
+from gradloc.collector.rules.rms_norm import HFRMSNormRule, TorchRMSNormRule
+
+SETTINGS = settings(max_examples=25, deadline=None)
+
+
+class LlamaRMSNorm(nn.Module):
+    """Verbatim shape of transformers' LlamaRMSNorm (float32 statistics, cast back before the weight)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def per_position_reference(module: nn.Module, x: torch.Tensor, g: torch.Tensor, n_feat: int) -> torch.Tensor:
+    """(*lead) float64: Σ over trainable params of ‖∇θ_p ⟨y_p, g_p⟩‖², one parameter copy per position."""
+    lead = tuple(x.shape[: x.dim() - n_feat])
+    n = math.prod(lead)
+    xs, gs = x.reshape(n, *x.shape[len(lead):]), g.reshape(n, *g.shape[len(lead):])
+    trainable = {k: p for k, p in module.named_parameters() if p.requires_grad}
+    out = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        if not trainable:
+            break
+        copies = {k: p.detach().clone().requires_grad_(True) for k, p in trainable.items()}
+        y_i = functional_call(module, copies, (xs[i:i + 1],))
+        grads = torch.autograd.grad((y_i * gs[i:i + 1].to(y_i.dtype)).sum(), list(copies.values()))
+        out[i] = sum(gr.double().pow(2).sum() for gr in grads)
+    return out.reshape(lead)
+
+
+def rule_score(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    rule = rule_for(module)
+    y = module(x)
+    lead = rule.lead_shape(module, x, y)
+    with torch.no_grad():
+        saved = rule.capture(module, x, y)
+        score = rule.score(module, saved, g.to(y.dtype))
+    return rule, lead, y, score
+
+
+def _randomize(module: nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+
+
+@SETTINGS
+@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+       feat=st.lists(st.integers(1, 5), min_size=1, max_size=2),
+       eps=st.sampled_from([None, 1e-6, 1e-2]), affine=st.booleans(),
+       dtype=st.sampled_from([torch.float64, torch.float32]),
+       scale=st.sampled_from([0.05, 1.0, 20.0]), seed=st.integers(0, 2**31 - 1))
+def test_torch_rms_norm_matches_per_position_autograd(lead, feat, eps, affine, dtype, scale, seed):
+    torch.manual_seed(seed)
+    norm = nn.RMSNorm(feat, eps=eps, elementwise_affine=affine).to(dtype)
+    _randomize(norm)
+    x = (torch.randn(*lead, *feat, dtype=torch.float64) * scale).to(dtype)
+    g = torch.randn(*lead, *feat, dtype=torch.float64).to(dtype)
+
+    rule, got_lead, _, score = rule_score(norm, x, g)
+    ref = per_position_reference(norm, x, g, n_feat=len(feat))
+
+    assert isinstance(rule, TorchRMSNormRule)
+    assert got_lead == tuple(lead)
+    assert score.dtype == torch.float32 and tuple(score.shape) == tuple(lead)
+    if not affine:
+        assert torch.equal(score, torch.zeros(tuple(lead)))
+    tol = 2e-5 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(score.double(), ref, rtol=tol, atol=1e-7)
+
+
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_torch_rms_norm_bf16_input(eps):
+    """Small activations make the epsilon matter: with eps=None torch uses float32's epsilon for bf16 input."""
+    torch.manual_seed(5)
+    norm = nn.RMSNorm(16, eps=eps).bfloat16()
+    _randomize(norm)
+    x = (torch.randn(3, 4, 16) * 0.05).bfloat16()
+    g = torch.randn(3, 4, 16).bfloat16()
+    _, _, _, score = rule_score(norm, x, g)
+    ref = per_position_reference(norm, x, g, 1)  # autograd in bf16
+    torch.testing.assert_close(score.double(), ref, rtol=3e-2, atol=1e-4)
+
+
+@SETTINGS
+@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=3), dim=st.integers(1, 8),
+       eps=st.sampled_from([1e-6, 1e-2]), dtype=st.sampled_from([torch.float64, torch.float32]),
+       scale=st.sampled_from([0.05, 1.0, 20.0]), seed=st.integers(0, 2**31 - 1))
+def test_hf_rms_norm_matches_per_position_autograd(lead, dim, eps, dtype, scale, seed):
+    torch.manual_seed(seed)
+    norm = LlamaRMSNorm(dim, eps).to(dtype)
+    _randomize(norm)
+    x = (torch.randn(*lead, dim, dtype=torch.float64) * scale).to(dtype)
+    g = torch.randn(*lead, dim, dtype=torch.float64).to(dtype)
+
+    rule, got_lead, _, score = rule_score(norm, x, g)
+    ref = per_position_reference(norm, x, g, n_feat=1)
+
+    assert isinstance(rule, HFRMSNormRule)
+    assert got_lead == tuple(lead)
+    assert score.dtype == torch.float32 and tuple(score.shape) == tuple(lead)
+    torch.testing.assert_close(score.double(), ref, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_hf_rms_norm_bf16_input(weight_dtype):
+    """bf16 activations (weight in bf16 as in a bf16 checkpoint, or kept in fp32): x̂ is rounded to bf16
+    before the weight multiply, as HF does."""
+    torch.manual_seed(6)
+    norm = LlamaRMSNorm(32, 1e-6).to(weight_dtype)
+    _randomize(norm)
+    x = (torch.randn(2, 5, 32) * 3).bfloat16()
+    y_dtype = torch.promote_types(weight_dtype, torch.bfloat16)
+    g = torch.randn(2, 5, 32).to(y_dtype)
+    _, _, y, score = rule_score(norm, x, g)
+    assert y.dtype == y_dtype
+    ref = per_position_reference(norm, x, g, 1)
+    tol = 3e-2 if weight_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(score.double(), ref, rtol=tol, atol=1e-4)
+
+
+def test_hf_rms_norm_frozen_weight_scores_zero():
+    norm = LlamaRMSNorm(4).double()
+    norm.weight.requires_grad_(False)
+    _, _, _, score = rule_score(norm, torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    assert torch.equal(score, torch.zeros(3))
+
+
+# -- exact case through the real hooks: the final norm ---------------------------------------------
+def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    B, T, V = logits.shape
+    return nn.functional.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T), reduction="none").view(B, T)
+
+
+class HFStyleLM(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.mlp = nn.Linear(d, d)
+        self.norm = LlamaRMSNorm(d, 1e-6)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(idx)
+        h = h + torch.relu(self.mlp(h)).cumsum(1)  # positions interact
+        return self.lm_head(self.norm(h))
+
+
+@pytest.mark.parametrize("kind", ["torch", "hf"])
+def test_final_rms_norm_scores_through_hooks_equal_per_token_loss_gradients(kind):
+    """ℓ_p reaches the final norm's weight only through its output at p: score_p = ‖∇_w ℓ_p‖² exactly."""
+    import gradloc
+    from gradloc.demo.model import GPTConfig, TinyGPT
+
+    torch.manual_seed(11)
+    B, T, V = 2, 5, 11
+    if kind == "torch":
+        model = TinyGPT(GPTConfig(vocab=V, seq=T, d_model=8, n_layers=1, n_heads=2, norm="rms"))
+        norm_name, norm = "ln_f", model.ln_f
+    else:
+        model = HFStyleLM(V, 8)
+        norm_name, norm = "norm", model.norm
+    _randomize(norm)
+    idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    terms = _token_ce(model(idx), targets) / (B * T)
+    ref = torch.zeros(B, T)
+    for b in range(B):
+        for t in range(T):
+            (gw,) = torch.autograd.grad(terms[b, t], [norm.weight], retain_graph=True)
+            ref[b, t] = gw.pow(2).sum()
+
+    mon = gradloc.watch(model, config=gradloc.WatchConfig(update_ratio=False))
+    try:
+        assert norm_name in mon.hooks.layers
+        with mon.micro_batch(targets):
+            _token_ce(model(idx), targets).mean().backward()
+        buf = mon._parts[-1][1]
+        assert buf.hook_errors == 0 and buf.dropped_calls == 0
+        torch.testing.assert_close(buf.scores[mon.hooks.layers.index(norm_name)], ref, rtol=1e-4, atol=1e-10)
+        report = mon.end_step()
+        assert report.record.tokens.unattributed_share == 0.0  # every parameter has a rule
+    finally:
+        mon.close()
