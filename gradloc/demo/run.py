@@ -31,7 +31,7 @@ class DemoConfig:
     d_model: int = 64
     n_layers: int = 2
     lr: float = 6e-3
-    advantage: float = 5000.0  # per-token loss weight of the planted RL token (others: 1)
+    advantage: float = 300.0  # per-token loss weight of the planted RL token (others: 1)
     prompt: int = 8  # leading positions with no loss (like a prompt): they lack the context to predict
     detector_alpha: float = 0.9  # a short run: the EMA must forget the steep start of training
     incident_path: str | None = None

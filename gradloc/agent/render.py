@@ -1,0 +1,92 @@
+"""Terminal and JSON renderings of incidents (pure functions: no click, no I/O)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from gradloc.records import Culprit, CulpritSpan, Incident
+
+_HL, _DIM, _BOLD, _OFF = "\x1b[1;97;41m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None or x != x else f"{x:.4g}"
+
+
+def _visible(text: str | None) -> str:
+    return "?" if text is None else text.replace("\n", "\\n").replace("\t", "\\t")
+
+
+def highlight(span: CulpritSpan, color: bool) -> str:
+    """Context before, the culprit tokens (highlighted, or in [[ ]] without colour), context after."""
+    before, text, after = _visible(span.context_before), _visible(span.text), _visible(span.context_after)
+    if color:
+        return f"{_DIM}…{before}{_OFF}{_HL}{text}{_OFF}{_DIM}{after}…{_OFF}"
+    return f"…{before}[[{text}]]{after}…"
+
+
+def incident_text(inc: Incident, color: bool = True) -> str:
+    b = (lambda s: f"{_BOLD}{s}{_OFF}") if color else (lambda s: s)
+    sp = inc.spike
+    lines = [b(f"incident {inc.incident_id[:12]} · job {inc.job} · rank {inc.rank} · step {inc.step}"),
+             f"  detected: {', '.join(sp.kinds)} — ‖∇‖ {_num(sp.global_norm)} (healthy {_num(sp.mean)}, "
+             f"z {_num(sp.z)}); loss {_num(sp.loss)} (healthy {_num(sp.loss_mean)}, z {_num(sp.loss_z)})"]
+    loc = inc.localization
+    if loc is None:
+        lines.append("  not localized: this kind of event is a trend, not a token event")
+        return "\n".join(lines)
+    lines.append(f"  localized by {loc.method} with {loc.probes} probe(s): {loc.status}; culprits carry "
+                 f"{_pct(loc.explained_share)} of ‖∇‖² and {_pct(loc.loss_share)} of the loss; without them "
+                 f"‖∇‖ would be {_num(loc.norm_without_culprits)}")
+    if loc.note:
+        lines.append(f"  note: {loc.note}")
+    by_span = {(c.micro_batch, c.sample, c.position): c for c in loc.culprits}
+    for span in loc.spans:
+        uid = f" (sample id {span.sample_id})" if span.sample_id else ""
+        pos = f"position {span.start}" if span.end - span.start == 1 else f"positions {span.start}–{span.end - 1}"
+        lines.append(f"  • micro-batch {span.micro_batch} · sample {span.sample}{uid} · {pos} · "
+                     f"share {_pct(span.share)}")
+        lines.append(f"      {highlight(span, color)}")
+        first = by_span.get((span.micro_batch, span.sample, span.start))
+        if first is not None and first.layers:
+            lines.append("      through " + ", ".join(f"{s.layer} {_pct(s.share)}" for s in first.layers[:4]))
+    if not loc.spans:
+        lines.append("  no culprit tokens found")
+    return "\n".join(lines)
+
+
+def incident_line(inc: Incident) -> str:
+    """One line: step, kinds, status and the top culprits."""
+    loc = inc.localization
+    head = f"step {inc.step} · {', '.join(inc.spike.kinds)} · ‖∇‖ {_num(inc.spike.global_norm)} (z {_num(inc.spike.z)})"
+    if loc is None:
+        return head + " · not localized"
+    tops = ", ".join(f"{_visible(c.text)!r} mb {c.micro_batch}/s {c.sample}/p {c.position} {_pct(c.share)}"
+                     for c in loc.culprits[:3])
+    more = f" +{len(loc.culprits) - 3} more" if len(loc.culprits) > 3 else ""
+    return f"{head} · {loc.status} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}"
+
+
+def culprit_json(c: Culprit) -> dict[str, Any]:
+    return {"micro_batch": c.micro_batch, "sample": c.sample, "position": c.position,
+            "token_id": c.token_id, "text": c.text, "share": c.share, "sample_id": c.sample_id}
+
+
+def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
+              extra: Callable[[Incident], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The demo's ``--json`` object: ``planted`` and ``incidents`` (documented in docs/incident-json.md)."""
+    rows = []
+    for inc in incidents:
+        loc = inc.localization
+        rows.append({
+            "incident_id": inc.incident_id, "step": inc.step, "kinds": list(inc.spike.kinds),
+            "method": loc.method if loc else None, "status": loc.status if loc else None,
+            "probes": loc.probes if loc else 0,
+            "explained_share": loc.explained_share if loc else None,
+            "culprits": [culprit_json(c) for c in loc.culprits] if loc else [],
+            **(extra(inc) if extra else {}),
+        })
+    return {"planted": [dict(p) for p in planted], "incidents": rows}
