@@ -11,7 +11,7 @@ import torch
 
 from gradloc.adapters.pytorch import watch
 from gradloc.config import DetectorConfig, WatchConfig
-from gradloc.demo.data import Corpus, cl100k_corpus
+from gradloc.demo.data import cl100k_corpus
 from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
 from gradloc.errors import ConfigError
 from gradloc.records import Incident, StepRecord

@@ -1,42 +1,21 @@
 """nn.Embedding per-token rule vs a brute-force autograd reference (one table copy per position)."""
 from __future__ import annotations
 
-import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-from torch.func import functional_call
 
-from gradloc.collector.rules import rule_for
+from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 from gradloc.collector.rules.embedding import EmbeddingRule
 
-SETTINGS = settings(max_examples=25, deadline=None)
 
 
-def per_position_reference(module: nn.Module, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """(*lead) float64: ‖∇E_p ⟨y_p, g_p⟩‖² where E_p is a private copy of the table for position p."""
-    lead = tuple(ids.shape)
-    n = math.prod(lead)
-    flat, gs = ids.reshape(n), g.reshape(n, g.shape[-1])
-    out = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        table = module.weight.detach().clone().requires_grad_(True)
-        y_i = functional_call(module, {"weight": table}, (flat[i:i + 1],))
-        (grad,) = torch.autograd.grad((y_i * gs[i:i + 1]).sum(), [table])
-        out[i] = grad.double().pow(2).sum()
-    return out.reshape(lead)
 
 
-def rule_score(module: nn.Module, ids: torch.Tensor, g: torch.Tensor):
-    rule = rule_for(module)
-    y = module(ids)
-    lead = rule.lead_shape(module, ids, y)
-    with torch.no_grad():
-        saved = rule.capture(module, ids, y)
-        score = rule.score(module, saved, g.to(y.dtype))
-    return rule, lead, score
+
+
 
 
 @SETTINGS
@@ -48,8 +27,8 @@ def test_embedding_matches_per_position_autograd(lead, vocab, dim, pad, seed):
     ids = torch.randint(0, vocab, tuple(lead))  # small vocab: repeated ids are the norm
     g = torch.randn(*lead, dim, dtype=torch.float64)
 
-    rule, got_lead, score = rule_score(emb, ids, g)
-    ref = per_position_reference(emb, ids, g)
+    rule, got_lead, _, score = rule_score(emb, ids, g)
+    ref = per_position_reference(emb, ids, g, 0)
 
     assert isinstance(rule, EmbeddingRule)
     assert got_lead == tuple(lead)
@@ -63,7 +42,7 @@ def test_padding_positions_score_zero_and_others_full():
     emb = nn.Embedding(6, 4, padding_idx=2).double()
     ids = torch.tensor([[2, 1, 2, 5]])
     g = torch.ones(1, 4, 4, dtype=torch.float64)
-    _, _, score = rule_score(emb, ids, g)
+    _, _, _, score = rule_score(emb, ids, g)
     assert score.tolist() == [[0.0, 4.0, 0.0, 4.0]]
 
 
@@ -76,8 +55,8 @@ def test_repeated_ids_are_scored_per_position_not_per_row():
     (emb(ids) * g).sum().backward()
     assert emb.weight.grad.abs().sum() == 0
 
-    _, _, score = rule_score(emb, ids, g)
-    torch.testing.assert_close(score.double(), per_position_reference(emb, ids, g))
+    _, _, _, score = rule_score(emb, ids, g)
+    torch.testing.assert_close(score.double(), per_position_reference(emb, ids, g, 0))
     assert score.tolist() == [6.0, 6.0]
 
 
@@ -87,7 +66,7 @@ def test_distinct_ids_scores_sum_to_table_gradient_norm():
     ids = torch.randperm(10)[:6].reshape(2, 3)
     g = torch.randn(2, 3, 4, dtype=torch.float64)
     (emb(ids) * g).sum().backward()
-    _, _, score = rule_score(emb, ids, g)
+    _, _, _, score = rule_score(emb, ids, g)
     torch.testing.assert_close(score.double().sum(), emb.weight.grad.pow(2).sum(), rtol=1e-6, atol=0)
 
 

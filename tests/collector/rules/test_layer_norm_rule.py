@@ -1,46 +1,21 @@
 """nn.LayerNorm per-token rule vs a brute-force autograd reference (one (w, b) copy per position)."""
 from __future__ import annotations
 
-import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-from torch.func import functional_call
 
-from gradloc.collector.rules import rule_for
+from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 from gradloc.collector.rules.layer_norm import LayerNormRule
 
-SETTINGS = settings(max_examples=25, deadline=None)
 
 
-def per_position_reference(module: nn.Module, x: torch.Tensor, g: torch.Tensor, n_feat: int) -> torch.Tensor:
-    """(*lead) float64: Σ over trainable params of ‖∇θ_p ⟨y_p, g_p⟩‖², one parameter copy per position."""
-    lead = tuple(x.shape[: x.dim() - n_feat])
-    n = math.prod(lead)
-    xs, gs = x.reshape(n, *x.shape[len(lead):]), g.reshape(n, *g.shape[len(lead):])
-    trainable = {k: p for k, p in module.named_parameters() if p.requires_grad}
-    frozen = {k: p.detach() for k, p in module.named_parameters() if not p.requires_grad}
-    out = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        if not trainable:
-            break
-        copies = {k: p.detach().clone().requires_grad_(True) for k, p in trainable.items()}
-        y_i = functional_call(module, {**frozen, **copies}, (xs[i:i + 1],))
-        grads = torch.autograd.grad((y_i * gs[i:i + 1]).sum(), list(copies.values()))
-        out[i] = sum(gr.double().pow(2).sum() for gr in grads)
-    return out.reshape(lead)
 
 
-def rule_score(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    rule = rule_for(module)
-    y = module(x)
-    lead = rule.lead_shape(module, x, y)
-    with torch.no_grad():
-        saved = rule.capture(module, x, y)
-        score = rule.score(module, saved, g.to(y.dtype))
-    return rule, lead, score
+
+
 
 
 @SETTINGS
@@ -64,7 +39,7 @@ def test_layer_norm_matches_per_position_autograd(lead, feat, affine, eps, scale
     x = torch.randn(*lead, *feat, dtype=torch.float64) * scale + shift
     g = torch.randn(*lead, *feat, dtype=torch.float64)
 
-    rule, got_lead, score = rule_score(ln, x, g)
+    rule, got_lead, _, score = rule_score(ln, x, g)
     ref = per_position_reference(ln, x, g, n_feat=len(feat))
 
     assert isinstance(rule, LayerNormRule)
@@ -76,7 +51,7 @@ def test_layer_norm_matches_per_position_autograd(lead, feat, affine, eps, scale
 def test_layer_norm_without_affine_scores_zero():
     ln = nn.LayerNorm(4, elementwise_affine=False).double()
     x = torch.randn(2, 3, 4, dtype=torch.float64)
-    _, lead, score = rule_score(ln, x, torch.randn(2, 3, 4, dtype=torch.float64))
+    _, lead, _, score = rule_score(ln, x, torch.randn(2, 3, 4, dtype=torch.float64))
     assert lead == (2, 3) and torch.equal(score, torch.zeros(2, 3))
 
 
@@ -84,7 +59,7 @@ def test_layer_norm_two_dim_normalized_shape_lead():
     ln = nn.LayerNorm((3, 4)).double()
     x = torch.randn(2, 5, 3, 4, dtype=torch.float64)
     g = torch.randn_like(x)
-    _, lead, score = rule_score(ln, x, g)
+    _, lead, _, score = rule_score(ln, x, g)
     assert lead == (2, 5)
     torch.testing.assert_close(score.double(), per_position_reference(ln, x, g, 2), rtol=2e-5, atol=1e-8)
 
@@ -96,7 +71,7 @@ def test_layer_norm_bf16_input_loose():
         ln.weight.normal_()
     x = (torch.randn(3, 4, 16) * 2 + 1).bfloat16()
     g = torch.randn(3, 4, 16).bfloat16()
-    _, _, score = rule_score(ln, x, g)
+    _, _, _, score = rule_score(ln, x, g)
     ref = per_position_reference(ln, x, g, 1)  # autograd in bf16
     assert torch.isfinite(score).all() and (score > 0).all()
     torch.testing.assert_close(score.double(), ref, rtol=3e-2, atol=1e-3)

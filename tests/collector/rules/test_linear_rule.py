@@ -6,49 +6,23 @@ with that copy, ⟨y, G⟩ is backpropagated for a random upstream gradient G, a
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-from torch.func import functional_call
 
-from gradloc.collector.rules import rule_for
+from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 from gradloc.collector.rules.linear import LinearRule
 
-SETTINGS = settings(max_examples=25, deadline=None)
 leads = st.lists(st.integers(1, 4), min_size=0, max_size=3)  # 0..3 leading (position) dims
 
 
-def per_position_reference(module: nn.Module, x: torch.Tensor, g: torch.Tensor, n_feat_in: int) -> torch.Tensor:
-    """(*lead) float64: Σ over trainable params of ‖∇θ_p ⟨y_p, g_p⟩‖², one parameter copy per position."""
-    lead = tuple(x.shape[: x.dim() - n_feat_in])
-    n = math.prod(lead)
-    xs = x.reshape(n, *x.shape[len(lead):])
-    gs = g.reshape(n, *g.shape[len(lead):])
-    trainable = {k: p for k, p in module.named_parameters() if p.requires_grad}
-    frozen = {k: p.detach() for k, p in module.named_parameters() if not p.requires_grad}
-    out = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        if not trainable:
-            break
-        copies = {k: p.detach().clone().requires_grad_(True) for k, p in trainable.items()}
-        y_i = functional_call(module, {**frozen, **copies}, (xs[i:i + 1],))
-        grads = torch.autograd.grad((y_i * gs[i:i + 1]).sum(), list(copies.values()))
-        out[i] = sum(gr.double().pow(2).sum() for gr in grads)
-    return out.reshape(lead)
 
 
-def rule_score(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    rule = rule_for(module)
-    y = module(x)
-    lead = rule.lead_shape(module, x, y)
-    with torch.no_grad():
-        saved = rule.capture(module, x, y)
-        score = rule.score(module, saved, g.reshape(y.shape).to(y.dtype))
-    return rule, lead, score
+
+
 
 
 @SETTINGS
@@ -65,8 +39,8 @@ def test_linear_matches_per_position_autograd(lead, d_in, d_out, bias, frozen, s
     x = torch.randn(*lead, d_in, dtype=torch.float64) * scale
     g = torch.randn(*lead, d_out, dtype=torch.float64)
 
-    rule, got_lead, score = rule_score(lin, x, g)
-    ref = per_position_reference(lin, x, g, n_feat_in=1)
+    rule, got_lead, _, score = rule_score(lin, x, g)
+    ref = per_position_reference(lin, x, g, n_feat=1)
 
     assert isinstance(rule, LinearRule)
     assert got_lead == tuple(lead)
@@ -77,7 +51,7 @@ def test_linear_matches_per_position_autograd(lead, d_in, d_out, bias, frozen, s
 def test_linear_fully_frozen_scores_zero():
     lin = nn.Linear(3, 2).double().requires_grad_(False)
     x = torch.randn(2, 4, 3, dtype=torch.float64)
-    _, _, score = rule_score(lin, x, torch.randn(2, 4, 2, dtype=torch.float64))
+    _, _, _, score = rule_score(lin, x, torch.randn(2, 4, 2, dtype=torch.float64))
     assert torch.equal(score, torch.zeros(2, 4))
 
 
@@ -88,7 +62,7 @@ def test_linear_bias_only_score_is_upstream_norm():
     lin.weight.requires_grad_(False)
     x = torch.randn(4, 5, dtype=torch.float64) * 100.0  # the activations must not matter
     g = torch.randn(4, 3, dtype=torch.float64)
-    _, _, score = rule_score(lin, x, g)
+    _, _, _, score = rule_score(lin, x, g)
     torch.testing.assert_close(score.double(), per_position_reference(lin, x, g, 1), rtol=1e-6, atol=0)
     assert not torch.allclose(score.double(), g.pow(2).sum(-1) * x.pow(2).sum(-1))
 
@@ -101,7 +75,7 @@ def test_linear_scores_sum_to_gradient_norm_for_a_single_position():
     g = torch.randn(1, 3, dtype=torch.float64)
     (lin(x) * g).sum().backward()
     full = lin.weight.grad.pow(2).sum() + lin.bias.grad.pow(2).sum()
-    _, _, score = rule_score(lin, x, g)
+    _, _, _, score = rule_score(lin, x, g)
     torch.testing.assert_close(score.double().sum(), full, rtol=1e-6, atol=0)
 
 
@@ -113,7 +87,7 @@ def test_linear_low_precision_input(dtype):
     lin.load_state_dict({k: v.to(dtype) for k, v in lin64.state_dict().items()})
     x = torch.randn(3, 5, 8).to(dtype)
     g = torch.randn(3, 5, 6).to(dtype)
-    _, _, score = rule_score(lin, x, g)
+    _, _, _, score = rule_score(lin, x, g)
     assert score.dtype == torch.float32 and torch.isfinite(score).all()
     lin64.load_state_dict({k: v.double() for k, v in lin.state_dict().items()})
     ref = per_position_reference(lin64, x.double(), g.double(), 1)

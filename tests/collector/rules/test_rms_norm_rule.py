@@ -2,19 +2,16 @@
 autograd reference (one weight copy per position)."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-from torch.func import functional_call
 
-from gradloc.collector.rules import rule_for
+from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 from gradloc.collector.rules.rms_norm import HFRMSNormRule, TorchRMSNormRule
 
-SETTINGS = settings(max_examples=25, deadline=None)
 
 
 class LlamaRMSNorm(nn.Module):
@@ -33,31 +30,10 @@ class LlamaRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
-def per_position_reference(module: nn.Module, x: torch.Tensor, g: torch.Tensor, n_feat: int) -> torch.Tensor:
-    """(*lead) float64: Σ over trainable params of ‖∇θ_p ⟨y_p, g_p⟩‖², one parameter copy per position."""
-    lead = tuple(x.shape[: x.dim() - n_feat])
-    n = math.prod(lead)
-    xs, gs = x.reshape(n, *x.shape[len(lead):]), g.reshape(n, *g.shape[len(lead):])
-    trainable = {k: p for k, p in module.named_parameters() if p.requires_grad}
-    out = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        if not trainable:
-            break
-        copies = {k: p.detach().clone().requires_grad_(True) for k, p in trainable.items()}
-        y_i = functional_call(module, copies, (xs[i:i + 1],))
-        grads = torch.autograd.grad((y_i * gs[i:i + 1].to(y_i.dtype)).sum(), list(copies.values()))
-        out[i] = sum(gr.double().pow(2).sum() for gr in grads)
-    return out.reshape(lead)
 
 
-def rule_score(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    rule = rule_for(module)
-    y = module(x)
-    lead = rule.lead_shape(module, x, y)
-    with torch.no_grad():
-        saved = rule.capture(module, x, y)
-        score = rule.score(module, saved, g.to(y.dtype))
-    return rule, lead, y, score
+
+
 
 
 def _randomize(module: nn.Module) -> None:
