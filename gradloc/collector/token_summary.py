@@ -54,7 +54,8 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
 
 
 def summary_pack(s: StepScores, k: int) -> torch.Tensor:
-    """``[mb_sums(M) | top_vals(k) | top_idx(k) | breakdown(L·k) | total | median]`` (float64)."""
+    """``[mb_sums(M) | top_vals(k) | top_idx(k) | top_token_ids(k) | breakdown(L·k) | total | median]``
+    (float64; token ids are -1 where a micro-batch gave none)."""
     masked = torch.where(s.eligible, s.totals, torch.zeros_like(s.totals))
     k = min(k, masked.numel())
     vals, idx = torch.topk(masked, k)
@@ -62,13 +63,16 @@ def summary_pack(s: StepScores, k: int) -> torch.Tensor:
     mb_sums = torch.stack([s.totals[a:b].sum() for a, b in zip(offs, offs[1:])])
     pool = s.totals[s.eligible]
     median = pool.median() if pool.numel() else s.totals.new_zeros(())
-    parts = [mb_sums, vals, idx.to(vals.dtype), s.per_layer[:, idx].flatten(), s.totals.sum()[None], median[None]]
+    ids = torch.cat([m.token_ids.reshape(-1).to(masked.device) if m.token_ids is not None  # (B, T) -> (B·T,)
+                     else torch.full((m.batch * m.seq,), -1, device=masked.device) for m in s.metas])
+    parts = [mb_sums, vals, idx.to(vals.dtype), ids[idx].to(vals.dtype), s.per_layer[:, idx].flatten(),
+             s.totals.sum()[None], median[None]]
     return torch.cat([p.double() for p in parts])
 
 
 def summary_length(s: StepScores, k: int, n_layers: int) -> int:
     k = min(k, int(s.totals.numel()))
-    return len(s.metas) + 2 * k + n_layers * k + 2
+    return len(s.metas) + 3 * k + n_layers * k + 2
 
 
 def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str], scale_sq: float,
@@ -77,8 +81,9 @@ def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str
     k = min(k, int(s.totals.numel()))
     mb = host[:M] * scale_sq
     vals, idx = host[M:M + k] * scale_sq, host[M + k:M + 2 * k].astype(np.int64)
-    breakdown = host[M + 2 * k:M + 2 * k + L * k].reshape(L, k) * scale_sq  # (L·k,) -> (L, k)
-    total = float(host[M + 2 * k + L * k]) * scale_sq
+    tok_ids = host[M + 2 * k:M + 3 * k].astype(np.int64)
+    breakdown = host[M + 3 * k:M + 3 * k + L * k].reshape(L, k) * scale_sq  # (L·k,) -> (L, k)
+    total = float(host[M + 3 * k + L * k]) * scale_sq
     offs = np.asarray(s.offsets)
     top = []
     for j in range(k):
@@ -90,7 +95,7 @@ def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str
         col = breakdown[:, j]
         lshares = tuple(LayerShare(layers[i], float(col[i] / vals[j])) for i in np.argsort(-col)[:5] if col[i] > 0)
         top.append(TokenScore(meta.index, b, t, float(vals[j]), float(vals[j] / total) if total > 0 else 0.0,
-                              int(meta.token_ids[b, t]) if meta.token_ids is not None else None,
+                              int(tok_ids[j]) if tok_ids[j] >= 0 else None,
                               meta.sample_ids[b] if meta.sample_ids else None, lshares))
     mb_shares = tuple(float(x / total) if total > 0 else 0.0 for x in mb)
     return TokenStats(int(s.totals.numel()), total, tuple(top), top[0].share if top else 0.0,
