@@ -204,11 +204,13 @@ class Monitor:
         opener = None
         if probe is not None and scores is not None:
             def opener() -> ProbeSession:
-                return ProbeSession(self.model, self.layer_stats.params, scores.metas, probe, self._suspend)
-        ctx = SpikeContext(spike.mean, record.loss, spike.loss_mean)
+                return ProbeSession(self.model, self.layer_stats.params, scores.metas, probe, self.pause_token_hooks)
+        ctx = SpikeContext(spike.mean, record.loss, spike.loss_mean, spike.std, self.config.detector.z_threshold)
         return self.localizer.localize(record.step, view, stored, opener, ctx)
 
-    def _suspend(self, on: bool) -> None:
+    def pause_token_hooks(self, on: bool) -> None:
+        """Pause (True) or resume (False) per-token capture, e.g. around extra forward/backward
+        passes inside a micro-batch block that are not part of training (probes do this)."""
         if self.hooks:
             self.hooks.suspended = on
 

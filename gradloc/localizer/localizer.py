@@ -12,7 +12,7 @@ the loss.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -34,6 +34,8 @@ class SpikeContext:
     healthy_norm: float | None  # detector's EMA mean of the global norm (also bisection's noise level)
     loss: float | None  # the step's loss as reported to end_step
     healthy_loss: float | None  # detector's EMA mean of the loss
+    healthy_std: float | None = None  # detector's EMA std of the global norm
+    z_threshold: float = 2.5  # a residual above healthy_norm + z·std is still a spike
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,8 @@ class Localizer:
         cands = np.concatenate([groups[m] for m in kept])
         g_c: Grads = [None] * len(stored.grads)
         for m in kept:
-            mask = torch.from_numpy(view.mask_for(m, groups[m]))
-            g_c = add_into(g_c, session.grad(view.metas[m].index, mask))
+            g_c = add_into(g_c, _probe(session, view, m, groups[m]))
+        cands, g_c = self._grow(view, stored, session, ctx, cands, g_c)
         explained, c_norm, without = _explained(stored, g_c)
         loss_c = sum(session.losses)
         scores = view.rank_scores[cands]
@@ -93,6 +95,27 @@ class Localizer:
             note = (note + "; " if note else "") + f"candidates explain only {explained:.2f} of ‖∇‖² and less than half of the spike's excess"
         return self._result(step, "attribution", "located" if ok else "diffuse", session.count, explained,
                             stored, view, cands, shares, (c_norm, without), note, _loss_fields(ctx, loss_c))
+
+    def _grow(self, view: TokenView, stored: StoredGradient, session: ProbeSession, ctx: SpikeContext,
+              cands: np.ndarray, g_c: Grads) -> tuple[np.ndarray, Grads]:
+        """While the step would still be a spike without C and probes remain, probe the next
+        outlier tokens (relaxed relative threshold), one micro-batch per probe. ∇ is linear in the
+        token mask, so probing only the new tokens adds exactly their gradient to ∇_C."""
+        relaxed = replace(self.cfg, candidate_rel_score=self.cfg.candidate_rel_score / 10)
+        while session.count < self.cfg.max_probes:
+            _, _, without = _explained(stored, g_c)
+            if not _still_spike(without, ctx):
+                break
+            taken = np.zeros(view.scores.size, dtype=bool)
+            taken[cands] = True
+            extra = select_candidates(view.rank_scores, view.eligible & ~taken, relaxed)
+            if extra.size == 0:
+                break
+            groups = _by_micro_batch(view, extra)
+            m = view.locate(int(extra[0]))[0]
+            g_c = add_into(g_c, _probe(session, view, m, groups[m]))
+            cands = np.concatenate([cands, groups[m]])
+        return cands, g_c
 
     def _verified(self, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:
         need = self.cfg.min_explained_share
@@ -126,7 +149,7 @@ class Localizer:
         single_loss: dict[int, float] = {}
 
         def grad_of(m: int, flats: np.ndarray) -> Grads:
-            g = session.grad(view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+            g = _probe(session, view, m, flats)
             if len(flats) == 1:
                 single_loss[int(flats[0])] = session.losses[-1]
             return g
@@ -161,6 +184,16 @@ def _loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float 
     if ctx.loss is None or not math.isfinite(ctx.loss) or ctx.loss == 0:
         return None, None
     return loss_c / ctx.loss, ctx.loss - loss_c
+
+
+def _probe(session: ProbeSession, view: TokenView, m: int, flats: np.ndarray) -> Grads:
+    return session.grad(view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+
+
+def _still_spike(norm: float, ctx: SpikeContext) -> bool:
+    if ctx.healthy_norm is None or ctx.healthy_std is None or not math.isfinite(norm):
+        return False
+    return norm > ctx.healthy_norm + ctx.z_threshold * ctx.healthy_std
 
 
 def _by_micro_batch(view: TokenView, flats: np.ndarray) -> dict[int, np.ndarray]:
