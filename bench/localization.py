@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import gradloc
+from bench import torch_threads
 from bench.bisection_baseline import BaselineResult, gradloc_bisection
 from gradloc.collector.batch import make_meta
 from gradloc.config import DetectorConfig, WatchConfig
@@ -242,12 +243,10 @@ def _median(xs: list[float]) -> float | None:
 
 
 def run_localization(cfg: LocalizationConfig, progress: Any = None) -> dict[str, Any]:
-    old_threads = torch.get_num_threads()
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
-    try:
+    with torch_threads(cfg.threads):
+        threads_used = torch.get_num_threads()
         bench = _Bench(cfg)
         training = bench.train(progress)
         snap = bench.snapshot()
@@ -264,8 +263,6 @@ def run_localization(cfg: LocalizationConfig, progress: Any = None) -> dict[str,
                              f"{r['bisection']['found']} in {r['bisection']['probes']}, all-hot "
                              f"{r['bisection_all']['found']} in {r['bisection_all']['probes']}")
         bench.mon.close()
-    finally:
-        torch.set_num_threads(old_threads)
     planted = sum(len(r["planted"]) for r in rows)
     found = sum(r["gradloc"]["found"] for r in rows)
     reported = sum(len(r["gradloc"]["culprits"]) for r in rows)
@@ -319,7 +316,7 @@ def run_localization(cfg: LocalizationConfig, progress: Any = None) -> dict[str,
             "tokens_per_micro_batch": cfg.batch * cfg.seq, "loss_tokens_per_step": cfg.loss_tokens,
             "d_model": cfg.d_model, "n_layers": cfg.n_layers, "vocab": bench.corpus.vocab, "lr": cfg.lr,
             "advantage_weight": cfg.advantage_weight, "detector_alpha": cfg.detector_alpha,
-            "seeds": cfg.seeds, "torch_threads": cfg.threads or old_threads, "torch_version": torch.__version__,
+            "seeds": cfg.seeds, "torch_threads": threads_used, "torch_version": torch.__version__,
             **training,
         },
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -28,6 +28,7 @@ from typing import Any, Self
 import torch
 
 import gradloc
+from bench import torch_threads
 from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
 
 VARIANTS = ("plain", "per_layer", "per_token")
@@ -114,13 +115,8 @@ def _ms(xs: list[float]) -> float:
 
 
 def run_overhead(cfg: OverheadConfig, progress: Any = None) -> dict[str, Any]:
-    threads = torch.get_num_threads()
-    try:
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
+    with torch_threads(cfg.threads):
         return _run_overhead(cfg, progress)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run_overhead(cfg: OverheadConfig, progress: Any) -> dict[str, Any]:
@@ -279,13 +275,8 @@ def run_profile(cfg: OverheadConfig, steps: int = 10) -> dict[str, Any]:
     """Inclusive wall time per optimizer step of gradloc's functions (a nested function is also
     counted in its caller), for the per_layer and per_token variants; plus each variant's median
     step and phase times over the same steps. Timing wrappers add a few µs per call."""
-    threads = torch.get_num_threads()
-    try:
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
+    with torch_threads(cfg.threads):
         return _run_profile(cfg, steps)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run_profile(cfg: OverheadConfig, steps: int) -> dict[str, Any]:
