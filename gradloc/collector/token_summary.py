@@ -46,33 +46,34 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
             dropped += buf.dropped_calls + buf.hook_errors
             dropped_layers |= buf.dropped_layers
             exact = buf.last_layer if exact is None else exact
-        mask = meta.loss_mask if meta.loss_mask is not None else torch.ones(meta.batch, meta.seq, dtype=torch.bool)
-        eligible.append(mask.reshape(n).to(per_layer[-1].device))  # (B, T) -> (B·T,)
+        dev = per_layer[-1].device
+        if meta.loss_mask is None:
+            eligible.append(torch.ones(n, dtype=torch.bool, device=dev))
+        else:
+            eligible.append(meta.loss_mask.reshape(n).to(dev, non_blocking=True))  # (B, T) -> (B·T,)
     stacked = torch.cat(per_layer, dim=1)  # (L, N)
     return StepScores(tuple(m for m, _ in parts), stacked.sum(0), stacked, torch.cat(eligible),
                       dropped, frozenset(dropped_layers), exact)
 
 
 def summary_pack(s: StepScores, k: int) -> torch.Tensor:
-    """``[mb_sums(M) | top_vals(k) | top_idx(k) | top_token_ids(k) | breakdown(L·k) | total | median]``
+    """``[mb_sums(M) | top_vals(k) | top_idx(k) | top_token_ids(k) | breakdown(L·k) | total]``
     (float64; token ids are -1 where a micro-batch gave none)."""
     masked = torch.where(s.eligible, s.totals, torch.zeros_like(s.totals))
     k = min(k, masked.numel())
     vals, idx = torch.topk(masked, k)
     offs = s.offsets
     mb_sums = torch.stack([s.totals[a:b].sum() for a, b in zip(offs, offs[1:])])
-    pool = s.totals[s.eligible]
-    median = pool.median() if pool.numel() else s.totals.new_zeros(())
     ids = torch.cat([m.token_ids.reshape(-1).to(masked.device) if m.token_ids is not None  # (B, T) -> (B·T,)
                      else torch.full((m.batch * m.seq,), -1, device=masked.device) for m in s.metas])
     parts = [mb_sums, vals, idx.to(vals.dtype), ids[idx].to(vals.dtype), s.per_layer[:, idx].flatten(),
-             s.totals.sum()[None], median[None]]
+             s.totals.sum()[None]]
     return torch.cat([p.double() for p in parts])
 
 
 def summary_length(s: StepScores, k: int, n_layers: int) -> int:
     k = min(k, int(s.totals.numel()))
-    return len(s.metas) + 3 * k + n_layers * k + 2
+    return len(s.metas) + 3 * k + n_layers * k + 1
 
 
 def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str], scale_sq: float,
