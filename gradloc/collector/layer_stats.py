@@ -73,6 +73,15 @@ class LayerStatsCollector:
         self._device = self.params[0].device if self.params else torch.device("cpu")
         self._group_index = torch.tensor(self._group_of, dtype=torch.long, device=self._device)
         self._snapshot: list[torch.Tensor] | None = None
+        self._partial_index: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _index_for(self, present: tuple[int, ...]) -> torch.Tensor:
+        """Group index of the parameters that have a gradient; cached per pattern, so a step where
+        some parameters got none does not copy a fresh index to the device every time."""
+        idx = self._partial_index.get(present)
+        if idx is None:
+            idx = self._partial_index[present] = self._group_index[list(present)]
+        return idx
 
     @property
     def n_layers(self) -> int:
@@ -91,7 +100,7 @@ class LayerStatsCollector:
         if isinstance(inv_scale, torch.Tensor):  # a float64 GradScaler scale would promote the packs
             inv_scale = inv_scale.to(self._device, torch.float32)
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
-        idx = self._group_index[present] if len(present) != len(self.params) else self._group_index
+        idx = self._group_index if len(present) == len(self.params) else self._index_for(tuple(present))
         grads = [self.params[i].grad for i in present]
         params = [self.params[i].detach() for i in present]
         zeros = torch.zeros(L, device=self._device)
