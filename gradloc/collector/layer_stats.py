@@ -80,6 +80,8 @@ class LayerStatsCollector:
         some parameters got none does not copy a fresh index to the device every time."""
         idx = self._partial_index.get(present)
         if idx is None:
+            if len(self._partial_index) >= 16:  # patterns that keep changing (MoE): stay bounded
+                self._partial_index.clear()
             idx = self._partial_index[present] = self._group_index[list(present)]
         return idx
 
