@@ -128,17 +128,17 @@ class Monitor:
         meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape)
         if self.hooks:
             self.hooks.begin(meta.index, meta.batch, meta.seq)
-        failed = False
         try:
             yield meta
         except BaseException:
-            failed = True
+            if self.hooks:
+                self.hooks.end()
+            self.counters["failed_micro_batches"] += 1  # e.g. an OOM the user retries: not part of the step
             raise
-        finally:
-            buf = self.hooks.end() if self.hooks else None
-            self._parts.append((meta, buf))
-            if not failed and buf is not None:
-                self._check_wiring(buf)
+        buf = self.hooks.end() if self.hooks else None
+        self._parts.append((meta, buf))
+        if buf is not None:
+            self._check_wiring(buf)
 
     def _check_wiring(self, buf: MicroBatchScores) -> None:
         if buf.dropped_calls == 0 or buf.matched_calls > 0:

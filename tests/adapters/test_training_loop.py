@@ -254,3 +254,26 @@ def test_bisection_fallback_when_gradient_is_unattributed():
     assert loc.probes == M + 2 * 6
     assert sorted({i for i, _ in calls}) == [0, 1, 2]
     assert [n for i, n in calls if i == 2][-2:] == [1, 1]
+
+
+def test_a_micro_batch_block_that_raises_is_left_out_of_the_step():
+    """An exception inside a block (e.g. an OOM the user retries) propagates unchanged; the failed
+    micro-batch is not part of the step's token stats and is counted."""
+    import gradloc
+    from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=32, seq=8, d_model=16, n_layers=1))
+    mon = gradloc.watch(model)
+    x, y = torch.randint(0, 32, (2, 2, 8)), torch.randint(0, 32, (2, 2, 8))
+    with pytest.raises(RuntimeError, match="simulated OOM"):
+        with mon.micro_batch(y[0]):
+            model(x[0])
+            raise RuntimeError("simulated OOM")
+    with mon.micro_batch(y[1]):
+        token_losses(model(x[1]), y[1]).mean().backward()
+    report = mon.end_step()
+    assert report.record.micro_batches == 1
+    assert len(report.record.tokens.micro_batch_shares) == 1
+    assert mon.counters["failed_micro_batches"] == 1
+    mon.close()

@@ -68,5 +68,7 @@ class HFRMSNormRule:
         return x.detach()
 
     def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+        eps = getattr(module, "variance_epsilon", None)
+        if eps is None:
+            eps = getattr(module, "eps", 1e-6)
         return _weight_score(module.weight, rms_hat(saved, 1, float(eps), saved.dtype), g, 1)

@@ -179,3 +179,15 @@ def test_final_rms_norm_scores_through_hooks_equal_per_token_loss_gradients(kind
         assert report.record.tokens.unattributed_share == 0.0  # every parameter has a rule
     finally:
         mon.close()
+
+
+def test_hf_rms_norm_with_zero_epsilon_keeps_zero():
+    """variance_epsilon = 0.0 is a real value, not a missing one (no silent fallback to 1e-6)."""
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(4, eps=0.0).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 4, dtype=torch.float64) * 1e-4  # small activations: eps would dominate
+    g = torch.randn(3, 4, dtype=torch.float64)
+    _, _, _, score = rule_score(norm, x, g)
+    torch.testing.assert_close(score.double(), per_position_reference(norm, x, g, 1), rtol=1e-5, atol=0)
