@@ -114,15 +114,20 @@ def _ms(xs: list[float]) -> float:
     return round(1000.0 * statistics.median(xs), 3) if xs else float("nan")
 
 
+def _base_model(cfg: OverheadConfig) -> TinyGPT:
+    """The seeded model every variant starts from (each variant gets a deep copy)."""
+    torch.manual_seed(cfg.seed)
+    return TinyGPT(GPTConfig(vocab=cfg.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                             n_heads=cfg.n_heads))
+
+
 def run_overhead(cfg: OverheadConfig, progress: Any = None) -> dict[str, Any]:
     with torch_threads(cfg.threads):
         return _run_overhead(cfg, progress)
 
 
 def _run_overhead(cfg: OverheadConfig, progress: Any) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)
-    base = TinyGPT(GPTConfig(vocab=cfg.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                             n_heads=cfg.n_heads))
+    base = _base_model(cfg)
     variants = [_Variant(name, copy.deepcopy(base), cfg) for name in VARIANTS]
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     n_tokens = cfg.tokens_per_step
@@ -280,9 +285,7 @@ def run_profile(cfg: OverheadConfig, steps: int = 10) -> dict[str, Any]:
 
 
 def _run_profile(cfg: OverheadConfig, steps: int) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)
-    base = TinyGPT(GPTConfig(vocab=cfg.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                             n_heads=cfg.n_heads))
+    base = _base_model(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     out: dict[str, Any] = {"steps": steps, "torch_threads": torch.get_num_threads(),
                            "tokens_per_step": cfg.tokens_per_step, "d_model": cfg.d_model,
