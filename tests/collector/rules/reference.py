@@ -42,3 +42,19 @@ def rule_score(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
         saved = rule.capture(module, x, y)
         score = rule.score(module, saved, g.reshape(y.shape).to(y.dtype))
     return rule, lead, y, score
+
+
+class LlamaRMSNorm(nn.Module):
+    """Verbatim shape of transformers' LlamaRMSNorm (float32 statistics, cast back before the weight)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)

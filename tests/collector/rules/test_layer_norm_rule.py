@@ -1,21 +1,13 @@
 """nn.LayerNorm per-token rule vs a brute-force autograd reference (one (w, b) copy per position)."""
 from __future__ import annotations
 
-
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 from gradloc.collector.rules.layer_norm import LayerNormRule
-
-
-
-
-
-
-
+from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 
 
 @SETTINGS

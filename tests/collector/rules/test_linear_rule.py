@@ -6,15 +6,14 @@ with that copy, ⟨y, G⟩ is backpropagated for a random upstream gradient G, a
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 from gradloc.collector.rules.linear import LinearRule
+from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 
 leads = st.lists(st.integers(1, 4), min_size=0, max_size=3)  # 0..3 leading (position) dims
 

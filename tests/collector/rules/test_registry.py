@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 import gradloc
-from gradloc.collector.rules import registry
-from gradloc.collector.rules import rule_for
+from gradloc.collector.rules import registry, rule_for
 from gradloc.collector.rules.embedding import EmbeddingRule
 from gradloc.collector.rules.layer_norm import LayerNormRule
 from gradloc.collector.rules.linear import LinearRule
 from gradloc.collector.rules.rms_norm import HFRMSNormRule, TorchRMSNormRule
+from tests.collector.rules.reference import LlamaRMSNorm
 
 
 @pytest.fixture
@@ -37,18 +37,6 @@ class OverridesForward(nn.Linear):
 class InheritsOverriddenForward(OverridesForward):
     pass
 
-
-class LlamaRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dt)
 
 
 class Qwen2RMSNorm(LlamaRMSNorm):

@@ -2,38 +2,19 @@
 autograd reference (one weight copy per position)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from tests.collector.rules.reference import SETTINGS, per_position_reference, rule_score
 from gradloc.collector.rules.rms_norm import HFRMSNormRule, TorchRMSNormRule
-
-
-
-class LlamaRMSNorm(nn.Module):
-    """Verbatim shape of transformers' LlamaRMSNorm (float32 statistics, cast back before the weight)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-
-
-
-
+from tests.collector.rules.reference import (
+    SETTINGS,
+    LlamaRMSNorm,
+    per_position_reference,
+    rule_score,
+)
 
 
 def _randomize(module: nn.Module) -> None:
