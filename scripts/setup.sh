@@ -3,6 +3,18 @@
 # tools, torch pinned to the local CPU build through constraints.txt. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Prometheus 2.42 (Debian bookworm) for the integration tests and for scraping the daemon locally.
+# Only the binaries are used; the package's service is never started (tests run their own).
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
+  if [ "$SUDO" != none ] && command -v apt-get >/dev/null; then
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    echo "setup: prometheus/promtool missing and no root/apt-get; the Prometheus tests will fail" >&2
+  fi
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
