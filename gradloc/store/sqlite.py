@@ -1,0 +1,252 @@
+"""The incident store: correlated incidents and per-step summaries in one SQLite file (WAL mode).
+
+The daemon writes from one thread while its HTTP handlers read from others, each request possibly on
+a new thread. Connections therefore come from a small pool (any thread borrows one for one
+operation) instead of ``threading.local``, whose connections would pile up with short-lived handler
+threads. Writes also take a lock: SQLite admits one writer at a time anyway, and waiting on our own
+lock beats spinning on SQLITE_BUSY. WAL lets readers proceed during a write and see only committed
+incidents, never half of one. Schema and pragmas: :mod:`gradloc.store.schema`; the layout is
+documented in ``docs/incident-store.md``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+from gradloc.errors import ConfigError
+from gradloc.reports import CorrelatedIncident, StepSummary
+from gradloc.store import retention as _retention
+from gradloc.store.errors import AmbiguousIdError, StoreError
+from gradloc.store.incident_json import correlated_from_dict
+from gradloc.store.retention import RetentionConfig
+from gradloc.store.rows import (INCIDENT_COLUMNS, IncidentRow, StepRow, incident_params, incident_row,
+                                span_params, step_params, step_row)
+from gradloc.store.schema import check_path, connect, ensure_schema
+
+_INSERT_INCIDENT = f"INSERT INTO incidents ({INCIDENT_COLUMNS}, json) VALUES ({', '.join('?' * 12)})"
+_INSERT_SPAN = ('INSERT INTO spans (incident_id, idx, rank, micro_batch, sample, start, "end", share, text, '
+                f"token_ids, sample_id) VALUES ({', '.join('?' * 11)})")
+_INSERT_STEP = ("INSERT OR REPLACE INTO steps (job, rank, step, time_unix, global_norm, loss, top_share, "
+                f"unattributed_share, nonfinite, skipped) VALUES ({', '.join('?' * 10)})")
+_STEP_COLUMNS = "job, rank, step, time_unix, global_norm, loss, top_share, unattributed_share, nonfinite, skipped"
+_MAX_CODEPOINT = "\U0010ffff"  # sorts after every character: [p, p + this) is the range of ids starting with p
+
+
+def default_db_path() -> Path:
+    """``$GRADLOC_DB``, else ``${XDG_STATE_HOME:-~/.local/state}/gradloc/incidents.db``.
+
+    Incidents are state (history worth keeping across restarts, not cache, not config), hence
+    XDG_STATE_HOME; per the XDG spec a relative XDG_STATE_HOME is ignored.
+    """
+    env = os.environ.get("GRADLOC_DB")
+    if env:
+        return Path(env).expanduser()
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(state) if state and os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "gradloc" / "incidents.db"
+
+
+class _Pool:
+    """Idle connections to one file; a thread borrows one per operation and gives it back."""
+
+    def __init__(self, path: str, size: int = 4) -> None:
+        self._path, self._size = path, size
+        self._idle: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"the incident store {self._path} is closed")
+            conn = self._idle.pop() if self._idle else None
+        conn = conn or connect(self._path)
+        try:
+            yield conn
+        finally:
+            self._give_back(conn)
+
+    def _give_back(self, conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:  # only after a failed COMMIT/ROLLBACK: never lend a dirty connection
+            conn.rollback()
+        with self._lock:
+            if not self._closed and len(self._idle) < self._size:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class IncidentStore:
+    """Correlated incidents, their culprit spans and per-step summaries, in SQLite.
+
+    ``create=False`` refuses to create a missing file (the CLI: a typo in ``--db`` should say so,
+    not show an empty store).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], retention: RetentionConfig | None = None,
+                 *, create: bool = True) -> None:
+        retention = RetentionConfig() if retention is None else retention
+        if not isinstance(retention, RetentionConfig):
+            raise ConfigError(f"retention must be a RetentionConfig, got {type(retention).__name__}")
+        self.path, self.retention = check_path(path), retention
+        if not os.path.exists(self.path):
+            if not create:
+                raise StoreError(f"no incident store at {self.path}")
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._pool = _Pool(self.path)
+        self._write_lock = threading.Lock()
+        try:
+            with self._pool.connection() as conn:
+                ensure_schema(conn, self.path)
+        except BaseException:
+            self._pool.close()
+            raise
+
+    # -- writing -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: everything inside commits together or not at all."""
+        with self._write_lock, self._pool.connection() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def put_incident(self, inc: CorrelatedIncident) -> None:
+        """Store ``inc`` with its spans, replacing an incident with the same id (the correlator
+        re-emits an incident when a straggler rank reports late). All or nothing."""
+        params = incident_params(inc)
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM incidents WHERE incident_id = ?", (inc.incident_id,))
+            conn.execute(_INSERT_INCIDENT, params)
+            conn.executemany(_INSERT_SPAN, span_params(inc))
+
+    def put_steps(self, steps: Sequence[StepSummary]) -> int:
+        """Store step summaries in one transaction (a step already stored for its (job, rank) is
+        replaced: a job resumed from a checkpoint re-runs steps). Returns the rows written."""
+        if not steps:
+            return 0
+        with self._transaction() as conn:
+            return conn.executemany(_INSERT_STEP, step_params(steps)).rowcount
+
+    def apply_retention(self, now: float | None = None) -> dict[str, int]:
+        """Delete what :class:`RetentionConfig` no longer keeps; returns the counts per rule
+        (``incidents_by_age``, ``incidents_by_count``, ``spans``, ``steps_by_age``, ``steps_by_count``)."""
+        with self._transaction() as conn:
+            return _retention.apply(conn, self.retention, time.time() if now is None else now)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def list_incidents(self, job: str | None = None, limit: int | None = 50,
+                       since_unix: float | None = None) -> list[IncidentRow]:
+        """Headline rows, newest first; ``limit=None`` for all."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit}")
+        where, args = _filters(job, since_unix)
+        sql = (f"SELECT {INCIDENT_COLUMNS} FROM incidents{where} "
+               "ORDER BY time_unix DESC, incident_id DESC LIMIT ?")
+        with self._pool.connection() as conn:
+            return [incident_row(r) for r in conn.execute(sql, (*args, -1 if limit is None else limit))]
+
+    def get_incident_json(self, id_or_prefix: str) -> str | None:
+        """The stored JSON text of one incident (what ``/api/incidents/<id>`` serves), by full id or
+        unique prefix; None when nothing matches, :class:`AmbiguousIdError` when several do."""
+        key = id_or_prefix.strip()
+        if not key:
+            raise ValueError("an incident id (or a prefix of one) is required")
+        with self._pool.connection() as conn:
+            row = conn.execute("SELECT json FROM incidents WHERE incident_id = ?", (key,)).fetchone()
+            if row is not None:
+                return row[0]
+            ids = tuple(i for (i,) in conn.execute(
+                "SELECT incident_id FROM incidents WHERE incident_id >= ? AND incident_id < ? "
+                "ORDER BY incident_id LIMIT 6", (key, key + _MAX_CODEPOINT)))
+            if len(ids) > 1:
+                raise AmbiguousIdError(key, ids)
+            if not ids:
+                return None
+            return conn.execute("SELECT json FROM incidents WHERE incident_id = ?", ids).fetchone()[0]
+
+    def get_incident(self, id_or_prefix: str) -> CorrelatedIncident | None:
+        """One incident by full id or unique prefix (see :meth:`get_incident_json`)."""
+        text = self.get_incident_json(id_or_prefix)
+        return None if text is None else correlated_from_dict(json.loads(text))
+
+    def iter_incidents(self, job: str | None = None, since_unix: float | None = None,
+                       batch: int = 256) -> Iterator[CorrelatedIncident]:
+        """Every matching incident, oldest first, fetched ``batch`` at a time.
+
+        A connection is held per batch, not for the whole iteration, so a slow consumer (an export
+        piped to a slow disk) never pins a pool connection or a WAL snapshot.
+        """
+        where, args = _filters(job, since_unix)
+        after: tuple[float, str] | None = None
+        while True:
+            cond, page_args = where, list(args)
+            if after is not None:
+                cond += (" AND " if cond else " WHERE ") + "(time_unix, incident_id) > (?, ?)"
+                page_args += after
+            sql = f"SELECT time_unix, incident_id, json FROM incidents{cond} ORDER BY time_unix, incident_id LIMIT ?"
+            with self._pool.connection() as conn:
+                rows = conn.execute(sql, (*page_args, batch)).fetchall()
+            for _, _, text in rows:
+                yield correlated_from_dict(json.loads(text))
+            if len(rows) < batch:
+                return
+            after = (rows[-1][0], rows[-1][1])
+
+    def step_summaries(self, job: str, rank: int | None = None, last: int = 1000) -> list[StepRow]:
+        """The ``last`` most recent steps of ``job`` (all ranks, or one), in step then rank order."""
+        if last < 1:
+            raise ValueError(f"last must be >= 1, got {last}")
+        if rank is None:
+            sql = (f"SELECT {_STEP_COLUMNS} FROM steps WHERE job = ? AND step IN (SELECT DISTINCT step "
+                   "FROM steps WHERE job = ? ORDER BY step DESC LIMIT ?) ORDER BY step, rank")
+            args: tuple[Any, ...] = (job, job, last)
+        else:
+            sql = (f"SELECT * FROM (SELECT {_STEP_COLUMNS} FROM steps WHERE job = ? AND rank = ? "
+                   "ORDER BY step DESC LIMIT ?) ORDER BY step")
+            args = (job, rank, last)
+        with self._pool.connection() as conn:
+            return [step_row(r) for r in conn.execute(sql, args)]
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the pooled connections; any later call raises :class:`StoreError`."""
+        self._pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _filters(job: str | None, since_unix: float | None) -> tuple[str, list[Any]]:
+    conds, args = [], []
+    if job is not None:
+        conds.append("job = ?")
+        args.append(job)
+    if since_unix is not None:
+        conds.append("time_unix >= ?")
+        args.append(since_unix)
+    return (" WHERE " + " AND ".join(conds)) if conds else "", args
