@@ -78,6 +78,13 @@ class WatchConfig:
     update_ratio: bool = True  # needs one parameter snapshot per step (memory: 1× params)
     strict: bool = True  # wiring mistakes (shape mismatch) raise BatchMetadataError at block exit
     incident_path: str | None = None  # JSONL incident file (embedded mode)
+    world_size: int = 1  # ranks in the job: the agent waits for all of them before closing an incident
+    agent: str | None = None  # "host:port" of a gradloc-agent daemon: ship records there
+    embedded: bool = True  # without an agent: run the store and exporters in-process
+    store_path: str | None = None  # embedded SQLite store (None: $GRADLOC_DB or the per-user default)
+    store: bool = True  # embedded mode keeps incidents in the SQLite store
+    metrics_address: str | None = None  # embedded mode: serve /metrics and /api here, e.g. "127.0.0.1:9917"
+    otlp_endpoint: str | None = None  # embedded mode: export metrics and traces over OTLP/gRPC
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     localizer: LocalizerConfig = field(default_factory=LocalizerConfig)
 
@@ -85,11 +92,23 @@ class WatchConfig:
         _check(bool(self.job) and isinstance(self.job, str), "job must be a non-empty string")
         _check(self.rank >= 0, f"rank must be >= 0, got {self.rank}")
         _check(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
+        _check(self.world_size >= 1 and self.rank < self.world_size,
+               f"need 0 <= rank < world_size, got rank {self.rank}, world_size {self.world_size}")
+        for name in ("agent", "metrics_address"):
+            addr = getattr(self, name)
+            _check(addr is None or _is_address(addr), f"{name} must be 'host:port', got {addr!r}")
         g = self.layer_grouping
         ok = g in ("module", "parameter") or callable(g) or (isinstance(g, int) and g >= 1)
         _check(ok, f"layer_grouping must be 'module', 'parameter', an int >= 1 or a callable, got {g!r}")
         _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")
         _check(isinstance(self.localizer, LocalizerConfig), "localizer must be a LocalizerConfig")
+
+
+def _is_address(addr: object) -> bool:
+    if not isinstance(addr, str):
+        return False
+    host, sep, port = addr.rpartition(":")
+    return bool(sep) and port.isdigit() and int(port) <= 65535
 
 
 def finite_or_none(x: float | None) -> float | None:

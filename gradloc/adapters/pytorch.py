@@ -31,7 +31,8 @@ from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.config import WatchConfig
 from gradloc.detector import INCIDENT, LOCALIZE, SpikeDetector
 from gradloc.errors import AttachError, BatchMetadataError, UnsupportedModelError
-from gradloc.exporters.jsonl import JsonlSink, Sink
+from gradloc.agent.embedded import default_sinks
+from gradloc.exporters.jsonl import Sink
 from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
 from gradloc.records import Incident, Localization, SpikeEvent, StepRecord
 
@@ -66,7 +67,7 @@ class Monitor:
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         decode_fn = getattr(decode, "decode", decode)
         self.localizer = Localizer(cfg.localizer, decode_fn)
-        self.sinks: list[Sink] = list(sinks) + ([JsonlSink(cfg.incident_path)] if cfg.incident_path else [])
+        self.sinks: list[Sink] = list(sinks) + default_sinks(cfg)
         self.history: deque[StepRecord] = deque(maxlen=1024)
         self.incidents: list[Incident] = []
         self.counters: Counter[str] = Counter()

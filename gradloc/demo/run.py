@@ -16,7 +16,7 @@ from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
 from gradloc.errors import ConfigError
 from gradloc.records import Incident, StepRecord
 
-INJECT_KINDS = ("advantage", "label")
+INJECT_KINDS = ("advantage", "label", "none")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,12 @@ class DemoConfig:
     prompt: int = 8  # leading positions with no loss (like a prompt): they lack the context to predict
     detector_alpha: float = 0.9  # a short run: the EMA must forget the steep start of training
     incident_path: str | None = None
+    job: str = "demo"
+    rank: int = 0  # several demo processes with the same job and world_size act as the ranks of one job
+    world_size: int = 1
+    agent: str | None = None  # ship to a gradloc-agent daemon at host:port (else embedded mode)
+    store_path: str | None = None  # embedded mode's SQLite store (None: the per-user default)
+    metrics_address: str | None = None  # embedded mode: serve /metrics and /api here
 
     def __post_init__(self) -> None:
         if self.inject not in INJECT_KINDS:
@@ -63,6 +69,7 @@ class DemoResult:
     incidents: list[Incident]
     records: list[StepRecord] = field(default_factory=list)
     to_text: Callable[[list[int]], str] | None = None
+    store_path: str | None = None  # embedded mode: where the incidents were stored
 
 
 def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None = None) -> DemoResult:
@@ -71,8 +78,9 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None 
     corpus = cl100k_corpus()
     model = TinyGPT(GPTConfig(vocab=corpus.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    mon = watch(model, opt, config=WatchConfig(job="demo", incident_path=cfg.incident_path,
-                                               detector=DetectorConfig(alpha=cfg.detector_alpha)), decode=corpus.to_text)
+    wcfg = WatchConfig(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, incident_path=cfg.incident_path, agent=cfg.agent, store_path=cfg.store_path,
+                       metrics_address=cfg.metrics_address, detector=DetectorConfig(alpha=cfg.detector_alpha))
+    mon = watch(model, opt, config=wcfg, decode=corpus.to_text)
     planted: list[Planted] = []
     records: list[StepRecord] = []
     n_tokens = cfg.micro_batches * cfg.batch * (cfg.seq - cfg.prompt)
@@ -82,7 +90,7 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None 
         for step in range(cfg.steps):
             batches = [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]
             weights = loss_mask.float().expand(cfg.micro_batches, -1, -1).clone()  # (M, B, T) per-token weights
-            if step == cfg.inject_step:
+            if step == cfg.inject_step and cfg.inject != "none":
                 planted.append(_plant(cfg, model, batches, weights, gen))
 
             def loss_for(i: int, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,7 +112,8 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None 
             records.append(report.record)
             if on_step is not None:
                 on_step(step, report.record)
-    return DemoResult(planted, list(mon.incidents), records, corpus.to_text)
+    store = next((getattr(s, "store_path", None) for s in mon.sinks if getattr(s, "store_path", None)), None)
+    return DemoResult(planted, list(mon.incidents), records, corpus.to_text, store)
 
 
 def _plant(cfg: DemoConfig, model: TinyGPT, batches: list, weights: torch.Tensor,

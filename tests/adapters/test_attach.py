@@ -169,7 +169,7 @@ def test_jsonl_incident_sink(tmp_path):
 
 
 def test_failed_attach_does_not_leak_an_open_incident_file(tmp_path, monkeypatch):
-    from gradloc.adapters import pytorch as adapter
+    from gradloc.exporters import jsonl as adapter
 
     opened = []
 

@@ -257,6 +257,10 @@ def test_localizer_config_validation(kwargs, keyword):
     (dict(job=None), "job"),
     (dict(rank=-1), "rank"),
     (dict(top_k=0), "top_k"),
+    (dict(rank=2, world_size=2), "world_size"),
+    (dict(world_size=0), "world_size"),
+    (dict(agent="localhost"), "agent"),
+    (dict(metrics_address="127.0.0.1:http"), "metrics_address"),
     (dict(layer_grouping="layers"), "layer_grouping"),
     (dict(layer_grouping=0), "layer_grouping"),
     (dict(detector={"warmup": 5}), "DetectorConfig"),
@@ -269,7 +273,7 @@ def test_watch_config_validation(kwargs, keyword):
 
 def test_config_error_is_a_value_error_and_valid_configs_construct():
     assert issubclass(gradloc.ConfigError, ValueError) and issubclass(gradloc.ConfigError, gradloc.GradlocError)
-    cfg = WatchConfig(job="j", rank=3, top_k=1, layer_grouping=2,
+    cfg = WatchConfig(job="j", rank=3, world_size=4, top_k=1, layer_grouping=2,
                       detector=DetectorConfig(warmup=2, abs_threshold=1.0), localizer=LocalizerConfig(max_probes=1))
     assert cfg.detector.warmup == 2 and cfg.localizer.max_probes == 1
     assert WatchConfig(layer_grouping=lambda name: name.split(".")[0]).layer_grouping("a.b") == "a"

@@ -1,0 +1,99 @@
+"""The daemon's configuration: defaults < config file (TOML) < environment < command-line flags.
+
+Every setting has one name used everywhere: ``straggler_deadline_s`` is the TOML key
+``straggler_deadline_s``, the variable ``GRADLOC_AGENT_STRAGGLER_DEADLINE_S`` and the flag
+``--straggler-deadline-s``. The merged result is validated once, on construction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from gradloc.errors import ConfigError
+
+ENV_PREFIX = "GRADLOC_AGENT_"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    ingest: str = "127.0.0.1:50917"  # gRPC ingest (trainers connect here)
+    http: str = "127.0.0.1:9917"  # /metrics, /healthz, /api/incidents
+    db: str = ""  # SQLite incident store; "" = the per-user default, "none" = no store
+    otlp_endpoint: str = ""  # forward metrics and traces over OTLP/gRPC, e.g. localhost:4317
+    otlp_interval_s: float = 10.0
+    otlp_insecure: bool = True
+    straggler_deadline_s: float = 10.0
+    max_message_bytes: int = 16 * 1024 * 1024
+    queue_size: int = 1024
+    retention_days: float = 30.0
+    retention_incidents: int = 10_000
+    retention_step_rows: int = 1_000_000  # per job
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("ingest", "http"):
+            host, _, port = getattr(self, name).rpartition(":")
+            if not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"{name}: expected host:port, got {getattr(self, name)!r}")
+        positive = ("otlp_interval_s", "straggler_deadline_s", "max_message_bytes", "queue_size",
+                    "retention_days", "retention_incidents", "retention_step_rows")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    kind = type(getattr(AgentConfig(), name))
+    try:
+        if kind is bool and isinstance(value, str):
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("1", "true", "yes")
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {name} must be {kind.__name__}, got {value!r}") from exc
+
+
+def from_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from exc
+    table = raw.get("agent", raw)  # either top-level keys or an [agent] table
+    unknown = sorted(set(table) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return {k: _coerce(k, v, path) for k, v in table.items()}
+
+
+def from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out = {}
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG":
+            name = key[len(ENV_PREFIX):].lower()
+            if name not in FIELDS:
+                raise ConfigError(f"environment: unknown setting {key}")
+            out[name] = _coerce(name, value, key)
+    return out
+
+
+def load_config(file: str | None = None, env: Mapping[str, str] | None = None,
+                flags: Mapping[str, Any] | None = None) -> AgentConfig:
+    """Merge the sources (later wins); ``flags`` holds only the flags the user actually gave."""
+    env = os.environ if env is None else env
+    file = file or env.get(ENV_PREFIX + "CONFIG")
+    merged: dict[str, Any] = {}
+    if file:
+        merged.update(from_file(file))
+    merged.update(from_env(env))
+    merged.update({k: _coerce(k, v, f"--{k.replace('_', '-')}") for k, v in (flags or {}).items()})
+    return AgentConfig(**merged)

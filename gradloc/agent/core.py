@@ -1,0 +1,216 @@
+"""The agent pipeline after ingest: telemetry state → correlator → store / OTLP, on one worker thread.
+
+The same core runs inside the daemon (fed by the gRPC ingest threads) and inside the training
+process in embedded mode (fed by the Monitor's sink). Producers only enqueue; the worker owns the
+correlator (single-threaded), writes step summaries to the store in batches and hands closed
+incidents to the store, the OTLP exporter and the telemetry state. Nothing is dropped silently:
+a full queue is the producer's answer (``submit`` returns False) and each producer counts it.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from gradloc.errors import ConfigError
+from gradloc.exporters.state import StateConfig, TelemetryState
+from gradloc.localizer.correlator import Correlator, CorrelatorConfig
+from gradloc.records import Incident, StepRecord
+from gradloc.reports import CorrelatedIncident, StepSummary, summarize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Declare:
+    """A client's identity (from a batch header): job, rank and the job's world size."""
+
+    job: str
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class ClientDrops:
+    """Cumulative drop counters a trainer-side client reported."""
+
+    job: str
+    rank: int
+    counts: tuple[tuple[str, int], ...]
+
+
+class IncidentSink(Protocol):
+    def on_step(self, summary: StepSummary) -> None: ...
+
+    def on_incident(self, inc: CorrelatedIncident) -> None: ...
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    queue_size: int = 1024  # queued submissions (one submission = one ingest batch)
+    store_batch: int = 4096  # step summaries per store transaction at most
+    retention_interval_s: float = 300.0
+    recent_incidents: int = 256  # kept in memory for the API when there is no store
+    correlator: CorrelatorConfig = field(default_factory=CorrelatorConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1 or self.store_batch < 1 or self.recent_incidents < 0:
+            raise ConfigError("queue_size and store_batch must be >= 1, recent_incidents >= 0")
+        if not self.retention_interval_s > 0:
+            raise ConfigError("retention_interval_s must be > 0")
+
+
+class AgentCore:
+    def __init__(self, config: CoreConfig | None = None, store: Any = None,
+                 exporters: Iterable[Any] = (), new_trace_id: Callable[[], str] | None = None) -> None:
+        from gradloc.exporters.ids import new_trace_id as default_trace_id
+
+        self.config = config or CoreConfig()
+        self.state = TelemetryState(self.config.state)
+        self.store, self.exporters = store, list(exporters)
+        self.correlator = Correlator(self._on_correlated, self.config.correlator,
+                                     new_trace_id or default_trace_id)
+        self.recent: deque[CorrelatedIncident] = deque(maxlen=self.config.recent_incidents)
+        self._q: queue.Queue[tuple[float, list[Any]] | None] = queue.Queue(self.config.queue_size)
+        self._idle = threading.Condition()
+        self._unfinished = 0
+        self._steps: list[StepSummary] = []
+        self._thread: threading.Thread | None = None
+        self._next_retention = 0.0
+
+    # -- producers ---------------------------------------------------------------------------
+    def start(self) -> "AgentCore":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gradloc-agent-core", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, items: list[Any], timeout_s: float | None = None) -> bool:
+        """Enqueue items (StepSummary, StepRecord, Incident, Declare, ClientDrops). False when full."""
+        with self._idle:
+            self._unfinished += 1
+        try:
+            entry = (time.time(), items)
+            self._q.put(entry, block=timeout_s is not None and timeout_s > 0, timeout=timeout_s or None)
+            return True
+        except queue.Full:
+            self._done()
+            return False
+
+    @property
+    def queued(self) -> int:
+        return self._q.qsize()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until everything submitted so far is processed (and step summaries are stored)."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._unfinished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Process what is queued, close open incidents as partial, flush exporters, stop."""
+        if self._thread is None:
+            return
+        self.flush(timeout_s)
+        self._q.put(None)
+        self._thread.join(timeout_s)
+        self._thread = None
+        self._guard("store", self._close_store)
+        for exp in self.exporters:
+            self._guard("exporter", exp.force_flush, timeout_s)
+            self._guard("exporter", exp.shutdown)
+
+    # -- worker ------------------------------------------------------------------------------
+    def _done(self) -> None:
+        with self._idle:
+            self._unfinished -= 1
+            if not self._unfinished:
+                self._idle.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                entry = self._q.get(timeout=0.2)
+            except queue.Empty:
+                entry = ()
+            if entry is None:
+                self.correlator.close_all()
+                self._write_steps()
+                return
+            if entry:
+                self._handle(*entry)
+            self._guard("worker", self._housekeeping, bool(entry))
+
+    def _handle(self, received: float, items: list[Any]) -> None:
+        try:
+            for item in items:
+                self._guard("worker", self._item, item, received)
+        finally:
+            if len(self._steps) >= self.config.store_batch or self._q.empty():
+                self._write_steps()
+            self._done()
+
+    def _item(self, item: Any, received: float) -> None:
+        if isinstance(item, StepRecord):
+            item = summarize(item)
+        if isinstance(item, StepSummary):
+            self.state.observe_step(item, received)
+            self.correlator.on_step(item)
+            self._steps.append(item)
+            for exp in self.exporters:
+                self._guard("exporter", exp.on_step, item)
+        elif isinstance(item, Incident):
+            self.correlator.on_incident(item)
+        elif isinstance(item, Declare):
+            self.correlator.declare(item.job, item.rank, item.world_size)
+        elif isinstance(item, ClientDrops):
+            for reason, n in item.counts:
+                self.state.set_cumulative("client_dropped", (item.job, str(item.rank), reason), n)
+        else:
+            raise TypeError(f"unknown item {type(item).__name__}")
+
+    def _housekeeping(self, busy: bool) -> None:
+        self.state.set_pending(self.correlator.poll())
+        now = time.monotonic()
+        if self.store is not None and now >= self._next_retention and not busy:
+            self._next_retention = now + self.config.retention_interval_s
+            self.store.apply_retention()
+
+    def _write_steps(self) -> None:
+        steps, self._steps = self._steps, []
+        if steps and self.store is not None:
+            try:
+                self.store.put_steps(steps)
+            except Exception:  # noqa: BLE001 - counted, never fatal
+                log.exception("gradloc: storing %d step summaries failed", len(steps))
+                self.state.count("export_failures", ("store",))
+                self.state.count("export_dropped", ("store",), n=len(steps))
+
+    def _on_correlated(self, inc: CorrelatedIncident) -> None:
+        self.recent.append(inc)
+        self.state.observe_incident(inc)
+        if self.store is not None:
+            self._guard("store", self.store.put_incident, inc)
+        for exp in self.exporters:
+            self._guard("exporter", exp.on_incident, inc)
+
+    def _close_store(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def _guard(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - one bad item or exporter must not stop the pipeline
+            log.exception("gradloc agent: %s failed", what)
+            self.state.count("export_failures", (what,))

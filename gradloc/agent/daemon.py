@@ -1,0 +1,112 @@
+"""``gradloc-agent serve``: gRPC ingest from many ranks and jobs, HTTP for scrapes and the API.
+
+    trainers ──gRPC──► ingest threads ──► AgentCore (state → correlator → store / OTLP)
+                                              ▲
+    Prometheus, CLI, browser ──HTTP──► /metrics, /healthz, /api/incidents
+
+Ingest threads decode and validate a batch (a bad batch is rejected whole, with a gRPC status and
+a counted reason) and hand it to the core's bounded queue. When the queue stays full the batch is
+refused with UNAVAILABLE, so the client backs off and retries — backpressure instead of silent loss.
+Shutdown (SIGTERM/SIGINT) stops accepting, drains the queue, closes open incidents as partial,
+flushes the store and the OTLP exporter.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from gradloc.agent.config import AgentConfig
+from gradloc.agent.core import AgentCore, ClientDrops, CoreConfig, Declare
+from gradloc.agent.http import AgentHttpServer
+from gradloc.localizer.correlator import CorrelatorConfig
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The core's queue stayed full: the ingest answers UNAVAILABLE (the client retries)."""
+
+
+def _open_store(cfg: AgentConfig) -> Any:
+    if cfg.db.lower() == "none":
+        return None
+    from gradloc.store.retention import RetentionConfig
+    from gradloc.store.sqlite import IncidentStore, default_db_path
+
+    retention = RetentionConfig(max_age_days=cfg.retention_days, max_incidents=cfg.retention_incidents,
+                                max_step_rows=cfg.retention_step_rows)
+    return IncidentStore(cfg.db or default_db_path(), retention=retention)
+
+
+class Daemon:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = cfg = config
+        core_cfg = CoreConfig(queue_size=cfg.queue_size,
+                              correlator=CorrelatorConfig(straggler_deadline_s=cfg.straggler_deadline_s))
+        self.store = _open_store(cfg)
+        self.core = AgentCore(core_cfg, self.store)
+        if cfg.otlp_endpoint:
+            from gradloc.exporters.otlp import OtlpConfig, OtlpExporter
+
+            self.core.exporters.append(OtlpExporter(self.core.state, OtlpConfig(
+                endpoint=cfg.otlp_endpoint, export_interval_s=cfg.otlp_interval_s, insecure=cfg.otlp_insecure)))
+        self._grpc: Any = None
+        self._http: AgentHttpServer | None = None
+        self.ingest_address: tuple[str, int] | None = None
+        self.http_address: tuple[str, int] | None = None
+        self._stopped = threading.Event()
+
+    def start(self) -> "Daemon":
+        from gradloc.agent.http import parse_address
+        from gradloc.transport.server import start_ingest_server
+
+        self.core.start()
+        host, port = parse_address(self.config.ingest)
+        self._grpc, bound = start_ingest_server(self._ingest, self._reject, address=f"{host}:{port}",
+                                                max_message_bytes=self.config.max_message_bytes)
+        self.ingest_address = (host, bound)
+        self._http = AgentHttpServer(self.core, self.config.http).start()
+        self.http_address = self._http.address
+        log.info("gradloc-agent: ingest on %s:%d, http on %s:%d", *self.ingest_address, *self.http_address)
+        return self
+
+    def _ingest(self, batch: Any) -> None:
+        c = batch.client
+        items: list[Any] = [Declare(c.job, c.rank, c.world_size),
+                            ClientDrops(c.job, c.rank, tuple(batch.drops.items())), *batch.steps, *batch.incidents]
+        if not self.core.submit(items, timeout_s=1.0):
+            self.core.state.count("rejected", ("overloaded",))
+            raise Overloaded("the agent's queue is full; retry later")
+        if batch.steps:
+            self.core.state.count("records", ("step",), len(batch.steps))
+        if batch.incidents:
+            self.core.state.count("records", ("incident",), len(batch.incidents))
+
+    def _reject(self, reason: str) -> None:
+        self.core.state.count("rejected", (reason,))
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting, let in-flight RPCs finish, drain and flush everything. Safe to call twice."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._grpc is not None:
+            self._grpc.stop(grace_s).wait(grace_s + 1)
+        self.core.close(timeout_s=max(grace_s, 10.0))
+        if self._http is not None:
+            self._http.stop()
+        log.info("gradloc-agent: stopped")
+
+    def serve_until_signal(self) -> None:
+        """Block until SIGTERM/SIGINT, then shut down gracefully (main thread only)."""
+        stop = threading.Event()
+        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.stop()

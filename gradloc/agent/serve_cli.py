@@ -1,0 +1,67 @@
+"""``gradloc-agent serve``: flags → :class:`AgentConfig` (merged with the config file and the
+environment) → :class:`Daemon`. Only this module knows about click."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import click
+
+from gradloc.agent.config import AgentConfig, load_config
+from gradloc.errors import ConfigError
+
+_D = AgentConfig()
+
+
+@click.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="TOML config file (keys as the flags, underscores; optional [agent] table). "
+                   "Also $GRADLOC_AGENT_CONFIG.")
+@click.option("--ingest", default=None, metavar="HOST:PORT", help=f"gRPC ingest address [{_D.ingest}].")
+@click.option("--http", default=None, metavar="HOST:PORT", help=f"/metrics and /api address [{_D.http}].")
+@click.option("--db", default=None, help="SQLite incident store; 'none' disables it "
+                                         "[$GRADLOC_DB or ~/.local/state/gradloc/incidents.db].")
+@click.option("--otlp-endpoint", default=None, metavar="HOST:PORT",
+              help="Forward metrics and incident traces over OTLP/gRPC to this collector.")
+@click.option("--otlp-interval-s", type=float, default=None, help=f"OTLP metric export interval [{_D.otlp_interval_s}].")
+@click.option("--straggler-deadline-s", type=float, default=None,
+              help=f"How long an incident waits for the other ranks [{_D.straggler_deadline_s}].")
+@click.option("--max-message-bytes", type=int, default=None, help=f"Largest ingest message [{_D.max_message_bytes}].")
+@click.option("--queue-size", type=int, default=None, help=f"Ingest batches queued before backpressure [{_D.queue_size}].")
+@click.option("--retention-days", type=float, default=None, help=f"Drop incidents older than this [{_D.retention_days}].")
+@click.option("--retention-incidents", type=int, default=None, help=f"Keep at most this many incidents [{_D.retention_incidents}].")
+@click.option("--retention-step-rows", type=int, default=None,
+              help=f"Keep at most this many step summaries per job [{_D.retention_step_rows}].")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Once serving, write {\"ingest\": \"host:port\", \"http\": \"host:port\"} here "
+                   "(useful with port 0).")
+def serve(config_file: str | None, ready_file: str | None, **flags: Any) -> None:
+    """Run the agent daemon: gRPC ingest, /metrics, /api/incidents, store, OTLP forwarding.
+
+    Settings come from defaults < --config file < GRADLOC_AGENT_* environment < flags.
+    """
+    from gradloc.agent.daemon import Daemon
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        cfg = load_config(config_file, os.environ, given)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        daemon = Daemon(cfg).start()
+    except (OSError, RuntimeError, ConfigError) as exc:
+        raise click.ClickException(f"could not start: {exc}") from exc
+    addresses = {"ingest": "%s:%d" % daemon.ingest_address, "http": "%s:%d" % daemon.http_address}
+    click.echo(f"gradloc-agent serving: ingest {addresses['ingest']} · http://{addresses['http']}/metrics", err=True)
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(addresses, fh)
+        os.replace(tmp, ready_file)
+    daemon.serve_until_signal()

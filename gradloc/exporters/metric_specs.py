@@ -1,0 +1,121 @@
+"""Every metric gradloc exports, defined once: Prometheus name, OTel name, type, unit, labels.
+
+The Prometheus collector, the OTLP exporter and ``docs/metrics.md`` are all derived from
+:data:`SPECS` (a test checks the doc lists exactly these). Conventions (DESIGN.md §5):
+
+* Prometheus: base units, ``_total`` on counters (the family name here omits it; the client adds
+  it), ``_ratio`` for shares in [0, 1], ``_seconds`` for durations.
+* OTel: dot-separated names without units, UCUM units (``1``, ``s``, ``{step}``).
+* Labels are bounded: ``job``, ``rank``, ``layer`` (bounded by the model and the layer grouping),
+  and small closed sets (``kind``, ``status``, ``reason``, ``exporter``). Never step numbers, sample
+  ids, token ids or text — those live in incidents and traces.
+* Gradient norms span ~1e-8 … 1e4: histograms use explicit log-spaced buckets, 2 per decade.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# 1e-8 … 1e4, two boundaries per decade (1, 3.16): 25 buckets plus +Inf.
+NORM_BUCKETS: tuple[float, ...] = tuple(float(f"{x:.3g}") for x in np.logspace(-8, 4, 25))
+PROBE_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+LAG_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    key: str  # internal id used by TelemetryState
+    prom: str  # Prometheus family name (counters: without the `_total` suffix)
+    otel: str
+    kind: str  # "gauge" | "counter" | "histogram"
+    unit: str  # UCUM
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def prom_sample(self) -> str:
+        """The sample name a scrape shows (``…_total`` for counters)."""
+        return self.prom + "_total" if self.kind == "counter" else self.prom
+
+
+def _g(key: str, prom: str, otel: str, unit: str, labels: tuple[str, ...], help: str) -> MetricSpec:
+    return MetricSpec(key, prom, otel, "gauge", unit, labels, help)
+
+
+def _c(key: str, prom: str, otel: str, unit: str, labels: tuple[str, ...], help: str) -> MetricSpec:
+    return MetricSpec(key, prom, otel, "counter", unit, labels, help)
+
+
+def _h(key: str, prom: str, otel: str, unit: str, labels: tuple[str, ...], help: str,
+       buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(key, prom, otel, "histogram", unit, labels, help, buckets)
+
+
+JR = ("job", "rank")
+JRL = ("job", "rank", "layer")
+
+SPECS: tuple[MetricSpec, ...] = (
+    # Latest step of each rank (gauges read from the newest record at scrape/export time).
+    _g("global_norm", "gradloc_grad_global_norm", "gradloc.grad.global_norm", "1", JR,
+       "L2 norm of all (unscaled) gradients at the optimizer boundary, latest step."),
+    _g("layer_norm", "gradloc_grad_norm", "gradloc.grad.norm", "1", JRL,
+       "L2 norm of one layer group's gradient, latest step."),
+    _g("layer_max_abs", "gradloc_grad_max_abs", "gradloc.grad.max_abs", "1", JRL,
+       "Largest absolute gradient element of one layer group, latest step."),
+    _g("update_ratio", "gradloc_update_ratio", "gradloc.update.ratio", "1", JRL,
+       "‖Δθ‖/‖θ‖ of one layer group's last optimizer update."),
+    _g("loss", "gradloc_loss", "gradloc.loss", "1", JR, "Training loss of the latest step."),
+    _g("step", "gradloc_step", "gradloc.step", "{step}", JR, "Latest optimizer step reported (a value, never a label)."),
+    _g("record_time", "gradloc_last_record_timestamp_seconds", "gradloc.record.time", "s", JR,
+       "Unix time the latest step record was produced on the trainer."),
+    _g("token_top_share", "gradloc_token_top_share_ratio", "gradloc.token.top_share", "1", JR,
+       "Share of the step's per-token attribution score carried by its top token."),
+    _g("unattributed", "gradloc_token_unattributed_ratio", "gradloc.token.unattributed_share", "1", JR,
+       "Share of ‖∇‖² in parameters no per-token rule covers."),
+    _g("grad_scale", "gradloc_amp_grad_scale", "gradloc.amp.grad_scale", "1", JR,
+       "Mixed-precision loss scale the raw gradients carried (AMP GradScaler)."),
+    _g("nonfinite", "gradloc_grad_nonfinite_elements", "gradloc.grad.nonfinite", "{element}", JR,
+       "Non-finite gradient elements in the latest step."),
+    # Counters over the whole run.
+    _c("steps", "gradloc_steps", "gradloc.step.count", "{step}", JR, "Step records received."),
+    _c("skipped_steps", "gradloc_skipped_steps", "gradloc.step.skipped", "{step}", JR,
+       "Steps whose optimizer update was skipped (AMP found inf/NaN)."),
+    _c("nonfinite_steps", "gradloc_nonfinite_steps", "gradloc.step.nonfinite", "{step}", JR,
+       "Steps with at least one non-finite gradient element."),
+    _c("spikes", "gradloc_spikes", "gradloc.spike.count", "{spike}", ("job", "rank", "kind"),
+       "Detector findings by kind (one step can have several kinds). Exemplar: incident trace id."),
+    _c("incidents", "gradloc_incidents", "gradloc.incident.count", "{incident}", ("job", "status"),
+       "Correlated incidents closed (status complete|partial). Exemplar: incident trace id."),
+    _c("missing_ranks", "gradloc_incident_missing_ranks", "gradloc.incident.missing_ranks", "{rank}", ("job",),
+       "Ranks that never reported a step that became an incident (straggler deadline passed)."),
+    # Distributions.
+    _h("norm_hist", "gradloc_step_grad_norm", "gradloc.step.grad_norm", "1", JR,
+       "Distribution of per-step global gradient norms (log-spaced buckets). Exemplar: incident trace id.",
+       NORM_BUCKETS),
+    _h("probes", "gradloc_localization_probes", "gradloc.localization.probes", "{probe}", ("job",),
+       "Forward/backward probes a localization used (summed over ranks).", PROBE_BUCKETS),
+    _h("explained", "gradloc_localization_explained_ratio", "gradloc.localization.explained_share", "1",
+       ("job",), "Share of ‖∇‖² the located culprits explain.",
+       (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)),
+    # Self-metrics of the pipeline: nothing is dropped silently.
+    _c("records", "gradloc_agent_records", "gradloc.agent.records", "{record}", ("kind",),
+       "Records accepted by the agent (kind step|incident)."),
+    _c("rejected", "gradloc_agent_rejected", "gradloc.agent.rejected", "{message}", ("reason",),
+       "Ingest messages rejected, by reason (malformed, oversized, schema_version, nonfinite, ...)."),
+    _c("client_dropped", "gradloc_client_dropped", "gradloc.client.dropped", "{record}", ("job", "rank", "reason"),
+       "Records a trainer-side client dropped (queue_full, send_failed, encode_failed, rejected)."),
+    _c("export_failures", "gradloc_export_failures", "gradloc.export.failures", "{batch}", ("exporter",),
+       "Failed export attempts (otlp_metrics, otlp_traces, store)."),
+    _c("export_dropped", "gradloc_export_dropped", "gradloc.export.dropped", "{item}", ("exporter",),
+       "Items an exporter dropped (queue full, retries exhausted)."),
+    _c("series_dropped", "gradloc_agent_series_dropped", "gradloc.agent.series_dropped", "{record}", ("reason",),
+       "Records whose series were not exported because a cardinality bound was hit."),
+    _h("ingest_lag", "gradloc_agent_ingest_lag_seconds", "gradloc.agent.ingest_lag", "s", (),
+       "Time from a record's production on the trainer to its ingestion by the agent.", LAG_BUCKETS),
+    _g("pending", "gradloc_agent_pending_correlations", "gradloc.agent.pending", "{incident}", (),
+       "Incidents waiting for straggler ranks."),
+)
+
+BY_KEY: dict[str, MetricSpec] = {s.key: s for s in SPECS}

@@ -1,0 +1,214 @@
+"""The telemetry state every exporter reads: latest step per rank, counters, histograms, exemplars.
+
+Ingest writes here (cheap: a dict assignment and a few counter bumps per record); exporters read a
+:class:`TelemetrySnapshot` at scrape/export time, so a slow scrape never slows ingest and the cost
+of rendering 256 layers × N ranks is paid once per scrape, not once per record.
+
+Cardinality is bounded: at most ``max_series`` (job, rank) pairs and ``max_layers`` layer labels
+per rank; records beyond a bound still count in the counters but their series are dropped and
+counted (``gradloc_agent_series_dropped_total``). Ranks silent for ``stale_after_s`` leave the
+gauges (a finished job must not report its last norm forever); counters stay.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradloc.errors import ConfigError
+from gradloc.exporters.metric_specs import BY_KEY
+from gradloc.reports import CorrelatedIncident, StepSummary
+
+Labels = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    max_series: int = 4096  # (job, rank) pairs with live gauges
+    max_layers: int = 1024  # layer labels per rank
+    stale_after_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.max_series < 1 or self.max_layers < 1:
+            raise ConfigError("max_series and max_layers must be >= 1")
+        if not self.stale_after_s > 0:
+            raise ConfigError("stale_after_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Exemplar:
+    trace_id: str  # 32 hex digits
+    value: float
+    time_unix: float
+
+
+@dataclass(frozen=True)
+class CounterPoint:
+    key: str
+    labels: Labels  # values, in the spec's label order
+    value: float
+    exemplar: Exemplar | None = None
+
+
+@dataclass(frozen=True)
+class HistogramPoint:
+    key: str
+    labels: Labels
+    counts: tuple[int, ...]  # per bucket (not cumulative), len(buckets) + 1 (the last is +Inf)
+    sum: float
+    count: int
+    exemplars: tuple[Exemplar | None, ...] = ()  # per bucket, like OpenMetrics
+
+
+@dataclass(frozen=True)
+class RankPoint:
+    summary: StepSummary
+    received_unix: float
+    layers_exported: int  # the first n layers have series (bounded by max_layers)
+
+
+@dataclass(frozen=True)
+class TelemetrySnapshot:
+    time_unix: float
+    ranks: tuple[RankPoint, ...]
+    counters: tuple[CounterPoint, ...]
+    histograms: tuple[HistogramPoint, ...]
+    pending: int = 0
+
+
+class _Hist:
+    __slots__ = ("bounds", "counts", "sum", "count", "exemplars")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = np.asarray(bounds, dtype=np.float64)
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum, self.count = 0.0, 0
+        self.exemplars: list[Exemplar | None] = [None] * (len(bounds) + 1)
+
+    def observe(self, value: float, exemplar: Exemplar | None = None) -> None:
+        i = int(np.searchsorted(self.bounds, value, side="left"))  # bucket i: bounds[i-1] < v <= bounds[i]
+        self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+        if exemplar is not None:
+            self.exemplars[i] = exemplar
+
+    def exemplify(self, value: float, exemplar: Exemplar) -> None:
+        """Attach an exemplar to the bucket ``value`` falls in, without counting it again."""
+        self.exemplars[int(np.searchsorted(self.bounds, value, side="left"))] = exemplar
+
+
+class TelemetryState:
+    """Thread-safe; ingest threads call ``observe_*``/``count``, exporters call ``snapshot``."""
+
+    def __init__(self, config: StateConfig | None = None) -> None:
+        self.config = config or StateConfig()
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], RankPoint] = {}
+        self._counters: dict[tuple[str, Labels], float] = {}
+        self._exemplars: dict[tuple[str, Labels], Exemplar] = {}
+        self._hists: dict[tuple[str, Labels], _Hist] = {}
+        self._pending = 0
+
+    # -- ingest side -------------------------------------------------------------------------
+    def observe_step(self, s: StepSummary, received_unix: float | None = None) -> None:
+        now = time.time() if received_unix is None else received_unix
+        jr = (s.job, str(s.rank))
+        with self._lock:
+            self._bump("steps", jr)
+            if s.skipped:
+                self._bump("skipped_steps", jr)
+            if s.nonfinite:
+                self._bump("nonfinite_steps", jr)
+            if math.isfinite(s.global_norm):
+                self._hist("norm_hist", jr).observe(s.global_norm)
+            self._hist("ingest_lag", ()).observe(max(0.0, now - s.time_unix))
+            self._store_rank(s, now)
+
+    def _store_rank(self, s: StepSummary, now: float) -> None:
+        key = (s.job, s.rank)
+        if key not in self._ranks and len(self._ranks) >= self.config.max_series:
+            self._expire(now)
+            if len(self._ranks) >= self.config.max_series:
+                self._bump("series_dropped", ("max_series",))
+                return
+        n = min(len(s.layers), self.config.max_layers)
+        if n < len(s.layers):
+            self._bump("series_dropped", ("max_layers",))
+        self._ranks[key] = RankPoint(s, now, n)
+
+    def observe_incident(self, inc: CorrelatedIncident, now: float | None = None) -> None:
+        """Count a closed incident; its trace id becomes the exemplar of the spike metrics."""
+        now = time.time() if now is None else now
+        ex = Exemplar(inc.trace_id, 1.0, now)
+        with self._lock:
+            self._bump("incidents", (inc.job, inc.status), exemplar=ex)
+            if inc.ranks_missing:
+                self._bump("missing_ranks", (inc.job,), n=len(inc.ranks_missing))
+            for f in inc.findings:
+                for kind in f.spike.kinds:
+                    self._bump("spikes", (inc.job, str(f.rank), kind), exemplar=ex)
+            self._hist("probes", (inc.job,)).observe(float(inc.probes))
+            if inc.explained_share is not None and math.isfinite(inc.explained_share):
+                self._hist("explained", (inc.job,)).observe(inc.explained_share)
+            if math.isfinite(inc.global_norm):
+                for rank in inc.ranks_reported or (0,):
+                    self._hist("norm_hist", (inc.job, str(rank))).exemplify(
+                        inc.global_norm, Exemplar(inc.trace_id, inc.global_norm, now))
+
+    def count(self, key: str, labels: Labels = (), n: float = 1) -> None:
+        """Bump a counter (self-metrics: rejections, export failures and drops)."""
+        with self._lock:
+            self._bump(key, labels, n=n)
+
+    def set_cumulative(self, key: str, labels: Labels, value: float) -> None:
+        """Set a counter from a cumulative value reported elsewhere (trainer-side client drops).
+
+        A smaller value than before means the reporter restarted: add it on top, counters never go down.
+        """
+        with self._lock:
+            k = (key, labels)
+            base = self._counters.get((key + "#base", labels), 0.0)
+            last = self._counters.get((key + "#last", labels), 0.0)
+            if value < last:
+                base += last
+            self._counters[(key + "#base", labels)] = base
+            self._counters[(key + "#last", labels)] = value
+            self._counters[k] = base + value
+
+    def set_pending(self, n: int) -> None:
+        with self._lock:
+            self._pending = n
+
+    def _bump(self, key: str, labels: Labels, n: float = 1, exemplar: Exemplar | None = None) -> None:
+        k = (key, labels)
+        self._counters[k] = self._counters.get(k, 0.0) + n
+        if exemplar is not None:
+            self._exemplars[k] = exemplar
+
+    def _hist(self, key: str, labels: Labels) -> _Hist:
+        h = self._hists.get((key, labels))
+        if h is None:
+            h = self._hists[(key, labels)] = _Hist(BY_KEY[key].buckets)
+        return h
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.config.stale_after_s
+        for key in [k for k, p in self._ranks.items() if p.received_unix < cutoff]:
+            del self._ranks[key]
+
+    # -- export side -------------------------------------------------------------------------
+    def snapshot(self, now: float | None = None) -> TelemetrySnapshot:
+        now = time.time() if now is None else now
+        with self._lock:
+            self._expire(now)
+            ranks = tuple(self._ranks.values())
+            counters = tuple(CounterPoint(key, labels, v, self._exemplars.get((key, labels)))
+                             for (key, labels), v in self._counters.items() if "#" not in key)
+            hists = tuple(HistogramPoint(key, labels, tuple(h.counts), h.sum, h.count, tuple(h.exemplars))
+                          for (key, labels), h in self._hists.items())
+            pending = self._pending
+        return TelemetrySnapshot(now, ranks, counters, hists, pending)

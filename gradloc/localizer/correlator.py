@@ -1,0 +1,128 @@
+"""Cross-rank correlation: the per-rank findings of one (job, step) become ONE incident.
+
+Each rank localizes on its own micro-batches (its probes cannot see another rank's data). The
+correlator gathers, for every (job, step) some rank flagged, the step records and incidents of all
+ranks, and closes the incident when every expected rank has reported the step, or when the
+straggler deadline passes — a rank that never reports is named in ``ranks_missing`` instead of
+being waited on forever.
+
+Shares: a rank's share is its part of the per-token attribution score summed over the reporting
+ranks (each rank's ``TokenStats.total_score`` measures its own tokens' contribution before the
+gradient all-reduce). Micro-batch and span shares are the rank-local shares scaled by it, so the
+path global → micro-batch → rank → sample → token spans reads in one unit.
+
+Single-threaded by design: the agent's worker thread owns it (no locks).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from gradloc.errors import ConfigError
+from gradloc.localizer.merge import RankView, merge_incident
+from gradloc.records import Incident
+from gradloc.reports import CorrelatedIncident, StepSummary
+
+
+@dataclass(frozen=True)
+class CorrelatorConfig:
+    straggler_deadline_s: float = 10.0  # wait this long after the first finding for the other ranks
+    history_steps: int = 64  # recent steps kept per (job, rank) for findings that arrive late
+    max_pending: int = 1024  # open incidents; beyond this the oldest closes early (as partial)
+
+    def __post_init__(self) -> None:
+        if not self.straggler_deadline_s > 0:
+            raise ConfigError("straggler_deadline_s must be > 0")
+        if self.history_steps < 1 or self.max_pending < 1:
+            raise ConfigError("history_steps and max_pending must be >= 1")
+
+
+@dataclass
+class _Pending:
+    job: str
+    step: int
+    deadline: float
+    incidents: dict[int, Incident] = field(default_factory=dict)
+
+
+class Correlator:
+    """Feed it ``on_step``/``on_incident``/``declare``; call ``poll`` regularly; closed incidents
+    go to ``emit``."""
+
+    def __init__(self, emit: Callable[[CorrelatedIncident], None], config: CorrelatorConfig | None = None,
+                 new_trace_id: Callable[[], str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or CorrelatorConfig()
+        self._emit, self._clock = emit, clock
+        self._new_trace_id = new_trace_id or (lambda: uuid.uuid4().hex)
+        self._world: dict[str, int] = {}
+        self._seen: dict[str, set[int]] = {}
+        self._recent: dict[tuple[str, int], OrderedDict[int, RankView]] = {}
+        self._pending: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def declare(self, job: str, rank: int, world_size: int) -> None:
+        """A client said which job/rank it is and how many ranks the job has."""
+        self._world[job] = max(self._world.get(job, 0), world_size)
+        self._seen.setdefault(job, set()).add(rank)
+
+    def on_step(self, s: StepSummary) -> None:
+        self._seen.setdefault(s.job, set()).add(s.rank)
+        ring = self._recent.setdefault((s.job, s.rank), OrderedDict())
+        ring[s.step] = RankView(s.rank, s.global_norm, s.loss, s.tokens)
+        while len(ring) > self.config.history_steps:
+            ring.popitem(last=False)
+        self._check((s.job, s.step))
+
+    def on_incident(self, inc: Incident) -> None:
+        self._seen.setdefault(inc.job, set()).add(inc.rank)
+        key = (inc.job, inc.step)
+        p = self._pending.get(key)
+        if p is None:
+            p = self._pending[key] = _Pending(inc.job, inc.step, self._clock() + self.config.straggler_deadline_s)
+            while len(self._pending) > self.config.max_pending:
+                self._close(next(iter(self._pending)), "too many open incidents; closed early")
+        p.incidents[inc.rank] = inc
+        self._check(key)
+
+    def poll(self) -> int:
+        """Close the incidents whose deadline passed; returns how many are still open."""
+        now = self._clock()
+        for key in [k for k, p in self._pending.items() if p.deadline <= now]:
+            self._close(key, "")
+        return len(self._pending)
+
+    def close_all(self, note: str = "the agent shut down before every rank reported") -> None:
+        for key in list(self._pending):
+            self._close(key, note)
+
+    def _expected(self, job: str) -> tuple[int, ...]:
+        world = self._world.get(job, 0)
+        ranks = set(range(world)) | self._seen.get(job, set())
+        return tuple(sorted(ranks))
+
+    def _views(self, job: str, step: int) -> dict[int, RankView]:
+        views = {}
+        for rank in self._seen.get(job, ()):
+            v = self._recent.get((job, rank), {}).get(step)
+            if v is not None:
+                views[rank] = v
+        return views
+
+    def _check(self, key: tuple[str, int]) -> None:
+        p = self._pending.get(key)
+        if p is not None and set(self._expected(p.job)) <= set(self._views(p.job, p.step)):
+            self._close(key, "")
+
+    def _close(self, key: tuple[str, int], note: str) -> None:
+        p = self._pending.pop(key)
+        inc = merge_incident(p.job, p.step, self._expected(p.job), self._views(p.job, p.step),
+                             p.incidents, incident_id=uuid.uuid4().hex, trace_id=self._new_trace_id(),
+                             closed_unix=time.time(), note=note)
+        self._emit(inc)

@@ -1,0 +1,138 @@
+"""Cross-rank correlation: one incident per (job, step), shares across ranks, stragglers named."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gradloc.errors import ConfigError
+from gradloc.localizer.correlator import Correlator, CorrelatorConfig
+from gradloc.records import CulpritSpan, Incident, Localization, SpikeEvent, TokenStats
+from gradloc.reports import CorrelatedIncident, LayerColumns, StepSummary
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def summary(job: str, rank: int, step: int, total_score: float | None = 1.0,
+            mb_shares: tuple[float, ...] = (0.5, 0.5)) -> StepSummary:
+    cols = LayerColumns.build(("a",), [1.0], [1.0], [0], [1.0], [4], [np.nan])
+    tokens = None if total_score is None else TokenStats(64, total_score, (), 0.1, mb_shares, 0.0)
+    return StepSummary(job, rank, step, 1000.0 + step, 2.0 + rank, 3.0, len(mb_shares), cols, tokens)
+
+
+def finding(job: str, rank: int, step: int, share: float = 0.8, text: str = " bad") -> Incident:
+    spike = SpikeEvent(step, ("grad_spike",), 5.0, 9.0, 1.0, 0.3, layers=("head",))
+    span = CulpritSpan(1, 0, 7, 8, share, (42,), text, "before", "after", f"s{rank}")
+    loc = Localization(step, "attribution", "located", 1, share, 5.0, 4.0, 1.0, (), (span,))
+    return Incident(f"r{rank}", job, rank, step, 1000.0 + step + rank, spike, loc)
+
+
+def make(deadline: float = 5.0) -> tuple[Correlator, list[CorrelatedIncident], Clock]:
+    out: list[CorrelatedIncident] = []
+    clock = Clock()
+    ids = iter(f"{i:032x}" for i in range(1, 100))
+    c = Correlator(out.append, CorrelatorConfig(straggler_deadline_s=deadline), lambda: next(ids), clock)
+    return c, out, clock
+
+
+def test_all_ranks_report_one_complete_incident_with_global_shares() -> None:
+    c, out, _ = make()
+    for r in range(3):
+        c.declare("j", r, 3)
+    c.on_incident(finding("j", 1, 7))
+    c.on_incident(finding("j", 2, 7, share=0.5))
+    for r, score in ((0, 1.0), (1, 6.0), (2, 3.0)):
+        assert not out
+        c.on_step(summary("j", r, 7, total_score=score))
+    assert len(out) == 1 and c.pending == 0
+    inc = out[0]
+    assert inc.status == "complete" and inc.ranks_missing == () and inc.ranks_reported == (0, 1, 2)
+    assert [(s.rank, s.share, s.flagged) for s in inc.rank_shares] == [(0, 0.1, False), (1, 0.6, True), (2, 0.3, True)]
+    # Spans in global units: rank share × rank-local share, largest first.
+    assert [(s.rank, round(s.share, 6)) for s in inc.spans] == [(1, 0.48), (2, 0.15)]
+    assert math.isclose(sum(m.share for m in inc.micro_batch_shares), 1.0)
+    assert inc.trace_id == f"{1:032x}" and inc.kinds == ("grad_spike",) and inc.probes == 2
+    assert inc.global_norm == 4.0 and inc.top_layers == ("head",)
+
+
+def test_a_rank_that_never_reports_is_named_after_the_deadline() -> None:
+    c, out, clock = make(deadline=5.0)
+    for r in range(4):
+        c.declare("j", r, 4)
+    c.on_incident(finding("j", 0, 3))
+    for r in range(3):
+        c.on_step(summary("j", r, 3))
+    clock.t += 4.9
+    assert c.poll() == 1 and not out
+    clock.t += 0.2
+    assert c.poll() == 0
+    (inc,) = out
+    assert inc.status == "partial" and inc.ranks_missing == (3,) and inc.ranks_expected == (0, 1, 2, 3)
+    assert "rank(s) 3 never reported" in inc.note
+
+
+def test_step_records_that_arrived_before_the_finding_are_used() -> None:
+    c, out, _ = make()
+    c.declare("j", 0, 2)
+    c.declare("j", 1, 2)
+    c.on_step(summary("j", 0, 9))
+    c.on_step(summary("j", 1, 9))
+    c.on_incident(finding("j", 1, 9))
+    assert len(out) == 1 and out[0].status == "complete"
+
+
+def test_jobs_and_steps_do_not_mix() -> None:
+    c, out, clock = make()
+    c.declare("a", 0, 1)
+    c.declare("b", 0, 1)
+    c.on_incident(finding("a", 0, 1))
+    c.on_step(summary("b", 0, 1))
+    c.on_step(summary("a", 0, 2))
+    assert not out
+    c.on_step(summary("a", 0, 1))
+    assert [(i.job, i.step) for i in out] == [("a", 1)]
+
+
+def test_rank_without_token_stats_gets_no_share_and_a_note() -> None:
+    c, out, _ = make()
+    c.declare("j", 0, 2)
+    c.declare("j", 1, 2)
+    c.on_incident(finding("j", 0, 4))
+    c.on_step(summary("j", 0, 4))
+    c.on_step(summary("j", 1, 4, total_score=None))
+    (inc,) = out
+    assert [s.share for s in inc.rank_shares] == [1.0, None]
+    assert "rank(s) 1 sent no token statistics" in inc.note
+
+
+def test_close_all_flushes_open_incidents_as_partial() -> None:
+    c, out, _ = make()
+    c.declare("j", 0, 2)
+    c.on_incident(finding("j", 0, 5))
+    c.close_all()
+    assert len(out) == 1 and out[0].status == "partial" and "shut down" in out[0].note
+
+
+def test_old_steps_leave_the_history_and_pending_is_bounded() -> None:
+    out: list[CorrelatedIncident] = []
+    c = Correlator(out.append, CorrelatorConfig(history_steps=2, max_pending=2))
+    c.declare("j", 0, 2)
+    for step in range(5):
+        c.on_step(summary("j", 0, step))
+    assert list(c._recent[("j", 0)]) == [3, 4]
+    for step in range(3):
+        c.on_incident(finding("j", 0, 10 + step))
+    assert c.pending == 2 and len(out) == 1 and "closed early" in out[0].note
+
+
+@pytest.mark.parametrize("kw", [dict(straggler_deadline_s=0), dict(history_steps=0), dict(max_pending=0)])
+def test_config_is_validated(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        CorrelatorConfig(**kw)
