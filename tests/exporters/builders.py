@@ -1,0 +1,65 @@
+"""Small builders of agent-side records for the exporter tests (StepSummary, CorrelatedIncident).
+
+Minimal on purpose: the exporters read only the fields set here. ``tests/store/fixtures.py`` has
+richer incidents (spans, localizations) for the store and codec tests.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from gradloc.records import Incident, SpikeEvent, TokenStats
+from gradloc.reports import CorrelatedIncident, LayerColumns, StepSummary
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+
+
+def layer_names(n: int) -> tuple[str, ...]:
+    return tuple(f"model.layers.{i}.mlp.down_proj" for i in range(n))
+
+
+def columns(norms: Sequence[float], names: Sequence[str] | None = None,
+            update_ratio: Sequence[float] | None = None) -> LayerColumns:
+    """Layer columns with the given gradient norms (max_abs = norm / 10, ratios 1e-3 unless given)."""
+    norms = np.asarray(norms, dtype=np.float64)
+    n = len(norms)
+    ratios = np.full(n, 1e-3) if update_ratio is None else update_ratio
+    return LayerColumns.build(tuple(names) if names is not None else layer_names(n), norms, norms / 10,
+                              np.zeros(n, dtype=np.int64), np.full(n, 10.0), np.full(n, 1000), ratios)
+
+
+def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float, global_norm: float | None = None,
+         loss: float | None = 2.5, grad_scale: float | None = None, tokens: bool = True,
+         skipped: bool = False) -> StepSummary:
+    """One rank's step ``n``; the global norm defaults to the L2 norm of the finite layer norms."""
+    if global_norm is None:
+        finite = layers.grad_norm[np.isfinite(layers.grad_norm)]
+        global_norm = float(np.sqrt(np.sum(finite ** 2)))
+    stats = TokenStats(tokens=4096, total_score=20.0, top=(), top_share=0.25, micro_batch_shares=(0.5, 0.5),
+                       unattributed_share=0.02) if tokens else None
+    nonfinite = int(np.sum(~np.isfinite(layers.grad_norm)))
+    return StepSummary(job, rank, n, time_unix, global_norm=global_norm, loss=loss, micro_batches=2,
+                       layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped)
+
+
+def incident(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: float = 42.0,
+             ranks: Sequence[int] = (0, 1, 2), missing: Sequence[int] = (),
+             kinds: tuple[str, ...] = ("grad_spike",), time_unix: float = 1_760_000_000.0,
+             probes: int = 3, explained: float | None = 0.9) -> CorrelatedIncident:
+    """A correlated incident whose every reporting rank has one finding of ``kinds``."""
+    findings = tuple(
+        Incident(incident_id=f"{r:02d}{trace_id[2:]}", job=job, rank=r, step=step_n, time_unix=time_unix,
+                 spike=SpikeEvent(step=step_n, kinds=kinds, global_norm=global_norm, z=30.0, mean=1.0, std=0.1),
+                 localization=None)
+        for r in ranks)
+    status = "partial" if missing else "complete"
+    return CorrelatedIncident(
+        incident_id=trace_id[::-1], trace_id=trace_id, job=job, step=step_n, time_unix=time_unix, status=status,
+        kinds=kinds, global_norm=global_norm, ranks_expected=tuple(sorted((*ranks, *missing))),
+        ranks_reported=tuple(ranks), ranks_missing=tuple(missing), rank_shares=(), micro_batch_shares=(),
+        spans=(), findings=findings, closed_unix=time_unix + 1.0, explained_share=explained, probes=probes)
+
+
+NAN = math.nan

@@ -1,0 +1,1 @@
+"""Integration tests: real servers (Prometheus, HTTP) in subprocesses; marked ``integration``."""
