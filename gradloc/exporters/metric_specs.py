@@ -4,7 +4,8 @@ The Prometheus collector, the OTLP exporter and ``docs/metrics.md`` are all deri
 :data:`SPECS` (a test checks the doc lists exactly these). Conventions (DESIGN.md §5):
 
 * Prometheus: base units, ``_total`` on counters (the family name here omits it; the client adds
-  it), ``_ratio`` for shares in [0, 1], ``_seconds`` for durations.
+  it), ``_ratio`` for dimensionless ratios (shares in [0, 1], and ‖Δθ‖/‖θ‖), ``_seconds`` for
+  durations.
 * OTel: dot-separated names without units, UCUM units (``1``, ``s``, ``{step}``).
 * Labels are bounded: ``job``, ``rank``, ``layer`` (bounded by the model and the layer grouping),
   and small closed sets (``kind``, ``status``, ``reason``, ``exporter``). Never step numbers, sample
@@ -92,7 +93,7 @@ SPECS: tuple[MetricSpec, ...] = (
        "Ranks that never reported a step that became an incident (straggler deadline passed)."),
     # Distributions.
     _h("norm_hist", "gradloc_step_grad_norm", "gradloc.step.grad_norm", "1", JR,
-       "Distribution of per-step global gradient norms (log-spaced buckets). Exemplar: incident trace id.",
+       "Distribution of per-step global gradient norms (log-spaced buckets). Prometheus exemplar: incident trace id.",
        NORM_BUCKETS),
     _h("probes", "gradloc_localization_probes", "gradloc.localization.probes", "{probe}", ("job",),
        "Forward/backward probes a localization used (summed over ranks).", PROBE_BUCKETS),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradloc.errors import ConfigError
-from gradloc.exporters.metric_specs import BY_KEY
+from gradloc.exporters.metric_specs import BY_KEY, MetricSpec
 from gradloc.reports import CorrelatedIncident, StepSummary
 
 Labels = tuple[str, ...]
@@ -101,6 +101,13 @@ class _Hist:
         self.exemplars[int(np.searchsorted(self.bounds, value, side="left"))] = exemplar
 
 
+def _spec(key: str) -> MetricSpec:
+    spec = BY_KEY.get(key)
+    if spec is None:
+        raise ValueError(f"no metric spec {key!r} (see gradloc/exporters/metric_specs.py)")
+    return spec
+
+
 class TelemetryState:
     """Thread-safe; ingest threads call ``observe_*``/``count``, exporters call ``snapshot``."""
 
@@ -153,9 +160,10 @@ class TelemetryState:
                     self._bump("spikes", (inc.job, str(f.rank), kind), exemplar=ex)
             self._hist("probes", (inc.job,)).observe(float(inc.probes))
             if inc.explained_share is not None and math.isfinite(inc.explained_share):
-                self._hist("explained", (inc.job,)).observe(inc.explained_share)
+                # ⟨∇_C, ∇⟩/‖∇‖² can dip below 0 for a culprit set pointing against the rest: clamp.
+                self._hist("explained", (inc.job,)).observe(min(1.0, max(0.0, inc.explained_share)))
             if math.isfinite(inc.global_norm):
-                for rank in inc.ranks_reported or (0,):
+                for rank in inc.ranks_reported:
                     self._hist("norm_hist", (inc.job, str(rank))).exemplify(
                         inc.global_norm, Exemplar(inc.trace_id, inc.global_norm, now))
 
@@ -169,6 +177,8 @@ class TelemetryState:
 
         A smaller value than before means the reporter restarted: add it on top, counters never go down.
         """
+        if len(labels) != len(_spec(key).labels):
+            raise ValueError(f"{key}: {len(labels)} label value(s) given, the spec has {len(_spec(key).labels)}")
         with self._lock:
             k = (key, labels)
             base = self._counters.get((key + "#base", labels), 0.0)
@@ -184,6 +194,9 @@ class TelemetryState:
             self._pending = n
 
     def _bump(self, key: str, labels: Labels, n: float = 1, exemplar: Exemplar | None = None) -> None:
+        want = len(_spec(key).labels)
+        if len(labels) != want:
+            raise ValueError(f"{key}: {len(labels)} label value(s) given, the spec has {want}")
         k = (key, labels)
         self._counters[k] = self._counters.get(k, 0.0) + n
         if exemplar is not None:

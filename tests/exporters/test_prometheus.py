@@ -218,13 +218,15 @@ def test_odd_data_never_raises_and_labels_stay_valid():
     odd = ("a\ud800b", 'quote"back\\slash\nnewline', "dup", "dup", "")  # lone surrogate, escapes, dupes
     cols = columns([1.0, math.inf, NAN, 2.0, 3.0], names=odd, update_ratio=[NAN] * 5)
     state.observe_step(step("", 0, 1, cols, time_unix=time.time(), global_norm=math.inf, tokens=False))
-    state.count("rejected")  # a point with fewer label values than the spec
-    state.count("no_such_metric", ("x",))  # a key without a spec
+    with pytest.raises(ValueError, match="label value"):
+        state.count("rejected")  # fewer label values than the spec: refused, not padded
+    with pytest.raises(ValueError, match="no_such_metric"):
+        state.count("no_such_metric", ("x",))  # a key without a spec
     state.observe_incident(incident("", 1, trace_id="", global_norm=NAN, ranks=()))
     text, om = text_of(state), om_of(state)
     layers = [lab["layer"] for lab, _ in samples(text, "gradloc_grad_norm")]
     assert layers == ["a?b", 'quote"back\\slash\nnewline', "dup", ""]
-    assert samples(text, "gradloc_agent_rejected_total") == [({"reason": ""}, 1.0)]
+    assert samples(text, "gradloc_agent_rejected_total") == []
     assert "no_such_metric" not in text and "trace_id" not in om
     assert len(list(parse_openmetrics(om))) == len(SPECS)
 
