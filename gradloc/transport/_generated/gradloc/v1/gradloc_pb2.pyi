@@ -1,0 +1,305 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class IngestBatch(_message.Message):
+    __slots__ = ("schema_version", "client", "drops", "layer_tables", "steps", "incidents", "sequence")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    DROPS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_TABLES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    client: ClientInfo
+    drops: ClientDrops
+    layer_tables: _containers.RepeatedCompositeFieldContainer[LayerTable]
+    steps: _containers.RepeatedCompositeFieldContainer[Step]
+    incidents: _containers.RepeatedCompositeFieldContainer[IncidentMsg]
+    sequence: int
+    def __init__(self, schema_version: _Optional[int] = ..., client: _Optional[_Union[ClientInfo, _Mapping]] = ..., drops: _Optional[_Union[ClientDrops, _Mapping]] = ..., layer_tables: _Optional[_Iterable[_Union[LayerTable, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[IncidentMsg, _Mapping]]] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class IngestReply(_message.Message):
+    __slots__ = ("accepted_steps", "accepted_incidents")
+    ACCEPTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    accepted_steps: int
+    accepted_incidents: int
+    def __init__(self, accepted_steps: _Optional[int] = ..., accepted_incidents: _Optional[int] = ...) -> None: ...
+
+class ClientInfo(_message.Message):
+    __slots__ = ("job", "rank", "world_size", "client_id", "hostname", "pid", "gradloc_version")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    GRADLOC_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    world_size: int
+    client_id: str
+    hostname: str
+    pid: int
+    gradloc_version: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., client_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., gradloc_version: _Optional[str] = ...) -> None: ...
+
+class ClientDrops(_message.Message):
+    __slots__ = ("queue_full", "send_failed", "encode_failed", "rejected")
+    QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
+    SEND_FAILED_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    queue_full: int
+    send_failed: int
+    encode_failed: int
+    rejected: int
+    def __init__(self, queue_full: _Optional[int] = ..., send_failed: _Optional[int] = ..., encode_failed: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class LayerTable(_message.Message):
+    __slots__ = ("id", "names")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_NORM_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_TABLE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    GRAD_MAX_ABS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_NORM_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    time_unix: float
+    global_norm: float
+    loss: float
+    micro_batches: int
+    nonfinite: int
+    grad_scale: float
+    skipped: bool
+    tokens: TokenStatsMsg
+    layer_table_id: int
+    grad_norm: _containers.RepeatedScalarFieldContainer[float]
+    grad_max_abs: _containers.RepeatedScalarFieldContainer[float]
+    layer_nonfinite: _containers.RepeatedScalarFieldContainer[int]
+    param_norm: _containers.RepeatedScalarFieldContainer[float]
+    numel: _containers.RepeatedScalarFieldContainer[int]
+    update_ratio: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenStatsMsg(_message.Message):
+    __slots__ = ("tokens", "total_score", "top_share", "micro_batch_shares", "unattributed_share", "dropped_calls", "micro_batch", "sample", "position", "score", "share", "token_id", "sample_id", "sample_id_none", "layer_count", "layer_index", "layer_share", "extra_layers")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TOP_SHARE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SHARES_FIELD_NUMBER: _ClassVar[int]
+    UNATTRIBUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_NONE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    total_score: float
+    top_share: float
+    micro_batch_shares: _containers.RepeatedScalarFieldContainer[float]
+    unattributed_share: float
+    dropped_calls: int
+    micro_batch: _containers.RepeatedScalarFieldContainer[int]
+    sample: _containers.RepeatedScalarFieldContainer[int]
+    position: _containers.RepeatedScalarFieldContainer[int]
+    score: _containers.RepeatedScalarFieldContainer[float]
+    share: _containers.RepeatedScalarFieldContainer[float]
+    token_id: _containers.RepeatedScalarFieldContainer[int]
+    sample_id: _containers.RepeatedScalarFieldContainer[str]
+    sample_id_none: _containers.RepeatedScalarFieldContainer[int]
+    layer_count: _containers.RepeatedScalarFieldContainer[int]
+    layer_index: _containers.RepeatedScalarFieldContainer[int]
+    layer_share: _containers.RepeatedScalarFieldContainer[float]
+    extra_layers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[int] = ..., total_score: _Optional[float] = ..., top_share: _Optional[float] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., dropped_calls: _Optional[int] = ..., micro_batch: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[int]] = ..., position: _Optional[_Iterable[int]] = ..., score: _Optional[_Iterable[float]] = ..., share: _Optional[_Iterable[float]] = ..., token_id: _Optional[_Iterable[int]] = ..., sample_id: _Optional[_Iterable[str]] = ..., sample_id_none: _Optional[_Iterable[int]] = ..., layer_count: _Optional[_Iterable[int]] = ..., layer_index: _Optional[_Iterable[int]] = ..., layer_share: _Optional[_Iterable[float]] = ..., extra_layers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LayerShareMsg(_message.Message):
+    __slots__ = ("layer", "share")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    layer: str
+    share: float
+    def __init__(self, layer: _Optional[str] = ..., share: _Optional[float] = ...) -> None: ...
+
+class LayerStatsMsg(_message.Message):
+    __slots__ = ("layer", "grad_norm", "grad_max_abs", "nonfinite", "param_norm", "numel", "update_ratio")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    GRAD_MAX_ABS_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_NORM_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    layer: str
+    grad_norm: float
+    grad_max_abs: float
+    nonfinite: int
+    param_norm: float
+    numel: int
+    update_ratio: float
+    def __init__(self, layer: _Optional[str] = ..., grad_norm: _Optional[float] = ..., grad_max_abs: _Optional[float] = ..., nonfinite: _Optional[int] = ..., param_norm: _Optional[float] = ..., numel: _Optional[int] = ..., update_ratio: _Optional[float] = ...) -> None: ...
+
+class SpikeMsg(_message.Message):
+    __slots__ = ("step", "kinds", "global_norm", "z", "mean", "std", "loss", "loss_z", "loss_mean", "layers", "detail")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_NORM_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_Z_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    global_norm: float
+    z: float
+    mean: float
+    std: float
+    loss: float
+    loss_z: float
+    loss_mean: float
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    detail: str
+    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ..., global_norm: _Optional[float] = ..., z: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., loss: _Optional[float] = ..., loss_z: _Optional[float] = ..., loss_mean: _Optional[float] = ..., layers: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class CulpritMsg(_message.Message):
+    __slots__ = ("micro_batch", "sample", "position", "share", "score_share", "token_id", "text", "sample_id", "layers")
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    micro_batch: int
+    sample: int
+    position: int
+    share: float
+    score_share: float
+    token_id: int
+    text: str
+    sample_id: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerShareMsg]
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., share: _Optional[float] = ..., score_share: _Optional[float] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., sample_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerShareMsg, _Mapping]]] = ...) -> None: ...
+
+class CulpritSpanMsg(_message.Message):
+    __slots__ = ("micro_batch", "sample", "start", "end", "share", "token_ids", "text", "context_before", "context_after", "sample_id")
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    micro_batch: int
+    sample: int
+    start: int
+    end: int
+    share: float
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    context_before: str
+    context_after: str
+    sample_id: str
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ...) -> None: ...
+
+class LocalizationMsg(_message.Message):
+    __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    EXPLAINED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_NORM_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_NORM_FIELD_NUMBER: _ClassVar[int]
+    NORM_WITHOUT_CULPRITS_FIELD_NUMBER: _ClassVar[int]
+    CULPRITS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SHARES_FIELD_NUMBER: _ClassVar[int]
+    UNATTRIBUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_WITHOUT_CULPRITS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    method: str
+    status: str
+    probes: int
+    explained_share: float
+    global_norm: float
+    culprit_norm: float
+    norm_without_culprits: float
+    culprits: _containers.RepeatedCompositeFieldContainer[CulpritMsg]
+    spans: _containers.RepeatedCompositeFieldContainer[CulpritSpanMsg]
+    micro_batch_shares: _containers.RepeatedScalarFieldContainer[float]
+    unattributed_share: float
+    loss_share: float
+    loss_without_culprits: float
+    note: str
+    def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
+
+class IncidentMsg(_message.Message):
+    __slots__ = ("incident_id", "job", "rank", "step", "time_unix", "spike", "localization", "schema_version", "top_layers")
+    INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_FIELD_NUMBER: _ClassVar[int]
+    LOCALIZATION_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOP_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    incident_id: str
+    job: str
+    rank: int
+    step: int
+    time_unix: float
+    spike: SpikeMsg
+    localization: LocalizationMsg
+    schema_version: int
+    top_layers: _containers.RepeatedCompositeFieldContainer[LayerStatsMsg]
+    def __init__(self, incident_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., spike: _Optional[_Union[SpikeMsg, _Mapping]] = ..., localization: _Optional[_Union[LocalizationMsg, _Mapping]] = ..., schema_version: _Optional[int] = ..., top_layers: _Optional[_Iterable[_Union[LayerStatsMsg, _Mapping]]] = ...) -> None: ...

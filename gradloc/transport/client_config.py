@@ -1,0 +1,40 @@
+"""Typed configuration of :class:`~gradloc.transport.client.AgentClient`, validated on construction
+(a wiring mistake raises :class:`~gradloc.errors.ConfigError` at setup, never later on the hot path)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradloc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    address: str
+    job: str
+    rank: int
+    world_size: int = 1
+    queue_size: int = 4096
+    max_batch: int = 256
+    max_batch_bytes: int = 4 * 1024 * 1024  # keep batches well under the daemon's 16 MiB limit
+    flush_interval_s: float = 0.2
+    timeout_s: float = 5.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.address) and ":" in self.address, f"address must be host:port, got {self.address!r}"),
+            (bool(self.job), "job must be a non-empty string"),
+            (self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"),
+            (0 <= self.rank < self.world_size, f"rank must be in [0, world_size={self.world_size}), got {self.rank}"),
+            (self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}"),
+            (self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}"),
+            (self.max_batch_bytes >= 1024, f"max_batch_bytes must be >= 1024, got {self.max_batch_bytes}"),
+            (self.flush_interval_s > 0, f"flush_interval_s must be > 0, got {self.flush_interval_s}"),
+            (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
+            (0 < self.backoff_initial_s <= self.backoff_max_s,
+             f"need 0 < backoff_initial_s <= backoff_max_s, got {self.backoff_initial_s}, {self.backoff_max_s}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(f"AgentClient: {msg}")

@@ -1,0 +1,186 @@
+"""Incidents on the wire: Incident ⇄ ``pb.IncidentMsg``, exact both ways (None ≠ 0.0, NaN kept).
+
+Incidents are rare (one per spike), so they are plain nested messages decoded object by object.
+An incident is a *nonfinite-gradient event* when its spike says ``nonfinite_grad`` or one of its
+top layers has a nonfinite count > 0; only then may the gradient measurements in it (spike and
+localization norms, shares) be ±inf. NaN is also accepted in the localization's derived shares and
+norms: the localizer writes NaN there for "could not be measured" (e.g. a zero attribution total).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from gradloc.records import (INCIDENT_SCHEMA_VERSION, Culprit, CulpritSpan, Incident, LayerShare, LayerStats,
+                             Localization, SpikeEvent)
+from gradloc.transport import validate as v
+from gradloc.transport.wire import pb
+
+_SUPPORTED_INCIDENT_VERSIONS = (INCIDENT_SCHEMA_VERSION,)
+_GRAD_EVENT = " but the incident is not a nonfinite-gradient event (no 'nonfinite_grad' kind, no layer nonfinite count)"
+
+
+def _set_optional(msg: Any, obj: Any, fields: tuple[str, ...]) -> None:
+    for f in fields:
+        value = getattr(obj, f)
+        if value is not None:
+            setattr(msg, f, value)
+
+
+def _get_optional(msg: Any, field: str, check: Callable[[Any, str], Any], where: str) -> Any:
+    return check(getattr(msg, field), f"{where}.{field}") if msg.HasField(field) else None
+
+
+# -- encode ------------------------------------------------------------------------------------
+def encode_incident(inc: Incident) -> pb.IncidentMsg:
+    m = pb.IncidentMsg(incident_id=inc.incident_id, job=inc.job, rank=inc.rank, step=inc.step,
+                       time_unix=inc.time_unix, schema_version=inc.schema_version,
+                       spike=_encode_spike(inc.spike), top_layers=[_encode_layer(s) for s in inc.top_layers])
+    if inc.localization is not None:
+        m.localization.CopyFrom(_encode_localization(inc.localization))
+    return m
+
+
+def _encode_spike(s: SpikeEvent) -> pb.SpikeMsg:
+    m = pb.SpikeMsg(step=s.step, kinds=s.kinds, global_norm=s.global_norm, layers=s.layers, detail=s.detail)
+    _set_optional(m, s, ("z", "mean", "std", "loss", "loss_z", "loss_mean"))
+    return m
+
+
+def _encode_layer(s: LayerStats) -> pb.LayerStatsMsg:
+    m = pb.LayerStatsMsg(layer=s.layer, grad_norm=s.grad_norm, grad_max_abs=s.grad_max_abs, nonfinite=s.nonfinite,
+                         param_norm=s.param_norm, numel=s.numel)
+    _set_optional(m, s, ("update_ratio",))
+    return m
+
+
+def _shares(shares: tuple[LayerShare, ...]) -> list[pb.LayerShareMsg]:
+    return [pb.LayerShareMsg(layer=x.layer, share=x.share) for x in shares]
+
+
+def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
+    m = pb.LocalizationMsg(step=loc.step, method=loc.method, status=loc.status, probes=loc.probes,
+                           global_norm=loc.global_norm, micro_batch_shares=loc.micro_batch_shares,
+                           unattributed_share=loc.unattributed_share, note=loc.note)
+    _set_optional(m, loc, ("explained_share", "culprit_norm", "norm_without_culprits", "loss_share",
+                           "loss_without_culprits"))
+    for c in loc.culprits:
+        cm = m.culprits.add(micro_batch=c.micro_batch, sample=c.sample, position=c.position, share=c.share,
+                            score_share=c.score_share, layers=_shares(c.layers))
+        _set_optional(cm, c, ("token_id", "text", "sample_id"))
+    for s in loc.spans:
+        sm = m.spans.add(micro_batch=s.micro_batch, sample=s.sample, start=s.start, end=s.end, share=s.share,
+                         token_ids=s.token_ids)
+        _set_optional(sm, s, ("text", "context_before", "context_after", "sample_id"))
+    return m
+
+
+# -- decode + validate -------------------------------------------------------------------------
+class _Checks:
+    """The float/int/string checks of one incident, with its event flags bound in."""
+
+    def __init__(self, grad_event: bool, loss_event: bool) -> None:
+        self.grad_event, self.loss_event = grad_event, loss_event
+
+    def finite(self, x: float, where: str) -> float:
+        return v.finite(x, where)
+
+    def grad(self, x: float, where: str) -> float:
+        return v.finite(x, where, self.grad_event, _GRAD_EVENT)
+
+    def derived(self, x: float, where: str) -> float:
+        """A localization result: NaN = not measurable; ±inf only in a nonfinite-gradient event."""
+        return v.finite(x, where, self.grad_event or math.isnan(x), _GRAD_EVENT)
+
+    def loss_derived(self, x: float, where: str) -> float:
+        return v.finite(x, where, self.loss_event, " but the spike's loss is finite or unknown")
+
+    @staticmethod
+    def any_float(x: float, where: str) -> float:
+        return x
+
+    @staticmethod
+    def name(x: str, where: str) -> str:
+        return v.text(x, where)
+
+    @staticmethod
+    def free_text(x: str, where: str) -> str:
+        return v.text(x, where, v.MAX_TEXT)
+
+
+def decode_incident(m: pb.IncidentMsg, world_size: int, where: str) -> Incident:
+    if m.schema_version not in _SUPPORTED_INCIDENT_VERSIONS:
+        raise v.reject("schema_version", f"{where}.schema_version is {m.schema_version}; supported incident "
+                                         f"schema versions: {list(_SUPPORTED_INCIDENT_VERSIONS)}")
+    if not m.HasField("spike"):
+        raise v.reject("invalid_value", f"{where}.spike is missing")
+    top = tuple(_decode_layer(x, f"{where}.top_layers[{i}]") for i, x in enumerate(m.top_layers))
+    grad_event = "nonfinite_grad" in m.spike.kinds or any(s.nonfinite > 0 for s in top)
+    loss_event = m.spike.HasField("loss") and not math.isfinite(m.spike.loss)
+    c = _Checks(grad_event, loss_event)
+    loc = _decode_localization(m.localization, c, f"{where}.localization") if m.HasField("localization") else None
+    return Incident(v.text(m.incident_id, f"{where}.incident_id", required=True),
+                    v.text(m.job, f"{where}.job", required=True), v.rank(m.rank, world_size, f"{where}.rank"),
+                    v.count(m.step, f"{where}.step"), c.finite(m.time_unix, f"{where}.time_unix"),
+                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top)
+
+
+def _decode_layer(m: pb.LayerStatsMsg, where: str) -> LayerStats:
+    nonfinite = v.count(m.nonfinite, f"{where}.nonfinite")
+    c = _Checks(nonfinite > 0, False)
+    ratio = None
+    if m.HasField("update_ratio"):  # NaN = unknown, like the step columns
+        ratio = v.finite(m.update_ratio, f"{where}.update_ratio", c.grad_event or math.isnan(m.update_ratio))
+    return LayerStats(v.text(m.layer, f"{where}.layer", required=True), c.grad(m.grad_norm, f"{where}.grad_norm"),
+                      c.grad(m.grad_max_abs, f"{where}.grad_max_abs"), nonfinite,
+                      c.grad(m.param_norm, f"{where}.param_norm"), v.count(m.numel, f"{where}.numel"), ratio)
+
+
+def _decode_spike(m: pb.SpikeMsg, c: _Checks, where: str) -> SpikeEvent:
+    opt = {f: _get_optional(m, f, c.finite, where) for f in ("z", "mean", "std", "loss_z", "loss_mean")}
+    return SpikeEvent(
+        v.count(m.step, f"{where}.step"),
+        tuple(c.name(k, f"{where}.kinds[{i}]") for i, k in enumerate(m.kinds)),
+        c.grad(m.global_norm, f"{where}.global_norm"), opt["z"], opt["mean"], opt["std"],
+        _get_optional(m, "loss", c.any_float, where), opt["loss_z"], opt["loss_mean"],
+        tuple(c.name(x, f"{where}.layers[{i}]") for i, x in enumerate(m.layers)),
+        c.free_text(m.detail, f"{where}.detail"))
+
+
+def _decode_shares(ms: Any, c: _Checks, where: str) -> tuple[LayerShare, ...]:
+    return tuple(LayerShare(v.text(x.layer, f"{where}[{i}].layer", required=True),
+                            c.derived(x.share, f"{where}[{i}].share")) for i, x in enumerate(ms))
+
+
+def _decode_culprit(m: pb.CulpritMsg, c: _Checks, where: str) -> Culprit:
+    return Culprit(v.count(m.micro_batch, f"{where}.micro_batch"), v.count(m.sample, f"{where}.sample"),
+                   v.count(m.position, f"{where}.position"), c.derived(m.share, f"{where}.share"),
+                   c.derived(m.score_share, f"{where}.score_share"), _get_optional(m, "token_id", v.count, where),
+                   _get_optional(m, "text", c.free_text, where), _get_optional(m, "sample_id", c.name, where),
+                   _decode_shares(m.layers, c, f"{where}.layers"))
+
+
+def _decode_span(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> CulpritSpan:
+    start, end = v.count(m.start, f"{where}.start"), v.count(m.end, f"{where}.end")
+    if end < start:
+        raise v.reject("invalid_value", f"{where}.end is {end}, before start {start}")
+    return CulpritSpan(v.count(m.micro_batch, f"{where}.micro_batch"), v.count(m.sample, f"{where}.sample"),
+                       start, end, c.derived(m.share, f"{where}.share"),
+                       tuple(v.count(t, f"{where}.token_ids[{i}]") for i, t in enumerate(m.token_ids)),
+                       *(_get_optional(m, f, c.free_text, where)
+                         for f in ("text", "context_before", "context_after")),
+                       _get_optional(m, "sample_id", c.name, where))
+
+
+def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Localization:
+    return Localization(
+        v.count(m.step, f"{where}.step"), c.name(m.method, f"{where}.method"), c.name(m.status, f"{where}.status"),
+        v.count(m.probes, f"{where}.probes"), _get_optional(m, "explained_share", c.derived, where),
+        c.grad(m.global_norm, f"{where}.global_norm"), _get_optional(m, "culprit_norm", c.derived, where),
+        _get_optional(m, "norm_without_culprits", c.derived, where),
+        tuple(_decode_culprit(x, c, f"{where}.culprits[{i}]") for i, x in enumerate(m.culprits)),
+        tuple(_decode_span(x, c, f"{where}.spans[{i}]") for i, x in enumerate(m.spans)),
+        tuple(c.derived(x, f"{where}.micro_batch_shares[{i}]") for i, x in enumerate(m.micro_batch_shares)),
+        c.derived(m.unattributed_share, f"{where}.unattributed_share"),
+        _get_optional(m, "loss_share", c.loss_derived, where),
+        _get_optional(m, "loss_without_culprits", c.loss_derived, where), c.free_text(m.note, f"{where}.note"))

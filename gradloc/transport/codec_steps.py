@@ -1,0 +1,179 @@
+"""Step records on the wire: StepRecord → ``pb.Step`` (trainer) and ``pb.Step`` → StepSummary (daemon).
+
+Per-layer statistics travel as columns (one packed ``repeated double`` per statistic) and the layer
+names as a separately sent, content-addressed table, so a 256-layer step costs six memcpy-like
+array decodes on the daemon instead of 256 Python objects, and no names after the first batch.
+Token statistics (top-k scores with their per-layer shares) are columns as well; the shares name
+layers by index into the step's table (names it lacks go into ``extra_layers``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import NoReturn
+
+import numpy as np
+
+from gradloc.records import LayerShare, StepRecord, TokenScore, TokenStats
+from gradloc.reports import LayerColumns, StepSummary
+from gradloc.transport import validate as v
+from gradloc.transport.wire import pb
+
+_NAN = float("nan")
+_FLOAT_COLUMNS = ("grad_norm", "grad_max_abs", "param_norm")
+_INT_COLUMNS = ("layer_nonfinite", "numel")
+_GRAD_EVENT = " but the step's nonfinite count is 0 (accepted only with a nonfinite count > 0)"
+
+
+# -- encode (trainer side, background thread) --------------------------------------------------
+def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str, rank: int) -> pb.Step:
+    """``index`` maps the step's layer names to their table positions; ``job``/``rank`` are the
+    client's (sent only where the record differs from them)."""
+    ls = rec.layers
+    m = pb.Step(step=rec.step, time_unix=rec.time_unix, global_norm=rec.global_norm,
+                micro_batches=rec.micro_batches, nonfinite=rec.nonfinite, skipped=rec.skipped,
+                layer_table_id=table_id,
+                grad_norm=[s.grad_norm for s in ls], grad_max_abs=[s.grad_max_abs for s in ls],
+                layer_nonfinite=[s.nonfinite for s in ls], param_norm=[s.param_norm for s in ls],
+                numel=[s.numel for s in ls])
+    if any(s.update_ratio is not None for s in ls):
+        m.update_ratio.extend([_NAN if s.update_ratio is None else s.update_ratio for s in ls])
+    if rec.job != job:
+        m.job = rec.job
+    if rec.rank != rank:
+        m.rank = rec.rank
+    if rec.loss is not None:
+        m.loss = rec.loss
+    if rec.grad_scale is not None:
+        m.grad_scale = rec.grad_scale
+    if rec.tokens is not None:
+        _encode_tokens(rec.tokens, index, m.tokens)
+    return m
+
+
+def _encode_tokens(t: TokenStats, index: dict[str, int], out: pb.TokenStatsMsg) -> None:
+    top = t.top
+    out.tokens, out.total_score, out.top_share = t.tokens, t.total_score, t.top_share
+    out.micro_batch_shares.extend(t.micro_batch_shares)
+    out.unattributed_share, out.dropped_calls = t.unattributed_share, t.dropped_calls
+    for field in ("micro_batch", "sample", "position", "score", "share"):
+        getattr(out, field).extend([getattr(s, field) for s in top])
+    if any(s.token_id is not None for s in top):
+        if any(s.token_id is not None and s.token_id < 0 for s in top):  # -1 means None on the wire
+            raise v.reject("invalid_value", f"a token score has a negative token_id: {[s.token_id for s in top]}")
+        out.token_id.extend([-1 if s.token_id is None else s.token_id for s in top])
+    if any(s.sample_id is not None for s in top):
+        out.sample_id.extend(["" if s.sample_id is None else s.sample_id for s in top])
+        out.sample_id_none.extend([j for j, s in enumerate(top) if s.sample_id is None])
+    extra: dict[str, int] = {}
+    for s in top:
+        out.layer_count.append(len(s.layers))
+        for share in s.layers:
+            k = index.get(share.layer)
+            if k is None:
+                k = extra.setdefault(share.layer, len(index) + len(extra))
+            out.layer_index.append(k)
+            out.layer_share.append(share.share)
+    out.extra_layers.extend(extra)  # insertion order = index order
+
+
+# -- decode + validate (daemon side, hot path) -------------------------------------------------
+def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_size: int,
+                where: str) -> StepSummary:
+    """One validated StepSummary; raises :class:`~gradloc.transport.validate.RejectedBatch`."""
+    cols = _columns(m, names, where)
+    nonfinite = v.count(m.nonfinite, f"{where}.nonfinite")
+    event = nonfinite > 0
+    job = v.text(m.job, f"{where}.job", required=True) if m.HasField("job") else job
+    rank = v.rank(m.rank, world_size, f"{where}.rank") if m.HasField("rank") else rank
+    return StepSummary(
+        job, rank, v.count(m.step, f"{where}.step"), v.finite(m.time_unix, f"{where}.time_unix"),
+        v.finite(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
+        m.loss if m.HasField("loss") else None,  # any value: a non-finite loss is itself an event
+        v.count(m.micro_batches, f"{where}.micro_batches"), cols,
+        _decode_tokens(m.tokens, names, f"{where}.tokens", event) if m.HasField("tokens") else None,
+        nonfinite,
+        v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
+        m.skipped)
+
+
+def _columns(m: pb.Step, names: tuple[str, ...], where: str) -> LayerColumns:
+    n = len(names)
+    for field in (*_FLOAT_COLUMNS, *_INT_COLUMNS, "update_ratio"):
+        got = len(getattr(m, field))
+        if got != n and not (field == "update_ratio" and got == 0):
+            raise v.reject("length_mismatch", f"{where}.{field} has {got} values but layer table "
+                                              f"{m.layer_table_id:#018x} has {n} layers")
+    gn, gm, pn = (np.array(getattr(m, f), dtype=np.float64) for f in _FLOAT_COLUMNS)
+    nf, numel = (np.array(getattr(m, f), dtype=np.int64) for f in _INT_COLUMNS)
+    ur = np.array(m.update_ratio, dtype=np.float64) if len(m.update_ratio) else np.full(n, _NAN)
+    v.layer_columns(where, names, gn, gm, pn, ur, nf, numel)
+    return LayerColumns.build(names, gn, gm, nf, pn, numel, ur)
+
+
+def _decode_tokens(t: pb.TokenStatsMsg, names: tuple[str, ...], where: str, event: bool) -> TokenStats:
+    """Token scores and shares are gradient measurements: non-finite only in a nonfinite-gradient step.
+
+    Fast path: each column read once (upb field access is slow) and checked with one combined
+    test; the field-by-field checks that name the offending entry run only when it fails."""
+    mb, sample, pos = tuple(t.micro_batch), tuple(t.sample), tuple(t.position)
+    score, share, counts = tuple(t.score), tuple(t.share), tuple(t.layer_count)
+    index, lshare, mbs = tuple(t.layer_index), tuple(t.layer_share), tuple(t.micro_batch_shares)
+    k = len(score)
+    token_id = tuple(t.token_id) or (-1,) * k
+    sample_id: list[str | None] = list(t.sample_id) or [None] * k
+    none = tuple(t.sample_id_none)
+    for j in none:
+        if j < len(sample_id):  # (out of range: reported by _explain_tokens)
+            sample_id[j] = None
+    layer_names = names + tuple(t.extra_layers)
+    floats = (t.total_score, t.top_share, t.unattributed_share, *mbs, *score, *share, *lshare)
+    if ({len(mb), len(sample), len(pos), len(share), len(counts), len(token_id), len(sample_id)} != {k}
+            or sum(counts) != len(index) or len(lshare) != len(index)
+            or min(t.tokens, t.dropped_calls, *mb, *sample, *pos) < 0 or min(token_id, default=0) < -1
+            or max(index, default=-1) >= len(layer_names) or max(none, default=-1) >= k or "" in t.extra_layers
+            or max(map(len, layer_names[len(names):] + tuple(x or "" for x in sample_id)), default=0) > v.MAX_NAME
+            or not (event or all(map(math.isfinite, floats)))):
+        _explain_tokens(t, layer_names, where, event)
+    layers = tuple(map(LayerShare, map(layer_names.__getitem__, index), lshare))
+    ends = tuple(itertools.accumulate(counts))
+    top = tuple(TokenScore(mb[j], sample[j], pos[j], score[j], share[j], None if token_id[j] < 0 else token_id[j],
+                           sample_id[j], layers[ends[j] - counts[j]:ends[j]]) for j in range(k))
+    return TokenStats(t.tokens, t.total_score, top, t.top_share, mbs, t.unattributed_share, t.dropped_calls)
+
+
+def _explain_tokens(t: pb.TokenStatsMsg, layer_names: tuple[str, ...], where: str, event: bool) -> NoReturn:
+    k = len(t.score)
+    for field in ("micro_batch", "sample", "position", "share", "layer_count", "token_id", "sample_id"):
+        n = len(getattr(t, field))
+        if n != k and not (n == 0 and field in ("token_id", "sample_id")):
+            raise v.reject("length_mismatch", f"{where}.{field} has {n} values but score has {k}")
+    n = sum(t.layer_count)
+    for field in ("layer_index", "layer_share"):
+        if len(getattr(t, field)) != n:
+            raise v.reject("length_mismatch", f"{where}.{field} has {len(getattr(t, field))} values but "
+                                              f"sum(layer_count) is {n}")
+    for field in ("tokens", "dropped_calls"):
+        v.count(getattr(t, field), f"{where}.{field}")
+    for field in ("micro_batch", "sample", "position"):
+        for j, x in enumerate(getattr(t, field)):
+            v.count(x, f"{where}.{field}[{j}]")
+    for j, x in enumerate(t.token_id):
+        if x < -1:
+            raise v.reject("invalid_value", f"{where}.token_id[{j}] is {x} (must be >= 0, or -1 for unknown)")
+    for j, x in enumerate(t.sample_id_none):
+        if x >= k:
+            raise v.reject("invalid_value", f"{where}.sample_id_none[{j}] is {x}, beyond the {k} scores")
+    for j, x in enumerate(t.layer_index):
+        if x >= len(layer_names):
+            raise v.reject("invalid_value", f"{where}.layer_index[{j}] is {x}, beyond the {len(layer_names)} "
+                                            "layer names of the step (table + extra_layers)")
+    for field in ("extra_layers", "sample_id"):
+        for j, x in enumerate(getattr(t, field)):
+            v.text(x, f"{where}.{field}[{j}]", required=field == "extra_layers")
+    for field in ("total_score", "top_share", "unattributed_share"):
+        v.finite(getattr(t, field), f"{where}.{field}", event, _GRAD_EVENT)
+    for field in ("micro_batch_shares", "score", "share", "layer_share"):
+        for j, x in enumerate(getattr(t, field)):
+            v.finite(x, f"{where}.{field}[{j}]", event, _GRAD_EVENT)
+    raise AssertionError(f"{where}: the fast check failed but no field did")  # unreachable

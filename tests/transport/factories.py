@@ -1,0 +1,216 @@
+"""Records, hypothesis strategies, wire helpers and a recording ingest server shared by the transport tests.
+
+The strategies cover what the codec must carry exactly: None next to 0.0, empty tuples, NaN where
+the policy allows it (unknown update ratios, non-finite losses, nonfinite-gradient steps), layer
+shares that name layers outside the step's table, and sample/token ids present or absent.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from gradloc.records import (Culprit, CulpritSpan, Incident, LayerShare, LayerStats, Localization, SpikeEvent,
+                             StepRecord, TokenScore, TokenStats, to_dict)
+from gradloc.reports import StepSummary, summarize
+from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
+from gradloc.transport.server import start_ingest_server
+from gradloc.transport.wire import INGEST_METHOD, pb
+
+JOB = "job-a"
+WORLD = 4
+NAN, INF = float("nan"), float("inf")
+
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+anyfloat = st.floats(width=64)  # NaN and ±inf included
+small_int = st.integers(0, 2**40)
+name = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
+opt_text = st.none() | st.text(max_size=20)
+
+
+def layer(n: str, norm: float = 1.0, **kw: Any) -> LayerStats:
+    args = dict(grad_norm=norm, grad_max_abs=norm / 10, nonfinite=0, param_norm=10.0, numel=100, update_ratio=1e-3)
+    args.update(kw)
+    return LayerStats(n, **args)
+
+
+def step(n: int = 0, layers: tuple[LayerStats, ...] | None = None, **kw: Any) -> StepRecord:
+    layers = layers if layers is not None else (layer("embed"), layer("blocks.0.mlp", 2.0), layer("head", 3.0))
+    args = dict(job=JOB, rank=1, step=n, time_unix=1.7e9 + n, global_norm=3.7, loss=2.5, micro_batches=2,
+                layers=layers)
+    args.update(kw)
+    return StepRecord(**args)
+
+
+def incident(n: int = 7, **kw: Any) -> Incident:
+    spike = SpikeEvent(n, ("grad_spike",), 40.0, 9.5, 1.0, 0.2, 2.5, 0.1, 2.4, ("head",), "z 9.5")
+    cul = Culprit(0, 1, 5, 0.9, 0.8, 42, " x", "uid-1", (LayerShare("head", 0.7), LayerShare("embed", 0.3)))
+    span = CulpritSpan(0, 1, 5, 6, 0.9, (42,), " x", "a b", "c d", "uid-1")
+    loc = Localization(n, "attribution", "located", 2, 0.93, 40.0, 38.0, 3.0, (cul,), (span,), (0.95, 0.05), 0.01,
+                       0.4, 1.5, "")
+    args = dict(incident_id="f" * 32, job=JOB, rank=1, step=n, time_unix=1.7e9, spike=spike, localization=loc,
+                top_layers=(layer("head", 39.0),))
+    args.update(kw)
+    return Incident(**args)
+
+
+# -- hypothesis strategies -----------------------------------------------------------------------
+def opt(strategy: st.SearchStrategy) -> st.SearchStrategy:
+    return st.none() | strategy
+
+
+@st.composite
+def layer_stats(draw: st.DrawFn, n: str) -> LayerStats:
+    bad = draw(st.integers(0, 3)) if draw(st.booleans()) else 0  # a layer with non-finite gradients
+    g = anyfloat if bad else finite
+    ratio = draw(st.none() | (anyfloat if bad else st.floats(allow_infinity=False)))  # NaN = unknown
+    return LayerStats(n, draw(g), draw(g), bad, draw(g), draw(small_int), ratio)
+
+
+@st.composite
+def token_stats(draw: st.DrawFn, names: list[str], event: bool) -> TokenStats:
+    f = anyfloat if event else finite
+    pool = names + draw(st.lists(name, max_size=3))  # some shares name layers outside the table
+    shares = st.lists(st.builds(LayerShare, st.sampled_from(pool), f), max_size=4) if pool else st.just([])
+    score = st.builds(TokenScore, small_int, small_int, small_int, f, f, opt(small_int), opt_text, shares.map(tuple))
+    return TokenStats(draw(small_int), draw(f), tuple(draw(st.lists(score, max_size=5))), draw(f),
+                      tuple(draw(st.lists(f, max_size=4))), draw(f), draw(small_int))
+
+
+@st.composite
+def step_records(draw: st.DrawFn) -> StepRecord:
+    names = draw(st.lists(name, max_size=8, unique=True))
+    layers = tuple(draw(layer_stats(n)) for n in names)
+    nonfinite = sum(s.nonfinite for s in layers) + draw(st.integers(0, 2))
+    event = nonfinite > 0
+    tokens = draw(st.none() | token_stats(names, event))
+    return StepRecord(draw(st.sampled_from([JOB, "other-job"])), draw(st.integers(0, WORLD - 1)), draw(small_int),
+                      draw(finite), draw(anyfloat if event else finite), draw(st.none() | anyfloat),
+                      draw(st.integers(0, 64)), layers, tokens, nonfinite, draw(st.none() | finite),
+                      draw(st.booleans()))
+
+
+@st.composite
+def incidents(draw: st.DrawFn) -> Incident:
+    event = draw(st.booleans())
+    kinds = ("nonfinite_grad",) if event else tuple(draw(st.lists(st.sampled_from(["grad_spike", "loss_spike"]))))
+    g = anyfloat if event else finite
+    derived = anyfloat if event else (finite | st.just(NAN))  # NaN = "could not be measured"
+    loss = draw(opt(anyfloat))
+    lossy = anyfloat if loss is not None and not math.isfinite(loss) else finite
+    shares = st.lists(st.builds(LayerShare, name, derived), max_size=3).map(tuple)
+    culprits = st.lists(st.builds(Culprit, small_int, small_int, small_int, derived, derived, opt(small_int),
+                                  opt_text, opt_text, shares), max_size=3).map(tuple)
+    spans = st.lists(st.builds(lambda mb, s, a, d, sh, ids, *t: CulpritSpan(mb, s, a, a + d, sh, ids, *t),
+                               small_int, small_int, small_int, st.integers(0, 5), derived,
+                               st.lists(small_int, max_size=3).map(tuple), opt_text, opt_text, opt_text, opt_text),
+                     max_size=2).map(tuple)
+    loc = draw(opt(st.builds(Localization, small_int, name, name, small_int, opt(derived), g, opt(derived),
+                             opt(derived), culprits, spans, st.lists(derived, max_size=3).map(tuple), derived,
+                             opt(lossy), opt(lossy), st.text(max_size=30))))
+    spike = SpikeEvent(draw(small_int), kinds, draw(g), draw(opt(finite)), draw(opt(finite)), draw(opt(finite)),
+                       loss, draw(opt(finite)), draw(opt(finite)), tuple(draw(st.lists(name, max_size=3))),
+                       draw(st.text(max_size=30)))
+    top = tuple(draw(st.lists(name.flatmap(layer_stats), max_size=3)))
+    return Incident(draw(name), draw(name), draw(st.integers(0, WORLD - 1)), draw(small_int), draw(finite), spike, loc,
+                    top_layers=top)
+
+
+# -- wire helpers ----------------------------------------------------------------------------------
+def client_info(**kw: Any) -> pb.ClientInfo:
+    args = dict(job=JOB, rank=1, world_size=WORLD, client_id="c0ffee", hostname="host", pid=123,
+                gradloc_version="0.1.0")
+    args.update(kw)
+    return pb.ClientInfo(**args)
+
+
+def encode(steps: list[StepRecord] = (), incidents: list[Incident] = (), *, tables: bool = True,
+           client: pb.ClientInfo | None = None, schema_version: int = 1) -> tuple[pb.IngestBatch, list[pb.Step]]:
+    """A batch message (as the client would build it) and its step messages, for editing in tests."""
+    client = client or client_info()
+    reg = LayerTables()
+    header = pb.IngestBatch(schema_version=schema_version, client=client, sequence=1)
+    msgs, seen = [], {}
+    for rec in steps:
+        names = tuple(s.layer for s in rec.layers)
+        tid, index = reg.lookup(names)
+        seen[tid] = names
+        msgs.append(encode_step(rec, tid, index, client.job, client.rank))
+    if tables:
+        header.layer_tables.extend(pb.LayerTable(id=i, names=n) for i, n in seen.items())
+    header.steps.extend(msgs)
+    header.incidents.extend(encode_incident(i) for i in incidents)
+    return header, list(header.steps)
+
+
+def to_bytes(steps: list[StepRecord] = (), incidents: list[Incident] = (), **kw: Any) -> bytes:
+    msg, _ = encode(steps, incidents, **kw)
+    return msg.SerializeToString()
+
+
+def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
+    """Column-wise equality with ``summarize(rec)`` (NaN equal to NaN)."""
+    want = summarize(rec)
+    for field in ("job", "rank", "step", "micro_batches", "nonfinite", "skipped"):
+        assert getattr(got, field) == getattr(want, field), field
+    for field in ("time_unix", "global_norm", "loss", "grad_scale"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None) == (b is None) and (a is None or a == b or (math.isnan(a) and math.isnan(b))), field
+    assert got.layers.names == want.layers.names
+    for field in ("grad_norm", "grad_max_abs", "nonfinite", "param_norm", "numel", "update_ratio"):
+        a, b = getattr(got.layers, field), getattr(want.layers, field)
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), field
+        assert not a.flags.writeable
+    assert (got.tokens is None) == (want.tokens is None)
+    if want.tokens is not None:
+        assert to_dict(got.tokens) == to_dict(want.tokens)  # (to_dict spells NaN "nan", so NaN == NaN)
+
+
+class Receiver:
+    """A real ingest server on 127.0.0.1 with a recording handler (``fail``: an exception it raises)
+    and a raw-bytes channel to it."""
+
+    def __init__(self, port: int = 0, max_message_bytes: int = 16 << 20) -> None:
+        self.batches: list[DecodedBatch] = []
+        self.rejects: list[str] = []
+        self.fail: BaseException | None = None
+        self.lock = threading.Lock()
+        self.decoder = BatchDecoder(max_message_bytes=max_message_bytes)
+        self.server, self.port = start_ingest_server(self.handle, self.reject, address=f"127.0.0.1:{port}",
+                                                     max_message_bytes=max_message_bytes, workers=2,
+                                                     decoder=self.decoder)
+        self.address = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.address)
+        self.call = self.channel.unary_unary(INGEST_METHOD)  # raw bytes in and out
+
+    def handle(self, batch: DecodedBatch) -> None:
+        if self.fail is not None:
+            raise self.fail
+        with self.lock:
+            self.batches.append(batch)
+
+    def reject(self, reason: str) -> None:
+        with self.lock:
+            self.rejects.append(reason)
+
+    @property
+    def steps(self) -> list[StepSummary]:
+        with self.lock:
+            return [s for b in self.batches for s in b.steps]
+
+    def send(self, data: bytes) -> pb.IngestReply:
+        return pb.IngestReply.FromString(self.call(data, timeout=10))
+
+    def refused(self, data: bytes) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as info:
+            self.call(data, timeout=10)
+        return info.value
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0).wait(5)
