@@ -1,4 +1,4 @@
-"""``python -m bench overhead|localization [--json] [--quick] [...]``.
+"""``python -m bench overhead|localization|agent [--json] [--quick] [...]``.
 
 With ``--json`` exactly one JSON object is printed on stdout (progress goes to stderr with
 ``--verbose``); without it, a human-readable table.
@@ -42,7 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     lo.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default 1; 0 = torch's default)")
 
-    for p in (ov, lo):
+    ag = sub.add_parser("agent", help="daemon ingest: 8 client processes, 256-layer records, one daemon core")
+    ag.add_argument("--clients", type=int, default=None, help="client processes (default 8)")
+    ag.add_argument("--layers", type=int, default=None, help="layers per record (default 256)")
+    ag.add_argument("--records", type=int, default=None, help="records per client (default 4000)")
+
+    for p in (ov, lo, ag):
         p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
         p.add_argument("--quick", action="store_true", help="a small, fast version (smoke tests)")
         p.add_argument("--verbose", action="store_true", help="progress on stderr")
@@ -69,6 +74,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(res) if args.json else format_profile(res))
             return 0
         res = run_overhead(cfg, _progress(args.verbose))
+        print(json.dumps(res) if args.json else format_table(res))
+        return 0
+
+    if args.name == "agent":
+        from dataclasses import replace
+
+        from bench.agent import AgentBenchConfig, format_table, run_agent_bench
+
+        cfg = AgentBenchConfig.quick() if args.quick else AgentBenchConfig()
+        overrides = {"clients": args.clients, "layers": args.layers, "records_per_client": args.records}
+        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        res = run_agent_bench(cfg, _progress(args.verbose))
         print(json.dumps(res) if args.json else format_table(res))
         return 0
 

@@ -90,7 +90,8 @@ class _Bench:
                                        n_layers=cfg.n_layers))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         self.mon = gradloc.watch(self.model, self.opt, decode=self.corpus.to_text,
-                                 config=WatchConfig(job="bench", detector=DetectorConfig(alpha=cfg.detector_alpha)))
+                                 config=WatchConfig(job="bench", embedded=False,
+                                                    detector=DetectorConfig(alpha=cfg.detector_alpha)))
         self.loss_mask = torch.ones(cfg.batch, cfg.seq, dtype=torch.bool)
         self.loss_mask[:, : cfg.prompt] = False
         self.demo_cfg = DemoConfig(micro_batches=1, batch=cfg.batch, seq=cfg.seq, prompt=cfg.prompt,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Self
@@ -66,10 +67,13 @@ class _Variant:
         self.name, self.model = name, model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         self.mon = None
+        # The defaults users get, embedded agent included (its store in a throw-away file).
+        self.store = store = os.path.join(tempfile.gettempdir(), f"gradloc-bench-{os.getpid()}-{name}.db")
         if name == "per_layer":
-            self.mon = gradloc.watch(model, self.opt, config=gradloc.WatchConfig(job="bench", token_stats=False))
+            self.mon = gradloc.watch(model, self.opt, config=gradloc.WatchConfig(job="bench", token_stats=False,
+                                                                                 store_path=store))
         elif name == "per_token":
-            self.mon = gradloc.watch(model, self.opt, config=gradloc.WatchConfig(job="bench"))
+            self.mon = gradloc.watch(model, self.opt, config=gradloc.WatchConfig(job="bench", store_path=store))
         self.step_s: list[float] = []
         self.cpu_s: list[float] = []  # process CPU time of the step: insensitive to preemption
         self.phase_s: dict[str, list[float]] = {"fwd_bwd": [], "end_step": [], "opt_step": []}
@@ -108,6 +112,9 @@ class _Variant:
     def close(self) -> None:
         if self.mon is not None:
             self.mon.close()
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.store + suffix):
+                os.remove(self.store + suffix)
 
 
 def _ms(xs: list[float]) -> float:

@@ -1,0 +1,202 @@
+"""Daemon ingest benchmark: ``python -m bench agent --json``.
+
+A real ``gradloc-agent serve`` process (pinned to one CPU core, with its SQLite store on) receives
+step records with ``layers`` layers each from ``clients`` trainer-side client processes, each using
+the real :class:`~gradloc.transport.client.AgentClient` (background thread, batching, gRPC). The
+clients run on the other cores and pace themselves on their client's queue depth, so the daemon's
+capacity, not a client queue, decides the rate.
+
+Measured:
+
+- ``records_per_s``: step records the daemon accepted (its own ``gradloc_agent_records_total``
+  counter, read from ``/metrics``) divided by the time from the clients' start to the moment that
+  counter reached the number sent;
+- ``p99_ingest_to_metrics_s``: a probe client sends one record (job ``probe``) at a time; latency is
+  from ``on_step`` until ``/metrics`` shows that step (polled every ``poll_interval_s``, so the
+  resolution is that interval; every poll is a full scrape under load);
+- ``rss_mb``: the daemon's resident memory, the largest value sampled during and after the load;
+- ``drops``: everything lost anywhere — client drops (queue full, send failures, rejections,
+  encode failures) plus the daemon's rejections and export drops.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Self
+
+from gradloc.records import LayerShare, LayerStats, StepRecord, TokenScore, TokenStats
+
+AGENT = str(Path(sys.executable).with_name("gradloc-agent"))
+
+
+@dataclass(frozen=True)
+class AgentBenchConfig:
+    clients: int = 8
+    layers: int = 256
+    records_per_client: int = 4000
+    top_k: int = 16
+    poll_interval_s: float = 0.1
+    daemon_cpu: int = 0
+
+    @classmethod
+    def quick(cls) -> Self:
+        return cls(clients=2, layers=32, records_per_client=200)
+
+
+def template(layers: int, top_k: int, rank: int) -> StepRecord:
+    """One realistic record: ``layers`` layer stats, token stats with ``top_k`` tokens."""
+    ls = tuple(LayerStats(f"model.layers.{i // 8}.mlp.proj{i % 8}", 0.01 * (1 + i % 7), 1e-3 * (1 + i % 5), 0,
+                          1.0 + i % 3, 4096 * (1 + i % 4), 1e-3) for i in range(layers))
+    shares = tuple(LayerShare(ls[j].layer, 1 / 3) for j in range(3))
+    top = tuple(TokenScore(k % 4, k % 8, 10 + k, 1.0 / (k + 1), 0.02, 1000 + k, f"s{rank}-{k}", shares)
+                for k in range(top_k))
+    tokens = TokenStats(8192, 12.5, top, 0.02, (0.25, 0.25, 0.25, 0.25), 0.01)
+    return StepRecord("bench", rank, 0, time.time(), 1.0, 2.5, 4, ls, tokens)
+
+
+def _client_proc(address: str, cfg: AgentBenchConfig, rank: int, start: Any, out: Any) -> None:
+    from gradloc.transport.client import AgentClient
+
+    if len(os.sched_getaffinity(0)) > 1:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {cfg.daemon_cpu})
+    base = template(cfg.layers, cfg.top_k, rank)
+    client = AgentClient(address, job="bench", rank=rank, world_size=cfg.clients)
+    limit = int(client.config.queue_size * 0.8)
+    start.wait()
+    for step in range(cfg.records_per_client):
+        while client.queued > limit:  # pace on the queue: measure the daemon, not a full client queue
+            time.sleep(0.0005)
+        client.on_step(replace(base, step=step, time_unix=time.time()))
+    client.force_flush(120)
+    client.shutdown(30)
+    out.put(client.counters)
+
+
+def _metric(text: str, name: str, labels: str) -> float:
+    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _start_daemon(tmp: Path, cpu: int) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    ready = tmp / "ready.json"
+    cmd = [AGENT, "serve", "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(tmp / "bench.db"),
+           "--ready-file", str(ready), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stderr=open(tmp / "agent.log", "wb"),
+                            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"agent did not start: {(tmp / 'agent.log').read_text()}")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+class _Probe:
+    """Sends one probe record at a time and times until /metrics shows it; samples the daemon's RSS."""
+
+    def __init__(self, addr: dict[str, str], cfg: AgentBenchConfig, pid: int) -> None:
+        import psutil
+
+        from gradloc.transport.client import AgentClient
+
+        self.url, self.cfg = f"http://{addr['http']}/metrics", cfg
+        self.client = AgentClient(addr["ingest"], job="probe", rank=0, flush_interval_s=0.01)
+        self.base = replace(template(cfg.layers, cfg.top_k, 0), job="probe")
+        self.proc = psutil.Process(pid)
+        self.latencies: list[float] = []
+        self.rss: list[float] = []
+        self.step = 0
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(self.url, timeout=30) as resp:
+            text = resp.read().decode()
+        self.rss.append(self.proc.memory_info().rss / 2**20)
+        return text
+
+    def once(self, timeout_s: float = 10.0) -> str:
+        self.step += 1
+        sent = time.monotonic()
+        self.client.on_step(replace(self.base, step=self.step, time_unix=time.time()))
+        while True:
+            text = self.scrape()
+            if _metric(text, "gradloc_step", 'job="probe",rank="0"') >= self.step:
+                self.latencies.append(time.monotonic() - sent)
+                return text
+            if time.monotonic() - sent > timeout_s:
+                self.latencies.append(float("inf"))
+                return text
+            time.sleep(self.cfg.poll_interval_s)
+
+
+def run_agent_bench(cfg: AgentBenchConfig, progress: Callable[[int, int, Any], None] | None = None) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="gradloc-bench-") as tmp:
+        daemon, addr = _start_daemon(Path(tmp), cfg.daemon_cpu)
+        try:
+            return _measure(cfg, ctx, daemon, addr, progress)
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+
+
+def _measure(cfg: AgentBenchConfig, ctx: Any, daemon: subprocess.Popen[bytes], addr: dict[str, str],
+             progress: Callable[[int, int, Any], None] | None) -> dict[str, Any]:
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_client_proc, args=(addr["ingest"], cfg, r, start, out)) for r in range(cfg.clients)]
+    for p in procs:
+        p.start()
+    probe = _Probe(addr, cfg, daemon.pid)
+    probe.once()  # warm: connection up, layer table known
+    time.sleep(2.0)  # the clients import gradloc and connect
+    total = cfg.clients * cfg.records_per_client
+    t0 = time.monotonic()
+    start.set()
+    accepted, t_end = 0.0, None
+    while t_end is None and time.monotonic() - t0 < 600:
+        text = probe.once()
+        accepted = _metric(text, "gradloc_agent_records_total", 'kind="step"') - probe.step
+        if progress:
+            progress(int(accepted), total, f"{accepted:.0f}/{total} records")
+        if accepted >= total:
+            t_end = time.monotonic()
+    counters = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+    for _ in range(5):  # steady state after the load
+        text = probe.once()
+        time.sleep(0.2)
+    return _result(cfg, total, accepted, t0, t_end, probe, counters, text)
+
+
+def _result(cfg: AgentBenchConfig, total: int, accepted: float, t0: float, t_end: float | None,
+            probe: _Probe, counters: list[dict[str, int]], text: str) -> dict[str, Any]:
+    client_drops = sum(c.get(k, 0) for c in counters
+                       for k in ("queue_full", "send_failed", "encode_failed", "rejected", "after_shutdown"))
+    daemon_drops = sum(float(v) for v in re.findall(r"^gradloc_(?:agent_rejected|export_dropped)_total\{[^}]*\} (\S+)$",
+                                                     text, re.M))
+    lat = sorted(probe.latencies)
+    p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
+    return {
+        "records_per_s": round(total / (t_end - t0), 1) if t_end else None,
+        "rss_mb": round(max(probe.rss), 1),
+        "p99_ingest_to_metrics_s": round(p99, 4),
+        "drops": int(client_drops + daemon_drops),
+        "records_sent": total, "records_accepted": int(accepted), "layers": cfg.layers, "clients": cfg.clients,
+        "latency_samples": len(lat), "median_ingest_to_metrics_s": round(statistics.median(lat), 4),
+        "poll_interval_s": cfg.poll_interval_s, "rss_mb_final": round(probe.rss[-1], 1),
+        "daemon_cpus": 1, "client_cpus": max(1, len(os.sched_getaffinity(0)) - 1),
+    }
+
+
+def format_table(res: dict[str, Any]) -> str:
+    return "\n".join(f"{k:28s} {v}" for k, v in res.items())
