@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ag.add_argument("--clients", type=int, default=None, help="client processes (default 8)")
     ag.add_argument("--layers", type=int, default=None, help="layers per record (default 256)")
     ag.add_argument("--records", type=int, default=None, help="records per client (default 4000)")
+    ag.add_argument("--mode", choices=["client", "raw"], default=None,
+                    help="client: the real AgentClient (default); raw: batches encoded up front with the real "
+                         "codec and sent as fast as the daemon takes them (its capacity, not the clients')")
 
     for p in (ov, lo, ag):
         p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
@@ -83,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.agent import AgentBenchConfig, format_table, run_agent_bench
 
         cfg = AgentBenchConfig.quick() if args.quick else AgentBenchConfig()
-        overrides = {"clients": args.clients, "layers": args.layers, "records_per_client": args.records}
+        overrides = {"clients": args.clients, "layers": args.layers, "records_per_client": args.records,
+                     "mode": args.mode}
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
         res = run_agent_bench(cfg, _progress(args.verbose))
         print(json.dumps(res) if args.json else format_table(res))

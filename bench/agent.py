@@ -47,6 +47,12 @@ class AgentBenchConfig:
     top_k: int = 16
     poll_interval_s: float = 0.1
     daemon_cpu: int = 0
+    mode: str = "client"  # "client": the real AgentClient; "raw": pre-encoded batches (saturates the daemon)
+    batch: int = 256  # records per batch in raw mode (the client's default max_batch)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("client", "raw"):
+            raise ValueError(f"mode must be client or raw, got {self.mode!r}")
 
     @classmethod
     def quick(cls) -> Self:
@@ -64,14 +70,63 @@ def template(layers: int, top_k: int, rank: int) -> StepRecord:
     return StepRecord("bench", rank, 0, time.time(), 1.0, 2.5, 4, ls, tokens)
 
 
-def _client_proc(address: str, cfg: AgentBenchConfig, rank: int, start: Any, out: Any) -> None:
-    from gradloc.transport.client import AgentClient
+def _raw_batches(cfg: AgentBenchConfig, rank: int) -> list[bytes]:
+    """The client's wire format, encoded up front with the real codec (raw mode)."""
+    from gradloc.transport.codec import LayerTables, batch_bytes, encode_step
+    from gradloc.transport.wire import SCHEMA_VERSION, pb
 
+    base = template(cfg.layers, cfg.top_k, rank)
+    names = tuple(s.layer for s in base.layers)
+    table_id, index = LayerTables().lookup(names)
+    steps = [encode_step(replace(base, step=s, time_unix=time.time()), table_id, index, "bench", rank)
+             .SerializeToString() for s in range(cfg.records_per_client)]
+    out = []
+    for seq, i in enumerate(range(0, len(steps), cfg.batch)):
+        header = pb.IngestBatch(schema_version=SCHEMA_VERSION, sequence=seq, client=pb.ClientInfo(
+            job="bench", rank=rank, world_size=cfg.clients, client_id=f"{rank:032x}"))
+        header.layer_tables.add(id=table_id, names=names)
+        out.append(batch_bytes(header, steps[i:i + cfg.batch], []))
+    return out
+
+
+def _raw_proc(address: str, cfg: AgentBenchConfig, rank: int, start: Any, out: Any, ready: Any) -> None:
+    import grpc
+
+    from gradloc.transport.wire import INGEST_METHOD
+
+    _off_daemon_cpu(cfg)
+    batches = _raw_batches(cfg, rank)
+    failed = 0
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(INGEST_METHOD)
+        ready.put(rank)
+        start.wait()
+        for data in batches:
+            for attempt in range(100):
+                try:
+                    call(data, timeout=30)
+                    break
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE:  # overloaded: back off, retry
+                        failed += 1
+                        break
+                    time.sleep(0.05 * (attempt + 1))
+    out.put({"send_failed": failed})
+
+
+def _off_daemon_cpu(cfg: AgentBenchConfig) -> None:
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {cfg.daemon_cpu})
+
+
+def _client_proc(address: str, cfg: AgentBenchConfig, rank: int, start: Any, out: Any, ready: Any) -> None:
+    from gradloc.transport.client import AgentClient
+
+    _off_daemon_cpu(cfg)
     base = template(cfg.layers, cfg.top_k, rank)
     client = AgentClient(address, job="bench", rank=rank, world_size=cfg.clients)
     limit = int(client.config.queue_size * 0.8)
+    ready.put(rank)
     start.wait()
     for step in range(cfg.records_per_client):
         while client.queued > limit:  # pace on the queue: measure the daemon, not a full client queue
@@ -116,6 +171,7 @@ class _Probe:
         self.latencies: list[float] = []
         self.rss: list[float] = []
         self.step = 0
+        self.busy = float("nan")  # daemon CPU seconds per wall second during the load
 
     def scrape(self) -> str:
         with urllib.request.urlopen(self.url, timeout=30) as resp:
@@ -151,14 +207,18 @@ def run_agent_bench(cfg: AgentBenchConfig, progress: Callable[[int, int, Any], N
 
 def _measure(cfg: AgentBenchConfig, ctx: Any, daemon: subprocess.Popen[bytes], addr: dict[str, str],
              progress: Callable[[int, int, Any], None] | None) -> dict[str, Any]:
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_client_proc, args=(addr["ingest"], cfg, r, start, out)) for r in range(cfg.clients)]
+    start, out, ready = ctx.Event(), ctx.Queue(), ctx.Queue()
+    target = _raw_proc if cfg.mode == "raw" else _client_proc
+    procs = [ctx.Process(target=target, args=(addr["ingest"], cfg, r, start, out, ready)) for r in range(cfg.clients)]
     for p in procs:
         p.start()
     probe = _Probe(addr, cfg, daemon.pid)
     probe.once()  # warm: connection up, layer table known
-    time.sleep(2.0)  # the clients import gradloc and connect
+    for _ in procs:  # every client imported, connected (and in raw mode encoded) before the clock starts
+        ready.get(timeout=300)
+    time.sleep(0.5)
     total = cfg.clients * cfg.records_per_client
+    cpu0 = sum(probe.proc.cpu_times()[:2])
     t0 = time.monotonic()
     start.set()
     accepted, t_end = 0.0, None
@@ -169,6 +229,7 @@ def _measure(cfg: AgentBenchConfig, ctx: Any, daemon: subprocess.Popen[bytes], a
             progress(int(accepted), total, f"{accepted:.0f}/{total} records")
         if accepted >= total:
             t_end = time.monotonic()
+            probe.busy = (sum(probe.proc.cpu_times()[:2]) - cpu0) / (t_end - t0)
     counters = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(60)
@@ -187,14 +248,15 @@ def _result(cfg: AgentBenchConfig, total: int, accepted: float, t0: float, t_end
     lat = sorted(probe.latencies)
     p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
     return {
-        "records_per_s": round(total / (t_end - t0), 1) if t_end else None,
+        "records_per_s": round(total / (t_end - t0), 1) if t_end else None, "mode": cfg.mode,
         "rss_mb": round(max(probe.rss), 1),
         "p99_ingest_to_metrics_s": round(p99, 4),
         "drops": int(client_drops + daemon_drops),
         "records_sent": total, "records_accepted": int(accepted), "layers": cfg.layers, "clients": cfg.clients,
         "latency_samples": len(lat), "median_ingest_to_metrics_s": round(statistics.median(lat), 4),
         "poll_interval_s": cfg.poll_interval_s, "rss_mb_final": round(probe.rss[-1], 1),
-        "daemon_cpus": 1, "client_cpus": max(1, len(os.sched_getaffinity(0)) - 1),
+        "daemon_cpus": 1, "daemon_cpu_busy": round(probe.busy, 3),
+        "records_per_daemon_cpu_s": round(total / (t_end - t0) / probe.busy, 1) if t_end and probe.busy > 0 else None, "client_cpus": max(1, len(os.sched_getaffinity(0)) - 1),
     }
 
 

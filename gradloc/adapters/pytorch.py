@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradloc.agent.embedded import default_sinks
 from gradloc.collector.batch import MicroBatchMeta, make_meta
 from gradloc.collector.layer_stats import LayerStatsCollector, module_layer_map
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
@@ -31,7 +32,6 @@ from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.config import WatchConfig
 from gradloc.detector import INCIDENT, LOCALIZE, SpikeDetector
 from gradloc.errors import AttachError, BatchMetadataError, UnsupportedModelError
-from gradloc.agent.embedded import default_sinks
 from gradloc.exporters.jsonl import Sink
 from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
 from gradloc.records import Incident, Localization, SpikeEvent, StepRecord

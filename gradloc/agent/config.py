@@ -27,7 +27,7 @@ class AgentConfig:
     otlp_insecure: bool = True
     straggler_deadline_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
-    queue_size: int = 1024
+    queue_size: int = 16  # decoded ingest batches waiting for the core (~3 MB each at 256 layers × 256 records)
     retention_days: float = 30.0
     retention_incidents: int = 10_000
     retention_step_rows: int = 1_000_000  # per job

@@ -57,6 +57,7 @@ class Daemon:
 
     def start(self) -> "Daemon":
         from gradloc.agent.http import parse_address
+        from gradloc.transport.codec import BatchDecoder
         from gradloc.transport.server import start_ingest_server
 
         self.core.start()
@@ -66,8 +67,9 @@ class Daemon:
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
         host, port = parse_address(self.config.ingest)
+        decoder = BatchDecoder(max_message_bytes=self.config.max_message_bytes, keep_top_tokens=False)
         self._grpc, bound = start_ingest_server(self._ingest, self._reject, address=f"{host}:{port}",
-                                                max_message_bytes=self.config.max_message_bytes)
+                                                max_message_bytes=self.config.max_message_bytes, decoder=decoder)
         self.ingest_address = (host, bound)
         self._http = AgentHttpServer(self.core, self.config.http).start()
         self.http_address = self._http.address

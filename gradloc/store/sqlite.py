@@ -26,8 +26,16 @@ from gradloc.store import retention as _retention
 from gradloc.store.errors import AmbiguousIdError, StoreError
 from gradloc.store.incident_json import correlated_from_dict
 from gradloc.store.retention import RetentionConfig
-from gradloc.store.rows import (INCIDENT_COLUMNS, IncidentRow, StepRow, incident_params, incident_row,
-                                span_params, step_params, step_row)
+from gradloc.store.rows import (
+    INCIDENT_COLUMNS,
+    IncidentRow,
+    StepRow,
+    incident_params,
+    incident_row,
+    span_params,
+    step_params,
+    step_row,
+)
 from gradloc.store.schema import check_path, connect, ensure_schema
 
 _INSERT_INCIDENT = f"INSERT INTO incidents ({INCIDENT_COLUMNS}, json) VALUES ({', '.join('?' * 12)})"

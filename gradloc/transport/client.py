@@ -39,8 +39,7 @@ import grpc
 
 from gradloc.records import Incident, StepRecord
 from gradloc.transport.client_config import ClientConfig
-from gradloc.transport.codec import LayerTables, batch_bytes, decode_incident, decode_step
-from gradloc.transport.codec import encode_incident, encode_step
+from gradloc.transport.codec import LayerTables, batch_bytes, decode_incident, decode_step, encode_incident, encode_step
 from gradloc.transport.validate import RejectedBatch
 from gradloc.transport.wire import INGEST_METHOD, SCHEMA_VERSION, pb
 
@@ -198,7 +197,7 @@ class AgentClient:
                 names = tuple(s.layer for s in record.layers)
                 table_id, index = self._tables.lookup(names)
                 msg = encode_step(record, table_id, index, cfg.job, cfg.rank)
-                decode_step(msg, names, cfg.job, cfg.rank, cfg.world_size, f"step {record.step}")  # the daemon's checks
+                decode_step(msg, names, cfg.job, cfg.rank, cfg.world_size, f"step {record.step}", False)  # the daemon's checks
                 item = _Item(msg.SerializeToString(), (table_id, names))
             else:
                 msg = encode_incident(record)  # type: ignore[arg-type]

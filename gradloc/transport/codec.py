@@ -105,9 +105,11 @@ class LayerTableCache:
 class BatchDecoder:
     """Bytes → :class:`DecodedBatch`, or :class:`RejectedBatch` with nothing applied."""
 
-    def __init__(self, cache: LayerTableCache | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, cache: LayerTableCache | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 keep_top_tokens: bool = True) -> None:
         self.cache = cache if cache is not None else LayerTableCache()
         self.max_message_bytes = max_message_bytes
+        self.keep_top_tokens = keep_top_tokens  # False: validated, not kept (see decode_step)
 
     def decode(self, data: bytes) -> DecodedBatch:
         if len(data) > self.max_message_bytes:
@@ -128,7 +130,7 @@ class BatchDecoder:
         ids = {m.layer_table_id for m in msg.steps}
         known = {**self.cache.lookup(ids - new.keys()), **new}
         steps = tuple(decode_step(m, _table(known, m.layer_table_id, i), client.job, client.rank, client.world_size,
-                                  f"steps[{i}]") for i, m in enumerate(msg.steps))
+                                  f"steps[{i}]", self.keep_top_tokens) for i, m in enumerate(msg.steps))
         incidents = tuple(decode_incident(m, client.world_size, f"incidents[{i}]") for i, m in enumerate(msg.incidents))
         d = msg.drops
         drops = ClientDrops(d.queue_full, d.send_failed, d.encode_failed, d.rejected)

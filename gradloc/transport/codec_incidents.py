@@ -11,8 +11,16 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from gradloc.records import (INCIDENT_SCHEMA_VERSION, Culprit, CulpritSpan, Incident, LayerShare, LayerStats,
-                             Localization, SpikeEvent)
+from gradloc.records import (
+    INCIDENT_SCHEMA_VERSION,
+    Culprit,
+    CulpritSpan,
+    Incident,
+    LayerShare,
+    LayerStats,
+    Localization,
+    SpikeEvent,
+)
 from gradloc.transport import validate as v
 from gradloc.transport.wire import pb
 

@@ -79,8 +79,12 @@ def _encode_tokens(t: TokenStats, index: dict[str, int], out: pb.TokenStatsMsg) 
 
 # -- decode + validate (daemon side, hot path) -------------------------------------------------
 def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_size: int,
-                where: str) -> StepSummary:
-    """One validated StepSummary; raises :class:`~gradloc.transport.validate.RejectedBatch`."""
+                where: str, keep_top: bool = True) -> StepSummary:
+    """One validated StepSummary; raises :class:`~gradloc.transport.validate.RejectedBatch`.
+
+    ``keep_top=False`` validates the per-step top tokens but leaves ``tokens.top`` empty: building
+    16 TokenScores (with their layer shares) per record was 70% of the daemon's decode time, and
+    nothing in the daemon reads them (incidents carry their own culprits)."""
     cols = _columns(m, names, where)
     nonfinite = v.count(m.nonfinite, f"{where}.nonfinite")
     event = nonfinite > 0
@@ -91,7 +95,7 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         v.finite(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
         m.loss if m.HasField("loss") else None,  # any value: a non-finite loss is itself an event
         v.count(m.micro_batches, f"{where}.micro_batches"), cols,
-        _decode_tokens(m.tokens, names, f"{where}.tokens", event) if m.HasField("tokens") else None,
+        _decode_tokens(m.tokens, names, f"{where}.tokens", event, keep_top) if m.HasField("tokens") else None,
         nonfinite,
         v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
         m.skipped)
@@ -111,7 +115,8 @@ def _columns(m: pb.Step, names: tuple[str, ...], where: str) -> LayerColumns:
     return LayerColumns.build(names, gn, gm, nf, pn, numel, ur)
 
 
-def _decode_tokens(t: pb.TokenStatsMsg, names: tuple[str, ...], where: str, event: bool) -> TokenStats:
+def _decode_tokens(t: pb.TokenStatsMsg, names: tuple[str, ...], where: str, event: bool,
+                   keep_top: bool = True) -> TokenStats:
     """Token scores and shares are gradient measurements: non-finite only in a nonfinite-gradient step.
 
     Fast path: each column read once (upb field access is slow) and checked with one combined
@@ -135,6 +140,8 @@ def _decode_tokens(t: pb.TokenStatsMsg, names: tuple[str, ...], where: str, even
             or max(map(len, layer_names[len(names):] + tuple(x or "" for x in sample_id)), default=0) > v.MAX_NAME
             or not (event or all(map(math.isfinite, floats)))):
         _explain_tokens(t, layer_names, where, event)
+    if not keep_top:
+        return TokenStats(t.tokens, t.total_score, (), t.top_share, mbs, t.unattributed_share, t.dropped_calls)
     layers = tuple(map(LayerShare, map(layer_names.__getitem__, index), lshare))
     ends = tuple(itertools.accumulate(counts))
     top = tuple(TokenScore(mb[j], sample[j], pos[j], score[j], share[j], None if token_id[j] < 0 else token_id[j],

@@ -11,8 +11,13 @@ import gradloc
 from gradloc.exporters import read_incidents
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.helpers` under plain `pytest` too
-from tests.helpers import backward_step, make_data, tiny_gpt, train  # noqa: E402
-from tests.helpers import single_thread  # noqa: E402,F401 (autouse fixture)
+from tests.helpers import (  # noqa: E402
+    backward_step,
+    make_data,
+    single_thread,  # noqa: E402,F401 (autouse fixture)
+    tiny_gpt,
+    train,
+)
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")

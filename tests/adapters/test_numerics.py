@@ -11,8 +11,16 @@ import torch
 import gradloc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.helpers` under plain `pytest` too
-from tests.helpers import backward_step, culprit_keys, make_data, module_grads, norm_of, tiny_gpt, train  # noqa: E402
-from tests.helpers import single_thread  # noqa: E402,F401 (autouse fixture)
+from tests.helpers import (  # noqa: E402
+    backward_step,
+    culprit_keys,
+    make_data,
+    module_grads,
+    norm_of,
+    single_thread,  # noqa: E402,F401 (autouse fixture)
+    tiny_gpt,
+    train,
+)
 
 DET = gradloc.DetectorConfig(warmup=5)
 

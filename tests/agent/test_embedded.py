@@ -13,8 +13,12 @@ import gradloc
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gradloc.agent.embedded import EmbeddedAgent  # noqa: E402
 from gradloc.store.sqlite import IncidentStore  # noqa: E402
-from tests.helpers import make_data, tiny_gpt, train  # noqa: E402
-from tests.helpers import single_thread  # noqa: E402,F401 (autouse fixture)
+from tests.helpers import (  # noqa: E402
+    make_data,
+    single_thread,  # noqa: E402,F401 (autouse fixture)
+    tiny_gpt,
+    train,
+)
 
 DET = gradloc.DetectorConfig(warmup=5)
 

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import math
 
-from gradloc.records import (Culprit, CulpritSpan, Incident, LayerShare, LayerStats, Localization, SpikeEvent,
-                             TokenScore, TokenStats)
-from gradloc.reports import (CorrelatedIncident, LayerColumns, MicroBatchShare, RankShare, RankSpan,
-                             StepSummary)
+from gradloc.records import (
+    Culprit,
+    CulpritSpan,
+    Incident,
+    LayerShare,
+    LayerStats,
+    Localization,
+    SpikeEvent,
+    TokenScore,
+    TokenStats,
+)
+from gradloc.reports import CorrelatedIncident, LayerColumns, MicroBatchShare, RankShare, RankSpan, StepSummary
 
 T0 = 1_760_000_000.0  # a fixed "now" for the tests (2025-10-09)
 INCIDENT_ID = "7f3c9a0e5b2d4c1f8a6e0d9b3c2a1f40"

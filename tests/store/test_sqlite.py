@@ -12,11 +12,25 @@ from pathlib import Path
 import pytest
 
 from gradloc.errors import ConfigError
+from gradloc.store import (
+    AmbiguousIdError,
+    IncidentRow,
+    IncidentStore,
+    RetentionConfig,
+    SchemaVersionError,
+    StoreError,
+    default_db_path,
+)
 from gradloc.store import sqlite as store_sqlite
-from gradloc.store import (AmbiguousIdError, IncidentRow, IncidentStore, RetentionConfig, SchemaVersionError,
-                           StoreError, default_db_path)
-from tests.store.fixtures import (INCIDENT_ID, T0, TRACE_ID, incident_series, make_incident, nonfinite_incident,
-                                  step_summary)
+from tests.store.fixtures import (
+    INCIDENT_ID,
+    T0,
+    TRACE_ID,
+    incident_series,
+    make_incident,
+    nonfinite_incident,
+    step_summary,
+)
 
 DAY = 86400.0
 

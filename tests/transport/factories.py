@@ -15,8 +15,19 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from gradloc.records import (Culprit, CulpritSpan, Incident, LayerShare, LayerStats, Localization, SpikeEvent,
-                             StepRecord, TokenScore, TokenStats, to_dict)
+from gradloc.records import (
+    Culprit,
+    CulpritSpan,
+    Incident,
+    LayerShare,
+    LayerStats,
+    Localization,
+    SpikeEvent,
+    StepRecord,
+    TokenScore,
+    TokenStats,
+    to_dict,
+)
 from gradloc.reports import StepSummary, summarize
 from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
 from gradloc.transport.server import start_ingest_server

@@ -18,8 +18,20 @@ from gradloc.transport.validate import RejectedBatch
 from gradloc.transport.wire import layer_table_id, pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.*` under plain `pytest` too
-from tests.transport.factories import (INF, JOB, NAN, assert_summary_equal, client_info, encode, incident,  # noqa: E402
-                                       incidents, layer, step, step_records, to_bytes)
+from tests.transport.factories import (  # noqa: E402
+    INF,
+    JOB,
+    NAN,
+    assert_summary_equal,
+    client_info,
+    encode,
+    incident,
+    incidents,
+    layer,
+    step,
+    step_records,
+    to_bytes,
+)
 
 
 def decode(data: bytes, decoder: BatchDecoder | None = None):
