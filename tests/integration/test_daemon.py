@@ -107,3 +107,35 @@ def test_bad_input_is_rejected_and_counted_and_the_daemon_keeps_serving(tmp_path
         assert 'gradloc_agent_rejected_total{reason="malformed"} 1.0' in text
         run_demo("--agent", agent.ingest, "--json", "--steps", "30", "--inject-step", "26", "--job", "after")
         assert 'gradloc_steps_total{job="after",rank="0"} 30.0' in agent.get("/metrics")[0].decode()
+
+
+def test_daemon_forwards_metrics_and_the_incident_trace_over_otlp(tmp_path: Path) -> None:
+    """``serve --otlp-endpoint`` against a real OTLP/gRPC receiver (opentelemetry-proto servicers)."""
+    from tests.exporters.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        with running_daemon(tmp_path, "--otlp-endpoint", receiver.endpoint, "--otlp-interval-s", "0.5",
+                            "--straggler-deadline-s", "2") as agent:
+            run_demo("--agent", agent.ingest, "--json", "--job", "otlp-it")
+            deadline = time.monotonic() + 20
+            while not agent.json("/api/incidents?job=otlp-it") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            incidents = agent.json("/api/incidents?job=otlp-it")
+            (inc,) = [i for i in incidents if i["step"] == 180]
+        # SIGTERM flushed the exporters: the trace and the exemplar are at the receiver now.
+        trace_id = bytes.fromhex(inc["trace_id"])
+        roots = [s for s in receiver.spans() if s.name == "gradloc.incident" and s.trace_id == trace_id]
+        assert len(roots) == 1
+        events = [e for s in receiver.spans() if s.trace_id == trace_id for e in s.events if e.name == "culprit_span"]
+        assert events, "no culprit_span event in the incident's trace"
+        metrics = receiver.metrics()
+        assert metrics["gradloc.grad.norm"][-1].unit == "1"
+        exemplars = {e.trace_id for m in metrics["gradloc.incident.count"] for p in m.sum.data_points
+                     for e in p.exemplars}
+        # Each export carries the latest incident's exemplar: every one is an incident's trace id
+        # (read from the store after shutdown: incidents closed after the API call count too).
+        from gradloc.store.sqlite import IncidentStore
+
+        with IncidentStore(agent.db) as store:
+            stored = {bytes.fromhex(r.trace_id) for r in store.list_incidents(job="otlp-it", limit=1000)}
+        assert exemplars and exemplars <= stored and trace_id in stored
