@@ -139,3 +139,19 @@ def test_daemon_forwards_metrics_and_the_incident_trace_over_otlp(tmp_path: Path
         with IncidentStore(agent.db) as store:
             stored = {bytes.fromhex(r.trace_id) for r in store.list_incidents(job="otlp-it", limit=1000)}
         assert exemplars and exemplars <= stored and trace_id in stored
+
+
+def test_shutdown_flushes_open_incidents_as_partial(tmp_path: Path) -> None:
+    """Rank 1 of 2 never reports and the deadline is far: SIGTERM must still store the incident."""
+    from gradloc.store.sqlite import IncidentStore
+
+    with running_daemon(tmp_path, "--straggler-deadline-s", "600") as agent:
+        run_demo("--agent", agent.ingest, "--json", "--job", "flush", "--world-size", "2")
+        time.sleep(0.5)
+        assert agent.json("/api/incidents?job=flush") == []  # still waiting for rank 1
+        assert agent.json("/healthz")["pending_incidents"] >= 1
+    with IncidentStore(agent.db) as store:
+        rows = store.list_incidents(job="flush", limit=1000)
+        at_plant = [store.get_incident(r.incident_id) for r in rows if r.step == 180]
+    assert len(at_plant) == 1 and at_plant[0].status == "partial" and at_plant[0].ranks_missing == (1,)
+    assert "shut down" in at_plant[0].note
