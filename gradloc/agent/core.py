@@ -52,7 +52,7 @@ class IncidentSink(Protocol):
 @dataclass(frozen=True)
 class CoreConfig:
     queue_size: int = 1024  # queued submissions (one submission = one ingest batch)
-    store_batch: int = 4096  # step summaries per store transaction at most
+    store_batch: int = 512  # step summaries per store transaction at most (each holds its layer columns)
     retention_interval_s: float = 300.0
     recent_incidents: int = 256  # kept in memory for the API when there is no store
     correlator: CorrelatorConfig = field(default_factory=CorrelatorConfig)
