@@ -5,7 +5,6 @@ the API). Binds 127.0.0.1 unless told otherwise: incidents carry training text.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -19,6 +18,7 @@ from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.records import to_dict
 from gradloc.store.incident_json import correlated_to_dict
+from gradloc.store.rows import IncidentRow
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,10 @@ class _Server(ThreadingHTTPServer):
         since = _float(query, "since", None)
         if self.core.store is not None:
             rows = self.core.store.list_incidents(job=job, limit=limit, since_unix=since)
-            return [_row_dict(r) for r in rows]
+            return [to_dict(r) for r in rows]
         recent = [i for i in reversed(self.core.recent)
                   if (job is None or i.job == job) and (since is None or i.time_unix >= since)]
-        return [_summary_dict(i) for i in recent[:limit]]
+        return [to_dict(IncidentRow.of(i)) for i in recent[:limit]]
 
     def get_incident(self, incident_id: str) -> dict[str, Any] | None:
         if self.core.store is not None:
@@ -121,16 +121,6 @@ def _float(query: dict[str, list[str]], key: str, default: float | None) -> floa
         return float(query[key][-1]) if key in query else default
     except ValueError as exc:
         raise ValueError(f"{key} must be a number (unix time)") from exc
-
-
-def _row_dict(row: Any) -> dict[str, Any]:
-    return to_dict(row) if dataclasses.is_dataclass(row) else dict(row)
-
-
-def _summary_dict(inc: Any) -> dict[str, Any]:
-    keys = ("incident_id", "trace_id", "job", "step", "time_unix", "status", "kinds", "global_norm",
-            "ranks_missing", "explained_share", "probes")
-    return {k: v for k, v in correlated_to_dict(inc).items() if k in keys}
 
 
 class AgentHttpServer:

@@ -34,6 +34,12 @@ class IncidentRow:
     explained_share: float | None
     probes: int
 
+    @staticmethod
+    def of(inc: CorrelatedIncident) -> "IncidentRow":
+        """The headline of an incident that is not (or not yet) in a store."""
+        return IncidentRow(inc.incident_id, inc.trace_id, inc.job, inc.step, inc.time_unix, inc.status, inc.kinds,
+                           inc.global_norm, inc.ranks_missing, inc.explained_share, inc.probes)
+
 
 @dataclass(frozen=True)
 class StepRow:
