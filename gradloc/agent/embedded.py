@@ -13,6 +13,7 @@ from typing import Any
 
 from gradloc.agent.core import AgentCore, CoreConfig, Declare
 from gradloc.config import WatchConfig
+from gradloc.errors import AttachError
 from gradloc.records import Incident, StepRecord
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,11 @@ class EmbeddedAgent:
         if metrics_address:
             from gradloc.agent.http import AgentHttpServer
 
-            self.http = AgentHttpServer(self.core, metrics_address).start()
+            try:
+                self.http = AgentHttpServer(self.core, metrics_address).start()
+            except (OSError, ValueError) as exc:
+                self.core.close()
+                raise AttachError(f"gradloc: cannot serve /metrics on {metrics_address}: {exc}") from exc
         self.dropped = 0
 
     @property
@@ -71,12 +76,17 @@ def default_sinks(cfg: WatchConfig) -> list[Any]:
     from gradloc.exporters.jsonl import JsonlSink
 
     sinks: list[Any] = [JsonlSink(cfg.incident_path)] if cfg.incident_path else []
-    if cfg.agent:
-        from gradloc.transport.client import AgentClient
+    try:
+        if cfg.agent:
+            from gradloc.transport.client import AgentClient
 
-        sinks.append(AgentClient(cfg.agent, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size))
-    elif cfg.embedded:
-        sinks.append(EmbeddedAgent(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, store=cfg.store,
-                                   store_path=cfg.store_path, metrics_address=cfg.metrics_address,
-                                   otlp_endpoint=cfg.otlp_endpoint))
+            sinks.append(AgentClient(cfg.agent, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size))
+        elif cfg.embedded:
+            sinks.append(EmbeddedAgent(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, store=cfg.store,
+                                       store_path=cfg.store_path, metrics_address=cfg.metrics_address,
+                                       otlp_endpoint=cfg.otlp_endpoint))
+    except BaseException:
+        for sink in sinks:  # nothing half-attached stays open
+            sink.shutdown()
+        raise
     return sinks

@@ -82,3 +82,17 @@ def test_no_store_and_no_embedded_agent_when_disabled(tmp_path: Path) -> None:
     mon = gradloc.watch(model, embedded=False)
     assert not any(isinstance(s, EmbeddedAgent) for s in mon.sinks)
     mon.close()
+
+
+def test_a_busy_metrics_port_is_a_clear_attach_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        try:
+            gradloc.watch(tiny_gpt(3), store_path=str(tmp_path / "b.db"), metrics_address=f"127.0.0.1:{port}")
+            raise AssertionError("watch() attached although the metrics port is taken")
+        except gradloc.AttachError as exc:
+            assert f"cannot serve /metrics on 127.0.0.1:{port}" in str(exc)
