@@ -123,7 +123,9 @@ def decode_incident(m: pb.IncidentMsg, world_size: int, where: str) -> Incident:
     if not m.HasField("spike"):
         raise v.reject("invalid_value", f"{where}.spike is missing")
     top = tuple(_decode_layer(x, f"{where}.top_layers[{i}]") for i, x in enumerate(m.top_layers))
-    grad_event = "nonfinite_grad" in m.spike.kinds or any(s.nonfinite > 0 for s in top)
+    # An overflowed (+inf) norm of finite elements is a gradient event too (see validate.norm).
+    grad_event = ("nonfinite_grad" in m.spike.kinds or any(s.nonfinite > 0 for s in top)
+                  or m.spike.global_norm == math.inf)
     loss_event = m.spike.HasField("loss") and not math.isfinite(m.spike.loss)
     c = _Checks(grad_event, loss_event)
     loc = _decode_localization(m.localization, c, f"{where}.localization") if m.HasField("localization") else None
@@ -139,9 +141,11 @@ def _decode_layer(m: pb.LayerStatsMsg, where: str) -> LayerStats:
     ratio = None
     if m.HasField("update_ratio"):  # NaN = unknown, like the step columns
         ratio = v.finite(m.update_ratio, f"{where}.update_ratio", c.grad_event or math.isnan(m.update_ratio))
-    return LayerStats(v.text(m.layer, f"{where}.layer", required=True), c.grad(m.grad_norm, f"{where}.grad_norm"),
+    return LayerStats(v.text(m.layer, f"{where}.layer", required=True),
+                      v.norm(m.grad_norm, f"{where}.grad_norm", c.grad_event, _GRAD_EVENT),
                       c.grad(m.grad_max_abs, f"{where}.grad_max_abs"), nonfinite,
-                      c.grad(m.param_norm, f"{where}.param_norm"), v.count(m.numel, f"{where}.numel"), ratio)
+                      v.norm(m.param_norm, f"{where}.param_norm", c.grad_event, _GRAD_EVENT),
+                      v.count(m.numel, f"{where}.numel"), ratio)
 
 
 def _decode_spike(m: pb.SpikeMsg, c: _Checks, where: str) -> SpikeEvent:

@@ -92,7 +92,7 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
     rank = v.rank(m.rank, world_size, f"{where}.rank") if m.HasField("rank") else rank
     return StepSummary(
         job, rank, v.count(m.step, f"{where}.step"), v.finite(m.time_unix, f"{where}.time_unix"),
-        v.finite(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
+        v.norm(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
         m.loss if m.HasField("loss") else None,  # any value: a non-finite loss is itself an event
         v.count(m.micro_batches, f"{where}.micro_batches"), cols,
         _decode_tokens(m.tokens, names, f"{where}.tokens", event, keep_top) if m.HasField("tokens") else None,

@@ -7,8 +7,9 @@ cardinality); the message is for humans and logs.
 
 NaN/Inf policy (the checks below implement it; docs in :mod:`gradloc.transport.codec`):
 a non-finite *gradient measurement* is data (a nonfinite-gradient event the daemon must report),
-but only when the record says so with a nonfinite count > 0; anywhere else a non-finite float is
-a client bug and the batch is rejected with reason ``"nonfinite"``.
+but only when the record says so with a nonfinite count > 0 — except +inf gradient norms, which
+are always accepted (an overflowed float32 norm of finite elements); anywhere else a non-finite
+float is a client bug and the batch is rejected with reason ``"nonfinite"``.
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ def finite(x: float, where: str, allow_nonfinite: bool = False, why: str = "") -
     raise reject("nonfinite", f"{where} is {x!r}{why or ' (must be finite)'}")
 
 
+def norm(x: float, where: str, allow_nonfinite: bool = False, why: str = "") -> float:
+    """A gradient norm: like :func:`finite`, but +inf is always a measurement — the float32 sum of
+    squares of finite elements overflows above ~1.8e19, the largest spike there is to report."""
+    return x if x == math.inf else finite(x, where, allow_nonfinite, why)
+
+
 def count(x: int, where: str) -> int:
     if x < 0:
         raise reject("invalid_value", f"{where} is {x} (must be >= 0)")
@@ -75,7 +82,13 @@ def layer_columns(where: str, names: tuple[str, ...], grad_norm: np.ndarray, gra
     clean = nonfinite == 0
     for col, field in ((grad_norm, "grad_norm"), (grad_max_abs, "grad_max_abs"), (param_norm, "param_norm"),
                        (update_ratio, "update_ratio")):
-        bad = (np.isinf(col) if field == "update_ratio" else ~np.isfinite(col)) & clean
+        if field == "update_ratio":
+            bad = np.isinf(col)
+        elif field in ("grad_norm", "param_norm"):  # +inf: an overflowed norm of finite elements (see norm)
+            bad = np.isnan(col) | (col == -np.inf)
+        else:
+            bad = ~np.isfinite(col)
+        bad &= clean
         if bad.any():
             i = int(np.argmax(bad))
             raise reject("nonfinite", f"{where}.{field}[{i}] (layer {names[i]!r}) is {float(col[i])!r} but the "

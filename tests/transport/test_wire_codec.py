@@ -142,9 +142,20 @@ def test_nonfinite_loss_is_accepted_everywhere():
     assert got.steps[0].loss == INF and to_dict(got.incidents[0]) == to_dict(inc)
 
 
+def test_overflowed_norms_of_finite_elements_are_accepted():
+    """A float32 sum of squares overflows above ~1.8e19 while every element is finite: +inf norms
+    without a nonfinite count are the largest spikes there are, not bad input."""
+    rec = step(global_norm=INF, layers=(layer("a", INF, grad_max_abs=3e38), layer("b")))
+    inc = incident(spike=replace(incident().spike, global_norm=INF),
+                   localization=replace(incident().localization, global_norm=INF, norm_without_culprits=INF))
+    got = decode(to_bytes([rec], [inc]))
+    assert got.steps[0].global_norm == INF and got.steps[0].layers.grad_norm[0] == INF
+    assert to_dict(got.incidents[0]) == to_dict(inc)
+
+
 BAD_FLOATS = [  # (what, record factory, field named in the message)
     ("global norm without a nonfinite count", lambda: step(global_norm=NAN), "steps[0].global_norm"),
-    ("layer norm without the layer's count", lambda: step(layers=(layer("a"), layer("b", INF)), nonfinite=3),
+    ("layer norm without the layer's count", lambda: step(layers=(layer("a"), layer("b", NAN)), nonfinite=3),
      "steps[0].grad_norm[1] (layer 'b')"),
     ("infinite update ratio", lambda: step(layers=(layer("a", update_ratio=-INF),)), "steps[0].update_ratio[0]"),
     ("time", lambda: step(time_unix=INF), "steps[0].time_unix"),
@@ -157,7 +168,7 @@ BAD_FLOATS = [  # (what, record factory, field named in the message)
 BAD_INCIDENT_FLOATS = [
     ("spike z", lambda: incident(spike=replace(incident().spike, z=NAN)), "incidents[0].spike.z"),
     ("spike std", lambda: incident(spike=replace(incident().spike, std=INF)), "incidents[0].spike.std"),
-    ("spike norm", lambda: incident(spike=replace(incident().spike, global_norm=INF)),
+    ("spike norm", lambda: incident(spike=replace(incident().spike, global_norm=NAN)),
      "incidents[0].spike.global_norm"),
     ("infinite culprit share", lambda: incident(localization=replace(incident().localization, culprits=(
         replace(incident().localization.culprits[0], share=INF),))), "incidents[0].localization.culprits[0].share"),
