@@ -35,7 +35,7 @@ class Declare:
 
 
 @dataclass(frozen=True)
-class ClientDrops:
+class DropReport:
     """Cumulative drop counters a trainer-side client reported."""
 
     job: str
@@ -91,7 +91,7 @@ class AgentCore:
         return self
 
     def submit(self, items: list[Any], timeout_s: float | None = None) -> bool:
-        """Enqueue items (StepSummary, StepRecord, Incident, Declare, ClientDrops). False when full."""
+        """Enqueue items (StepSummary, StepRecord, Incident, Declare, DropReport). False when full."""
         with self._idle:
             self._unfinished += 1
         try:
@@ -173,7 +173,7 @@ class AgentCore:
             self.correlator.on_incident(item)
         elif isinstance(item, Declare):
             self.correlator.declare(item.job, item.rank, item.world_size)
-        elif isinstance(item, ClientDrops):
+        elif isinstance(item, DropReport):
             for reason, n in item.counts:
                 self.state.set_cumulative("client_dropped", (item.job, str(item.rank), reason), n)
         else:

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from gradloc.agent.config import AgentConfig
-from gradloc.agent.core import AgentCore, ClientDrops, CoreConfig, Declare
+from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport
 from gradloc.agent.http import AgentHttpServer
 from gradloc.localizer.correlator import CorrelatorConfig
 
@@ -79,7 +79,7 @@ class Daemon:
     def _ingest(self, batch: Any) -> None:
         c = batch.client
         items: list[Any] = [Declare(c.job, c.rank, c.world_size),
-                            ClientDrops(c.job, c.rank, tuple(batch.drops.items())), *batch.steps, *batch.incidents]
+                            DropReport(c.job, c.rank, tuple(batch.drops.items())), *batch.steps, *batch.incidents]
         if not self.core.submit(items, timeout_s=1.0):
             from gradloc.transport.server import Overloaded  # UNAVAILABLE: the client backs off, retries
 
