@@ -19,7 +19,8 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """ZClip-style EMA z-score detector (DESIGN.md §4). Detection never changes the update."""
+    """ZClip-style EMA z-score detector (docs/DESIGN-NOTES.md, "Detection"). Detection never changes
+    the update."""
 
     warmup: int = 25
     alpha: float = 0.97
@@ -43,16 +44,25 @@ class DetectorConfig:
         _check(0 <= self.min_std_fraction < 1, "min_std_fraction must be in [0, 1)")
 
 
+BISECTION_POLICIES = ("off", "fallback", "on_failure")
+
+
 @dataclass(frozen=True)
 class LocalizerConfig:
-    """One-pass attribution, verified with at most ``max_probes`` masked-loss probes."""
+    """One-pass attribution, verified with at most ``max_probes`` masked-loss probes.
+
+    ``bisection``: ``"fallback"`` (default) runs GradLoc-style bisection (up to ``bisection_budget``
+    probes) only when attribution is unavailable (no per-token statistics, or more than half of
+    ‖∇‖² in parameters no per-token rule covers); ``"on_failure"`` also runs it when the attributed
+    candidates fail verification (a diffuse spike: dozens of probes); ``"off"`` never.
+    """
 
     max_probes: int = 3
     min_explained_share: float = 0.5
     max_candidates: int = 32
     candidate_rel_score: float = 0.1  # a candidate's score must be >= this × the top score
     candidate_outlier_factor: float = 20.0  # ... and >= this × the median token score
-    fallback_bisection: bool = True
+    bisection: str = "fallback"
     bisection_budget: int = 48
     bisection_sigma: float = 4.0  # a token subset is hot above sigma × the healthy-noise level
     context_tokens: int = 8
@@ -63,19 +73,51 @@ class LocalizerConfig:
         _check(self.max_candidates >= 1, "max_candidates must be >= 1")
         _check(0 < self.candidate_rel_score <= 1, "candidate_rel_score must be in (0, 1]")
         _check(self.candidate_outlier_factor >= 1, "candidate_outlier_factor must be >= 1")
+        _check(self.bisection in BISECTION_POLICIES, f"bisection must be one of {BISECTION_POLICIES}, got {self.bisection!r}")
         _check(self.bisection_budget >= 1, "bisection_budget must be >= 1")
         _check(self.bisection_sigma > 0, "bisection_sigma must be > 0")
         _check(self.context_tokens >= 0, "context_tokens must be >= 0")
 
 
+UPDATE_RATIO_MODES = ("lean", "full", "off")
+REMEDIES = ("drop_culprits", "skip_step")
+MIN_MEMORY_BUDGET = 64 * 2**20  # bytes: the persistent-memory floor for small models
+MEMORY_BUDGET_FRACTION = 0.02  # of the trainable parameters' bytes
+
+
 @dataclass(frozen=True)
 class WatchConfig:
+    """What a monitor measures and where it sends it.
+
+    Memory: gradloc's persistent device memory stays within ``memory_budget_bytes`` (default
+    max(2% of the trainable parameters' bytes, 64 MiB)). The update-to-weight ratios need a copy of
+    the parameters from before ``optimizer.step()``: ``update_ratio="lean"`` (default) copies a
+    rotating window of them that fits the budget, so every layer gets a ratio at least every
+    ⌈parameter bytes / window⌉ steps; ``"full"`` copies all of them every step (1× parameter bytes);
+    ``"off"`` measures none. ``True``/``False`` mean ``"lean"``/``"off"``.
+
+    Cost: gradloc times its own work every step (``StepRecord.overhead``). With ``max_overhead``
+    set, when its smoothed cost exceeds that fraction of the training step's own time it sheds
+    optional work — first the update ratios, then the per-layer breakdown of token scores — and
+    names what it shed in each record (``StepRecord.shed``). Detection is never shed.
+
+    Remedy (opt-in, observability first): ``remedy="drop_culprits"`` replaces the gradient of a
+    step whose culprits were located *and verified by probes* with ∇ − ∇_C (the update as if the
+    culprit tokens had been masked out of the loss); ``"skip_step"`` drops the whole update of such
+    a step (every gradient set to None). Diffuse, unverified or unlocated spikes are never remedied.
+    """
+
     job: str = "default"
     rank: int = 0
     token_stats: bool = True
     top_k: int = 16  # tokens kept (with per-layer breakdown) in every StepRecord
     layer_grouping: LayerGrouping = "module"
-    update_ratio: bool = True  # needs one parameter snapshot per step (memory: 1× params)
+    update_ratio: str | bool = "lean"  # "lean" | "full" | "off" (see the class docstring)
+    memory_budget_bytes: int | None = None  # None: max(2% of trainable parameter bytes, 64 MiB)
+    layer_breakdown: bool = True  # keep each token's score per layer (memory: layers × tokens × 4 B)
+    max_overhead: float | None = None  # shed optional work above this fraction of the step's time
+    remedy: str | None = None  # None | "drop_culprits" | "skip_step"
+    history: int = 256  # StepRecords kept in Monitor.history
     strict: bool = True  # wiring mistakes (shape mismatch) raise BatchMetadataError at block exit
     incident_path: str | None = None  # JSONL incident file (embedded mode)
     world_size: int = 1  # ranks in the job: the agent waits for all of them before closing an incident
@@ -100,6 +142,16 @@ class WatchConfig:
         g = self.layer_grouping
         ok = g in ("module", "parameter") or callable(g) or (isinstance(g, int) and g >= 1)
         _check(ok, f"layer_grouping must be 'module', 'parameter', an int >= 1 or a callable, got {g!r}")
+        ratio = ("lean" if self.update_ratio else "off") if isinstance(self.update_ratio, bool) else self.update_ratio
+        _check(ratio in UPDATE_RATIO_MODES, f"update_ratio must be one of {UPDATE_RATIO_MODES} (or a bool), got {self.update_ratio!r}")
+        object.__setattr__(self, "update_ratio", ratio)
+        _check(self.memory_budget_bytes is None or self.memory_budget_bytes >= 0,
+               f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
+        _check(self.max_overhead is None or self.max_overhead > 0, f"max_overhead must be > 0, got {self.max_overhead}")
+        _check(self.remedy is None or self.remedy in REMEDIES, f"remedy must be None or one of {REMEDIES}, got {self.remedy!r}")
+        _check(self.remedy != "drop_culprits" or self.token_stats,
+               "remedy='drop_culprits' needs token_stats=True (culprits are located from per-token statistics)")
+        _check(self.history >= 1, f"history must be >= 1, got {self.history}")
         _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")
         _check(isinstance(self.localizer, LocalizerConfig), "localizer must be a LocalizerConfig")
 

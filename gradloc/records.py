@@ -92,6 +92,13 @@ class StepRecord:
     nonfinite: int = 0
     grad_scale: float | None = None  # GradScaler scale the raw gradients carried
     skipped: bool = False  # the optimizer step will be skipped (GradScaler found inf/NaN)
+    # gradloc's own cost: this step's seconds (hooks, end_step, optimizer hooks; probes excluded),
+    # the step's wall seconds (end_step to end_step), and the smoothed ratio gradloc / training
+    # (0.04 = 4% added). None while unknown (the first step has no previous end_step).
+    overhead_s: float | None = None
+    step_s: float | None = None
+    overhead: float | None = None
+    shed: tuple[str, ...] = ()  # optional work shed to stay within WatchConfig.max_overhead
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,23 @@ class CulpritSpan:
 
 
 @dataclass(frozen=True)
+class SampleShare:
+    """Where the norm sits at the sample level: one sample of one micro-batch.
+
+    ``score_share`` is the sample's part of the step's per-token attribution score (free, one
+    pass); ``share`` is measured with a probe, ⟨∇_S, ∇⟩ / ‖∇‖² for the sample's loss tokens S, or
+    None when no probe was spent on it.
+    """
+
+    micro_batch: int
+    sample: int
+    score_share: float
+    share: float | None = None
+    sample_id: str | None = None
+    tokens: int = 0  # loss tokens in the sample
+
+
+@dataclass(frozen=True)
 class Localization:
     """Where a spike came from, and how sure we are.
 
@@ -176,6 +200,23 @@ class Localization:
     loss_share: float | None = None
     loss_without_culprits: float | None = None
     note: str = ""
+    samples: tuple[SampleShare, ...] = ()  # the samples carrying most of the attribution score
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """What the opt-in remedy (``WatchConfig.remedy``) did to a spike step's gradient.
+
+    ``drop_culprits``: the gradient became ∇ − ∇_C (``norm_after`` = ‖∇ − ∇_C‖); ``skip_step``:
+    every gradient was set to None, so the optimizer changed nothing (``norm_after`` = 0).
+    ``applied`` is False when the step did not qualify (``reason`` says why).
+    """
+
+    action: str
+    applied: bool
+    norm_before: float
+    norm_after: float | None = None
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -189,3 +230,4 @@ class Incident:
     localization: Localization | None
     schema_version: int = INCIDENT_SCHEMA_VERSION
     top_layers: tuple[LayerStats, ...] = field(default=())  # largest layer norms at the spike
+    remedy: Remedy | None = None

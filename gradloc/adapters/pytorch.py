@@ -12,29 +12,31 @@ Usage per optimizer step::
 from __future__ import annotations
 
 import logging
-import uuid
+import time
 import weakref
 from collections import Counter, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from gradloc.agent.embedded import default_sinks
+from gradloc.adapters.spike import SpikeInputs, SpikePath, scaler_state
 from gradloc.collector.batch import MicroBatchMeta, make_meta
 from gradloc.collector.layer_stats import LayerStatsCollector, module_layer_map
+from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
-from gradloc.config import WatchConfig
-from gradloc.detector import INCIDENT, LOCALIZE, SpikeDetector
-from gradloc.errors import AttachError, BatchMetadataError, UnsupportedModelError
-from gradloc.exporters.jsonl import Sink
-from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
-from gradloc.records import Incident, Localization, SpikeEvent, StepRecord
+from gradloc.collector.update_ratio import UpdateRatioTracker, Window
+from gradloc.config import MEMORY_BUDGET_FRACTION, MIN_MEMORY_BUDGET, WatchConfig
+from gradloc.detector import INCIDENT, SpikeDetector
+from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
+from gradloc.localizer import Localizer, ProbeFn
+from gradloc.records import Incident, SpikeEvent, StepRecord
+from gradloc.sinks import Sink, default_sinks
 
 log = logging.getLogger("gradloc")
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Monitor]" = weakref.WeakKeyDictionary()
@@ -58,25 +60,43 @@ class Monitor:
         if self.hooks is not None and not self.hooks.watched:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
-                "nn.LayerNorm, nn.RMSNorm, *RMSNorm); pass WatchConfig(token_stats=False) for per-layer "
-                "statistics only, or register a rule with gradloc.register_rule")
+                "nn.LayerNorm, nn.RMSNorm, *RMSNorm, HF Conv1D); pass WatchConfig(token_stats=False) for "
+                "per-layer statistics only, or register a rule with gradloc.register_rule")
         covered = self.hooks.covered_modules if self.hooks else set()
-        owner = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
-        self._uncovered = torch.tensor([0.0 if o in covered else 1.0 for o in owner],
-                                       device=self.layer_stats._device)
+        self.layer_stats.set_uncovered([(n.rsplit(".", 1)[0] if "." in n else "") not in covered
+                                        for n in self.layer_stats.names])
+        self.meter = OverheadMeter(cfg.max_overhead, cuda=self.layer_stats.device.type == "cuda")
+        self.update_ratios = UpdateRatioTracker(self.layer_stats.params, self.layer_stats.group_of,
+                                                self.layer_stats.n_layers, self._window_bytes(),
+                                                self.layer_stats.device)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
-        decode_fn = getattr(decode, "decode", decode)
-        self.localizer = Localizer(cfg.localizer, decode_fn)
-        self.sinks: list[Sink] = list(sinks) + default_sinks(cfg)
-        self.history: deque[StepRecord] = deque(maxlen=1024)
-        self.incidents: list[Incident] = []
         self.counters: Counter[str] = Counter()
+        self.spikes = SpikePath(model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
+                                Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg,
+                                self.pause_token_hooks, self.counters)
+        self.sinks: list[Sink] = list(sinks) + default_sinks(cfg)
+        self.history: deque[StepRecord] = deque(maxlen=cfg.history)
+        self.incidents: list[Incident] = []
         self.step = 0
         self._parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]] = []
         self._pending: Assembled | None = None
-        self._update: tuple[int, torch.Tensor] | None = None
+        self._update: tuple[int, Window, torch.Tensor] | None = None  # (record step, window, device sums)
         self._opt_handles: list[Any] = []
         self.attached = False
+
+    def _window_bytes(self) -> int | None:
+        """Bytes of the update-ratio window: None (everything) for "full", else the memory budget
+        less gradloc's other persistent device tensors."""
+        mode = self.config.update_ratio
+        if mode == "full":
+            return None
+        if mode == "off":
+            return 0
+        budget = self.config.memory_budget_bytes
+        if budget is None:
+            budget = max(int(MEMORY_BUDGET_FRACTION * self.layer_stats.param_bytes()), MIN_MEMORY_BUDGET)
+        n_params = len(self.layer_stats.params)
+        return max(budget - self.layer_stats.persistent_bytes() - 64 * n_params, 0)  # 64: alignment per piece
 
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> "Monitor":
@@ -84,7 +104,7 @@ class Monitor:
             raise AttachError("this model already has a gradloc monitor attached; detach() it first")
         if self.hooks:
             self.hooks.attach()
-        if self.optimizer is not None and self.config.update_ratio:
+        if self.optimizer is not None and self.update_ratios.enabled:
             self._opt_handles = [self.optimizer.register_step_pre_hook(self._before_opt_step),
                                  self.optimizer.register_step_post_hook(self._after_opt_step)]
         _ATTACHED[self.model] = self
@@ -100,7 +120,7 @@ class Monitor:
         for h in self._opt_handles:
             h.remove()
         self._opt_handles.clear()
-        self.layer_stats.release_snapshot()
+        self.update_ratios.release()
         _ATTACHED.pop(self.model, None)
         self.attached = False
 
@@ -126,9 +146,11 @@ class Monitor:
                     shape: tuple[int, int] | None = None) -> Iterator[MicroBatchMeta]:
         """Forward and backward of one micro-batch. ``token_ids`` (B, T) are the ids each loss
         position scores (for a causal LM: the shifted labels); masks/ids are validated here."""
+        t0 = self.meter.begin()
         meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape)
         if self.hooks:
             self.hooks.begin(meta.index, meta.batch, meta.seq)
+        self.meter.end(t0)
         try:
             yield meta
         except BaseException:
@@ -155,59 +177,44 @@ class Monitor:
     def end_step(self, loss: float | torch.Tensor | None = None, *, probe: ProbeFn | None = None,
                  scaler: Any = None) -> StepReport:
         """Call after the last backward of the step and before clipping / optimizer.step()."""
+        if self.step == 0 and self.config.remedy == "drop_culprits" and probe is None:
+            raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
+                              "without probes no culprit set is verified and ∇_C is unknown")
+        t0 = self.meter.begin()
         parts, self._parts = self._parts, []
         scores = self._stack(parts)
-        scale, unscaled = _scaler_state(scaler, self.optimizer)
-        update = self._update[1] if self._update and self._pending and self._update[0] == self._pending.record.step else None
+        scale, unscaled = scaler_state(scaler, self.optimizer)
+        upd = self._update if self._update and self._pending and self._update[0] == self._pending.record.step else None
         self._update = None
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
-                       scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k, update)
-        assembled = assemble(self.layer_stats, self._uncovered, x)
-        self._emit_pending(assembled.previous_update_sq)
-        self._pending = assembled
-        record = assembled.record
+                       scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
+                       upd[2] if upd else None)
+        assembled = assemble(self.layer_stats, x)
+        self.meter.end(t0)
+        own, step_s, ratio = self.meter.finish_step()
+        t1 = self.meter.begin()
+        ratios = self.update_ratios.ratios(upd[1], assembled.previous_update) if upd else None
+        self._emit_pending(ratios)
+        record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed)
+        self._pending = replace(assembled, record=record)
         spike = self.detector.observe(record)
+        self.meter.end(t1)
         incident = None
         if INCIDENT.intersection(spike.kinds):
-            incident = self._incident(record, spike, scores, probe, assembled.scale, unscaled)
+            t2 = time.perf_counter()
+            incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
+                                                        scale is not None))
+            self.meter.exclude(time.perf_counter() - t2)
+            self.incidents.append(incident)
+            for sink in self.sinks:
+                self._safe(sink.on_incident, incident)
         self.step += 1
         return StepReport(record, spike, incident)
 
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
         if not parts or self.hooks is None:
             return None
-        return stack_step(parts, len(self.hooks.layers), self.layer_stats._device)
-
-    def _incident(self, record: StepRecord, spike: SpikeEvent, scores: StepScores | None,
-                  probe: ProbeFn | None, scale: float, unscaled: bool) -> Incident:
-        loc = None
-        if LOCALIZE.intersection(spike.kinds):
-            try:
-                loc = self._localize(record, spike, scores, probe, scale, unscaled)
-            except Exception as exc:  # never raise into the training loop
-                self.counters["localize_errors"] += 1
-                log.warning("gradloc: localization of step %d failed: %s", record.step, exc, exc_info=True)
-                loc = Localization(record.step, "none", "unavailable", 0, None, record.global_norm, None,
-                                   None, (), (), note=f"localization failed: {type(exc).__name__}: {exc}")
-        top = tuple(sorted(record.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:5])
-        incident = Incident(uuid.uuid4().hex, record.job, record.rank, record.step, record.time_unix,
-                            spike, loc, top_layers=top)
-        self.incidents.append(incident)
-        for sink in self.sinks:
-            self._safe(sink.on_incident, incident)
-        return incident
-
-    def _localize(self, record: StepRecord, spike: SpikeEvent, scores: StepScores | None,
-                  probe: ProbeFn | None, scale: float, unscaled: bool) -> Localization:
-        view = _token_view(scores, self.hooks.layers if self.hooks else [], scale,
-                           record.tokens.unattributed_share if record.tokens else 1.0)
-        stored = StoredGradient(self.layer_stats.grads(), 1.0 if unscaled else 1.0 / scale, record.global_norm)
-        opener = None
-        if probe is not None and scores is not None:
-            def opener() -> ProbeSession:
-                return ProbeSession(self.model, self.layer_stats.params, scores.metas, probe, self.pause_token_hooks)
-        ctx = SpikeContext(spike.mean, record.loss, spike.loss_mean, spike.std, self.config.detector.z_threshold)
-        return self.localizer.localize(record.step, view, stored, opener, ctx)
+        return stack_step(parts, len(self.hooks.layers), self.layer_stats.device)
 
     def pause_token_hooks(self, on: bool) -> None:
         """Pause (True) or resume (False) per-token capture, e.g. around extra forward/backward
@@ -217,29 +224,35 @@ class Monitor:
 
     # -- update-to-weight ratio (optimizer hooks) -------------------------------------------------
     def _before_opt_step(self, *_: Any) -> None:
-        self._safe(self.layer_stats.take_snapshot)
+        if self.meter.is_shed("update_ratio"):
+            return
+        t0 = self.meter.begin()
+        self._safe(self.update_ratios.before_step)
+        self.meter.end(t0)
 
     def _after_opt_step(self, *_: Any) -> None:
+        t0 = self.meter.begin()
         try:
-            upd = self.layer_stats.update_sq()
-            if upd is not None and self._pending is not None:
-                self._update = (self._pending.record.step, upd)
+            got = self.update_ratios.after_step()
+            if got is not None and self._pending is not None:
+                self._update = (self._pending.record.step, *got)
         except Exception:
             self.counters["update_ratio_errors"] += 1
+        self.meter.end(t0)
 
     def _take_update_host(self) -> np.ndarray | None:
         if self._update is None or self._pending is None or self._update[0] != self._pending.record.step:
             return None
-        host = self._update[1].double().cpu().numpy()
+        _, window, sums = self._update
         self._update = None
-        return host
+        return self.update_ratios.ratios(window, sums.double().cpu().numpy())
 
-    def _emit_pending(self, update_sq: np.ndarray | None) -> None:
+    def _emit_pending(self, ratios: np.ndarray | None) -> None:
         if self._pending is None:
             return
         rec = self._pending.record
-        if update_sq is not None:
-            rec = with_update_ratios(rec, self.layer_stats.layers, self._pending.param_sq, update_sq)
+        if ratios is not None:
+            rec = with_update_ratios(rec, self.layer_stats.layers, ratios)
         self._pending = None
         self.history.append(rec)
         for sink in self.sinks:
@@ -266,39 +279,11 @@ def _check_model(model: nn.Module, cfg: WatchConfig) -> nn.Module:
     return model
 
 
-def _scaler_state(scaler: Any, optimizer: Any) -> tuple[torch.Tensor | None, bool]:
-    """(scale tensor, already unscaled?) of an enabled torch.amp.GradScaler, else (None, False)."""
-    if scaler is None or not scaler.is_enabled():
-        return None, False
-    scale = getattr(scaler, "_scale", None)
-    if scale is None:
-        scale = torch.tensor(float(scaler.get_scale()))
-    unscaled = False
-    if optimizer is not None:
-        from torch.amp.grad_scaler import OptState
-
-        state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
-        unscaled = state.get("stage") is OptState.UNSCALED
-    return scale, unscaled
-
-
-def _token_view(scores: StepScores | None, layers: Sequence[str], scale: float,
-                unattributed: float) -> TokenView | None:
-    if scores is None:
-        return None
-    k = 1.0 / scale**2
-    return TokenView(tuple(layers), scores.metas, scores.offsets,
-                     scores.totals.double().cpu().numpy() * k, scores.per_layer.double().cpu().numpy() * k,
-                     scores.eligible.cpu().numpy(), unattributed, scores.exact_layer)
-
-
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
           config: WatchConfig | None = None, decode: Any = None, sinks: Sequence[Sink] = (),
           **overrides: Any) -> Monitor:
     """Attach a monitor. ``overrides`` are WatchConfig fields (``job=``, ``incident_path=`` …)."""
     if overrides:
-        from dataclasses import replace
-
         config = replace(config or WatchConfig(), **overrides)
     if model in _ATTACHED:
         raise AttachError("this model already has a gradloc monitor attached; detach() it first")

@@ -9,10 +9,8 @@ enqueues: a full queue is a counted drop, never a wait.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from gradloc.agent.core import AgentCore, CoreConfig, Declare
-from gradloc.config import WatchConfig
 from gradloc.errors import AttachError
 from gradloc.records import Incident, StepRecord
 
@@ -69,24 +67,3 @@ class EmbeddedAgent:
         if self.http is not None:
             self.http.stop()
             self.http = None
-
-
-def default_sinks(cfg: WatchConfig) -> list[Any]:
-    """The sinks ``watch`` adds on its own: JSONL (if asked), then the agent client or the embedded agent."""
-    from gradloc.exporters.jsonl import JsonlSink
-
-    sinks: list[Any] = [JsonlSink(cfg.incident_path)] if cfg.incident_path else []
-    try:
-        if cfg.agent:
-            from gradloc.transport.client import AgentClient
-
-            sinks.append(AgentClient(cfg.agent, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size))
-        elif cfg.embedded:
-            sinks.append(EmbeddedAgent(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, store=cfg.store,
-                                       store_path=cfg.store_path, metrics_address=cfg.metrics_address,
-                                       otlp_endpoint=cfg.otlp_endpoint))
-    except BaseException:
-        for sink in sinks:  # nothing half-attached stays open
-            sink.shutdown()
-        raise
-    return sinks

@@ -1,11 +1,12 @@
 """Per-layer gradient statistics with foreach kernels: one packed tensor, one host transfer.
 
-Layout of :meth:`LayerStatsCollector.grad_pack` (all float32, length 4·L for L layer groups):
-``[grad_sq(L) | grad_max_abs(L) | param_sq(L) | present(L)]``. Exact non-finite counts are only
-computed on the rare path where a norm came out non-finite.
+Layout of :meth:`LayerStatsCollector.grad_pack` (all float32, length 4·L + 1 for L layer groups):
+``[grad_sq(L) | grad_max_abs(L) | param_sq(L) | present(L) | uncovered_sq]``. Exact non-finite
+counts are only computed on the rare path where a norm came out non-finite.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -58,7 +59,25 @@ def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)
 
 
+@dataclass
+class _DeviceGroup:
+    """The parameters that live on one device, with their group index (and uncovered mask) there."""
+
+    device: torch.device
+    members: list[int]  # indices into LayerStatsCollector.params
+    group_index: torch.Tensor  # (len(members),) long: layer group of each member
+    uncovered: torch.Tensor | None = None  # (len(members),) 0/1: no per-token rule attributes it
+    partial: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+
 class LayerStatsCollector:
+    """Per-layer statistics of the gradients at the optimizer boundary.
+
+    Parameters may be spread over several devices (``device_map="auto"``): each device reduces its
+    own parameters into one packed (4L + 1,) tensor, the packs are combined on the primary device
+    (the first parameter's), and the step still makes one host transfer.
+    """
+
     def __init__(self, model: nn.Module, grouping: LayerGrouping) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
@@ -66,98 +85,107 @@ class LayerStatsCollector:
         groups = [group_name(n, grouping) for n in self.names]
         self.layers: list[str] = list(dict.fromkeys(groups))
         index = {g: i for i, g in enumerate(self.layers)}
-        self._group_of = [index[g] for g in groups]
+        self.group_of = [index[g] for g in groups]
         self.numel = [0] * len(self.layers)
-        for p, g in zip(self.params, self._group_of):
+        for p, g in zip(self.params, self.group_of):
             self.numel[g] += p.numel()
-        self._device = self.params[0].device if self.params else torch.device("cpu")
-        self._group_index = torch.tensor(self._group_of, dtype=torch.long, device=self._device)
-        self._snapshot: list[torch.Tensor] | None = None
-        self._partial_index: dict[tuple[int, ...], torch.Tensor] = {}
-
-    def _index_for(self, present: tuple[int, ...]) -> torch.Tensor:
-        """Group index of the parameters that have a gradient; cached per pattern, so a step where
-        some parameters got none does not copy a fresh index to the device every time."""
-        idx = self._partial_index.get(present)
-        if idx is None:
-            if len(self._partial_index) >= 16:  # patterns that keep changing (MoE): stay bounded
-                self._partial_index.clear()
-            idx = self._partial_index[present] = self._group_index[list(present)]
-        return idx
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(self.params):
+            by_device.setdefault(p.device, []).append(i)
+        self._groups = [_DeviceGroup(dev, members, torch.tensor([self.group_of[i] for i in members],
+                                                                dtype=torch.long, device=dev))
+                        for dev, members in by_device.items()]
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        return tuple(g.device for g in self._groups)
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def persistent_bytes(self) -> int:
+        """Device memory this collector keeps between steps (index and mask tensors)."""
+        tensors = [t for g in self._groups for t in (g.group_index, g.uncovered, *g.partial.values())
+                   if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def set_uncovered(self, uncovered: Sequence[bool]) -> None:
+        """Mark the parameters no per-token rule attributes (their ‖g‖² is the unattributed share)."""
+        for g in self._groups:
+            g.uncovered = torch.tensor([1.0 if uncovered[i] else 0.0 for i in g.members], device=g.device)
+
     def grads(self) -> list[torch.Tensor | None]:
         return [p.grad for p in self.params]
 
-    def grad_pack(self, inv_scale: float | torch.Tensor = 1.0, uncovered: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed per-layer stats on the device; gradients multiplied by ``inv_scale`` (GradScaler).
+    def grad_pack(self, inv_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """Packed per-layer stats on the primary device; gradients multiplied by ``inv_scale``.
 
-        With ``uncovered`` (P,) 0/1 per parameter, one more entry is appended: Σ ‖g‖² of the
-        uncovered parameters (those no per-token rule attributes).
+        Layout ``[grad_sq(L) | grad_max_abs(L) | param_sq(L) | present(L) | uncovered_sq(1)]``.
         """
         L = self.n_layers
+        packs = [self._device_pack(g, inv_scale) for g in self._groups]
+        if len(packs) == 1:
+            return packs[0]
+        packs = [p.to(self.device, non_blocking=True) for p in packs]
+        total = torch.stack(packs).sum(0)  # (devices, 4L + 1) -> (4L + 1,)
+        total[L:2 * L] = torch.stack([p[L:2 * L] for p in packs]).amax(0)  # max |g| combines by max
+        return total
+
+    def _device_pack(self, g: _DeviceGroup, inv_scale: float | torch.Tensor) -> torch.Tensor:
+        L = self.n_layers
         if isinstance(inv_scale, torch.Tensor):  # a float64 GradScaler scale would promote the packs
-            inv_scale = inv_scale.to(self._device, torch.float32)
-        present = [i for i, p in enumerate(self.params) if p.grad is not None]
-        idx = self._group_index if len(present) == len(self.params) else self._index_for(tuple(present))
-        grads = [self.params[i].grad for i in present]
-        params = [self.params[i].detach() for i in present]
-        zeros = torch.zeros(L, device=self._device)
-        if grads:
-            g_norm = foreach_norms(grads)  # (P,)
-            g_max = max_abs(grads)
-            p_norm = foreach_norms(params)
-            grad_sq = zeros.index_add(0, idx, g_norm.pow(2) * inv_scale**2)
-            grad_max = zeros.scatter_reduce(0, idx, g_max * inv_scale, "amax", include_self=True)
-            param_sq = zeros.index_add(0, idx, p_norm.pow(2))
-            has = zeros.index_add(0, idx, torch.ones_like(g_norm))
-            extra = [(g_norm.pow(2) * inv_scale**2 * uncovered[present]).sum()[None]] if uncovered is not None else []
-        else:
-            grad_sq, grad_max, param_sq, has = zeros, zeros, zeros, zeros
-            extra = [zeros[:1]] if uncovered is not None else []
-        return torch.cat([grad_sq, grad_max, param_sq, has, *extra])  # 4 × (L,) [+ 1] -> (4L [+ 1],)
+            inv_scale = inv_scale.to(g.device, torch.float32)
+        present = [j for j, i in enumerate(g.members) if self.params[i].grad is not None]
+        idx = g.group_index if len(present) == len(g.members) else self._index_for(g, tuple(present))
+        grads = [self.params[g.members[j]].grad for j in present]
+        params = [self.params[g.members[j]].detach() for j in present]
+        zeros = torch.zeros(L, device=g.device)
+        if not grads:
+            return torch.cat([zeros, zeros, zeros, zeros, zeros[:1]])
+        g_norm = foreach_norms(grads)  # (P_present,)
+        g_sq = g_norm.pow(2) * inv_scale**2
+        grad_sq = zeros.index_add(0, idx, g_sq)
+        grad_max = zeros.scatter_reduce(0, idx, max_abs(grads) * inv_scale, "amax", include_self=True)
+        param_sq = zeros.index_add(0, idx, foreach_norms(params).pow(2))
+        has = zeros.index_add(0, idx, torch.ones_like(g_norm))
+        unc = g.uncovered if g.uncovered is not None else torch.zeros(len(g.members), device=g.device)
+        uncovered_sq = (g_sq * (unc if len(present) == len(g.members) else unc[present])).sum()[None]
+        return torch.cat([grad_sq, grad_max, param_sq, has, uncovered_sq])  # 4 × (L,) + (1,) -> (4L + 1,)
+
+    @staticmethod
+    def _index_for(g: _DeviceGroup, present: tuple[int, ...]) -> torch.Tensor:
+        """Group index of the members that have a gradient; cached per pattern, so a step where
+        some parameters got none does not copy a fresh index to the device every time."""
+        idx = g.partial.get(present)
+        if idx is None:
+            if len(g.partial) >= 16:  # patterns that keep changing (MoE): stay bounded
+                g.partial.clear()
+            idx = g.partial[present] = g.group_index[list(present)]
+        return idx
 
     def nonfinite_counts(self) -> list[int]:
         """Exact count of inf/NaN gradient entries per layer (rare path: one sync per layer hit)."""
         counts = [0] * self.n_layers
-        for p, g in zip(self.params, self._group_of):
+        for p, g in zip(self.params, self.group_of):
             if p.grad is not None:
                 counts[g] += int((~torch.isfinite(p.grad)).sum())
         return counts
 
-    # -- update-to-weight ratio: snapshot before optimizer.step(), difference after ------------
-    def take_snapshot(self) -> None:
-        if self._snapshot is None:
-            self._snapshot = [torch.empty_like(p, memory_format=torch.preserve_format) for p in self.params]
-        torch._foreach_copy_(self._snapshot, [p.detach() for p in self.params])
-
-    def update_sq(self) -> torch.Tensor | None:
-        """Per-layer ‖θ_after − θ_before‖² on the device (consumes the snapshot)."""
-        if self._snapshot is None:
-            return None
-        torch._foreach_sub_(self._snapshot, [p.detach() for p in self.params])  # before − after
-        norms = foreach_norms(self._snapshot)  # (P,)
-        return torch.zeros(self.n_layers, device=self._device).index_add(0, self._group_index, norms.pow(2))
-
-    def release_snapshot(self) -> None:
-        self._snapshot = None
-
-    def unpack(self, host: Sequence[float], nonfinite: Sequence[int] | None,
-               update_sq: Sequence[float] | None) -> tuple[LayerStats, ...]:
+    def unpack(self, host: Sequence[float], nonfinite: Sequence[int] | None) -> tuple[LayerStats, ...]:
+        """LayerStats of the layers that received a gradient (update ratios arrive a step later)."""
         L = self.n_layers
         out = []
         for i, name in enumerate(self.layers):
             grad_sq, gmax, psq, has = host[i], host[L + i], host[2 * L + i], host[3 * L + i]
             if has == 0:
                 continue  # no gradient reached this layer this step
-            ratio = None
-            if update_sq is not None and psq > 0:
-                ratio = (update_sq[i] ** 0.5) / (psq**0.5)
             out.append(LayerStats(name, float(grad_sq) ** 0.5, float(gmax), nonfinite[i] if nonfinite else 0,
-                                  float(psq) ** 0.5, self.numel[i], None if ratio is None else float(ratio)))
+                                  float(psq) ** 0.5, self.numel[i]))
         return tuple(out)
 
 

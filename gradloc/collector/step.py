@@ -1,7 +1,7 @@
 """Assemble one optimizer step's measurements into a :class:`StepRecord` with one host transfer.
 
 Packed layout (float64): ``[layer pack (4L) | uncovered_sq | scale | loss? | token summary? |
-previous step's update_sq (L)?]``.
+previous step's update sums (2L)?]``.
 """
 from __future__ import annotations
 
@@ -30,25 +30,24 @@ class StepInputs:
     scores: StepScores | None
     token_layers: tuple[str, ...]
     top_k: int
-    previous_update: torch.Tensor | None  # (L,) ‖Δθ‖² of the previous step, still on the device
+    previous_update: torch.Tensor | None  # (2L,) [Σ‖Δθ‖² | Σ‖θ‖²] of the previous step's window, on the device
 
 
 @dataclass(frozen=True)
 class Assembled:
     record: StepRecord
-    param_sq: np.ndarray  # (L,) host, to turn the next update_sq into update ratios
-    previous_update_sq: np.ndarray | None
+    previous_update: np.ndarray | None  # (2L,) host copy of StepInputs.previous_update
     scale: float  # host GradScaler scale (1.0 without a scaler)
 
 
-def assemble(layers: LayerStatsCollector, uncovered: torch.Tensor, x: StepInputs) -> Assembled:
-    dev = uncovered.device
+def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
+    dev = layers.device
     if x.scale is not None:
         scale = x.scale.to(dev, torch.float64).reshape(1)
     else:
         scale = torch.ones(1, dtype=torch.float64, device=dev)
     inv = 1.0 if (x.scale is None or x.unscaled_already) else scale.reciprocal()
-    parts = [layers.grad_pack(inv, uncovered), scale]  # (4L + 1,), (1,)
+    parts = [layers.grad_pack(inv), scale]  # (4L + 1,), (1,)
     loss_t = x.loss if isinstance(x.loss, torch.Tensor) else None
     if loss_t is not None:
         parts.append(loss_t.detach().reshape(1))
@@ -82,22 +81,20 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
     record = StepRecord(
         job=x.job, rank=x.rank, step=x.step, time_unix=time.time(),
         global_norm=math.sqrt(total_sq) if finite else float("nan"), loss=loss,
-        micro_batches=x.micro_batches, layers=layers.unpack(pack, nonfinite, None), tokens=tokens,
+        micro_batches=x.micro_batches, layers=layers.unpack(pack, nonfinite), tokens=tokens,
         nonfinite=sum(nonfinite) if nonfinite else 0,
         grad_scale=scale if x.scale is not None else None,
         skipped=x.scale is not None and not finite,
     )
-    previous = host[pos:pos + L].copy() if x.previous_update is not None else None
-    return Assembled(record, pack[2 * L:3 * L].copy(), previous, scale)
+    previous = host[pos:pos + 2 * L].copy() if x.previous_update is not None else None
+    return Assembled(record, previous, scale)
 
 
-def with_update_ratios(record: StepRecord, layer_names: Sequence[str], param_sq: np.ndarray,
-                       update_sq: np.ndarray) -> StepRecord:
-    """The record with each layer's ‖Δθ‖/‖θ‖ filled in once the optimizer step has run."""
+def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:
+    """The record with each layer's ‖Δθ‖/‖θ‖ filled in where known (``ratios`` is NaN elsewhere)."""
     index = {name: i for i, name in enumerate(layer_names)}
     new = []
     for s in record.layers:
-        i = index[s.layer]
-        ratio = math.sqrt(update_sq[i]) / math.sqrt(param_sq[i]) if param_sq[i] > 0 else None
-        new.append(replace(s, update_ratio=ratio))
+        r = ratios[index[s.layer]]
+        new.append(replace(s, update_ratio=float(r)) if math.isfinite(r) else s)
     return replace(record, layers=tuple(new))

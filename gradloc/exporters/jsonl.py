@@ -1,26 +1,16 @@
 """JSONL sink: one incident (and optionally one step record) per line, flushed per write.
 
-Every sink has ``on_step / on_incident / force_flush / shutdown`` (opentelemetry-python's shape).
-A sink never raises into training: the monitor counts a sink's failures and carries on.
+A :class:`gradloc.sinks.Sink`: it never raises into training (the monitor counts failures).
 """
 from __future__ import annotations
 
 import json
 import os
 import threading
-from typing import IO, Protocol
+from typing import IO
 
 from gradloc.records import Incident, StepRecord, to_dict
-
-
-class Sink(Protocol):
-    def on_step(self, record: StepRecord) -> None: ...
-
-    def on_incident(self, incident: Incident) -> None: ...
-
-    def force_flush(self) -> None: ...
-
-    def shutdown(self) -> None: ...
+from gradloc.sinks import Sink  # noqa: F401  (re-exported: the protocol this sink implements)
 
 
 class JsonlSink:

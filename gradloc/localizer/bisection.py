@@ -5,7 +5,8 @@
    token set in halves, probe both halves, recurse into hot halves until single tokens remain.
 
 A subset of n tokens is *hot* when its gradient norm exceeds ``threshold(n)``; with isotropic noise
-of per-token norm σ a healthy subset has norm ≈ σ√n, so the threshold is κ·σ·√n (DESIGN.md §3).
+of per-token norm σ a healthy subset has norm ≈ σ√n, so the threshold is κ·σ·√n (docs/DESIGN-NOTES.md,
+"Verification").
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from gradloc.localizer.probes import Grads, grad_norm
+from gradloc.localizer.probes import Grads, add_into, grad_norm
 
 GradOf = Callable[[int, np.ndarray], Grads]  # (micro-batch position, flat token indices) -> ∇
 
@@ -23,7 +24,7 @@ GradOf = Callable[[int, np.ndarray], Grads]  # (micro-batch position, flat token
 @dataclass
 class BisectionResult:
     culprits: list[int] = field(default_factory=list)  # flat indices
-    grads: list[Grads] = field(default_factory=list)  # each culprit's own gradient
+    grad: Grads | None = None  # Σ of the culprits' own gradients (one copy, summed in place)
     norms: list[float] = field(default_factory=list)
     probes: int = 0
     exhausted: bool = False  # the budget ran out before the search finished
@@ -76,5 +77,5 @@ def bisect(groups: Sequence[np.ndarray], grad_of: GradOf, threshold: Callable[[i
 
 def _add(res: BisectionResult, flat: int, g: Grads, n: float) -> None:
     res.culprits.append(flat)
-    res.grads.append(g)
+    res.grad = list(g) if res.grad is None else add_into(res.grad, g)
     res.norms.append(n)

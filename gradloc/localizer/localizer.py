@@ -1,4 +1,4 @@
-"""Spike -> Localization: one-pass attribution, verified by ≤ max_probes probes, bisection fallback.
+"""Spike -> Localization: one-pass attribution, verified by ≤ max_probes probes.
 
 Verification: for the candidate set C (grouped by micro-batch, one probe per micro-batch) we get
 ∇_C and the culprits' loss ℓ_C, and compare with the stored training gradient ∇ (never recomputed):
@@ -8,6 +8,11 @@ over the healthy level (⟨∇_C, ∇⟩ ≥ s·(‖∇‖² − μ²)), or carr
 or of its excess over the healthy loss. The loss criteria matter for a corrupted label: its
 cross-entropy gradient is bounded, so its share of ‖∇‖² can be modest while it carries most of
 the loss.
+
+Outcomes (``Localization.status``): ``located`` (a verified token set), ``diffuse`` (no small
+token set explains the spike: the rest of the probe budget measures the top samples, see
+``diffuse.py``; no token is listed), ``unverified`` (candidates without a probe closure),
+``unavailable`` (no per-token statistics). Bisection runs per ``LocalizerConfig.bisection``.
 """
 from __future__ import annotations
 
@@ -21,12 +26,13 @@ import torch
 from gradloc.config import LocalizerConfig
 from gradloc.localizer.bisection import bisect, sqrt_threshold
 from gradloc.localizer.candidates import select_candidates
-from gradloc.localizer.probes import Grads, ProbeSession, add_into, dot, grad_norm
+from gradloc.localizer.diffuse import describe, sample_shares
+from gradloc.localizer.probes import Grads, ProbeSession, dot, grad_norm
 from gradloc.localizer.spans import Decode, build_culprits, build_spans
 from gradloc.localizer.token_view import TokenView
 from gradloc.records import Localization
 
-_MAX_UNATTRIBUTED = 0.5  # above this share of ‖∇‖² outside per-token rules, attribution is not trusted
+MAX_UNATTRIBUTED = 0.5  # above this share of ‖∇‖² outside per-token rules, attribution is not trusted
 
 
 @dataclass(frozen=True)
@@ -45,56 +51,73 @@ class StoredGradient:
     norm: float  # unscaled global norm
 
 
+@dataclass(frozen=True)
+class LocalizeResult:
+    localization: Localization
+    culprit_grad: Grads | None = None  # unscaled ∇_C of a verified culprit set, when asked to keep it
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """A probed token set: its gradient, explained share, norms and loss."""
+
+    cands: np.ndarray
+    grad: Grads
+    explained: float
+    c_norm: float
+    without: float
+    loss: float
+    unprobed: int = 0  # micro-batches holding candidates that max_probes left unprobed
+
+
 class Localizer:
     def __init__(self, cfg: LocalizerConfig, decode: Decode | None) -> None:
         self.cfg, self.decode = cfg, decode
 
     def localize(self, step: int, view: TokenView | None, stored: StoredGradient,
-                 open_probes: Callable[[], ProbeSession] | None, ctx: SpikeContext) -> Localization:
-        usable = view is not None and view.unattributed_share <= _MAX_UNATTRIBUTED and view.scores.size > 0
-        if usable:
-            cands = select_candidates(view.rank_scores, view.eligible, self.cfg)
-            if cands.size and not np.isfinite(view.scores[cands]).all():
-                return self._result(step, "attribution", "located", 0, None, stored, view, cands,
-                                    np.full(cands.size, float("nan")), None,
-                                    "non-finite gradient: culprits are the positions where it appears")
-            if cands.size and open_probes is None:
-                return self._attribution_only(step, view, stored, cands)
-            if cands.size:
-                with open_probes() as session:
-                    loc = self._verify(step, view, stored, cands, session, ctx)
-                    if loc.status == "located" or not self.cfg.fallback_bisection:
-                        return loc
-                    return self._bisect(step, view, stored, session, ctx, loc.probes, loc.note)
-        if view is not None and open_probes is not None and self.cfg.fallback_bisection:
+                 open_probes: Callable[[], ProbeSession] | None, ctx: SpikeContext,
+                 keep_grad: bool = False) -> LocalizeResult:
+        if view is None or view.scores.size == 0:
+            return LocalizeResult(self._unavailable(step, view, stored, "no per-token statistics for this step"))
+        if view.unattributed_share > MAX_UNATTRIBUTED:
+            why = (f"attribution unavailable: {view.unattributed_share:.0%} of ‖∇‖² is in parameters "
+                   "no per-token rule covers")
+            if open_probes is None or self.cfg.bisection == "off":
+                return LocalizeResult(self._unavailable(step, view, stored, why))
             with open_probes() as session:
-                why = "no attribution candidates" if usable else "attribution unavailable (unattributed share too high)"
-                return self._bisect(step, view, stored, session, ctx, 0, why)
-        return Localization(step, "none", "unavailable", 0, None, stored.norm, None, None, (), (),
-                            view.micro_batch_shares() if view else (),
-                            view.unattributed_share if view else 0.0,
-                            "no per-token statistics or probe closure for this step")
+                return self._bisect(step, view, stored, session, ctx, why, keep_grad)
+        cands = select_candidates(view.rank_scores, view.eligible, self.cfg)
+        if cands.size and not np.isfinite(view.scores[cands]).all():
+            return LocalizeResult(self._result(step, "attribution", "located", 0, None, stored, view, cands,
+                                               np.full(cands.size, np.nan), None,
+                                               "non-finite gradient: culprits are the positions where it appears"))
+        if open_probes is None:
+            return LocalizeResult(self._without_probes(step, view, stored, cands))
+        with open_probes() as session:
+            why = "no token stands out in the attribution scores"
+            if cands.size:
+                got = self._verify(view, stored, cands, session, ctx)
+                if self._verified(got.explained, stored.norm, got.loss, ctx):
+                    loc = self._located(step, "attribution", stored, view, got, session.count, ctx)
+                    return LocalizeResult(loc, got.grad if keep_grad else None)
+                why = (f"the top {got.cands.size} attributed token(s) explain only {got.explained:.2f} of ‖∇‖² "
+                       "and less than half of the spike's excess")
+                del got
+            if self.cfg.bisection == "on_failure":
+                return self._bisect(step, view, stored, session, ctx, why, keep_grad)
+            return LocalizeResult(self._diffuse(step, view, stored, session, why))
 
     # -- attribution + verification -------------------------------------------------------------
-    def _verify(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray,
-                session: ProbeSession, ctx: SpikeContext) -> Localization:
+    def _verify(self, view: TokenView, stored: StoredGradient, cands: np.ndarray, session: ProbeSession,
+                ctx: SpikeContext) -> _Measured:
         groups = _by_micro_batch(view, cands)
         kept = sorted(groups, key=lambda m: -float(view.scores[groups[m]].sum()))[: self.cfg.max_probes]
         cands = np.concatenate([groups[m] for m in kept])
         g_c: Grads = [None] * len(stored.grads)
         for m in kept:
-            g_c = add_into(g_c, _probe(session, view, m, groups[m]))
+            g_c = _probe_into(session, view, g_c, m, groups[m])
         cands, g_c = self._grow(view, stored, session, ctx, cands, g_c)
-        explained, c_norm, without = _explained(stored, g_c)
-        loss_c = sum(session.losses)
-        scores = view.rank_scores[cands]
-        shares = explained * scores / scores.sum() if math.isfinite(explained) else scores * float("nan")
-        ok = self._verified(explained, stored.norm, loss_c, ctx)
-        note = "" if len(kept) == len(groups) else f"candidates in {len(groups) - len(kept)} more micro-batches not probed (max_probes)"
-        if not ok:
-            note = (note + "; " if note else "") + f"candidates explain only {explained:.2f} of ‖∇‖² and less than half of the spike's excess"
-        return self._result(step, "attribution", "located" if ok else "diffuse", session.count, explained,
-                            stored, view, cands, shares, (c_norm, without), note, _loss_fields(ctx, loss_c))
+        return _Measured(cands, g_c, *_explained(stored, g_c), sum(session.losses), len(groups) - len(kept))
 
     def _grow(self, view: TokenView, stored: StoredGradient, session: ProbeSession, ctx: SpikeContext,
               cands: np.ndarray, g_c: Grads) -> tuple[np.ndarray, Grads]:
@@ -113,7 +136,7 @@ class Localizer:
                 break
             groups = _by_micro_batch(view, extra)
             m = view.locate(int(extra[0]))[0]
-            g_c = add_into(g_c, _probe(session, view, m, groups[m]))
+            g_c = _probe_into(session, view, g_c, m, groups[m])
             cands = np.concatenate([cands, groups[m]])
         return cands, g_c
 
@@ -133,42 +156,71 @@ class Localizer:
             return True
         return mu_l is not None and loss > mu_l and loss_c >= need * (loss - mu_l)
 
-    def _attribution_only(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray) -> Localization:
-        total = float(view.scores.sum())
-        return self._result(step, "attribution", "unverified", 0, None, stored, view, cands,
-                            view.scores[cands] / total, None, "no probe closure given: shares are attribution scores")
+    def _located(self, step: int, method: str, stored: StoredGradient, view: TokenView, got: _Measured,
+                 probes: int, ctx: SpikeContext, weights: np.ndarray | None = None, note: str = "") -> Localization:
+        w = view.rank_scores[got.cands] if weights is None else weights
+        shares = got.explained * w / w.sum() if math.isfinite(got.explained) and w.sum() > 0 else w * np.nan
+        if got.unprobed:
+            note = (note + "; " if note else "") + f"candidates in {got.unprobed} more micro-batches not probed (max_probes)"
+        return self._result(step, method, "located", probes, got.explained, stored, view, got.cands, shares,
+                            (got.c_norm, got.without), note, _loss_fields(ctx, got.loss))
+
+    def _without_probes(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray) -> Localization:
+        if cands.size:
+            total = float(view.scores.sum())
+            return self._result(step, "attribution", "unverified", 0, None, stored, view, cands,
+                                view.scores[cands] / total, None, "no probe closure given: shares are attribution scores")
+        samples = sample_shares(view, None, 0)
+        note = "no token stands out in the attribution scores (no probe closure: nothing measured); " + \
+            describe(samples, _n_samples(view))
+        return self._empty(step, "attribution", "diffuse", 0, stored, view, note, samples)
+
+    def _diffuse(self, step: int, view: TokenView, stored: StoredGradient, session: ProbeSession,
+                 why: str) -> Localization:
+        def measure(m: int, flats: np.ndarray) -> float:
+            g = _probe_into(session, view, [None] * len(stored.grads), m, flats)
+            return _explained(stored, g)[0]
+
+        samples = sample_shares(view, measure, self.cfg.max_probes - session.count)
+        return self._empty(step, "attribution", "diffuse", session.count, stored, view,
+                           f"{why}; {describe(samples, _n_samples(view))}", samples)
 
     # -- fallback ---------------------------------------------------------------------------------
     def _bisect(self, step: int, view: TokenView, stored: StoredGradient, session: ProbeSession,
-                ctx: SpikeContext, used: int, why: str) -> Localization:
+                ctx: SpikeContext, why: str, keep_grad: bool) -> LocalizeResult:
         n_tokens = max(int(view.eligible.sum()), 1)
         reference = ctx.healthy_norm if ctx.healthy_norm else stored.norm
         threshold = sqrt_threshold(reference / math.sqrt(n_tokens), self.cfg.bisection_sigma)
         groups = [np.flatnonzero(view.eligible[a:b]) + a for a, b in zip(view.offsets, view.offsets[1:])]
-
         single_loss: dict[int, float] = {}
 
         def grad_of(m: int, flats: np.ndarray) -> Grads:
-            g = _probe(session, view, m, flats)
+            g = _probe_into(session, view, [None] * len(stored.grads), m, flats)
             if len(flats) == 1:
                 single_loss[int(flats[0])] = session.losses[-1]
             return g
 
-        res = bisect(groups, grad_of, threshold, max(self.cfg.bisection_budget - used, 1))
-        g_c: Grads = [None] * len(stored.grads)
-        for g in res.grads:
-            g_c = add_into(g_c, g)
-        explained, c_norm, without = _explained(stored, g_c)
-        cands = np.asarray(res.culprits, dtype=np.int64)
-        sq = np.asarray(res.norms) ** 2
-        shares = explained * sq / sq.sum() if cands.size and math.isfinite(explained) else sq * 0
-        loss_c = sum(single_loss.get(int(c), 0.0) for c in cands)
-        ok = cands.size > 0 and self._verified(explained, stored.norm, loss_c, ctx)
+        res = bisect(groups, grad_of, threshold, max(self.cfg.bisection_budget - session.count, 1))
         note = f"{why}; bisection" + (" stopped at its probe budget" if res.exhausted else "")
-        return self._result(step, "bisection", "located" if ok else "diffuse", session.count,
-                            explained if cands.size else None, stored, view, cands, shares, (c_norm, without),
-                            note, _loss_fields(ctx, loss_c) if cands.size else (None, None))
+        if res.grad is None:
+            return LocalizeResult(self._empty(step, "bisection", "diffuse", session.count, stored, view,
+                                              f"{note}: no token subset above the noise threshold; "
+                                              f"{describe(sample_shares(view, None, 0), _n_samples(view))}",
+                                              sample_shares(view, None, 0)))
+        cands = np.asarray(res.culprits, dtype=np.int64)
+        got = _Measured(cands, res.grad, *_explained(stored, res.grad),
+                        sum(single_loss.get(int(c), 0.0) for c in cands))
+        if not self._verified(got.explained, stored.norm, got.loss, ctx):
+            samples = sample_shares(view, None, 0)
+            return LocalizeResult(self._empty(
+                step, "bisection", "diffuse", session.count, stored, view,
+                f"{note}: {cands.size} hot token(s) explain only {got.explained:.2f} of ‖∇‖²; "
+                f"{describe(samples, _n_samples(view))}", samples))
+        loc = self._located(step, "bisection", stored, view, got, session.count, ctx,
+                            weights=np.asarray(res.norms) ** 2, note=note)
+        return LocalizeResult(loc, got.grad if keep_grad else None)
 
+    # -- records ----------------------------------------------------------------------------------
     def _result(self, step, method, status, probes, explained, stored, view, cands, shares, norms, note,
                 loss_fields: tuple[float | None, float | None] = (None, None)) -> Localization:
         culprits = build_culprits(view, [int(c) for c in cands], [float(s) for s in shares], self.decode)
@@ -176,7 +228,23 @@ class Localizer:
         c_norm, without = norms if norms else (None, None)
         return Localization(step, method, status, probes, explained, stored.norm, c_norm, without,
                             culprits, spans, view.micro_batch_shares(), view.unattributed_share,
-                            loss_fields[0], loss_fields[1], note)
+                            loss_fields[0], loss_fields[1], note, sample_shares(view, None, 0))
+
+    @staticmethod
+    def _empty(step: int, method: str, status: str, probes: int, stored: StoredGradient, view: TokenView,
+               note: str, samples: tuple = ()) -> Localization:
+        return Localization(step, method, status, probes, None, stored.norm, None, None, (), (),
+                            view.micro_batch_shares(), view.unattributed_share, None, None, note, samples)
+
+    @staticmethod
+    def _unavailable(step: int, view: TokenView | None, stored: StoredGradient, note: str) -> Localization:
+        return Localization(step, "none", "unavailable", 0, None, stored.norm, None, None, (), (),
+                            view.micro_batch_shares() if view else (),
+                            view.unattributed_share if view else 0.0, None, None, note)
+
+
+def _n_samples(view: TokenView) -> int:
+    return sum(m.batch for m in view.metas)
 
 
 def _loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float | None]:
@@ -186,8 +254,8 @@ def _loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float 
     return loss_c / ctx.loss, ctx.loss - loss_c
 
 
-def _probe(session: ProbeSession, view: TokenView, m: int, flats: np.ndarray) -> Grads:
-    return session.grad(view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+def _probe_into(session: ProbeSession, view: TokenView, acc: Grads, m: int, flats: np.ndarray) -> Grads:
+    return session.add_to(acc, view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
 
 
 def _still_spike(norm: float, ctx: SpikeContext) -> bool:

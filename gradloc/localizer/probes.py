@@ -54,41 +54,70 @@ class ProbeSession:
 
     def grad(self, micro_batch: int, token_mask: torch.Tensor) -> Grads:
         """Gradient of the loss restricted to ``token_mask`` (B×T bool) of ``micro_batch``."""
+        return self.add_to([None] * len(self.params), micro_batch, token_mask)
+
+    def add_to(self, acc: Grads, micro_batch: int, token_mask: torch.Tensor) -> Grads:
+        """``acc`` + the gradient of one probe, accumulated in place by autograd (∇ is linear in
+        the token mask, so probing disjoint sets and summing gives the gradient of their union);
+        holds one gradient copy however many probes are summed."""
         meta = self.metas[micro_batch]
+        for p, a in zip(self.params, acc):
+            p.grad = a
         meta.rng.restore()
         self.count += 1
-        loss = self.closure(micro_batch, token_mask)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise ProbeError("the probe closure must return a scalar loss tensor that requires grad")
-        self.losses.append(float(loss.detach()))
-        loss.backward()
-        out = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-        return out
-
-    def norm(self, micro_batch: int, token_mask: torch.Tensor) -> float:
-        return grad_norm(self.grad(micro_batch, token_mask))
+        try:
+            loss = self.closure(micro_batch, token_mask)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                raise ProbeError("the probe closure must return a scalar loss tensor that requires grad")
+            self.losses.append(float(loss.detach()))
+            loss.backward()
+            return [p.grad for p in self.params]
+        finally:
+            for p in self.params:
+                p.grad = None
 
 
 def add_into(acc: Grads, more: Grads) -> Grads:
-    return [b if a is None else (a if b is None else a + b) for a, b in zip(acc, more)]
+    """``acc`` += ``more`` in place where ``acc`` has a tensor (``more``'s tensors are not kept)."""
+    out: Grads = []
+    for a, b in zip(acc, more):
+        if a is None:
+            out.append(None if b is None else b.clone())
+        else:
+            if b is not None:
+                a.add_(b)
+            out.append(a)
+    return out
+
+
+_CHUNK = 1 << 22  # elements per float64 chunk: bounds the temporaries of a dot on a huge parameter
+
+
+def _device_total(parts: list[torch.Tensor]) -> float:
+    """Σ of 0-d float64 tensors that may live on several devices: one transfer per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in parts:
+        by_device.setdefault(t.device, []).append(t)
+    return float(sum(float(torch.stack(ts).sum()) for ts in by_device.values()))
 
 
 def grad_norm(grads: Grads) -> float:
     present = [g for g in grads if g is not None]
     if not present:
         return 0.0
-    return float(foreach_norms(present).double().norm())
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in present:
+        by_device.setdefault(g.device, []).append(g)
+    return math.sqrt(_device_total([foreach_norms(ts).double().pow(2).sum() for ts in by_device.values()]))
 
 
 def dot(a: Grads, b: Grads, b_scale: float = 1.0) -> float:
-    total = torch.zeros((), dtype=torch.float64)
+    """⟨a, b⟩ · b_scale in float64, chunked so a huge parameter never gets a full float64 copy."""
+    parts = []
     for x, y in zip(a, b):
-        if x is not None and y is not None:
-            total += (x.double() * y.double()).sum().cpu()
-    return float(total) * b_scale
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
+        if x is None or y is None:
+            continue
+        xf, yf = x.reshape(-1), y.reshape(-1)  # (*shape) -> (numel,)
+        for i in range(0, xf.numel(), _CHUNK):
+            parts.append(torch.dot(xf[i:i + _CHUNK].double(), yf[i:i + _CHUNK].double()))
+    return _device_total(parts) * b_scale if parts else 0.0

@@ -44,3 +44,19 @@ class TokenView:
         mask = np.zeros(meta.batch * meta.seq, dtype=bool)
         mask[np.asarray(flats) - self.offsets[m]] = True
         return mask.reshape(meta.batch, meta.seq)  # (B·T,) -> (B, T)
+
+    def sample_totals(self) -> list[tuple[int, int, float, int]]:
+        """(micro-batch position, sample, Σ score over the sample's positions, loss tokens), best first."""
+        out = []
+        for m, meta in enumerate(self.metas):
+            a, b = self.offsets[m], self.offsets[m + 1]
+            scores = self.scores[a:b].reshape(meta.batch, meta.seq).sum(axis=1)  # (B·T,) -> (B, T) -> (B,)
+            eligible = self.eligible[a:b].reshape(meta.batch, meta.seq).sum(axis=1)  # (B·T,) -> (B,)
+            out += [(m, s, float(scores[s]), int(eligible[s])) for s in range(meta.batch)]
+        return sorted(out, key=lambda r: -r[2] if np.isfinite(r[2]) else 0.0)
+
+    def sample_flats(self, m: int, sample: int) -> np.ndarray:
+        """Flat indices of the loss positions of one sample of micro-batch position m."""
+        T = self.metas[m].seq
+        a = self.offsets[m] + sample * T
+        return np.flatnonzero(self.eligible[a:a + T]) + a

@@ -44,8 +44,8 @@ def _run_bitwise(with_monitor: bool, localizer: gradloc.LocalizerConfig, spike_s
 
 @pytest.mark.parametrize("localizer", [
     gradloc.LocalizerConfig(),
-    # no token can stand 1e12 × above the median: no candidates, so the bisection fallback probes
-    gradloc.LocalizerConfig(candidate_outlier_factor=1e12),
+    # no token can stand 1e12 × above the median: no candidates; bisection="on_failure" then probes
+    gradloc.LocalizerConfig(candidate_outlier_factor=1e12, bisection="on_failure"),
 ], ids=["attribution", "bisection"])
 def test_training_is_bitwise_identical_with_monitor_and_probes(localizer):
     spike = 8

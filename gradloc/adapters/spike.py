@@ -1,0 +1,111 @@
+"""A flagged step → :class:`~gradloc.records.Incident`: localize (probes), then the opt-in remedy.
+
+Runs on the training thread inside ``Monitor.end_step``, on spike steps only. Never raises: a
+failed localization becomes an ``unavailable`` localization with the error in its note.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from gradloc.collector.token_summary import StepScores
+from gradloc.config import WatchConfig
+from gradloc.detector import LOCALIZE
+from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
+from gradloc.localizer.localizer import LocalizeResult
+from gradloc.localizer.remedy import apply_remedy
+from gradloc.records import Incident, Localization, SpikeEvent, StepRecord
+
+log = logging.getLogger("gradloc")
+
+
+@dataclass(frozen=True)
+class SpikeInputs:
+    record: StepRecord
+    spike: SpikeEvent
+    scores: StepScores | None
+    probe: ProbeFn | None
+    scale: float  # GradScaler scale the stored gradients were produced with (1.0 without one)
+    unscaled: bool  # the stored gradients are already unscaled
+    has_scaler: bool
+
+
+class SpikePath:
+    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], token_layers: Sequence[str],
+                 localizer: Localizer, cfg: WatchConfig, pause_hooks: Callable[[bool], None],
+                 counters: Counter[str]) -> None:
+        self.model, self.params, self.token_layers = model, list(params), list(token_layers)
+        self.localizer, self.cfg, self.pause_hooks, self.counters = localizer, cfg, pause_hooks, counters
+
+    def incident(self, x: SpikeInputs) -> Incident:
+        result = None
+        if LOCALIZE.intersection(x.spike.kinds):
+            result = self._localize(x)
+        loc = result.localization if result is not None else None
+        remedy = None
+        if self.cfg.remedy is not None:
+            grad_scale = 1.0 if x.unscaled else x.scale
+            remedy = apply_remedy(self.cfg.remedy, loc, result.culprit_grad if result else None,
+                                  self.params, grad_scale, x.has_scaler)
+            self.counters[f"remedy_{'applied' if remedy.applied else 'refused'}"] += 1
+        rec = x.record
+        top = tuple(sorted(rec.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:5])
+        return Incident(uuid.uuid4().hex, rec.job, rec.rank, rec.step, rec.time_unix, x.spike, loc,
+                        top_layers=top, remedy=remedy)
+
+    def _localize(self, x: SpikeInputs) -> LocalizeResult:
+        rec = x.record
+        try:
+            view = token_view(x.scores, self.token_layers, x.scale,
+                              rec.tokens.unattributed_share if rec.tokens else 1.0)
+            stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale,
+                                    rec.global_norm)
+            opener = None
+            if x.probe is not None and x.scores is not None:
+                scores, probe = x.scores, x.probe
+
+                def opener() -> ProbeSession:
+                    return ProbeSession(self.model, self.params, scores.metas, probe, self.pause_hooks)
+            s = x.spike
+            ctx = SpikeContext(s.mean, rec.loss, s.loss_mean, s.std, self.cfg.detector.z_threshold)
+            return self.localizer.localize(rec.step, view, stored, opener, ctx,
+                                           keep_grad=self.cfg.remedy == "drop_culprits")
+        except Exception as exc:  # never raise into the training loop
+            self.counters["localize_errors"] += 1
+            log.warning("gradloc: localization of step %d failed: %s", rec.step, exc, exc_info=True)
+            return LocalizeResult(Localization(rec.step, "none", "unavailable", 0, None, rec.global_norm, None,
+                                               None, (), (), note=f"localization failed: {type(exc).__name__}: {exc}"))
+
+
+def token_view(scores: StepScores | None, layers: Sequence[str], scale: float,
+               unattributed: float) -> TokenView | None:
+    """Host copy of a step's per-token scores, unscaled (fetched only when a spike is localized)."""
+    if scores is None:
+        return None
+    k = 1.0 / scale**2
+    return TokenView(tuple(layers), scores.metas, scores.offsets,
+                     scores.totals.double().cpu().numpy() * k, scores.per_layer.double().cpu().numpy() * k,
+                     scores.eligible.cpu().numpy(), unattributed, scores.exact_layer)
+
+
+def scaler_state(scaler: object, optimizer: object) -> tuple[torch.Tensor | None, bool]:
+    """(scale tensor, already unscaled?) of an enabled torch.amp.GradScaler, else (None, False)."""
+    if scaler is None or not scaler.is_enabled():  # type: ignore[attr-defined]
+        return None, False
+    scale = getattr(scaler, "_scale", None)
+    if scale is None:
+        scale = torch.tensor(float(scaler.get_scale()))  # type: ignore[attr-defined]
+    unscaled = False
+    if optimizer is not None:
+        from torch.amp.grad_scaler import OptState
+
+        state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+        unscaled = state.get("stage") is OptState.UNSCALED
+    return scale, unscaled
+

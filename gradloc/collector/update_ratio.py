@@ -1,0 +1,199 @@
+"""Update-to-weight ratios ‖θ_after − θ_before‖ / ‖θ_before‖ per layer, within a memory budget.
+
+The ratio needs θ_before, a copy of the parameters taken in the optimizer's step pre-hook. A full
+copy costs 1× the parameter bytes (14–28 GB on a 7 B model), so by default gradloc copies a
+*window*: a run of parameter elements that fits ``window_bytes``, taken in order over the
+concatenation of all trainable parameters and moved on by one window every optimizer step
+(wrapping around). Every element is covered once per sweep of ⌈parameter bytes / window⌉ steps.
+
+- A layer that fits inside one window gets its exact ratio for the step that covered it.
+- A layer larger than the window is covered in chunks over consecutive steps; its ratio is
+  √(Σ ‖Δ chunk‖² / Σ ‖θ chunk‖²) over the chunks of one sweep, each chunk measured at its own step,
+  and is published at the step its last chunk was measured.
+- With ``window_bytes=None`` the window is everything (``update_ratio="full"``): every layer, every step.
+
+Copies live in one preallocated byte buffer per device (each piece aligned to 64 bytes), so the
+persistent memory is the window, not the model. All reductions stay on the device: ``after_step``
+returns per-layer sums that travel with the next step's packed host transfer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gradloc.collector.layer_stats import foreach_norms
+
+_ALIGN = 64  # bytes: every piece's copy starts at a multiple of this inside the buffer
+_MAX_PLANS = 64
+
+
+@dataclass(frozen=True)
+class Piece:
+    param: int  # index into the tracker's parameter list
+    start: int  # first element (of the flattened parameter)
+    count: int  # elements
+
+
+@dataclass(frozen=True)
+class Window:
+    """One step's copy plan: the pieces, and how many elements of each layer they cover."""
+
+    pieces: tuple[Piece, ...]
+    layer_elems: np.ndarray  # (L,) int64
+
+
+@dataclass
+class _Live:
+    """A window copied in the pre-hook, waiting for the post-hook."""
+
+    window: Window
+    by_device: list[tuple[list[int], list[torch.Tensor], torch.Tensor]]  # (piece idx, copies, layer of each)
+    before_sq: list[torch.Tensor]  # per device: (pieces on it,) ‖θ_before piece‖²
+
+
+class UpdateRatioTracker:
+    def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], n_layers: int,
+                 window_bytes: int | None, primary: torch.device) -> None:
+        self.params, self.group_of, self.n_layers = list(params), list(group_of), n_layers
+        self.primary = primary
+        self.layer_numel = np.zeros(n_layers, dtype=np.int64)
+        for p, g in zip(self.params, self.group_of):
+            self.layer_numel[g] += p.numel()
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        self.window_bytes = total if window_bytes is None else max(0, min(int(window_bytes), total))
+        self.full = self.window_bytes >= total
+        self._cursor = (0, 0)  # (parameter index, element offset) where the next window starts
+        self._plans: dict[tuple[int, int], tuple[Window, tuple[int, int]]] = {}
+        self._layer_index: dict[tuple[int, torch.device], torch.Tensor] = {}  # (id(window), device)
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._live: _Live | None = None
+        self._acc = np.zeros((3, n_layers))  # Σ‖Δ‖², Σ‖θ‖², elements covered in the current sweep
+
+    @property
+    def enabled(self) -> bool:
+        return self.window_bytes > 0 and bool(self.params)
+
+    @property
+    def sweep_steps(self) -> int:
+        """Optimizer steps for the window to cover every parameter once (1 with a full copy)."""
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        return 1 if self.full else -(-total // max(self.window_bytes, 1))
+
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+    # -- the window -----------------------------------------------------------------------------
+    def _next_window(self) -> Window:
+        start = self._cursor
+        plan = self._plans.get(start)
+        if plan is None:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+                self._layer_index.clear()
+            plan = self._plans[start] = self._plan(start)
+        self._cursor = plan[1]
+        return plan[0]
+
+    def _plan(self, start: tuple[int, int]) -> tuple[Window, tuple[int, int]]:
+        pieces, left = [], self.window_bytes
+        i, off = start
+        elems = np.zeros(self.n_layers, dtype=np.int64)
+        for _ in range(2 * len(self.params) + 1):
+            p = self.params[i]
+            es, rest = p.element_size(), p.numel() - off
+            take = min(rest, left // es) if pieces or left >= es else min(rest, 1)  # ≥ 1 element a step
+            if take <= 0:
+                break
+            pieces.append(Piece(i, off, take))
+            elems[self.group_of[i]] += take
+            left -= take * es
+            off += take
+            if off >= p.numel():
+                i, off = (i + 1) % len(self.params), 0
+            if (i, off) == start or left <= 0:
+                break
+        return Window(tuple(pieces), elems), (i, off)
+
+    def _copies(self, device: torch.device, pieces: list[Piece]) -> list[torch.Tensor]:
+        """Views into the device's buffer, one per piece (grown once if this window needs more)."""
+        offsets, size = [], 0
+        for pc in pieces:
+            offsets.append(size)
+            size += -(-pc.count * self.params[pc.param].element_size() // _ALIGN) * _ALIGN
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < size:
+            buf = self._buffers[device] = torch.empty(size, dtype=torch.uint8, device=device)
+        out = []
+        for pc, o in zip(pieces, offsets):
+            p = self.params[pc.param]
+            out.append(buf[o:o + pc.count * p.element_size()].view(p.dtype))  # (bytes,) -> (count,)
+        return out
+
+    def _layers_of(self, window: Window, dev: torch.device, pieces: list[Piece]) -> torch.Tensor:
+        key = (id(window), dev)
+        idx = self._layer_index.get(key)
+        if idx is None:
+            idx = self._layer_index[key] = torch.tensor([self.group_of[pc.param] for pc in pieces],
+                                                        dtype=torch.long, device=dev)
+        return idx
+
+    def _sources(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+        return [self.params[pc.param].detach().reshape(-1)[pc.start:pc.start + pc.count] for pc in pieces]  # (*shape) -> (numel,)
+
+    # -- optimizer hooks ------------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Pre-hook: copy this step's window of θ_before."""
+        if not self.enabled:
+            return
+        window = self._next_window()
+        groups: dict[torch.device, list[int]] = {}
+        for j, pc in enumerate(window.pieces):
+            groups.setdefault(self.params[pc.param].device, []).append(j)
+        by_device, before = [], []
+        for dev, idx in groups.items():
+            pieces = [window.pieces[j] for j in idx]
+            dst = self._copies(dev, pieces)
+            torch._foreach_copy_(dst, self._sources(pieces))
+            before.append(foreach_norms(dst).pow(2))  # (pieces,)
+            by_device.append((idx, dst, self._layers_of(window, dev, pieces)))
+        self._live = _Live(window, by_device, before)
+
+    def after_step(self) -> tuple[Window, torch.Tensor] | None:
+        """Post-hook: the window and per-layer ``[Σ‖Δ‖² (L) | Σ‖θ_before‖² (L)]`` on the primary device."""
+        live, self._live = self._live, None
+        if live is None:
+            return None
+        L = self.n_layers
+        out = torch.zeros(2 * L, device=self.primary)
+        for (idx, dst, layer), before_sq in zip(live.by_device, live.before_sq):
+            pieces = [live.window.pieces[j] for j in idx]
+            torch._foreach_sub_(dst, self._sources(pieces))  # θ_before − θ_after
+            delta_sq = foreach_norms(dst).pow(2)  # (pieces,)
+            part = torch.zeros(2 * L, device=layer.device)
+            part.index_add_(0, layer, delta_sq).index_add_(0, layer + L, before_sq)
+            out += part.to(self.primary, non_blocking=True)
+        return live.window, out
+
+    # -- host side --------------------------------------------------------------------------------
+    def ratios(self, window: Window, sums: np.ndarray) -> np.ndarray:
+        """(L,) ratios from one window's host sums (NaN where no layer sweep completed this step)."""
+        L = self.n_layers
+        out = np.full(L, np.nan)
+        covered = window.layer_elems > 0
+        self._acc[0, covered] += sums[:L][covered]
+        self._acc[1, covered] += sums[L:2 * L][covered]
+        self._acc[2, covered] += window.layer_elems[covered]
+        done = covered & (self._acc[2] >= self.layer_numel)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.sqrt(self._acc[0] / self._acc[1])
+        out[done] = np.where(self._acc[1][done] > 0, ratio[done], np.nan)
+        self._acc[:, done] = 0.0
+        return out
+
+    def release(self) -> None:
+        self._buffers.clear()
+        self._layer_index.clear()
+        self._live = None

@@ -1,0 +1,54 @@
+"""Where a monitor's records go: the :class:`Sink` protocol and the sinks ``watch()`` adds itself.
+
+This is the seam between the trainer side (adapters, collector, detector, localizer) and
+everything that makes records visible (the JSONL file, the embedded agent, the client of a
+``gradloc-agent`` daemon). The adapters import only this module; the agent package and the
+transport are imported here, lazily, when a sink of theirs is actually built — so the training
+side never depends on the agent side.
+
+Every sink has ``on_step / on_incident / force_flush / shutdown`` (opentelemetry-python's shape)
+and never raises into training: the monitor counts a sink's failures and carries on.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from gradloc.config import WatchConfig
+    from gradloc.records import Incident, StepRecord
+
+
+class Sink(Protocol):
+    def on_step(self, record: "StepRecord") -> None: ...
+
+    def on_incident(self, incident: "Incident") -> None: ...
+
+    def force_flush(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def default_sinks(cfg: "WatchConfig") -> list[Any]:
+    """The sinks ``watch`` adds on its own: JSONL (if asked), then the agent client (``agent=``)
+    or the embedded agent. Nothing half-built stays open when one of them fails."""
+    sinks: list[Any] = []
+    try:
+        if cfg.incident_path:
+            from gradloc.exporters.jsonl import JsonlSink
+
+            sinks.append(JsonlSink(cfg.incident_path))
+        if cfg.agent:
+            from gradloc.transport.client import AgentClient
+
+            sinks.append(AgentClient(cfg.agent, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size))
+        elif cfg.embedded:
+            from gradloc.agent.embedded import EmbeddedAgent
+
+            sinks.append(EmbeddedAgent(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, store=cfg.store,
+                                       store_path=cfg.store_path, metrics_address=cfg.metrics_address,
+                                       otlp_endpoint=cfg.otlp_endpoint))
+    except BaseException:
+        for sink in sinks:
+            sink.shutdown()
+        raise
+    return sinks
