@@ -58,7 +58,7 @@ class Monitor:
         if self.hooks is not None and not self.hooks.watched:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
-                "nn.LayerNorm, nn.RMSNorm, *RMSNorm); pass WatchConfig(token_stats=False) for per-layer "
+                "nn.LayerNorm, nn.RMSNorm, *RMSNorm, HF Conv1D); pass WatchConfig(token_stats=False) for per-layer "
                 "statistics only, or register a rule with gradloc.register_rule")
         covered = self.hooks.covered_modules if self.hooks else set()
         owner = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
