@@ -6,8 +6,8 @@ the position embedding's broadcast call is still dropped, see below), each Conv1
 scores through the real hooks match the brute-force reference on GPT-2's own activations and upstream
 gradients, the LM head (tied to the token embedding) is the position-exact layer, and a planted
 culprit is located by attribution with at most 3 probes while training stays bitwise identical to a
-run without gradloc. Dropout stays at GPT-2's default 0.1, so
-the probes must replay the training pass's dropout masks.
+run without gradloc. Dropout stays at GPT-2's default 0.1, so the probes must replay the training
+pass's dropout masks.
 """
 from __future__ import annotations
 
