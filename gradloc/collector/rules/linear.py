@@ -11,6 +11,18 @@ from torch import nn
 from gradloc.collector.rules.registry import feature_lead, register_rule, sq_norm_last
 
 
+def affine_score(weight: torch.Tensor, bias: torch.Tensor | None, a_sq: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """‖g_p‖²·‖a_p‖² (if ``weight`` trains) + ‖g_p‖² (if ``bias`` trains), float32 of shape ``lead``.
+
+    Shared by every layer computing y_p = a_p·W (+ b) in some orientation of W (nn.Linear, HF Conv1D).
+    """
+    g_sq = sq_norm_last(g)  # (*lead, d_out) -> (*lead)
+    score = g_sq * a_sq if weight.requires_grad else torch.zeros_like(g_sq)
+    if bias is not None and bias.requires_grad:
+        score = score + g_sq
+    return score
+
+
 @register_rule(nn.Linear)
 class LinearRule:
     def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
@@ -20,8 +32,4 @@ class LinearRule:
         return sq_norm_last(x)  # (*lead, d_in) -> (*lead)
 
     def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        g_sq = sq_norm_last(g)  # (*lead, d_out) -> (*lead)
-        score = g_sq * saved if module.weight.requires_grad else torch.zeros_like(g_sq)
-        if module.bias is not None and module.bias.requires_grad:
-            score = score + g_sq
-        return score
+        return affine_score(module.weight, module.bias, saved, g)
