@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 INCIDENT_SCHEMA_VERSION = 1
+SHED_FEATURES = ("update_ratio", "layer_breakdown")  # StepRecord.shed values, in shedding order
 
 
 def to_dict(record: Any) -> dict[str, Any]:

@@ -78,6 +78,10 @@ class StepSummary:
     nonfinite: int = 0
     grad_scale: float | None = None
     skipped: bool = False
+    overhead_s: float | None = None  # gradloc's own seconds in this step (see StepRecord)
+    step_s: float | None = None
+    overhead: float | None = None  # smoothed gradloc / training time
+    shed: tuple[str, ...] = ()
 
 
 def summarize(record: StepRecord) -> StepSummary:
@@ -90,7 +94,8 @@ def summarize(record: StepRecord) -> StepSummary:
         [nan if s.update_ratio is None else s.update_ratio for s in ls])
     return StepSummary(record.job, record.rank, record.step, record.time_unix, record.global_norm,
                        record.loss, record.micro_batches, cols, record.tokens, record.nonfinite,
-                       record.grad_scale, record.skipped)
+                       record.grad_scale, record.skipped, record.overhead_s, record.step_s, record.overhead,
+                       record.shed)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,18 @@
-"""Suite-wide: the embedded incident store of every ``watch`` in the tests goes to a temp dir,
-never to the developer's ``~/.local/state/gradloc``."""
+"""Suite-wide settings.
+
+- The embedded incident store of every ``watch`` in the tests goes to a temp dir, never to the
+  developer's ``~/.local/state/gradloc``.
+- Every process the tests start runs torch on one intra-op thread (``OMP_NUM_THREADS=1``): with two
+  OpenMP threads on a busy 2-core machine, spinning barriers made subprocess runs 10–50× slower
+  (a demo that takes 15 s hit a 300 s timeout). In-process tests set it per test (tests/helpers.py).
+"""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -38,9 +38,11 @@ def main() -> None:
 @click.option("--job", default="demo", show_default=True, help="Job name on every record (a metric label).")
 @click.option("--rank", default=0, show_default=True, help="This process's rank (run several demos as one job's ranks).")
 @click.option("--world-size", default=1, show_default=True, help="Ranks in the job; the agent waits for all of them.")
+@click.option("--threads", default=1, show_default=True,
+              help="Torch intra-op threads (the demo model is tiny: more threads only add synchronization).")
 def demo(seed: int, steps: int, inject_step: int, inject: str, micro_batches: int,
          incident_path: str | None, as_json: bool, agent: str | None, store_path: str | None,
-         metrics_address: str | None, job: str, rank: int, world_size: int) -> None:
+         metrics_address: str | None, job: str, rank: int, world_size: int, threads: int) -> None:
     """Train a small causal LM on CPU, plant a culprit, detect and localize the spike."""
     from gradloc.agent.render import demo_json
     from gradloc.demo.run import DemoConfig, run_demo
@@ -49,7 +51,7 @@ def demo(seed: int, steps: int, inject_step: int, inject: str, micro_batches: in
         cfg = DemoConfig(seed=seed, steps=steps, inject_step=inject_step, inject=inject,
                          micro_batches=micro_batches, incident_path=incident_path, job=job, agent=agent,
                          store_path=store_path, metrics_address=metrics_address, rank=rank,
-                         world_size=world_size)
+                         world_size=world_size, threads=threads)
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     show_bar = not as_json or sys.stderr.isatty()

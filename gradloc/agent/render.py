@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from gradloc.records import Culprit, CulpritSpan, Incident
+from gradloc.records import Culprit, CulpritSpan, Incident, Localization, Remedy, SampleShare
 
 _HL, _DIM, _BOLD, _OFF = "\x1b[1;97;41m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 
@@ -37,12 +37,14 @@ def incident_text(inc: Incident, color: bool = True) -> str:
     loc = inc.localization
     if loc is None:
         lines.append("  not localized: this kind of event is a trend, not a token event")
+        lines += _remedy_lines(inc.remedy)
         return "\n".join(lines)
-    lines.append(f"  localized by {loc.method} with {loc.probes} probe(s): {loc.status}; culprits carry "
-                 f"{_pct(loc.explained_share)} of ‖∇‖² and {_pct(loc.loss_share)} of the loss; without them "
-                 f"‖∇‖ would be {_num(loc.norm_without_culprits)}")
+    lines.append(_outcome(loc))
     if loc.note:
         lines.append(f"  note: {loc.note}")
+    lines += _remedy_lines(inc.remedy)
+    if not loc.spans and loc.samples:
+        lines += ["  samples carrying the norm:", *(_sample_line(x) for x in loc.samples)]
     by_span = {(c.micro_batch, c.sample, c.position): c for c in loc.culprits}
     for span in loc.spans:
         uid = f" (sample id {span.sample_id})" if span.sample_id else ""
@@ -56,6 +58,30 @@ def incident_text(inc: Incident, color: bool = True) -> str:
     if not loc.spans:
         lines.append("  no culprit tokens found")
     return "\n".join(lines)
+
+
+def _outcome(loc: Localization) -> str:
+    head = f"  localized by {loc.method} with {loc.probes} probe(s): {loc.status}"
+    if loc.status == "located" or loc.explained_share is not None:
+        return (f"{head}; culprits carry {_pct(loc.explained_share)} of ‖∇‖² and {_pct(loc.loss_share)} of the "
+                f"loss; without them ‖∇‖ would be {_num(loc.norm_without_culprits)}")
+    if loc.status == "diffuse":
+        return f"{head} — no small set of tokens explains the spike; no token is named"
+    return head
+
+
+def _sample_line(x: SampleShare) -> str:
+    uid = f" (sample id {x.sample_id})" if x.sample_id else ""
+    measured = f"{_pct(x.share)} of ‖∇‖² measured, " if x.share is not None else ""
+    return f"  • micro-batch {x.micro_batch} · sample {x.sample}{uid} · {measured}{_pct(x.score_share)} attributed"
+
+
+def _remedy_lines(r: Remedy | None) -> list[str]:
+    if r is None:
+        return []
+    if r.applied:
+        return [f"  remedy {r.action}: applied — ‖∇‖ {_num(r.norm_before)} → {_num(r.norm_after)} ({r.reason})"]
+    return [f"  remedy {r.action}: not applied — {r.reason}"]
 
 
 def incident_line(inc: Incident) -> str:
@@ -75,6 +101,11 @@ def culprit_json(c: Culprit) -> dict[str, Any]:
             "token_id": c.token_id, "text": c.text, "share": c.share, "sample_id": c.sample_id}
 
 
+def _sample_json(x: SampleShare) -> dict[str, Any]:
+    return {"micro_batch": x.micro_batch, "sample": x.sample, "sample_id": x.sample_id, "tokens": x.tokens,
+            "score_share": x.score_share, "share": x.share}
+
+
 def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
               extra: Callable[[Incident], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The demo's ``--json`` object: ``planted`` and ``incidents`` (documented in docs/incident-json.md)."""
@@ -87,6 +118,10 @@ def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
             "probes": loc.probes if loc else 0,
             "explained_share": loc.explained_share if loc else None,
             "culprits": [culprit_json(c) for c in loc.culprits] if loc else [],
+            "samples": [_sample_json(x) for x in loc.samples] if loc else [],
+            "remedy": None if inc.remedy is None else {
+                "action": inc.remedy.action, "applied": inc.remedy.applied, "norm_before": inc.remedy.norm_before,
+                "norm_after": inc.remedy.norm_after, "reason": inc.remedy.reason},
             **(extra(inc) if extra else {}),
         })
     return {"planted": [dict(p) for p in planted], "incidents": rows}

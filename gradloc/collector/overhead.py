@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-SHED_ORDER = ("update_ratio", "layer_breakdown")
+from gradloc.records import SHED_FEATURES as SHED_ORDER
 
 
 class OverheadMeter:

@@ -41,6 +41,7 @@ class DemoConfig:
     agent: str | None = None  # ship to a gradloc-agent daemon at host:port (else embedded mode)
     store_path: str | None = None  # embedded mode's SQLite store (None: the per-user default)
     metrics_address: str | None = None  # embedded mode: serve /metrics and /api here
+    threads: int = 1  # torch intra-op threads: the model is tiny, more threads only add synchronization
 
     def __post_init__(self) -> None:
         if self.inject not in INJECT_KINDS:
@@ -51,6 +52,8 @@ class DemoConfig:
             raise ConfigError("inject_step must be >= 26: the detector warms up on the first 25 steps")
         if min(self.micro_batches, self.batch, self.seq) < 1:
             raise ConfigError("micro_batches, batch and seq must be >= 1")
+        if self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.prompt < self.seq // 2:
             raise ConfigError(f"prompt must be in [0, seq/2), got {self.prompt}")
 
@@ -73,6 +76,15 @@ class DemoResult:
 
 
 def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None = None) -> DemoResult:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, on_step)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> DemoResult:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     corpus = cl100k_corpus()

@@ -1,11 +1,11 @@
 """Every metric gradloc exports, defined once: Prometheus name, OTel name, type, unit, labels.
 
 The Prometheus collector, the OTLP exporter and ``docs/metrics.md`` are all derived from
-:data:`SPECS` (a test checks the doc lists exactly these). Conventions (DESIGN.md §5):
+:data:`SPECS` (a test checks the doc lists exactly these). Conventions (docs/metrics.md):
 
 * Prometheus: base units, ``_total`` on counters (the family name here omits it; the client adds
-  it), ``_ratio`` for dimensionless ratios (shares in [0, 1], and ‖Δθ‖/‖θ‖), ``_seconds`` for
-  durations.
+  it), ``_ratio`` for dimensionless ratios (shares in [0, 1], ‖Δθ‖/‖θ‖, gradloc's overhead),
+  ``_seconds`` for durations.
 * OTel: dot-separated names without units, UCUM units (``1``, ``s``, ``{step}``).
 * Labels are bounded: ``job``, ``rank``, ``layer`` (bounded by the model and the layer grouping),
   and small closed sets (``kind``, ``status``, ``reason``, ``exporter``). Never step numbers, sample
@@ -79,6 +79,10 @@ SPECS: tuple[MetricSpec, ...] = (
        "Mixed-precision loss scale the raw gradients carried (AMP GradScaler)."),
     _g("nonfinite", "gradloc_grad_nonfinite_elements", "gradloc.grad.nonfinite", "{element}", JR,
        "Non-finite gradient elements in the latest step."),
+    _g("overhead", "gradloc_overhead_ratio", "gradloc.overhead", "1", JR,
+       "gradloc's own time per step over the training step's own time, smoothed (0.04: steps take 4% longer)."),
+    _g("shed", "gradloc_shed", "gradloc.shed", "1", ("job", "rank", "feature"),
+       "1 while gradloc sheds an optional feature (update_ratio, layer_breakdown) to stay within its overhead budget, else 0."),
     # Counters over the whole run.
     _c("steps", "gradloc_steps", "gradloc.step.count", "{step}", JR, "Step records received."),
     _c("skipped_steps", "gradloc_skipped_steps", "gradloc.step.skipped", "{step}", JR,
@@ -89,6 +93,10 @@ SPECS: tuple[MetricSpec, ...] = (
        "Detector findings by kind (one step can have several kinds). Exemplar: incident trace id."),
     _c("incidents", "gradloc_incidents", "gradloc.incident.count", "{incident}", ("job", "status"),
        "Correlated incidents closed (status complete|partial). Exemplar: incident trace id."),
+    _c("localizations", "gradloc_localizations", "gradloc.localization.count", "{localization}", ("job", "status"),
+       "Per-rank localizations of incidents by outcome (located, diffuse, unverified, unavailable)."),
+    _c("remedies", "gradloc_remedies", "gradloc.remedy.count", "{step}", ("job", "action", "applied"),
+       "Spike steps the opt-in remedy acted on (applied=true) or refused (applied=false), by action."),
     _c("missing_ranks", "gradloc_incident_missing_ranks", "gradloc.incident.missing_ranks", "{rank}", ("job",),
        "Ranks that never reported a step that became an incident (straggler deadline passed)."),
     # Distributions.

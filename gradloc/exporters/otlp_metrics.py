@@ -39,7 +39,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
 from gradloc.exporters.metric_specs import SPECS, MetricSpec
-from gradloc.exporters.state import CounterPoint, TelemetrySnapshot, TelemetryState
+from gradloc.exporters.state import RANK_GAUGES, CounterPoint, TelemetrySnapshot, TelemetryState, shed_values
 from gradloc.reports import CorrelatedIncident, LayerColumns, StepSummary
 
 log = logging.getLogger(__name__)
@@ -48,16 +48,6 @@ EXPORTER = "otlp_metrics"
 SYNC_COUNTERS = frozenset({"incidents", "spikes"})
 """Counter keys recorded synchronously (with exemplars) instead of read from the snapshot."""
 
-_RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
-    "global_norm": lambda s: s.global_norm,
-    "loss": lambda s: s.loss,
-    "step": lambda s: s.step,
-    "record_time": lambda s: s.time_unix,
-    "token_top_share": lambda s: None if s.tokens is None else s.tokens.top_share,
-    "unattributed": lambda s: None if s.tokens is None else s.tokens.unattributed_share,
-    "grad_scale": lambda s: s.grad_scale,
-    "nonfinite": lambda s: s.nonfinite,
-}
 _LAYER_GAUGES: dict[str, Callable[[LayerColumns], np.ndarray]] = {
     "layer_norm": lambda c: c.grad_norm,
     "layer_max_abs": lambda c: c.grad_max_abs,
@@ -165,8 +155,11 @@ class MetricInstruments:
         if spec.kind == "counter":
             return lambda snap: [Observation(c.value, dict(zip(spec.labels, c.labels)))
                                  for c in self._reader.counters(spec.key)]
-        if spec.key in _RANK_GAUGES:
-            get = _RANK_GAUGES[spec.key]
+        if spec.key == "shed":
+            return lambda snap: [Observation(v, {**_rank_attrs(p.summary), "feature": f})
+                                 for p in snap.ranks for f, v in shed_values(p.summary)]
+        if spec.key in RANK_GAUGES:
+            get = RANK_GAUGES[spec.key]
             return lambda snap: [Observation(v, _rank_attrs(p.summary)) for p in snap.ranks
                                  if (v := get(p.summary)) is not None and math.isfinite(v)]
         if spec.key in _LAYER_GAUGES:

@@ -33,12 +33,14 @@ from prometheus_client.utils import floatToGoString
 
 from gradloc.exporters.metric_specs import BY_KEY, SPECS, MetricSpec
 from gradloc.exporters.state import (
+    RANK_GAUGES,
     CounterPoint,
     Exemplar,
     HistogramPoint,
     RankPoint,
     TelemetrySnapshot,
     TelemetryState,
+    shed_values,
 )
 
 log = logging.getLogger(__name__)
@@ -106,31 +108,17 @@ def _labels(spec: MetricSpec, values: Sequence[object]) -> dict[str, str]:
     return dict(zip(spec.labels, vals))
 
 
-def _rank_values(p: RankPoint) -> dict[str, float | None]:
-    """The per-rank gauge values of one rank's latest step (None = no series)."""
-    s = p.summary
-    tokens = s.tokens
-    return {
-        "global_norm": s.global_norm,
-        "loss": s.loss,
-        "step": s.step,
-        "record_time": s.time_unix,
-        "token_top_share": None if tokens is None else tokens.top_share,
-        "unattributed": None if tokens is None else tokens.unattributed_share,
-        "grad_scale": s.grad_scale,
-        "nonfinite": s.nonfinite,
-    }
-
-
 Row = tuple[str, Sample]  # (spec key, sample): one point's samples, added only if all were built
 
 
 def _rank_rows(p: RankPoint) -> Iterator[Row]:
     labels = {"job": _label(p.summary.job), "rank": _label(p.summary.rank)}
-    for key, raw in _rank_values(p).items():
-        value = _number(raw)
+    for key, get in RANK_GAUGES.items():
+        value = _number(get(p.summary))
         if value is not None:
             yield key, Sample(BY_KEY[key].prom, labels, value)
+    for feature, value in shed_values(p.summary):
+        yield "shed", Sample(BY_KEY["shed"].prom, {**labels, "feature": feature}, value)
 
 
 def _layer_index(p: RankPoint) -> list[tuple[int, str]]:

@@ -15,14 +15,34 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from gradloc.errors import ConfigError
 from gradloc.exporters.metric_specs import BY_KEY, MetricSpec
+from gradloc.records import SHED_FEATURES
 from gradloc.reports import CorrelatedIncident, StepSummary
 
 Labels = tuple[str, ...]
+
+# The per-rank gauges, read from a rank's latest StepSummary (None = no series); both exporters use these.
+RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
+    "global_norm": lambda s: s.global_norm,
+    "loss": lambda s: s.loss,
+    "step": lambda s: s.step,
+    "record_time": lambda s: s.time_unix,
+    "token_top_share": lambda s: None if s.tokens is None else s.tokens.top_share,
+    "unattributed": lambda s: None if s.tokens is None else s.tokens.unattributed_share,
+    "grad_scale": lambda s: s.grad_scale,
+    "nonfinite": lambda s: s.nonfinite,
+    "overhead": lambda s: s.overhead,
+}
+
+
+def shed_values(s: StepSummary) -> list[tuple[str, float]]:
+    """(feature, 1.0 shed / 0.0 not) for every known feature: a bounded label set."""
+    return [(f, 1.0 if f in s.shed else 0.0) for f in SHED_FEATURES]
 
 
 @dataclass(frozen=True)
@@ -158,6 +178,10 @@ class TelemetryState:
             for f in inc.findings:
                 for kind in f.spike.kinds:
                     self._bump("spikes", (inc.job, str(f.rank), kind), exemplar=ex)
+                if f.localization is not None:
+                    self._bump("localizations", (inc.job, f.localization.status))
+                if f.remedy is not None:
+                    self._bump("remedies", (inc.job, f.remedy.action, "true" if f.remedy.applied else "false"))
             self._hist("probes", (inc.job,)).observe(float(inc.probes))
             if inc.explained_share is not None and math.isfinite(inc.explained_share):
                 # ⟨∇_C, ∇⟩/‖∇‖² can dip below 0 for a culprit set pointing against the rest: clamp.

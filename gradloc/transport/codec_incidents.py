@@ -19,6 +19,8 @@ from gradloc.records import (
     LayerShare,
     LayerStats,
     Localization,
+    Remedy,
+    SampleShare,
     SpikeEvent,
 )
 from gradloc.transport import validate as v
@@ -46,6 +48,10 @@ def encode_incident(inc: Incident) -> pb.IncidentMsg:
                        spike=_encode_spike(inc.spike), top_layers=[_encode_layer(s) for s in inc.top_layers])
     if inc.localization is not None:
         m.localization.CopyFrom(_encode_localization(inc.localization))
+    if inc.remedy is not None:
+        r = inc.remedy
+        m.remedy.CopyFrom(pb.RemedyMsg(action=r.action, applied=r.applied, norm_before=r.norm_before, reason=r.reason))
+        _set_optional(m.remedy, r, ("norm_after",))
     return m
 
 
@@ -80,6 +86,9 @@ def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
         sm = m.spans.add(micro_batch=s.micro_batch, sample=s.sample, start=s.start, end=s.end, share=s.share,
                          token_ids=s.token_ids)
         _set_optional(sm, s, ("text", "context_before", "context_after", "sample_id"))
+    for x in loc.samples:
+        xm = m.samples.add(micro_batch=x.micro_batch, sample=x.sample, score_share=x.score_share, tokens=x.tokens)
+        _set_optional(xm, x, ("share", "sample_id"))
     return m
 
 
@@ -129,10 +138,22 @@ def decode_incident(m: pb.IncidentMsg, world_size: int, where: str) -> Incident:
     loss_event = m.spike.HasField("loss") and not math.isfinite(m.spike.loss)
     c = _Checks(grad_event, loss_event)
     loc = _decode_localization(m.localization, c, f"{where}.localization") if m.HasField("localization") else None
+    remedy = _decode_remedy(m.remedy, c, f"{where}.remedy") if m.HasField("remedy") else None
     return Incident(v.text(m.incident_id, f"{where}.incident_id", required=True),
                     v.text(m.job, f"{where}.job", required=True), v.rank(m.rank, world_size, f"{where}.rank"),
                     v.count(m.step, f"{where}.step"), c.finite(m.time_unix, f"{where}.time_unix"),
-                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top)
+                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top, remedy)
+
+
+def _decode_remedy(m: pb.RemedyMsg, c: _Checks, where: str) -> Remedy:
+    return Remedy(c.name(m.action, f"{where}.action"), m.applied, c.grad(m.norm_before, f"{where}.norm_before"),
+                  _get_optional(m, "norm_after", c.derived, where), c.free_text(m.reason, f"{where}.reason"))
+
+
+def _decode_sample(m: pb.SampleShareMsg, c: _Checks, where: str) -> SampleShare:
+    return SampleShare(v.count(m.micro_batch, f"{where}.micro_batch"), v.count(m.sample, f"{where}.sample"),
+                       c.derived(m.score_share, f"{where}.score_share"), _get_optional(m, "share", c.derived, where),
+                       _get_optional(m, "sample_id", c.name, where), v.count(m.tokens, f"{where}.tokens"))
 
 
 def _decode_layer(m: pb.LayerStatsMsg, where: str) -> LayerStats:
@@ -195,4 +216,5 @@ def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Local
         tuple(c.derived(x, f"{where}.micro_batch_shares[{i}]") for i, x in enumerate(m.micro_batch_shares)),
         c.derived(m.unattributed_share, f"{where}.unattributed_share"),
         _get_optional(m, "loss_share", c.loss_derived, where),
-        _get_optional(m, "loss_without_culprits", c.loss_derived, where), c.free_text(m.note, f"{where}.note"))
+        _get_optional(m, "loss_without_culprits", c.loss_derived, where), c.free_text(m.note, f"{where}.note"),
+        tuple(_decode_sample(x, c, f"{where}.samples[{i}]") for i, x in enumerate(m.samples)))

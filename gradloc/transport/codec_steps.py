@@ -22,6 +22,7 @@ from gradloc.transport.wire import pb
 _NAN = float("nan")
 _FLOAT_COLUMNS = ("grad_norm", "grad_max_abs", "param_norm")
 _INT_COLUMNS = ("layer_nonfinite", "numel")
+_MAX_SHED = 8
 _GRAD_EVENT = " but the step's nonfinite count is 0 (accepted only with a nonfinite count > 0)"
 
 
@@ -48,6 +49,10 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
         m.grad_scale = rec.grad_scale
     if rec.tokens is not None:
         _encode_tokens(rec.tokens, index, m.tokens)
+    for field, value in (("overhead_seconds", rec.overhead_s), ("step_seconds", rec.step_s), ("overhead", rec.overhead)):
+        if value is not None:
+            setattr(m, field, value)
+    m.shed.extend(rec.shed)
     return m
 
 
@@ -98,7 +103,15 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         _decode_tokens(m.tokens, names, f"{where}.tokens", event, keep_top) if m.HasField("tokens") else None,
         nonfinite,
         v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
-        m.skipped)
+        m.skipped, *(v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
+                     for f in ("overhead_seconds", "step_seconds", "overhead")),
+        _shed(m, where))
+
+
+def _shed(m: pb.Step, where: str) -> tuple[str, ...]:
+    if len(m.shed) > _MAX_SHED:
+        raise v.reject("invalid_value", f"{where}.shed names {len(m.shed)} features (at most {_MAX_SHED})")
+    return tuple(v.text(x, f"{where}.shed[{i}]", required=True) for i, x in enumerate(m.shed))
 
 
 def _columns(m: pb.Step, names: tuple[str, ...], where: str) -> LayerColumns:

@@ -50,6 +50,13 @@ def norm(x: float, where: str, allow_nonfinite: bool = False, why: str = "") -> 
     return x if x == math.inf else finite(x, where, allow_nonfinite, why)
 
 
+def nonneg(x: float, where: str) -> float:
+    """A finite value >= 0 (durations, overhead ratios)."""
+    if not (math.isfinite(x) and x >= 0):
+        raise reject("nonfinite" if not math.isfinite(x) else "invalid_value", f"{where} is {x!r} (must be finite and >= 0)")
+    return x
+
+
 def count(x: int, where: str) -> int:
     if x < 0:
         raise reject("invalid_value", f"{where} is {x} (must be >= 0)")

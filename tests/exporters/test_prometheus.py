@@ -26,6 +26,7 @@ from gradloc.exporters.prometheus import (
     render,
 )
 from gradloc.exporters.state import RankPoint, StateConfig, TelemetryState
+from gradloc.records import Remedy
 from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, step
 
 OM_ACCEPT = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
@@ -47,9 +48,11 @@ def realistic_state() -> TelemetryState:
             for n in (99, 100):
                 state.observe_step(step(job, rank, n, columns(norms, update_ratio=ratios), time_unix=now - 0.05,
                                         loss=None if rank == 2 else 2.5, grad_scale=65536.0 if rank == 0 else None,
-                                        skipped=(n == 100 and rank == 1)))
+                                        skipped=(n == 100 and rank == 1),
+                                        shed=("update_ratio",) if (j, rank) == (1, 2) else ()))
     state.observe_incident(incident("llm-7b", 100, global_norm=42.0, ranks=(0, 1), missing=(2,),
-                                    kinds=("grad_spike", "loss_spike")))
+                                    kinds=("grad_spike", "loss_spike"),
+                                    remedy=Remedy("drop_culprits", True, 42.0, 1.5)))
     state.count("records", ("step",), 12)
     state.count("rejected", ("malformed",))
     state.set_cumulative("client_dropped", ("llm-7b", "1", "queue_full"), 3)
@@ -108,6 +111,15 @@ def test_counters_end_in_total_in_the_text_format():
 def test_per_rank_and_per_layer_values():
     text = text_of(realistic_state())
     norms = {(lab["job"], lab["rank"], lab["layer"]): v for lab, v in samples(text, "gradloc_grad_norm")}
+    shed = {(lab["job"], lab["rank"], lab["feature"]): v for lab, v in samples(text, "gradloc_shed")}
+    assert len(shed) == len(JOBS) * RANKS * 2  # every known feature, 0 or 1: a bounded, always-present set
+    assert shed[(JOBS[1], "2", "update_ratio")] == 1.0 and shed[(JOBS[1], "2", "layer_breakdown")] == 0.0
+    assert sum(shed.values()) == 1.0
+    assert {v for _, v in samples(text, "gradloc_overhead_ratio")} == {0.03}
+    loc = {(lab["job"], lab["status"]): v for lab, v in samples(text, "gradloc_localizations_total")}
+    assert loc == {("llm-7b", "located"): 2.0}  # one per reporting rank's finding
+    rem = {(lab["action"], lab["applied"]): v for lab, v in samples(text, "gradloc_remedies_total")}
+    assert rem == {("drop_culprits", "true"): 2.0}
     assert len(norms) == len(JOBS) * RANKS * LAYERS
     assert norms[("rm-1b", "2", "model.layers.39.mlp.down_proj")] == pytest.approx(2.0 * 4)
     assert samples(text, "gradloc_step") and {v for _, v in samples(text, "gradloc_step")} == {100.0}

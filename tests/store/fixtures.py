@@ -15,6 +15,8 @@ from gradloc.records import (
     LayerShare,
     LayerStats,
     Localization,
+    Remedy,
+    SampleShare,
     SpikeEvent,
     TokenScore,
     TokenStats,
@@ -49,9 +51,14 @@ def finding(rank: int, step: int, span: CulpritSpan, *, incident_id: str, time_u
     loc = Localization(step=step, method="attribution", status=status, probes=2, explained_share=explained,
                        global_norm=3.5, culprit_norm=3.3, norm_without_culprits=0.9, culprits=culprits,
                        spans=(span,), micro_batch_shares=(0.05, 0.02, 0.03, 0.9), unattributed_share=0.01,
-                       loss_share=0.5, loss_without_culprits=2.2, note="")
+                       loss_share=0.5, loss_without_culprits=2.2, note="",
+                       samples=(SampleShare(span.micro_batch, span.sample, 0.8, None, span.sample_id, 56),
+                                SampleShare(0, 0, 0.03, None, None, 56)))
+    remedy = (Remedy("drop_culprits", True, 3.5, 0.9, "∇ − ∇_C: 1 culprit token(s) dropped from the update")
+              if status == "located" else
+              Remedy("drop_culprits", False, 3.5, None, f"not applied to a {status} spike: only a located culprit set qualifies"))
     return Incident(incident_id=f"{rank:02d}" + incident_id[2:], job="llm-7b", rank=rank, step=step,
-                    time_unix=time_unix, spike=spike, localization=loc, top_layers=_layers())
+                    time_unix=time_unix, spike=spike, localization=loc, top_layers=_layers(), remedy=remedy)
 
 
 def make_incident(incident_id: str = INCIDENT_ID, *, job: str = "llm-7b", step: int = 1200,

@@ -22,6 +22,8 @@ from gradloc.records import (
     LayerShare,
     LayerStats,
     Localization,
+    Remedy,
+    SampleShare,
     SpikeEvent,
     StepRecord,
     TokenScore,
@@ -39,6 +41,7 @@ NAN, INF = float("nan"), float("inf")
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 anyfloat = st.floats(width=64)  # NaN and ±inf included
+nonneg = st.floats(min_value=0, allow_nan=False, allow_infinity=False, width=64)
 small_int = st.integers(0, 2**40)
 name = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 opt_text = st.none() | st.text(max_size=20)
@@ -103,7 +106,8 @@ def step_records(draw: st.DrawFn) -> StepRecord:
     return StepRecord(draw(st.sampled_from([JOB, "other-job"])), draw(st.integers(0, WORLD - 1)), draw(small_int),
                       draw(finite), draw(anyfloat if event else finite), draw(st.none() | anyfloat),
                       draw(st.integers(0, 64)), layers, tokens, nonfinite, draw(st.none() | finite),
-                      draw(st.booleans()))
+                      draw(st.booleans()), *(draw(opt(nonneg)) for _ in range(3)),
+                      tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2, unique=True))))
 
 
 @st.composite
@@ -121,15 +125,18 @@ def incidents(draw: st.DrawFn) -> Incident:
                                small_int, small_int, small_int, st.integers(0, 5), derived,
                                st.lists(small_int, max_size=3).map(tuple), opt_text, opt_text, opt_text, opt_text),
                      max_size=2).map(tuple)
+    samples = st.lists(st.builds(SampleShare, small_int, small_int, derived, opt(derived), opt_text, small_int),
+                       max_size=3).map(tuple)
     loc = draw(opt(st.builds(Localization, small_int, name, name, small_int, opt(derived), g, opt(derived),
                              opt(derived), culprits, spans, st.lists(derived, max_size=3).map(tuple), derived,
-                             opt(lossy), opt(lossy), st.text(max_size=30))))
+                             opt(lossy), opt(lossy), st.text(max_size=30), samples)))
+    remedy = draw(opt(st.builds(Remedy, name, st.booleans(), g, opt(derived), st.text(max_size=30))))
     spike = SpikeEvent(draw(small_int), kinds, draw(g), draw(opt(finite)), draw(opt(finite)), draw(opt(finite)),
                        loss, draw(opt(finite)), draw(opt(finite)), tuple(draw(st.lists(name, max_size=3))),
                        draw(st.text(max_size=30)))
     top = tuple(draw(st.lists(name.flatmap(layer_stats), max_size=3)))
     return Incident(draw(name), draw(name), draw(st.integers(0, WORLD - 1)), draw(small_int), draw(finite), spike, loc,
-                    top_layers=top)
+                    top_layers=top, remedy=remedy)
 
 
 # -- wire helpers ----------------------------------------------------------------------------------
@@ -169,7 +176,8 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
     want = summarize(rec)
     for field in ("job", "rank", "step", "micro_batches", "nonfinite", "skipped"):
         assert getattr(got, field) == getattr(want, field), field
-    for field in ("time_unix", "global_norm", "loss", "grad_scale"):
+    assert got.shed == want.shed
+    for field in ("time_unix", "global_norm", "loss", "grad_scale", "overhead_s", "step_s", "overhead"):
         a, b = getattr(got, field), getattr(want, field)
         assert (a is None) == (b is None) and (a is None or a == b or (math.isnan(a) and math.isnan(b))), field
     assert got.layers.names == want.layers.names

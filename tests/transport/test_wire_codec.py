@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from gradloc.records import LayerShare, TokenScore, TokenStats, to_dict
+from gradloc.records import LayerShare, Remedy, SampleShare, TokenScore, TokenStats, to_dict
 from gradloc.transport.codec import BatchDecoder, LayerTableCache, batch_bytes, encode_step
 from gradloc.transport.validate import RejectedBatch
 from gradloc.transport.wire import layer_table_id, pb
@@ -160,6 +160,8 @@ BAD_FLOATS = [  # (what, record factory, field named in the message)
     ("infinite update ratio", lambda: step(layers=(layer("a", update_ratio=-INF),)), "steps[0].update_ratio[0]"),
     ("time", lambda: step(time_unix=INF), "steps[0].time_unix"),
     ("grad scale", lambda: step(grad_scale=NAN), "steps[0].grad_scale"),
+    ("overhead", lambda: step(overhead=INF), "steps[0].overhead"),
+    ("step seconds", lambda: step(step_s=NAN), "steps[0].step_seconds"),
     ("token share", lambda: step(tokens=TokenStats(8, 1.0, (), 0.5, (0.5, NAN), 0.0)),
      "steps[0].tokens.micro_batch_shares[1]"),
     ("token layer share", lambda: step(tokens=TokenStats(8, 1.0, (TokenScore(0, 0, 0, 1.0, 1.0, None, None, (
@@ -232,6 +234,15 @@ STRUCTURE = [  # (what, batch bytes, reason, words in the message)
      "65537 layers"),
     ("incident schema", lambda: to_bytes([], [incident(schema_version=9)]), "schema_version",
      "incidents[0].schema_version is 9"),
+    ("negative overhead seconds", lambda: to_bytes([step(overhead_s=-0.5)]), "invalid_value",
+     "steps[0].overhead_seconds is -0.5"),
+    ("too many shed features", lambda: to_bytes([step(shed=tuple(f"f{i}" for i in range(9)))]), "invalid_value",
+     "steps[0].shed names 9 features"),
+    ("negative sample index", lambda: to_bytes([], [incident(localization=replace(
+        incident().localization, samples=(SampleShare(0, -1, 0.5),)))]), "invalid_value",
+     "incidents[0].localization.samples[0].sample is -1"),
+    ("infinite remedy norm", lambda: to_bytes([], [incident(remedy=Remedy("drop_culprits", True, INF))]),
+     "nonfinite", "incidents[0].remedy.norm_before"),
 ]
 
 

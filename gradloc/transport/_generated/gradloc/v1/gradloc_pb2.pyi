@@ -71,7 +71,7 @@ class LayerTable(_message.Message):
     def __init__(self, id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio")
+    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,10 @@ class Step(_message.Message):
     PARAM_NORM_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     UPDATE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    SHED_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
@@ -108,7 +112,11 @@ class Step(_message.Message):
     param_norm: _containers.RepeatedScalarFieldContainer[float]
     numel: _containers.RepeatedScalarFieldContainer[int]
     update_ratio: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ...) -> None: ...
+    overhead_seconds: float
+    step_seconds: float
+    overhead: float
+    shed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenStatsMsg(_message.Message):
     __slots__ = ("tokens", "total_score", "top_share", "micro_batch_shares", "unattributed_share", "dropped_calls", "micro_batch", "sample", "position", "score", "share", "token_id", "sample_id", "sample_id_none", "layer_count", "layer_index", "layer_share", "extra_layers")
@@ -249,7 +257,7 @@ class CulpritSpanMsg(_message.Message):
     def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ...) -> None: ...
 
 class LocalizationMsg(_message.Message):
-    __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note")
+    __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note", "samples")
     STEP_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +273,7 @@ class LocalizationMsg(_message.Message):
     LOSS_SHARE_FIELD_NUMBER: _ClassVar[int]
     LOSS_WITHOUT_CULPRITS_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     step: int
     method: str
     status: str
@@ -280,10 +289,41 @@ class LocalizationMsg(_message.Message):
     loss_share: float
     loss_without_culprits: float
     note: str
-    def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[SampleShareMsg]
+    def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleShareMsg, _Mapping]]] = ...) -> None: ...
+
+class SampleShareMsg(_message.Message):
+    __slots__ = ("micro_batch", "sample", "score_share", "share", "sample_id", "tokens")
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    micro_batch: int
+    sample: int
+    score_share: float
+    share: float
+    sample_id: str
+    tokens: int
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., score_share: _Optional[float] = ..., share: _Optional[float] = ..., sample_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class RemedyMsg(_message.Message):
+    __slots__ = ("action", "applied", "norm_before", "norm_after", "reason")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    NORM_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    NORM_AFTER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    applied: bool
+    norm_before: float
+    norm_after: float
+    reason: str
+    def __init__(self, action: _Optional[str] = ..., applied: _Optional[bool] = ..., norm_before: _Optional[float] = ..., norm_after: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class IncidentMsg(_message.Message):
-    __slots__ = ("incident_id", "job", "rank", "step", "time_unix", "spike", "localization", "schema_version", "top_layers")
+    __slots__ = ("incident_id", "job", "rank", "step", "time_unix", "spike", "localization", "schema_version", "top_layers", "remedy")
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +333,7 @@ class IncidentMsg(_message.Message):
     LOCALIZATION_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOP_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REMEDY_FIELD_NUMBER: _ClassVar[int]
     incident_id: str
     job: str
     rank: int
@@ -302,4 +343,5 @@ class IncidentMsg(_message.Message):
     localization: LocalizationMsg
     schema_version: int
     top_layers: _containers.RepeatedCompositeFieldContainer[LayerStatsMsg]
-    def __init__(self, incident_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., spike: _Optional[_Union[SpikeMsg, _Mapping]] = ..., localization: _Optional[_Union[LocalizationMsg, _Mapping]] = ..., schema_version: _Optional[int] = ..., top_layers: _Optional[_Iterable[_Union[LayerStatsMsg, _Mapping]]] = ...) -> None: ...
+    remedy: RemedyMsg
+    def __init__(self, incident_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., spike: _Optional[_Union[SpikeMsg, _Mapping]] = ..., localization: _Optional[_Union[LocalizationMsg, _Mapping]] = ..., schema_version: _Optional[int] = ..., top_layers: _Optional[_Iterable[_Union[LayerStatsMsg, _Mapping]]] = ..., remedy: _Optional[_Union[RemedyMsg, _Mapping]] = ...) -> None: ...
