@@ -24,6 +24,7 @@ it (see :meth:`GradlocTrainerMixin.gradloc_probe_loss`).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import ExitStack
 from dataclasses import dataclass, fields, replace
@@ -76,6 +77,7 @@ class GradlocTrainerMixin:
         self._gradloc_loss: torch.Tensor | None = None
         self._gradloc_prepared: Mapping[str, Any] | None = None
         self._gradloc_capture = False
+        self._gradloc_forward_args: frozenset[str] | None = None  # the model's forward parameters
         super().__init__(*args, **kwargs)
 
     # -- Trainer overrides ------------------------------------------------------------------------
@@ -86,7 +88,8 @@ class GradlocTrainerMixin:
         finally:
             self._gradloc_close()
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
         if self.gradloc_config is None:
             return super().training_step(model, inputs, num_items_in_batch)
         setup = self.gradloc is None
@@ -96,7 +99,7 @@ class GradlocTrainerMixin:
         mon = self.gradloc
         stack = ExitStack()
         entered = self._gradloc_enter(stack, mon, inputs, ids, setup)
-        self._gradloc_prepared, self._gradloc_capture = None, entered
+        self._gradloc_prepared, self._gradloc_capture = None, entered and mon.hooks is not None
         try:
             with stack:
                 loss = super().training_step(model, inputs, num_items_in_batch)
@@ -104,7 +107,7 @@ class GradlocTrainerMixin:
             self._gradloc_capture = False
         if entered and mon.hooks is not None:
             self._gradloc_parts.append(_Part(self._gradloc_prepared or inputs, num_items_in_batch,
-                                             int(getattr(self, "current_gradient_accumulation_steps", 1))))
+                                             self._gradloc_ga_steps()))
         self._gradloc_loss = loss.detach() if self._gradloc_loss is None else self._gradloc_loss + loss.detach()
         if self.accelerator.sync_gradients:  # the loop clips right after this call returns
             self._gradloc_end_step(model)
@@ -118,7 +121,7 @@ class GradlocTrainerMixin:
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         if self.gradloc_sample_id_column is not None:
-            inputs = dict(pop_sample_ids(inputs, [self.gradloc_sample_id_column])[0])
+            inputs = dict(pop_sample_ids(inputs, self._gradloc_id_columns())[0])
         return super().prediction_step(model, inputs, *args, **kwargs)
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -155,6 +158,10 @@ class GradlocTrainerMixin:
         if not self._gradloc_loss_is_scaled_for_ga(num_items_in_batch):
             loss = loss / ga_steps
         return loss / self.accelerator.gradient_accumulation_steps
+
+    def _gradloc_ga_steps(self) -> int:
+        """The divisor training_step uses: fewer than GA for a short last step of an epoch."""
+        return int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
 
     def _gradloc_loss_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
         explicit = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5: a subclass may declare it
@@ -200,10 +207,15 @@ class GradlocTrainerMixin:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
         return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
     def _gradloc_id_columns(self) -> list[str]:
-        return [self.gradloc_sample_id_column] if self.gradloc_sample_id_column else ["uid", "id"]
+        cols = [self.gradloc_sample_id_column] if self.gradloc_sample_id_column else ["uid", "id"]
+        if self._gradloc_forward_args is None:
+            model = self.accelerator.unwrap_model(self.model)
+            self._gradloc_forward_args = frozenset(inspect.signature(model.forward).parameters)
+        return [c for c in cols if c not in self._gradloc_forward_args]  # never take an input the model reads
 
     def _gradloc_enter(self, stack: ExitStack, mon: Monitor, inputs: Mapping[str, Any], ids: list[str] | None,
                        setup: bool) -> bool:
@@ -270,7 +282,8 @@ def _as_config(value: WatchConfig | Mapping[str, Any] | bool | None) -> WatchCon
     if isinstance(value, WatchConfig):
         return value
     if not isinstance(value, Mapping):
-        raise ConfigError(f"gradloc= takes a WatchConfig, a dict of its fields, None or False; got {type(value).__name__}")
+        raise ConfigError("gradloc= takes a WatchConfig, a dict of its fields, None or False; "
+                          f"got {type(value).__name__}")
     known = {f.name for f in fields(WatchConfig)}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.demo.model import token_losses
-from tests.helpers import single_thread, tiny_gpt  # noqa: F401  (autouse fixture)
+from tests.helpers import single_thread, tiny_gpt  # noqa: F401 (autouse fixture)
 
 B, T, V = 3, 16, 128
 

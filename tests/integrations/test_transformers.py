@@ -14,37 +14,30 @@ from the garbage input, so both carry the spike. Nothing is mocked.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# torchvision in this environment (a dependency of backpack-for-pytorch) fails to load against
-# torch 2.13+cpu ("operator torchvision::nms does not exist"), and transformers imports it whenever
-# it is installed. These tests need no vision code: hide it so transformers never tries.
-sys.modules.setdefault("torchvision", None)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-from transformers import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
     PreTrainedTokenizerFast,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
+    default_data_collator,
 )
 
-from gradloc.config import DetectorConfig, WatchConfig  # noqa: E402
-from gradloc.demo.data import SENTENCES  # noqa: E402
-from gradloc.errors import ConfigError  # noqa: E402
-from gradloc.integrations.transformers import GradlocTrainer  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import single_thread  # noqa: E402,F401 (autouse fixture)
+from gradloc.config import DetectorConfig, WatchConfig
+from gradloc.demo.data import SENTENCES
+from gradloc.errors import BatchMetadataError, ConfigError
+from gradloc.integrations.transformers import GradlocTrainer
+from tests.helpers import single_thread  # noqa: F401 (autouse fixture)
 
 transformers.logging.set_verbosity_error()
 SEQ, PROMPT, B, GA = 24, 8, 4, 2
@@ -167,10 +160,21 @@ def gradloc_run(world: World, tmp_path_factory) -> GradlocTrainer:
     return trainer
 
 
+class _NormAtPreOptimizerStep(TrainerCallback):
+    """What a callback can see: the gradient norm in ``on_pre_optimizer_step``."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+
+
 @pytest.fixture(scope="module")
 def plain_run(world: World, tmp_path_factory) -> Trainer:
     trainer = Trainer(model=causal_lm(world), args=args(tmp_path_factory.mktemp("plain")),
-                      train_dataset=dataset(world), processing_class=world.tok)
+                      train_dataset=dataset(world), processing_class=world.tok,
+                      callbacks=[_NormAtPreOptimizerStep()])
     trainer.train()
     return trainer
 
@@ -197,6 +201,9 @@ def test_parameters_bitwise_identical_and_norm_is_pre_clip(gradloc_run: GradlocT
     assert logged_norms(gradloc_run) == theirs
     assert min(theirs) > 10 * CLIP  # clipping was active at every step (post-clip norms are ≤ CLIP)
     assert ours == pytest.approx(theirs, rel=1e-5)
+    # why gradloc is not a callback: the first hook after the last backward already sees clipped gradients
+    seen = plain_run.callback_handler.pop_callback(_NormAtPreOptimizerStep).norms
+    assert len(seen) == STEPS and max(seen) <= CLIP * (1 + 1e-3)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -316,6 +323,34 @@ def test_non_causal_model_degrades_to_per_layer_statistics(world: World, tmp_pat
     trainer.train()
     assert trainer.gradloc_degraded is not None and trainer.gradloc.hooks is None
     assert len(trainer.gradloc.history) == 3 and trainer.gradloc_errors == 0
+
+
+def _collator_with_bad_ids_at(bad_batch: int):
+    """Default collation, except that batch ``bad_batch`` carries one sample id too few."""
+    count = [0]
+
+    def collate(rows):
+        batch = default_data_collator(rows)
+        if count[0] == bad_batch:
+            batch["uid"] = batch["uid"][:-1]
+        count[0] += 1
+        return batch
+
+    return collate
+
+
+def test_bad_sample_ids_raise_at_setup_and_are_counted_later(world: World, tmp_path: Path):
+    first = GradlocTrainer(model=causal_lm(world), args=args(tmp_path, steps=3), train_dataset=dataset(world, 3),
+                           data_collator=_collator_with_bad_ids_at(0), processing_class=world.tok, gradloc=GRADLOC,
+                           gradloc_sample_ids="uid")
+    with pytest.raises(BatchMetadataError, match="sample_ids"):
+        first.train()  # the first micro-batch is setup: a typed error before any optimizer step
+    later = GradlocTrainer(model=causal_lm(world), args=args(tmp_path, steps=3), train_dataset=dataset(world, 3),
+                           data_collator=_collator_with_bad_ids_at(3), processing_class=world.tok, gradloc=GRADLOC,
+                           gradloc_sample_ids="uid")
+    later.train()  # micro-batch 1 of step 1 is left out of per-token statistics; training goes on
+    assert later.gradloc.counters["hf_skipped_micro_batches"] == 1 and later.state.global_step == 3
+    assert [r.micro_batches for r in later.gradloc.history] == [GA, GA - 1, GA]
 
 
 def test_bad_gradloc_argument_fails_at_construction(world: World, tmp_path: Path):
