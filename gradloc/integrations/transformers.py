@@ -40,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from gradloc.adapters.pytorch import Monitor, watch
 from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
-from gradloc.errors import BatchMetadataError, ConfigError, UnsupportedModelError
+from gradloc.errors import BatchMetadataError, ConfigError, GradlocError, UnsupportedModelError
 from gradloc.integrations.hf_batch import batch_shape, causal_view, mask_labels, pop_sample_ids
 
 log = logging.getLogger("gradloc")
@@ -77,6 +77,7 @@ class GradlocTrainerMixin:
         self._gradloc_loss: torch.Tensor | None = None
         self._gradloc_prepared: Mapping[str, Any] | None = None
         self._gradloc_capture = False
+        self._gradloc_stepped = False  # the current monitor has run end_step at least once
         self._gradloc_forward_args: frozenset[str] | None = None  # the model's forward parameters
         super().__init__(*args, **kwargs)
 
@@ -188,7 +189,7 @@ class GradlocTrainerMixin:
         decode = getattr(tok, "decode", None) or getattr(getattr(tok, "tokenizer", None), "decode", None)
         self.gradloc = watch(self.accelerator.unwrap_model(model), opt, config=cfg, decode=decode,
                              sinks=self.gradloc_sinks)
-        self._gradloc_parts, self._gradloc_loss = [], None
+        self._gradloc_parts, self._gradloc_loss, self._gradloc_stepped = [], None, False
 
     def _gradloc_degrade_reason(self, inputs: Mapping[str, Any]) -> str | None:
         if self.args.torch_compile:
@@ -252,10 +253,13 @@ class GradlocTrainerMixin:
                 p = parts[i]
                 return self.gradloc_probe_loss(probe_model, p.inputs, token_mask, p.num_items_in_batch, p.ga_steps)
 
+        first, self._gradloc_stepped = not self._gradloc_stepped, True
         try:
             mon.step = self.state.global_step  # records carry the Trainer's step numbers (also after a resume)
             mon.end_step(loss, probe=probe, scaler=self.accelerator.scaler)
-        except Exception:  # never raise into the training loop
+        except Exception as exc:  # never raise into the training loop ...
+            if first and isinstance(exc, GradlocError):
+                raise  # ... except a typed setup mistake, before the first optimizer step
             self.gradloc_errors += 1
             mon.counters["hf_end_step_errors"] += 1
             log.warning("gradloc: end_step failed at step %d", self.state.global_step, exc_info=True)
