@@ -107,15 +107,15 @@ class TokenHooks:
 def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> None:
     if not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
         return
+    if torch.compiler.is_compiling():
+        buf.dropped_calls += 1
+        buf.dropped_layers.add(w.layer)
+        return
     recompute = _graph_task_id() != -1  # a forward run by the autograd engine: activation checkpointing
     calls = buf.recompute_calls if recompute else buf.forward_calls
     calls[w.name] = n = calls.get(w.name, 0) + 1
     if recompute and n <= buf.forward_calls.get(w.name, 0):
         return  # non-reentrant: the original forward's output receives the gradient, not this re-run
-    if torch.compiler.is_compiling():
-        buf.dropped_calls += 1
-        buf.dropped_layers.add(w.layer)
-        return
     x = args[0]
     lead = w.rule.lead_shape(w.module, x, out)
     if lead != (buf.batch, buf.seq) and lead != (buf.batch * buf.seq,):  # (B, T) or flattened (B·T,)

@@ -9,9 +9,10 @@
 
 Why a subclass and not a ``TrainerCallback``: gradloc needs (a) every micro-batch's token ids
 around its forward and backward, and (b) to run after the last micro-batch's backward and before
-gradient clipping. Callbacks never receive the inputs, and no callback fires in that window:
-``_inner_training_loop`` calls ``training_step`` per micro-batch, then on the step's last one
-``_clip_grad_norm`` and only then ``on_pre_optimizer_step`` (which sees clipped gradients).
+gradient clipping. Callbacks never receive the inputs, and no callback fires in that window: the
+loop (``Trainer._run_epoch`` in transformers 5.23) calls ``training_step`` per micro-batch, then on
+the step's last one ``_clip_grad_norm`` and only then ``on_pre_optimizer_step`` (which sees
+clipped gradients).
 
 The mechanism: ``training_step(model, inputs, num_items_in_batch)`` is overridden. Each call opens
 ``mon.micro_batch(...)`` around the Trainer's own ``training_step`` (forward, loss scaling,
