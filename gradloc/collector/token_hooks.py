@@ -18,6 +18,8 @@ from gradloc.collector.rules import rule_for
 from gradloc.collector.rules.registry import TokenRule
 
 log = logging.getLogger("gradloc")
+# Id of the backward the calling thread is executing, -1 outside backward (torch >= 2.1).
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 @dataclass
@@ -34,6 +36,8 @@ class MicroBatchScores:
     hook_errors: int = 0
     dropped_layers: set[int] = field(default_factory=set)
     last_layer: int | None = None  # token layer of the last watched module called in forward
+    forward_calls: dict[str, int] = field(default_factory=dict)  # module -> grad-tracking calls in forward
+    recompute_calls: dict[str, int] = field(default_factory=dict)  # module -> calls re-run inside backward
 
     def add(self, layer: int, score: torch.Tensor) -> None:
         if self.scores is None:
@@ -107,6 +111,11 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
         buf.dropped_calls += 1
         buf.dropped_layers.add(w.layer)
         return
+    recompute = _graph_task_id() != -1  # a forward run by the autograd engine: activation checkpointing
+    calls = buf.recompute_calls if recompute else buf.forward_calls
+    calls[w.name] = n = calls.get(w.name, 0) + 1
+    if recompute and n <= buf.forward_calls.get(w.name, 0):
+        return  # non-reentrant: the original forward's output receives the gradient, not this re-run
     x = args[0]
     lead = w.rule.lead_shape(w.module, x, out)
     if lead != (buf.batch, buf.seq) and lead != (buf.batch * buf.seq,):  # (B, T) or flattened (B·T,)
@@ -116,7 +125,8 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
     with torch.no_grad():
         saved = w.rule.capture(w.module, x, out)
     buf.matched_calls += 1
-    buf.last_layer = w.layer
+    if not recompute:  # reentrant re-runs go in reverse block order: they never name the last layer
+        buf.last_layer = w.layer
 
     def on_grad(g: torch.Tensor) -> None:
         try:

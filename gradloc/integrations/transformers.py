@@ -1,0 +1,309 @@
+"""gradloc for the Hugging Face ``Trainer``: ``GradlocTrainer``, or ``GradlocTrainerMixin`` for a subclass.
+
+    trainer = GradlocTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+                             gradloc=dict(job="sft-7b"))      # WatchConfig fields, or a WatchConfig
+    trainer.train()
+    trainer.gradloc.incidents
+
+    class MySFTTrainer(GradlocTrainerMixin, SFTTrainer): ...  # the mixin goes first
+
+Why a subclass and not a ``TrainerCallback``: gradloc needs (a) every micro-batch's token ids
+around its forward and backward, and (b) to run after the last micro-batch's backward and before
+gradient clipping. Callbacks never receive the inputs, and no callback fires in that window: the
+loop (``Trainer._run_epoch`` in transformers 5.23) calls ``training_step`` per micro-batch, then on
+the step's last one ``_clip_grad_norm`` and only then ``on_pre_optimizer_step`` (which sees
+clipped gradients).
+
+The mechanism: ``training_step(model, inputs, num_items_in_batch)`` is overridden. Each call opens
+``mon.micro_batch(...)`` around the Trainer's own ``training_step`` (forward, loss scaling,
+``accelerator.backward``). The loop sets ``accelerator.sync_gradients`` to its ``do_sync_step``
+before each ``training_step``, and clips exactly when that flag is set. So when it is set after our
+call returns, this was the last micro-batch of the optimizer step, and ``mon.end_step`` runs then:
+after its backward, before clipping. The probe closure recomputes a micro-batch's loss through
+``compute_loss`` with labels outside the token mask set to -100, scaled as ``training_step`` scales
+it (see :meth:`GradlocTrainerMixin.gradloc_probe_loss`).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+try:
+    import transformers
+    from accelerate.utils import DistributedType
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("gradloc.integrations.transformers needs the 'hf' extra: pip install 'gradloc[hf]'") from exc
+
+from gradloc.adapters.pytorch import Monitor, watch
+from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
+from gradloc.errors import BatchMetadataError, ConfigError, GradlocError, UnsupportedModelError
+from gradloc.integrations.hf_batch import batch_shape, causal_view, mask_labels, pop_sample_ids
+
+log = logging.getLogger("gradloc")
+
+
+@dataclass
+class _Part:
+    """One micro-batch of the current optimizer step, kept until ``end_step`` for the probes."""
+
+    inputs: Mapping[str, Any]  # as the loss saw them (after _prepare_inputs), shallow copy
+    num_items_in_batch: Any
+    ga_steps: int  # the Trainer's current_gradient_accumulation_steps for this micro-batch
+
+
+class GradlocTrainerMixin:
+    """Attach gradloc to any ``transformers.Trainer`` subclass: list it first among the bases.
+
+    ``gradloc``: a :class:`WatchConfig`, a dict of its fields (``detector``/``localizer`` may be dicts
+    too), ``None`` for the defaults, or ``False`` to train without gradloc.
+    ``gradloc_sample_ids``: the batch column holding sample ids. Named here, it survives the
+    Trainer's ``remove_unused_columns``; it must collate to a tensor or a list. Without it, a
+    ``uid`` or ``id`` key present in the batch is used, else ``"<step>:<micro-batch>:<row>"``.
+    """
+
+    def __init__(self, *args: Any, gradloc: WatchConfig | Mapping[str, Any] | bool | None = None,
+                 gradloc_sample_ids: str | None = None, gradloc_sinks: Sequence[Any] = (), **kwargs: Any) -> None:
+        self.gradloc_config = _as_config(gradloc)  # a bad config fails here, before the Trainer builds anything
+        self.gradloc_sample_id_column = gradloc_sample_ids
+        self.gradloc_sinks = tuple(gradloc_sinks)
+        self.gradloc: Monitor | None = None  # the last train()'s monitor (closed after train returns)
+        self.gradloc_degraded: str | None = None  # why per-token statistics are off, if they are
+        self.gradloc_errors = 0  # gradloc failures caught on the training path (each one logged)
+        self._gradloc_parts: list[_Part] = []
+        self._gradloc_loss: torch.Tensor | None = None
+        self._gradloc_prepared: Mapping[str, Any] | None = None
+        self._gradloc_capture = False
+        self._gradloc_stepped = False  # the current monitor has run end_step at least once
+        self._gradloc_forward_args: frozenset[str] | None = None  # the model's forward parameters
+        super().__init__(*args, **kwargs)
+
+    # -- Trainer overrides ------------------------------------------------------------------------
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self.gradloc, self.gradloc_degraded = None, None  # attached on the first training_step
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._gradloc_close()
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        if self.gradloc_config is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        setup = self.gradloc is None
+        if setup:
+            self._gradloc_attach(model, inputs)  # typed errors only here, before the first optimizer step
+        inputs, ids = pop_sample_ids(inputs, self._gradloc_id_columns())
+        mon = self.gradloc
+        stack = ExitStack()
+        entered = self._gradloc_enter(stack, mon, inputs, ids, setup)
+        self._gradloc_prepared, self._gradloc_capture = None, entered and mon.hooks is not None
+        try:
+            with stack:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._gradloc_capture = False
+        if entered and mon.hooks is not None:
+            self._gradloc_parts.append(_Part(self._gradloc_prepared or inputs, num_items_in_batch,
+                                             self._gradloc_ga_steps()))
+        self._gradloc_loss = loss.detach() if self._gradloc_loss is None else self._gradloc_loss + loss.detach()
+        if self.accelerator.sync_gradients:  # the loop clips right after this call returns
+            self._gradloc_end_step(model)
+        return loss
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        prepared = super()._prepare_inputs(inputs)
+        if self._gradloc_capture and isinstance(prepared, Mapping):
+            self._gradloc_prepared = dict(prepared)  # compute_loss may pop "labels" from its dict
+        return prepared
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if self.gradloc_sample_id_column is not None:
+            inputs = dict(pop_sample_ids(inputs, self._gradloc_id_columns())[0])
+        return super().prediction_step(model, inputs, *args, **kwargs)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        col = self.gradloc_sample_id_column
+        if col is not None and self._signature_columns is not None and col not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, col]
+
+    # -- the probe --------------------------------------------------------------------------------
+    def gradloc_probe_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any], token_mask: torch.Tensor,
+                           num_items_in_batch: Any, ga_steps: int) -> torch.Tensor:
+        """Micro-batch loss with only ``token_mask``'s terms, scaled as ``Trainer.training_step`` scales it.
+
+        Labels outside the mask become -100. With ``num_items_in_batch`` (a token sum divided by the
+        step's label count) that drops exactly those terms. Without it the loss is a mean over the
+        micro-batch's own labels, so it is rescaled by kept/total. Then, like ``training_step``: the
+        mean over GPUs of DataParallel, ÷ GA steps unless the loss is already scaled for GA, ÷ the
+        accelerator's own GA steps (1 under the Trainer). GradScaler scaling is left out: gradloc
+        unscales the stored gradient instead. Override this for a custom ``compute_loss`` whose
+        per-token terms are not masked by -100 labels.
+        """
+        masked, kept, total = mask_labels(inputs, token_mask)
+        factor = 1.0
+        if num_items_in_batch is None and kept < total:
+            factor = kept / total if kept else 0.0
+            if kept == 0:
+                masked = dict(inputs)  # a mean over no labels is NaN: the full loss × 0 has the zero gradient
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, masked, num_items_in_batch=num_items_in_batch)
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        if factor != 1.0:
+            loss = loss * factor
+        if not self._gradloc_loss_is_scaled_for_ga(num_items_in_batch):
+            loss = loss / ga_steps
+        return loss / self.accelerator.gradient_accumulation_steps
+
+    def _gradloc_ga_steps(self) -> int:
+        """The divisor training_step uses: fewer than GA for a short last step of an epoch."""
+        return int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
+
+    def _gradloc_loss_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
+        explicit = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5: a subclass may declare it
+        if explicit is not None:
+            return bool(explicit)
+        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+
+    # -- internals --------------------------------------------------------------------------------
+    def _gradloc_attach(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> None:
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise UnsupportedModelError(
+                "DeepSpeed clips and steps inside accelerator.backward, so no point between the last backward "
+                "and clipping exists in the Trainer; train without gradloc= or use gradloc.watch in your own loop")
+        cfg = self.gradloc_config
+        if self.args.world_size > 1 and cfg.world_size == 1:
+            cfg = replace(cfg, rank=self.args.process_index, world_size=self.args.world_size)
+        reason = self._gradloc_degrade_reason(inputs)
+        if reason is not None and cfg.token_stats:
+            log.warning("gradloc: per-token statistics are off: %s; per-layer statistics and spike detection "
+                        "still run", reason)
+            cfg, self.gradloc_degraded = replace(cfg, token_stats=False), reason
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's wrapper
+        tok = self.processing_class
+        decode = getattr(tok, "decode", None) or getattr(getattr(tok, "tokenizer", None), "decode", None)
+        self.gradloc = watch(self.accelerator.unwrap_model(model), opt, config=cfg, decode=decode,
+                             sinks=self.gradloc_sinks)
+        self._gradloc_parts, self._gradloc_loss, self._gradloc_stepped = [], None, False
+
+    def _gradloc_degrade_reason(self, inputs: Mapping[str, Any]) -> str | None:
+        if self.args.torch_compile:
+            return "torch_compile=True (per-token hooks do not run inside a compiled graph)"
+        if causal_view(inputs) is None:
+            return "the batch has no 2-D integer labels (per-token statistics need the token each position scores)"
+        if not self._gradloc_is_causal_lm():
+            return (f"{type(self.accelerator.unwrap_model(self.model)).__name__} is not a causal LM whose loss shifts "
+                    "the labels (only that layout is supported)")
+        return None
+
+    def _gradloc_is_causal_lm(self) -> bool:
+        shifts = getattr(self, "_loss_shifts_labels", None)  # set by Trainer.__init__ in transformers 5
+        if shifts is not None:
+            return bool(shifts)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
+        return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+    def _gradloc_id_columns(self) -> list[str]:
+        cols = [self.gradloc_sample_id_column] if self.gradloc_sample_id_column else ["uid", "id"]
+        if self._gradloc_forward_args is None:
+            model = self.accelerator.unwrap_model(self.model)
+            self._gradloc_forward_args = frozenset(inspect.signature(model.forward).parameters)
+        return [c for c in cols if c not in self._gradloc_forward_args]  # never take an input the model reads
+
+    def _gradloc_enter(self, stack: ExitStack, mon: Monitor, inputs: Mapping[str, Any], ids: list[str] | None,
+                       setup: bool) -> bool:
+        """Open this micro-batch's block; False (counted) if its metadata is unusable after setup."""
+        index = len(self._gradloc_parts)
+        try:
+            if mon.hooks is None:
+                stack.enter_context(mon.micro_batch(shape=batch_shape(inputs), sample_ids=ids))
+                return True
+            view = causal_view(inputs, _pad_id(self.processing_class))
+            if view is None:
+                raise BatchMetadataError("this micro-batch has no 2-D integer labels")
+            if ids is None:
+                ids = [f"{self.state.global_step}:{index}:{row}" for row in range(view.token_ids.shape[0])]
+            stack.enter_context(mon.micro_batch(view.token_ids, loss_mask=view.loss_mask, sample_ids=ids))
+            return True
+        except BatchMetadataError:
+            if setup:
+                raise
+            mon.counters["hf_skipped_micro_batches"] += 1
+            log.warning("gradloc: micro-batch %d of step %d left out of per-token statistics", index,
+                        self.state.global_step, exc_info=True)
+            return False
+
+    def _gradloc_end_step(self, model: torch.nn.Module) -> None:
+        parts, loss = self._gradloc_parts, self._gradloc_loss
+        self._gradloc_parts, self._gradloc_loss = [], None
+        mon = self.gradloc
+        probe = None
+        if mon.hooks is not None and parts:
+            probe_model = self.accelerator.unwrap_model(model)  # no DDP wrapper: a probe never syncs gradients
+
+            def probe(i: int, token_mask: torch.Tensor) -> torch.Tensor:
+                p = parts[i]
+                return self.gradloc_probe_loss(probe_model, p.inputs, token_mask, p.num_items_in_batch, p.ga_steps)
+
+        first, self._gradloc_stepped = not self._gradloc_stepped, True
+        try:
+            mon.step = self.state.global_step  # records carry the Trainer's step numbers (also after a resume)
+            mon.end_step(loss, probe=probe, scaler=self.accelerator.scaler)
+        except Exception as exc:  # never raise into the training loop ...
+            if first and isinstance(exc, GradlocError):
+                raise  # ... except a typed setup mistake, before the first optimizer step
+            self.gradloc_errors += 1
+            mon.counters["hf_end_step_errors"] += 1
+            log.warning("gradloc: end_step failed at step %d", self.state.global_step, exc_info=True)
+
+    def _gradloc_close(self) -> None:
+        self._gradloc_parts, self._gradloc_loss, self._gradloc_prepared = [], None, None
+        if self.gradloc is not None:
+            try:
+                self.gradloc.close()
+            except Exception:
+                self.gradloc_errors += 1
+                log.warning("gradloc: closing the monitor failed", exc_info=True)
+
+
+class GradlocTrainer(GradlocTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with gradloc attached: ``GradlocTrainer(..., gradloc=dict(job="sft"))``."""
+
+
+def _as_config(value: WatchConfig | Mapping[str, Any] | bool | None) -> WatchConfig | None:
+    if value is False:
+        return None
+    if value is None or value is True:
+        return WatchConfig()
+    if isinstance(value, WatchConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError("gradloc= takes a WatchConfig, a dict of its fields, None or False; "
+                          f"got {type(value).__name__}")
+    known = {f.name for f in fields(WatchConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"unknown WatchConfig field(s) {unknown}; known: {sorted(known)}")
+    kw = dict(value)
+    for key, cls in (("detector", DetectorConfig), ("localizer", LocalizerConfig)):
+        if isinstance(kw.get(key), Mapping):
+            kw[key] = cls(**kw[key])
+    return WatchConfig(**kw)
+
+
+def _pad_id(tok: Any) -> int:
+    tok = getattr(tok, "tokenizer", tok)
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tok, attr, None)
+        if isinstance(value, int):
+            return value
+    return 0
