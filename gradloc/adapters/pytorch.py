@@ -63,8 +63,11 @@ class Monitor:
                 "nn.LayerNorm, nn.RMSNorm, *RMSNorm, HF Conv1D); pass WatchConfig(token_stats=False) for "
                 "per-layer statistics only, or register a rule with gradloc.register_rule")
         covered = self.hooks.covered_modules if self.hooks else set()
-        self.layer_stats.set_uncovered([(n.rsplit(".", 1)[0] if "." in n else "") not in covered
-                                        for n in self.layer_stats.names])
+        owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
+        self.layer_stats.set_uncovered([o not in covered for o in owners])
+        self._params_of: dict[str, list[int]] = {}  # module name -> indices of its direct parameters
+        for i, o in enumerate(owners):
+            self._params_of.setdefault(o, []).append(i)
         self.meter = OverheadMeter(cfg.max_overhead, cuda=self.layer_stats.device.type == "cuda")
         self.update_ratios = UpdateRatioTracker(self.layer_stats.params, self.layer_stats.group_of,
                                                 self.layer_stats.n_layers, self._window_bytes(),
@@ -77,7 +80,8 @@ class Monitor:
         self.sinks: list[Sink] = list(sinks) + default_sinks(cfg)
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
         self.incidents: list[Incident] = []
-        self.step = 0
+        self.step = 0  # the next step's number
+        self._ended = 0  # end_step calls so far
         self._parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]] = []
         self._pending: Assembled | None = None
         self._update: tuple[int, Window, torch.Tensor] | None = None  # (record step, window, device sums)
@@ -175,9 +179,15 @@ class Monitor:
 
     # -- per optimizer step ---------------------------------------------------------------------
     def end_step(self, loss: float | torch.Tensor | None = None, *, probe: ProbeFn | None = None,
-                 scaler: Any = None) -> StepReport:
-        """Call after the last backward of the step and before clipping / optimizer.step()."""
-        if self.step == 0 and self.config.remedy == "drop_culprits" and probe is None:
+                 scaler: Any = None, step: int | None = None) -> StepReport:
+        """Call after the last backward of the step and before clipping / optimizer.step().
+
+        ``step``: the step number to record (a trainer's own counter, e.g. after a resume); by
+        default the monitor counts its ``end_step`` calls.
+        """
+        if step is not None:
+            self.step = int(step)
+        if self._ended == 0 and self.config.remedy == "drop_culprits" and probe is None:
             raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
                               "without probes no culprit set is verified and ∇_C is unknown")
         t0 = self.meter.begin()
@@ -186,9 +196,10 @@ class Monitor:
         scale, unscaled = scaler_state(scaler, self.optimizer)
         upd = self._update if self._update and self._pending and self._update[0] == self._pending.record.step else None
         self._update = None
+        unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
-                       upd[2] if upd else None)
+                       upd[2] if upd else None, unscored)
         assembled = assemble(self.layer_stats, x)
         self.meter.end(t0)
         own, step_s, ratio = self.meter.finish_step()
@@ -209,6 +220,7 @@ class Monitor:
             for sink in self.sinks:
                 self._safe(sink.on_incident, incident)
         self.step += 1
+        self._ended += 1
         return StepReport(record, spike, incident)
 
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:

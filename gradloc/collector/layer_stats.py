@@ -122,13 +122,16 @@ class LayerStatsCollector:
     def grads(self) -> list[torch.Tensor | None]:
         return [p.grad for p in self.params]
 
-    def grad_pack(self, inv_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    def grad_pack(self, inv_scale: float | torch.Tensor = 1.0, unattributed: Sequence[int] = ()) -> torch.Tensor:
         """Packed per-layer stats on the primary device; gradients multiplied by ``inv_scale``.
 
-        Layout ``[grad_sq(L) | grad_max_abs(L) | param_sq(L) | present(L) | uncovered_sq(1)]``.
+        Layout ``[grad_sq(L) | grad_max_abs(L) | param_sq(L) | present(L) | uncovered_sq(1)]``;
+        ``uncovered_sq`` also counts the parameters listed in ``unattributed`` (indices of covered
+        parameters whose module was not scored this step).
         """
         L = self.n_layers
-        packs = [self._device_pack(g, inv_scale) for g in self._groups]
+        extra = set(unattributed)
+        packs = [self._device_pack(g, inv_scale, extra) for g in self._groups]
         if len(packs) == 1:
             return packs[0]
         packs = [p.to(self.device, non_blocking=True) for p in packs]
@@ -136,7 +139,7 @@ class LayerStatsCollector:
         total[L:2 * L] = torch.stack([p[L:2 * L] for p in packs]).amax(0)  # max |g| combines by max
         return total
 
-    def _device_pack(self, g: _DeviceGroup, inv_scale: float | torch.Tensor) -> torch.Tensor:
+    def _device_pack(self, g: _DeviceGroup, inv_scale: float | torch.Tensor, extra: set[int]) -> torch.Tensor:
         L = self.n_layers
         if isinstance(inv_scale, torch.Tensor):  # a float64 GradScaler scale would promote the packs
             inv_scale = inv_scale.to(g.device, torch.float32)
@@ -154,7 +157,10 @@ class LayerStatsCollector:
         param_sq = zeros.index_add(0, idx, foreach_norms(params).pow(2))
         has = zeros.index_add(0, idx, torch.ones_like(g_norm))
         unc = g.uncovered if g.uncovered is not None else torch.zeros(len(g.members), device=g.device)
-        uncovered_sq = (g_sq * (unc if len(present) == len(g.members) else unc[present])).sum()[None]
+        unc = unc if len(present) == len(g.members) else unc[present]
+        if extra:  # rare: a module's calls could not be scored this step
+            unc = torch.maximum(unc, torch.tensor([float(g.members[j] in extra) for j in present], device=g.device))
+        uncovered_sq = (g_sq * unc).sum()[None]
         return torch.cat([grad_sq, grad_max, param_sq, has, uncovered_sq])  # 4 × (L,) + (1,) -> (4L + 1,)
 
     @staticmethod

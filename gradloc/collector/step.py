@@ -31,6 +31,7 @@ class StepInputs:
     token_layers: tuple[str, ...]
     top_k: int
     previous_update: torch.Tensor | None  # (2L,) [Σ‖Δθ‖² | Σ‖θ‖²] of the previous step's window, on the device
+    unattributed: tuple[int, ...] = ()  # covered parameters whose module went unscored this step
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     else:
         scale = torch.ones(1, dtype=torch.float64, device=dev)
     inv = 1.0 if (x.scale is None or x.unscaled_already) else scale.reciprocal()
-    parts = [layers.grad_pack(inv), scale]  # (4L + 1,), (1,)
+    parts = [layers.grad_pack(inv, x.unattributed), scale]  # (4L + 1,), (1,)
     loss_t = x.loss if isinstance(x.loss, torch.Tensor) else None
     if loss_t is not None:
         parts.append(loss_t.detach().reshape(1))

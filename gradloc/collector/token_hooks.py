@@ -35,6 +35,16 @@ class MicroBatchScores:
     matched_calls: int = 0
     hook_errors: int = 0
     dropped_layers: set[int] = field(default_factory=set)
+    # Modules by name: called with a matching shape / called but not scorable (shape, hook error) /
+    # whose score actually arrived in backward. A called module that never scored contributed nothing
+    # to the token scores, so its gradient counts as unattributed (see ``unscored``).
+    matched_modules: set[str] = field(default_factory=set)
+    lost_modules: set[str] = field(default_factory=set)
+    scored_modules: set[str] = field(default_factory=set)
+
+    @property
+    def unscored(self) -> set[str]:
+        return (self.matched_modules | self.lost_modules) - self.scored_modules
     last_layer: int | None = None  # token layer of the last watched module called in forward
     forward_calls: dict[str, int] = field(default_factory=dict)  # module -> grad-tracking calls in forward
     recompute_calls: dict[str, int] = field(default_factory=dict)  # module -> calls re-run inside backward
@@ -99,6 +109,7 @@ class TokenHooks:
                 _capture(w, buf, args, out)
             except Exception:  # never raise into the training loop
                 buf.hook_errors += 1
+                buf.lost_modules.add(w.name)
                 log.debug("gradloc: forward hook failed on %s", w.name, exc_info=True)
 
         return hook
@@ -110,6 +121,7 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
     if torch.compiler.is_compiling():
         buf.dropped_calls += 1
         buf.dropped_layers.add(w.layer)
+        buf.lost_modules.add(w.name)
         return
     recompute = _graph_task_id() != -1  # a forward run by the autograd engine: activation checkpointing
     calls = buf.recompute_calls if recompute else buf.forward_calls
@@ -121,10 +133,12 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
     if lead != (buf.batch, buf.seq) and lead != (buf.batch * buf.seq,):  # (B, T) or flattened (B·T,)
         buf.dropped_calls += 1
         buf.dropped_layers.add(w.layer)
+        buf.lost_modules.add(w.name)
         return
     with torch.no_grad():
         saved = w.rule.capture(w.module, x, out)
     buf.matched_calls += 1
+    buf.matched_modules.add(w.name)
     if not recompute:  # reentrant re-runs go in reverse block order: they never name the last layer
         buf.last_layer = w.layer
 
@@ -132,6 +146,7 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
         try:
             with torch.no_grad():
                 buf.add(w.layer, w.rule.score(w.module, saved, g))
+            buf.scored_modules.add(w.name)
         except Exception:
             buf.hook_errors += 1
             log.debug("gradloc: backward hook failed on %s", w.name, exc_info=True)

@@ -22,6 +22,7 @@ class StepScores:
     eligible: torch.Tensor  # (N,) bool
     dropped_calls: int
     dropped_layers: frozenset[int]
+    unscored_modules: frozenset[str]  # called with a gradient but never scored: their ‖g‖² is unattributed
     exact_layer: int | None  # last watched layer in forward order (the LM head): position-exact
 
     @property
@@ -36,6 +37,8 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
                device: torch.device) -> StepScores:
     per_layer, eligible = [], []
     dropped, dropped_layers, exact = 0, set(), None
+    called: set[str] = set()
+    scored: set[str] = set()
     for meta, buf in parts:
         n = meta.batch * meta.seq
         if buf is not None and buf.scores is not None:
@@ -45,6 +48,8 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
         if buf is not None:
             dropped += buf.dropped_calls + buf.hook_errors
             dropped_layers |= buf.dropped_layers
+            called |= buf.matched_modules | buf.lost_modules
+            scored |= buf.scored_modules
             exact = buf.last_layer if exact is None else exact
         dev = per_layer[-1].device
         if meta.loss_mask is None:
@@ -53,7 +58,7 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
             eligible.append(meta.loss_mask.reshape(n).to(dev, non_blocking=True))  # (B, T) -> (B·T,)
     stacked = torch.cat(per_layer, dim=1)  # (L, N)
     return StepScores(tuple(m for m, _ in parts), stacked.sum(0), stacked, torch.cat(eligible),
-                      dropped, frozenset(dropped_layers), exact)
+                      dropped, frozenset(dropped_layers), frozenset(called - scored), exact)
 
 
 def summary_pack(s: StepScores, k: int) -> torch.Tensor:

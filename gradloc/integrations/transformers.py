@@ -256,8 +256,8 @@ class GradlocTrainerMixin:
 
         first, self._gradloc_stepped = not self._gradloc_stepped, True
         try:
-            mon.step = self.state.global_step  # records carry the Trainer's step numbers (also after a resume)
-            mon.end_step(loss, probe=probe, scaler=self.accelerator.scaler)
+            # records carry the Trainer's step numbers (also after a resume)
+            mon.end_step(loss, probe=probe, scaler=self.accelerator.scaler, step=self.state.global_step)
         except Exception as exc:  # never raise into the training loop ...
             if first and isinstance(exc, GradlocError):
                 raise  # ... except a typed setup mistake, before the first optimizer step

@@ -81,9 +81,10 @@ def test_gpt2_every_module_covered_conv1d_scores_match_reference():
         total = backward_step(model, data, 0, mon)
         buf = mon._parts[-1][1]
         # GPT-2 looks up wpe with position ids of shape (1, T), broadcast over the batch: that call cannot
-        # be split per (b, t) and is counted as dropped (its gradient is in no score; see DESIGN-NOTES)
+        # be split per (b, t) and is counted as dropped; its gradient is in no score, so it is unattributed
         wpe = mon.hooks.layers.index("gpt.transformer.wpe")
         assert buf.hook_errors == 0 and buf.dropped_calls == 1 and buf.dropped_layers == {wpe}
+        assert buf.unscored == {"gpt.transformer.wpe"}
         assert torch.equal(buf.scores[wpe], torch.zeros(4, SEQ))
         assert mon.hooks.layers[buf.last_layer] == "gpt.lm_head"  # the exact layer: ran last in forward
 
@@ -100,10 +101,13 @@ def test_gpt2_every_module_covered_conv1d_scores_match_reference():
         sq = {n: float(p.grad.double().pow(2).sum()) for n, p in model.named_parameters()}
         conv_share = sum(v for n, v in sq.items() if n.rsplit(".", 1)[0] in convs) / sum(sq.values())
         assert conv_share > 0.2, conv_share
+        wpe_share = sq["gpt.transformer.wpe.weight"] / sum(sq.values())
+        assert wpe_share > 0.01, wpe_share
         report = mon.end_step(total, probe=data.probe(model, 0))
         tok = report.record.tokens
         assert tok is not None and tok.dropped_calls == 1  # the wpe call
-        assert tok.unattributed_share == pytest.approx(0.0, abs=1e-9)
+        # every Conv1D (and every other module) is attributed: exactly wpe's share is not
+        assert tok.unattributed_share == pytest.approx(wpe_share, rel=1e-4)
     finally:
         for h in handles:
             h.remove()
@@ -125,7 +129,7 @@ def _train_to_spike(with_monitor: bool):
         rep, calls, grads_kept = None, [], True
         if mon is not None:
             assert all(r.incident is None for r in reports)
-            assert all(r.record.tokens.unattributed_share == pytest.approx(0.0, abs=1e-9) for r in reports)
+            assert all(0 < r.record.tokens.unattributed_share < 0.2 for r in reports)  # wpe's share only
             assert all(r.record.tokens.dropped_calls == M for r in reports)  # wpe, once per micro-batch
             grads_before = [p.grad.clone() for p in model.parameters()]
             probe = data.probe(model, spike)
@@ -150,7 +154,7 @@ def test_gpt2_planted_culprit_located_by_attribution_training_unchanged():
     assert culprit_keys(loc) == {planted}
     assert loc.probes <= 3 and loc.probes == len(calls)
     assert loc.explained_share >= 0.9
-    assert loc.unattributed_share == pytest.approx(0.0, abs=1e-9)
+    assert 0 < loc.unattributed_share < 0.2  # wpe (batch-broadcast position embedding), nothing else
 
     # same seed without gradloc (dropout on, probes included): bitwise-identical parameters and RNG stream
     ref_model, *_, ref_rng = _train_to_spike(with_monitor=False)
