@@ -153,7 +153,8 @@ class Monitor:
         t0 = self.meter.begin()
         meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape)
         if self.hooks:
-            self.hooks.begin(meta.index, meta.batch, meta.seq)
+            breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
+            self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown)
         self.meter.end(t0)
         try:
             yield meta

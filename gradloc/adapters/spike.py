@@ -89,9 +89,12 @@ def token_view(scores: StepScores | None, layers: Sequence[str], scale: float,
     if scores is None:
         return None
     k = 1.0 / scale**2
-    return TokenView(tuple(layers), scores.metas, scores.offsets,
-                     scores.totals.double().cpu().numpy() * k, scores.per_layer.double().cpu().numpy() * k,
-                     scores.eligible.cpu().numpy(), unattributed, scores.exact_layer)
+
+    def host(t: torch.Tensor | None):
+        return None if t is None else t.double().cpu().numpy() * k
+
+    return TokenView(tuple(layers), scores.metas, scores.offsets, host(scores.totals), host(scores.per_layer),
+                     scores.eligible.cpu().numpy(), unattributed, scores.exact_layer, host(scores.exact))
 
 
 def scaler_state(scaler: object, optimizer: object) -> tuple[torch.Tensor | None, bool]:

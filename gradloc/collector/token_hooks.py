@@ -24,17 +24,27 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 @dataclass
 class MicroBatchScores:
-    """Mutable accumulator of one micro-batch; owned by the collector until ``end()``."""
+    """Mutable accumulator of one micro-batch; owned by the collector until ``end()``.
+
+    With ``breakdown`` the buffer has one row per token layer (L, B, T); without it two rows
+    (2, B, T): the sum over all layers, and the position-exact layer alone (the last watched module
+    run in forward; known by the time backward delivers its gradient). Memory per micro-batch:
+    rows × B × T × 4 bytes, held until ``end_step``.
+    """
 
     index: int
     batch: int
     seq: int
     n_layers: int
-    scores: torch.Tensor | None = None  # (n_layers, B, T) float32, created on the first score
+    breakdown: bool = True
+    scores: torch.Tensor | None = None  # (L, B, T) or (2, B, T) float32, created on the first score
     dropped_calls: int = 0  # module calls whose shape did not map onto (B, T)
     matched_calls: int = 0
     hook_errors: int = 0
     dropped_layers: set[int] = field(default_factory=set)
+    last_layer: int | None = None  # token layer of the last watched module called in forward
+    forward_calls: dict[str, int] = field(default_factory=dict)  # module -> grad-tracking calls in forward
+    recompute_calls: dict[str, int] = field(default_factory=dict)  # module -> calls re-run inside backward
     # Modules by name: called with a matching shape / called but not scorable (shape, hook error) /
     # whose score actually arrived in backward. A called module that never scored contributed nothing
     # to the token scores, so its gradient counts as unattributed (see ``unscored``).
@@ -45,14 +55,27 @@ class MicroBatchScores:
     @property
     def unscored(self) -> set[str]:
         return (self.matched_modules | self.lost_modules) - self.scored_modules
-    last_layer: int | None = None  # token layer of the last watched module called in forward
-    forward_calls: dict[str, int] = field(default_factory=dict)  # module -> grad-tracking calls in forward
-    recompute_calls: dict[str, int] = field(default_factory=dict)  # module -> calls re-run inside backward
 
     def add(self, layer: int, score: torch.Tensor) -> None:
+        s = score.reshape(self.batch, self.seq)  # (*lead) -> (B, T)
         if self.scores is None:
-            self.scores = torch.zeros(self.n_layers, self.batch, self.seq, device=score.device)
-        self.scores[layer] += score.reshape(self.batch, self.seq)  # (*lead) -> (B, T)
+            rows = self.n_layers if self.breakdown else 2
+            self.scores = torch.zeros(rows, self.batch, self.seq, device=s.device)
+        s = s.to(self.scores.device)  # a model spread over devices: the scores gather on one of them
+        if self.breakdown:
+            self.scores[layer] += s
+            return
+        self.scores[0] += s
+        if layer == self.last_layer:
+            self.scores[1] += s
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(Σ over layers (B, T), exact layer (B, T) or None, per layer (L, B, T) or None)."""
+        assert self.scores is not None
+        if not self.breakdown:
+            return self.scores[0], self.scores[1], None
+        exact = self.scores[self.last_layer] if self.last_layer is not None else None
+        return self.scores.sum(0), exact, self.scores
 
 
 @dataclass(frozen=True)
@@ -93,8 +116,8 @@ class TokenHooks:
             h.remove()
         self._handles.clear()
 
-    def begin(self, index: int, batch: int, seq: int) -> None:
-        self.current = MicroBatchScores(index, batch, seq, len(self.layers))
+    def begin(self, index: int, batch: int, seq: int, breakdown: bool = True) -> None:
+        self.current = MicroBatchScores(index, batch, seq, len(self.layers), breakdown)
 
     def end(self) -> MicroBatchScores | None:
         current, self.current = self.current, None

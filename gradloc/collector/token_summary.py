@@ -18,7 +18,8 @@ class StepScores:
 
     metas: tuple[MicroBatchMeta, ...]
     totals: torch.Tensor  # (N,) Σ over layers, raw (GradScaler-scaled²)
-    per_layer: torch.Tensor  # (L, N)
+    exact: torch.Tensor  # (N,) the position-exact layer's score (candidates are ranked by it)
+    per_layer: torch.Tensor | None  # (L, N), or None without the per-layer breakdown
     eligible: torch.Tensor  # (N,) bool
     dropped_calls: int
     dropped_layers: frozenset[int]
@@ -35,35 +36,43 @@ class StepScores:
 
 def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
                device: torch.device) -> StepScores:
-    per_layer, eligible = [], []
-    dropped, dropped_layers, exact = 0, set(), None
+    breakdown = all(buf is None or buf.breakdown for _, buf in parts)
+    totals, exacts, layers, eligible = [], [], [], []
+    dropped, dropped_layers, exact_layer = 0, set(), None
     called: set[str] = set()
     scored: set[str] = set()
     for meta, buf in parts:
         n = meta.batch * meta.seq
+        zeros = torch.zeros(n, device=device)
         if buf is not None and buf.scores is not None:
-            per_layer.append(buf.scores.reshape(n_layers, n))  # (L, B, T) -> (L, B·T)
+            tot, ex, per = buf.rows()
+            totals.append(tot.reshape(n).to(device))  # (B, T) -> (B·T,)
+            exacts.append(zeros if ex is None else ex.reshape(n).to(device))  # (B, T) -> (B·T,)
+            if breakdown:
+                layers.append(per.reshape(n_layers, n).to(device))  # (L, B, T) -> (L, B·T)
         else:
-            per_layer.append(torch.zeros(n_layers, n, device=device))
+            totals.append(zeros)
+            exacts.append(zeros)
+            if breakdown:
+                layers.append(torch.zeros(n_layers, n, device=device))
         if buf is not None:
             dropped += buf.dropped_calls + buf.hook_errors
             dropped_layers |= buf.dropped_layers
             called |= buf.matched_modules | buf.lost_modules
             scored |= buf.scored_modules
-            exact = buf.last_layer if exact is None else exact
-        dev = per_layer[-1].device
+            exact_layer = buf.last_layer if exact_layer is None else exact_layer
         if meta.loss_mask is None:
-            eligible.append(torch.ones(n, dtype=torch.bool, device=dev))
+            eligible.append(torch.ones(n, dtype=torch.bool, device=device))
         else:
-            eligible.append(meta.loss_mask.reshape(n).to(dev, non_blocking=True))  # (B, T) -> (B·T,)
-    stacked = torch.cat(per_layer, dim=1)  # (L, N)
-    return StepScores(tuple(m for m, _ in parts), stacked.sum(0), stacked, torch.cat(eligible),
-                      dropped, frozenset(dropped_layers), frozenset(called - scored), exact)
+            eligible.append(meta.loss_mask.reshape(n).to(device, non_blocking=True))  # (B, T) -> (B·T,)
+    return StepScores(tuple(m for m, _ in parts), torch.cat(totals), torch.cat(exacts),
+                      torch.cat(layers, dim=1) if breakdown else None, torch.cat(eligible), dropped,
+                      frozenset(dropped_layers), frozenset(called - scored), exact_layer)
 
 
 def summary_pack(s: StepScores, k: int) -> torch.Tensor:
-    """``[mb_sums(M) | top_vals(k) | top_idx(k) | top_token_ids(k) | breakdown(L·k) | total]``
-    (float64; token ids are -1 where a micro-batch gave none)."""
+    """``[mb_sums(M) | top_vals(k) | top_idx(k) | top_token_ids(k) | breakdown(L·k)? | total]``
+    (float64; token ids are -1 where a micro-batch gave none; no breakdown without per-layer rows)."""
     masked = torch.where(s.eligible, s.totals, torch.zeros_like(s.totals))
     k = min(k, masked.numel())
     vals, idx = torch.topk(masked, k)
@@ -71,19 +80,19 @@ def summary_pack(s: StepScores, k: int) -> torch.Tensor:
     mb_sums = torch.stack([s.totals[a:b].sum() for a, b in zip(offs, offs[1:])])
     ids = torch.cat([m.token_ids.reshape(-1).to(masked.device) if m.token_ids is not None  # (B, T) -> (B·T,)
                      else torch.full((m.batch * m.seq,), -1, device=masked.device) for m in s.metas])
-    parts = [mb_sums, vals, idx.to(vals.dtype), ids[idx].to(vals.dtype), s.per_layer[:, idx].flatten(),
-             s.totals.sum()[None]]
+    breakdown = [s.per_layer[:, idx].flatten()] if s.per_layer is not None else []  # (L, k) -> (L·k,)
+    parts = [mb_sums, vals, idx.to(vals.dtype), ids[idx].to(vals.dtype), *breakdown, s.totals.sum()[None]]
     return torch.cat([p.double() for p in parts])
 
 
 def summary_length(s: StepScores, k: int, n_layers: int) -> int:
     k = min(k, int(s.totals.numel()))
-    return len(s.metas) + 3 * k + n_layers * k + 1
+    return len(s.metas) + 3 * k + (n_layers * k if s.per_layer is not None else 0) + 1
 
 
 def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str], scale_sq: float,
                    unattributed_share: float) -> TokenStats:
-    M, L = len(s.metas), len(layers)
+    M, L = len(s.metas), len(layers) if s.per_layer is not None else 0
     k = min(k, int(s.totals.numel()))
     mb = host[:M] * scale_sq
     vals, idx = host[M:M + k] * scale_sq, host[M + k:M + 2 * k].astype(np.int64)

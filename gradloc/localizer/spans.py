@@ -25,6 +25,8 @@ def safe_decode(decode: Decode | None, ids: Sequence[int]) -> str | None:
 
 
 def _layer_shares(view: TokenView, flat: int) -> tuple[LayerShare, ...]:
+    if view.per_layer is None:
+        return ()
     col = view.per_layer[:, flat]  # (L,)
     total = float(col.sum())
     if not np.isfinite(total) or total <= 0:

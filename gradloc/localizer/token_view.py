@@ -14,16 +14,21 @@ class TokenView:
     metas: tuple[MicroBatchMeta, ...]
     offsets: tuple[int, ...]  # flat offset of each micro-batch (length M + 1)
     scores: np.ndarray  # (N,) Σ over layers, unscaled
-    per_layer: np.ndarray  # (L, N)
+    per_layer: np.ndarray | None  # (L, N); None without the per-layer breakdown
     eligible: np.ndarray  # (N,) bool: positions with a loss term
     unattributed_share: float
     exact_layer: int | None = None  # layer whose per-position score comes from that position's loss only
+    exact_scores: np.ndarray | None = None  # (N,) that layer's scores (also without the breakdown)
 
     @property
     def rank_scores(self) -> np.ndarray:
         """Scores to rank culprit candidates by: the exact layer's when known (an earlier layer also
         carries later tokens' gradients through attention, which would drag innocent context in)."""
-        return self.per_layer[self.exact_layer] if self.exact_layer is not None else self.scores
+        if self.exact_scores is not None:
+            return self.exact_scores
+        if self.exact_layer is not None and self.per_layer is not None:
+            return self.per_layer[self.exact_layer]
+        return self.scores
 
     def locate(self, flat: int) -> tuple[int, int, int]:
         """Flat index -> (micro-batch position in ``metas``, sample, position)."""
