@@ -19,7 +19,7 @@ to be undone). Detection is never shed.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,8 +28,9 @@ from gradloc.records import SHED_FEATURES as SHED_ORDER
 
 class OverheadMeter:
     def __init__(self, budget: float | None, *, cuda: bool = False, alpha: float = 0.9,
-                 window: int = 20, retry: int = 200, cuda_every: int = 16) -> None:
-        self.budget, self.cuda, self.alpha = budget, cuda, alpha
+                 window: int = 20, retry: int = 200, cuda_every: int = 16,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.budget, self.cuda, self.alpha, self.clock = budget, cuda, alpha, clock
         self.window, self.retry, self.cuda_every = window, retry, cuda_every
         self.level = 0  # features shed: SHED_ORDER[:level]
         self.ema: float | None = None
@@ -54,11 +55,11 @@ class OverheadMeter:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self.clock()
 
     def end(self, token: Any) -> None:
         if isinstance(token, float):
-            self._cpu += time.perf_counter() - token
+            self._cpu += self.clock() - token
             return
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
@@ -73,7 +74,7 @@ class OverheadMeter:
     def finish_step(self) -> tuple[float | None, float | None, float | None]:
         """Close the interval since the last call (after the step's host transfer, which has
         synchronized the device): (gradloc seconds, step seconds, smoothed ratio)."""
-        now = time.perf_counter()
+        now = self.clock()
         step_s = None if self._last_end is None else max(now - self._last_end - self._excluded, 0.0)
         own: float | None = self._cpu
         if self.cuda:

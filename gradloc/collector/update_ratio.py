@@ -3,8 +3,9 @@
 The ratio needs θ_before, a copy of the parameters taken in the optimizer's step pre-hook. A full
 copy costs 1× the parameter bytes (14–28 GB on a 7 B model), so by default gradloc copies a
 *window*: a run of parameter elements that fits ``window_bytes``, taken in order over the
-concatenation of all trainable parameters and moved on by one window every optimizer step
-(wrapping around). Every element is covered once per sweep of ⌈parameter bytes / window⌉ steps.
+concatenation of all trainable parameters and moved on by one window every optimizer step. A
+sweep ends with the last parameter (its final window may be shorter) and the next one starts over,
+so every element is covered exactly once per sweep of about ⌈parameter bytes / window⌉ steps.
 
 - A layer that fits inside one window gets its exact ratio for the step that covered it.
 - A layer larger than the window is covered in chunks over consecutive steps; its ratio is
@@ -79,8 +80,14 @@ class UpdateRatioTracker:
     @property
     def sweep_steps(self) -> int:
         """Optimizer steps for the window to cover every parameter once (1 with a full copy)."""
-        total = sum(p.numel() * p.element_size() for p in self.params)
-        return 1 if self.full else -(-total // max(self.window_bytes, 1))
+        if not self.enabled:
+            return 0
+        steps, cursor = 0, (0, 0)
+        while True:
+            steps += 1
+            cursor = (self._plans[cursor] if cursor in self._plans else self._plan(cursor))[1]
+            if cursor == (0, 0):
+                return steps
 
     def buffer_bytes(self) -> int:
         return sum(b.numel() for b in self._buffers.values())
@@ -113,7 +120,9 @@ class UpdateRatioTracker:
             off += take
             if off >= p.numel():
                 i, off = (i + 1) % len(self.params), 0
-            if (i, off) == start or left <= 0:
+                if i == 0:
+                    break  # the sweep ends with the parameter list: the next window starts a new one
+            if left <= 0:
                 break
         return Window(tuple(pieces), elems), (i, off)
 

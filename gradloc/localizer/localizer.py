@@ -27,7 +27,7 @@ from gradloc.config import LocalizerConfig
 from gradloc.localizer.bisection import bisect, sqrt_threshold
 from gradloc.localizer.candidates import select_candidates
 from gradloc.localizer.diffuse import describe, sample_shares
-from gradloc.localizer.probes import Grads, ProbeSession, dot, grad_norm
+from gradloc.localizer.probes import Grads, ProbeSession, distance, dot, grad_norm
 from gradloc.localizer.spans import Decode, build_culprits, build_spans
 from gradloc.localizer.token_view import TokenView
 from gradloc.records import Localization
@@ -272,10 +272,9 @@ def _by_micro_batch(view: TokenView, flats: np.ndarray) -> dict[int, np.ndarray]
 
 
 def _explained(stored: StoredGradient, g_c: Grads) -> tuple[float, float, float]:
-    """(⟨∇_C, ∇⟩/‖∇‖², ‖∇_C‖, ‖∇ − ∇_C‖) with ∇ the unscaled stored gradient."""
+    """(⟨∇_C, ∇⟩/‖∇‖², ‖∇_C‖, ‖∇ − ∇_C‖) with ∇ the unscaled stored gradient. ‖∇ − ∇_C‖ is computed
+    directly: from ‖∇‖² − 2⟨∇_C, ∇⟩ + ‖∇_C‖² it would cancel when the culprits dominate."""
     total_sq = stored.norm ** 2
     inner = dot(g_c, stored.grads, stored.inv_scale)
-    c_norm = grad_norm(g_c)
-    without_sq = max(total_sq - 2 * inner + c_norm**2, 0.0)
     explained = inner / total_sq if total_sq > 0 else float("nan")
-    return explained, c_norm, math.sqrt(without_sq)
+    return explained, grad_norm(g_c), distance(stored.grads, g_c, stored.inv_scale)

@@ -121,3 +121,20 @@ def dot(a: Grads, b: Grads, b_scale: float = 1.0) -> float:
         for i in range(0, xf.numel(), _CHUNK):
             parts.append(torch.dot(xf[i:i + _CHUNK].double(), yf[i:i + _CHUNK].double()))
     return _device_total(parts) * b_scale if parts else 0.0
+
+
+def distance(a: Grads, b: Grads, a_scale: float = 1.0) -> float:
+    """‖a · a_scale − b‖ in float64, chunked (exact where ‖a‖² − 2⟨a, b⟩ + ‖b‖² would cancel)."""
+    parts = []
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        if x is None or y is None:
+            t = (y if x is None else x).reshape(-1)  # (*shape) -> (numel,)
+            k = 1.0 if x is None else a_scale
+            parts += [(t[i:i + _CHUNK].double() * k).pow(2).sum() for i in range(0, t.numel(), _CHUNK)]
+            continue
+        xf, yf = x.reshape(-1), y.reshape(-1)  # (*shape) -> (numel,)
+        parts += [(xf[i:i + _CHUNK].double() * a_scale - yf[i:i + _CHUNK].double()).pow(2).sum()
+                  for i in range(0, xf.numel(), _CHUNK)]
+    return math.sqrt(_device_total(parts)) if parts else 0.0
