@@ -96,10 +96,12 @@ class WatchConfig:
     ⌈parameter bytes / window⌉ steps; ``"full"`` copies all of them every step (1× parameter bytes);
     ``"off"`` measures none. ``True``/``False`` mean ``"lean"``/``"off"``.
 
-    Cost: gradloc times its own work every step (``StepRecord.overhead``). With ``max_overhead``
-    set, when its smoothed cost exceeds that fraction of the training step's own time it sheds
-    optional work — first the update ratios, then the per-layer breakdown of token scores — and
-    names what it shed in each record (``StepRecord.shed``). Detection is never shed.
+    Cost: gradloc times its own work every step (``StepRecord.overhead``). When its smoothed cost
+    exceeds ``max_overhead`` of the training step's own time it sheds optional work — first the
+    update ratios, then the per-layer breakdown of token scores — and names what it shed in each
+    record (``StepRecord.shed``). Detection is never shed. The default 0.5 is a guardrail against
+    pathological cases (real models cost a few percent; a tiny toy model ~25% of its tiny step);
+    a production budget is e.g. ``max_overhead=0.05``. ``None`` measures without ever shedding.
 
     Remedy (opt-in, observability first): ``remedy="drop_culprits"`` replaces the gradient of a
     step whose culprits were located *and verified by probes* with ∇ − ∇_C (the update as if the
@@ -115,7 +117,7 @@ class WatchConfig:
     update_ratio: str | bool = "lean"  # "lean" | "full" | "off" (see the class docstring)
     memory_budget_bytes: int | None = None  # None: max(2% of trainable parameter bytes, 64 MiB)
     layer_breakdown: bool = True  # keep each token's score per layer (memory: layers × tokens × 4 B)
-    max_overhead: float | None = None  # shed optional work above this fraction of the step's time
+    max_overhead: float | None = 0.5  # shed optional work above this fraction of the step's time (None: never)
     remedy: str | None = None  # None | "drop_culprits" | "skip_step"
     history: int = 256  # StepRecords kept in Monitor.history
     strict: bool = True  # wiring mistakes (shape mismatch) raise BatchMetadataError at block exit

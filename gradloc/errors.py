@@ -1,6 +1,6 @@
 """Typed setup errors.
 
-Two regimes (DESIGN.md §7): wiring mistakes made at setup raise one of these with a message that
+Two regimes (docs/DESIGN-NOTES.md, "Errors"): wiring mistakes made at setup raise one of these with a message that
 says what to change; anything on the training hot path logs, counts and drops instead.
 """
 

@@ -2,7 +2,8 @@
 
 A rule turns what autograd already has at one module into a per-position score: the squared
 Frobenius norm of the parameter-gradient contribution routed through each position
-(DESIGN.md §3). It is split in two so that nothing extra stays alive between forward and backward:
+(docs/DESIGN-NOTES.md, "Per-token scores"). It is split in two so that nothing extra stays alive
+between forward and backward:
 
 - ``capture(module, x, y)`` runs in the forward hook under ``no_grad`` and returns a small saved
   state (e.g. ‖a_p‖², shape ``lead``) or a reference to a tensor autograd saves anyway;
