@@ -53,7 +53,9 @@ def test_localization_quick_json():
         assert key in res, key
     assert 0.0 <= res["recall"] <= 1.0 and 0.0 <= res["bisection_recall"] <= 1.0
     assert res["precision"] is None or 0.0 <= res["precision"] <= 1.0
-    assert {r["scenario"] for r in res["scenarios"]} == {"single", "three_mb", "label", "advantage"}
+    assert {r["scenario"] for r in res["scenarios"]} == {"single", "three_mb", "label", "advantage", "diffuse"}
+    diffuse = res["per_scenario"]["diffuse"]
+    assert diffuse["statuses"] == {"diffuse": 1} and diffuse["tokens_named"] == 0 and diffuse["probes_max"] <= 3
     assert all(r["grads_restored"] for r in res["scenarios"])
     assert res["spikes"] == len(res["scenarios"]), [r["kinds"] for r in res["scenarios"]]
     # what the quick run measured when this test was written: every planted culprit found in <= 3 probes
