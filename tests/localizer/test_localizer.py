@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradloc.config import LocalizerConfig
-from gradloc.localizer.localizer import Localizer
+from gradloc.localizer.localizer import Localizer, StoredGradient
 from tests.helpers import single_thread  # noqa: F401
 from tests.localizer.builders import Toy, basis, ctx, planted
 
@@ -282,6 +282,25 @@ def test_non_finite_scores_are_located_where_they_appear_without_probes() -> Non
     assert all(math.isnan(c.share) for c in loc.culprits)
     assert loc.note == "non-finite gradient: culprits are the positions where it appears"
     assert toy.opens == 0
+    capped = localize(toy, LocalizerConfig(max_candidates=1), view=toy.view(scores=scores)).localization
+    assert keys(capped) == [(0, 1, 1)]  # the first max_candidates positions, in flat order
+
+
+@pytest.mark.parametrize("bad", [[(2, 1, 1)], [(1, 0, 0)]])
+def test_non_finite_sum_scores_are_located_even_where_the_exact_layer_is_finite(bad) -> None:
+    """A NaN/Inf arising in an earlier layer's backward (fp16 overflow, say) shows in the Σ-over-layers
+    scores while the position-exact layer's are finite. The culprits are where it appears — not the
+    exact layer's outliers (here (0, 0, 1) and (1, 0, 0)), and no probe runs on a non-finite gradient."""
+    toy = planted({(0, 0, 1): basis(D, 1, 40), (1, 0, 0): basis(D, 2, 40)})
+    scores = toy.scores()
+    scores[[toy.flat(*k) for k in bad]] = np.nan
+    g = toy.grad_of()
+    g[0] = math.nan
+    stored = StoredGradient([g], 1.0, math.nan)
+    loc = Localizer(LocalizerConfig(), None).localize(7, toy.view(scores=scores, exact=toy.scores()), stored,
+                                                      toy.opener(), ctx()).localization
+    assert (loc.status, loc.probes, keys(loc)) == ("located", 0, bad)
+    assert loc.note == "non-finite gradient: culprits are the positions where it appears"
 
 
 # -- 8. unavailable ---------------------------------------------------------------------------------------
