@@ -76,6 +76,21 @@ def test_buffers_mutated_in_place_by_the_closure_are_restored() -> None:
     assert t.model.calls is buf and int(buf) == 0
 
 
+def test_buffers_reassigned_by_the_closure_are_put_back() -> None:
+    """Some modules re-register a buffer in forward (transformers' dynamic RoPE: register_buffer("inv_freq", …))."""
+    t = toy()
+
+    def closure(i: int, m: torch.Tensor) -> torch.Tensor:
+        t.model.register_buffer("calls", t.model.calls + 1)
+        return t.probe(i, m)
+
+    buf = t.model.calls
+    with session(t, closure) as s:
+        s.grad(0, mask((0, 0)))
+        assert t.model.calls is not buf
+    assert t.model.calls is buf and int(buf) == 0
+
+
 def rng_toy() -> tuple[Toy, list[torch.Tensor]]:
     """Micro-batch m's block opened at RNG state S_m, and its forward then drew ``draws[m]``."""
     t = toy()
