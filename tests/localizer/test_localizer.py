@@ -18,7 +18,14 @@ from tests.helpers import single_thread  # noqa: F401
 from tests.localizer.builders import Toy, basis, ctx, planted
 
 D = 8
-F32 = 1e-6  # grad_norm is float32 (foreach_norms), so ‖∇_C‖ and ‖∇ − ∇_C‖ carry float32 rounding
+F32 = 1e-6  # grad_norm is float32 (foreach_norms): ‖∇_C‖ carries float32 rounding
+
+
+def residual(toy: Toy, flats) -> object:
+    """‖∇ − ∇_C‖ as the localizer gets it, √(‖∇‖² − 2⟨∇_C, ∇⟩ + ‖∇_C‖²) with a float32 ‖∇_C‖: its error
+    is float32 rounding of ‖∇‖², not of the (smaller) residual."""
+    exact = toy.norm(without=flats)
+    return pytest.approx(exact, abs=F32 * toy.norm() ** 2 / exact)
 
 
 def decode(ids: list[int]) -> str:
@@ -56,7 +63,7 @@ def test_located_by_attribution_with_exact_shares_norms_and_losses(scale: float)
     assert loc.explained_share == pytest.approx(toy.share_of(c), rel=1e-12)  # ⟨∇_C, ∇⟩/‖∇‖² = 7500/7941
     assert loc.global_norm == toy.norm()
     assert loc.culprit_norm == pytest.approx(float(toy.grad_of(c).norm()), rel=F32)
-    assert loc.norm_without_culprits == pytest.approx(toy.norm(without=c), rel=F32)  # ‖∇ − ∇_C‖ = 21 (the noise)
+    assert loc.norm_without_culprits == residual(toy, c) and toy.norm(without=c) == 21.0  # the noise
     assert loc.loss_share == pytest.approx(toy.loss_of(c) / loss, rel=1e-12)
     assert loc.loss_without_culprits == pytest.approx(loss - toy.loss_of(c), rel=1e-12)
     # per-culprit shares split the measured share by attribution score
@@ -86,13 +93,19 @@ def test_culprit_grad_is_not_kept_unless_asked() -> None:
     assert res.localization.status == "located" and res.culprit_grad is None
 
 
-def test_candidates_rank_by_the_position_exact_layer() -> None:
-    """The exact layer's scores pick the culprit even where the Σ-over-layers scores point elsewhere."""
-    toy = planted({(1, 1, 0): basis(D, 1, 40)})
+def test_candidates_rank_and_shares_split_by_the_position_exact_layer() -> None:
+    """The exact layer's scores pick the culprits and split the measured share, even where the
+    Σ-over-layers scores (an earlier layer's cross-position attribution, say) point elsewhere."""
+    toy = planted({(1, 1, 0): basis(D, 1, 40), (2, 0, 0): basis(D, 2, 30)})
+    a, b = toy.flat(1, 1, 0), toy.flat(2, 0, 0)
     misleading = toy.scores()
-    misleading[toy.flat(0, 0, 0)] = 1e6  # an earlier layer's cross-position attribution, say
+    misleading[toy.flat(0, 0, 0)] = 1e6
+    misleading[b] = 1e4
     loc = localize(toy, view=toy.view(scores=misleading, exact=toy.scores())).localization
-    assert loc.status == "located" and keys(loc) == [(1, 1, 0)] and loc.probes == 1
+    assert loc.status == "located" and keys(loc) == [(1, 1, 0), (2, 0, 0)] and loc.probes == 2
+    assert [c.share for c in loc.culprits] == pytest.approx(
+        [loc.explained_share * 1600 / 2500, loc.explained_share * 900 / 2500], rel=1e-12)
+    assert loc.explained_share == pytest.approx(toy.share_of([a, b]), rel=1e-12)
 
 
 # -- 2. the verification criteria ---------------------------------------------------------------------
@@ -127,7 +140,7 @@ def test_excess_over_the_healthy_level_verifies_where_the_plain_share_fails() ->
     loc = localize(toy, context=ctx(healthy=23.0)).localization  # 100 ≥ 0.5·(629 − 529)
     assert loc.status == "located" and keys(loc) == [(1, 0, 2)] and loc.probes == 1
     assert loc.explained_share == pytest.approx(100 / 629, rel=1e-12) and loc.explained_share < 0.5
-    assert loc.norm_without_culprits == pytest.approx(23.0, rel=F32)
+    assert loc.norm_without_culprits == residual(toy, [c]) and toy.norm(without=[c]) == 23.0
 
 
 def test_loss_share_verifies_a_culprit_carrying_most_of_the_loss() -> None:
@@ -163,28 +176,30 @@ def test_all_criteria_failing_gives_a_diffuse_step_with_the_rest_of_the_probes_o
 # -- 3. growing the candidate set while the residual is still a spike --------------------------------
 def tiers() -> Toy:
     """One big culprit (100·e_1, micro-batch 1) and second-tier tokens below the first threshold
-    (0.1 × top) but far above the noise: 21·e_2 twice in micro-batch 0, 20·e_3 twice in micro-batch 2.
-    Residual ‖∇ − ∇_C‖ after each probe: √3725 ≈ 61.0, √1961 ≈ 44.3, then 19 (the noise)."""
+    (0.1 × top) but far above the noise (18 tokens of e_0): 21·e_2 twice in micro-batch 0, 20·e_3 twice
+    in micro-batch 2 with a third-tier 5·e_4 + 2·e_5 (score 29: under 0.1 × the next top, 400, but over
+    the relaxed 0.01 × 400 and 20 × the median). Residual ‖∇ − ∇_C‖ after each probe: √3717 ≈ 61.0,
+    √1953 ≈ 44.2, then 18 (the noise)."""
     return planted({(1, 0, 1): basis(D, 1, 100), (0, 0, 0): basis(D, 2, 21), (0, 1, 3): basis(D, 2, 21),
-                    (2, 0, 1): basis(D, 3, 20), (2, 1, 2): basis(D, 3, 20)})
+                    (2, 0, 1): basis(D, 3, 20), (2, 1, 2): basis(D, 3, 20), (2, 0, 3): basis(D, 4, 5) + basis(D, 5, 2)})
 
 
-@pytest.mark.parametrize("max_probes, std, expected_mbs, residual", [
-    (3, 4.0, [0, 1, 2], 19.0),  # still a spike (> 19 + 2.5·4 = 29) after the first two probes
-    (2, 4.0, [0, 1], math.sqrt(1961)),  # the budget stops the growth
-    (3, 12.0, [0, 1], math.sqrt(1961)),  # 44.3 < 19 + 2.5·12 = 49: no longer a spike, stop
-    (3, None, [1], math.sqrt(3725)),  # no healthy std: no growth
+@pytest.mark.parametrize("max_probes, std, expected_mbs", [
+    (3, 4.0, [0, 1, 2]),  # still a spike (> 19 + 2.5·4 = 29) after the first two probes
+    (2, 4.0, [0, 1]),  # the budget stops the growth
+    (3, 12.0, [0, 1]),  # 44.2 < 19 + 2.5·12 = 49: no longer a spike, stop
+    (3, None, [1]),  # no healthy std: no growth
 ])
-def test_grow_probes_the_next_outliers_one_micro_batch_per_probe(max_probes, std, expected_mbs, residual) -> None:
+def test_grow_probes_the_next_outliers_one_micro_batch_per_probe(max_probes, std, expected_mbs) -> None:
     toy = tiers()
     loc = localize(toy, LocalizerConfig(max_probes=max_probes), context=ctx(healthy=19.0, std=std)).localization
     assert loc.status == "located" and loc.probes == len(expected_mbs)
-    planted_by_mb = {0: [(0, 0, 0), (0, 1, 3)], 1: [(1, 0, 1)], 2: [(2, 0, 1), (2, 1, 2)]}
+    planted_by_mb = {0: [(0, 0, 0), (0, 1, 3)], 1: [(1, 0, 1)], 2: [(2, 0, 1), (2, 0, 3), (2, 1, 2)]}
     expected = sorted(k for m in expected_mbs for k in planted_by_mb[m])
     assert keys(loc) == expected
     flats = [toy.flat(*k) for k in expected]
     assert loc.explained_share == pytest.approx(toy.share_of(flats), rel=1e-12)
-    assert loc.norm_without_culprits == pytest.approx(residual, rel=F32)
+    assert loc.norm_without_culprits == residual(toy, flats)
     assert sum(c.share for c in loc.culprits) == pytest.approx(loc.explained_share, rel=1e-12)
 
 
@@ -325,16 +340,18 @@ def test_mostly_unattributed_norm_is_unavailable_without_bisection(bisection: st
 # -- 9. bisection ---------------------------------------------------------------------------------------------
 # With healthy norm μ over 24 eligible tokens and κ = 4, a subset of n tokens is hot above 4·μ/√24·√n.
 def test_fallback_bisection_finds_the_planted_tokens_when_attribution_is_unavailable() -> None:
-    toy = planted({(0, 1, 2): basis(D, 1, 100), (2, 0, 1): basis(D, 2, 100)})
-    loc = localize(toy, view=toy.view(unattributed=0.6), context=ctx(healthy=22.0, loss=toy.loss_of())).localization
+    toy = planted({(0, 1, 2): basis(D, 1, 100), (2, 0, 1): basis(D, 2, 60)})
+    view = toy.view(scores=np.ones(24), unattributed=0.6)  # scores no use: bisection alone finds them
+    loc = localize(toy, view=view, context=ctx(healthy=22.0, loss=toy.loss_of())).localization
     assert (loc.status, loc.method) == ("located", "bisection")
     assert keys(loc) == [(0, 1, 2), (2, 0, 1)]
     assert loc.probes == 3 + 2 * 6  # micro-batch scan, then 8 → 4 → 2 → 1 (2 probes a level) per culprit
     flats = [toy.flat(0, 1, 2), toy.flat(2, 0, 1)]
     assert loc.explained_share == pytest.approx(toy.share_of(flats), rel=1e-12)
-    assert loc.norm_without_culprits == pytest.approx(22.0, rel=F32)
-    assert loc.loss_share == pytest.approx(200 / 222, rel=1e-12)  # Σ of the single-token probes' losses
-    assert [c.share for c in loc.culprits] == pytest.approx([loc.explained_share / 2] * 2, rel=F32)  # by ‖∇_t‖²
+    assert loc.norm_without_culprits == residual(toy, flats) and toy.norm(without=flats) == 22.0
+    assert loc.loss_share == pytest.approx(160 / 182, rel=1e-12)  # Σ of the single-token probes' losses
+    split = [loc.explained_share * 10000 / 13600, loc.explained_share * 3600 / 13600]  # by each token's ‖∇_t‖²
+    assert [c.share for c in loc.culprits] == pytest.approx(split, rel=F32)
     assert loc.note == "attribution unavailable: 60% of ‖∇‖² is in parameters no per-token rule covers; bisection"
 
 
@@ -356,6 +373,15 @@ def test_on_failure_bisection_runs_after_a_failed_verification() -> None:
     assert loc.explained_share == pytest.approx(10000 / 10529, rel=1e-12)
     assert loc.note == ("the top 1 attributed token(s) explain only 0.00 of ‖∇‖² and less than half of the "
                         "spike's excess; bisection")
+
+
+def test_the_bisection_budget_counts_the_verification_probes() -> None:
+    """1 verification probe + the 9 a full search needs > bisection_budget = 9: it stops one split short."""
+    toy, scores = misattributed()
+    loc = localize(toy, LocalizerConfig(bisection="on_failure", bisection_budget=9), view=toy.view(scores=scores),
+                   context=ctx(healthy=23.0)).localization
+    assert (loc.status, loc.method, loc.culprits, loc.probes) == ("diffuse", "bisection", (), 1 + 3 + 4)
+    assert "; bisection stopped at its probe budget: no token subset above the noise threshold; " in loc.note
 
 
 def test_fallback_policy_does_not_bisect_after_a_failed_verification() -> None:
