@@ -86,11 +86,15 @@ class Localizer:
                 return LocalizeResult(self._unavailable(step, view, stored, why))
             with open_probes() as session:
                 return self._bisect(step, view, stored, session, ctx, why, keep_grad)
-        cands = select_candidates(view.rank_scores, view.eligible, self.cfg)
-        if cands.size and not np.isfinite(view.scores[cands]).all():
-            return LocalizeResult(self._result(step, "attribution", "located", 0, None, stored, view, cands,
-                                               np.full(cands.size, np.nan), None,
+        # Non-finite positions from every layer's scores, not only the exact layer's that rank candidates
+        # (an overflow in an earlier layer's backward leaves the exact layer finite).
+        bad = np.flatnonzero(view.eligible & ~(np.isfinite(view.scores) & np.isfinite(view.rank_scores)))
+        if bad.size:
+            bad = bad[: self.cfg.max_candidates]
+            return LocalizeResult(self._result(step, "attribution", "located", 0, None, stored, view, bad,
+                                               np.full(bad.size, np.nan), None,
                                                "non-finite gradient: culprits are the positions where it appears"))
+        cands = select_candidates(view.rank_scores, view.eligible, self.cfg)
         if open_probes is None:
             return LocalizeResult(self._without_probes(step, view, stored, cands))
         with open_probes() as session:

@@ -30,14 +30,14 @@ class ProbeSession:
         self.count = 0
         self.losses: list[float] = []  # each probe's loss value (same scaling as training)
         self._saved: Grads = []
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []  # (module, name, buffer, copy)
         self._rng: RngState | None = None
 
     def __enter__(self) -> "ProbeSession":
         self._saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        self._buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self._buffers = _save_buffers(self.model)
         self._rng = RngState.capture()
         self._suspend(True)
         return self
@@ -46,7 +46,8 @@ class ProbeSession:
         for p, g in zip(self.params, self._saved):
             p.grad = g
         with torch.no_grad():
-            for buf, saved in self._buffers:
+            for module, name, buf, saved in self._buffers:
+                setattr(module, name, buf)  # a forward may have re-registered it (dynamic RoPE's inv_freq)
                 buf.copy_(saved)
         if self._rng is not None:
             self._rng.restore()
@@ -75,6 +76,18 @@ class ProbeSession:
         finally:
             for p in self.params:
                 p.grad = None
+
+
+def _save_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
+    """Every registered buffer, where it is registered and a copy of its values (one copy per tensor)."""
+    copies: dict[int, torch.Tensor] = {}
+    out = []
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if id(buf) not in copies:
+                copies[id(buf)] = buf.detach().clone()
+            out.append((module, name, buf, copies[id(buf)]))
+    return out
 
 
 def add_into(acc: Grads, more: Grads) -> Grads:
