@@ -52,9 +52,10 @@ class LocalizerConfig:
     """One-pass attribution, verified with at most ``max_probes`` masked-loss probes.
 
     ``bisection``: ``"fallback"`` (default) runs GradLoc-style bisection (up to ``bisection_budget``
-    probes) only when attribution is unavailable (no per-token statistics, or more than half of
-    ‖∇‖² in parameters no per-token rule covers); ``"on_failure"`` also runs it when the attributed
-    candidates fail verification (a diffuse spike: dozens of probes); ``"off"`` never.
+    probes) only when attribution is unavailable: more than half of ‖∇‖² in parameters no per-token
+    rule covers (a step without any per-token statistics cannot be bisected either: the probes need
+    its micro-batches' layout); ``"on_failure"`` also runs it when the attributed candidates fail
+    verification (a diffuse spike: dozens of probes); ``"off"`` never.
     """
 
     max_probes: int = 3

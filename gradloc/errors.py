@@ -26,4 +26,4 @@ class BatchMetadataError(GradlocError, ValueError):
 
 
 class ProbeError(GradlocError, RuntimeError):
-    """A probe closure returned something that is not a finite scalar loss."""
+    """A probe closure returned something that is not a scalar loss tensor requiring grad."""

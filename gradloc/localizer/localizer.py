@@ -79,13 +79,6 @@ class Localizer:
                  keep_grad: bool = False) -> LocalizeResult:
         if view is None or view.scores.size == 0:
             return LocalizeResult(self._unavailable(step, view, stored, "no per-token statistics for this step"))
-        if view.unattributed_share > MAX_UNATTRIBUTED:
-            why = (f"attribution unavailable: {view.unattributed_share:.0%} of ‖∇‖² is in parameters "
-                   "no per-token rule covers")
-            if open_probes is None or self.cfg.bisection == "off":
-                return LocalizeResult(self._unavailable(step, view, stored, why))
-            with open_probes() as session:
-                return self._bisect(step, view, stored, session, ctx, why, keep_grad)
         # Non-finite positions from every layer's scores, not only the exact layer's that rank candidates
         # (an overflow in an earlier layer's backward leaves the exact layer finite).
         bad = np.flatnonzero(view.eligible & ~(np.isfinite(view.scores) & np.isfinite(view.rank_scores)))
@@ -94,6 +87,13 @@ class Localizer:
             return LocalizeResult(self._result(step, "attribution", "located", 0, None, stored, view, bad,
                                                np.full(bad.size, np.nan), None,
                                                "non-finite gradient: culprits are the positions where it appears"))
+        if view.unattributed_share > MAX_UNATTRIBUTED:
+            why = (f"attribution unavailable: {view.unattributed_share:.0%} of ‖∇‖² is in parameters "
+                   "no per-token rule covers")
+            if open_probes is None or self.cfg.bisection == "off":
+                return LocalizeResult(self._unavailable(step, view, stored, why))
+            with open_probes() as session:
+                return self._bisect(step, view, stored, session, ctx, why, keep_grad)
         cands = select_candidates(view.rank_scores, view.eligible, self.cfg)
         if open_probes is None:
             return LocalizeResult(self._without_probes(step, view, stored, cands))
@@ -106,6 +106,8 @@ class Localizer:
                     return LocalizeResult(loc, got.grad if keep_grad else None)
                 why = (f"the top {got.cands.size} attributed token(s) explain only {got.explained:.2f} of ‖∇‖² "
                        "and less than half of the spike's excess")
+                if got.unprobed:
+                    why += f" (candidates in {got.unprobed} more micro-batches not probed: max_probes)"
                 del got
             if self.cfg.bisection == "on_failure":
                 return self._bisect(step, view, stored, session, ctx, why, keep_grad)
@@ -115,7 +117,7 @@ class Localizer:
     def _verify(self, view: TokenView, stored: StoredGradient, cands: np.ndarray, session: ProbeSession,
                 ctx: SpikeContext) -> _Measured:
         groups = _by_micro_batch(view, cands)
-        kept = sorted(groups, key=lambda m: -float(view.scores[groups[m]].sum()))[: self.cfg.max_probes]
+        kept = sorted(groups, key=lambda m: -float(view.rank_scores[groups[m]].sum()))[: self.cfg.max_probes]
         cands = np.concatenate([groups[m] for m in kept])
         g_c: Grads = [None] * len(stored.grads)
         for m in kept:
@@ -146,8 +148,8 @@ class Localizer:
 
     def _verified(self, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:
         need = self.cfg.min_explained_share
-        if not math.isfinite(explained):
-            return False
+        if not math.isfinite(explained) or explained <= 0:
+            return False  # a set pointing against the gradient cannot be what made it spike
         if explained >= need:
             return True
         mu = ctx.healthy_norm

@@ -54,4 +54,6 @@ def _refusal(action: str, loc: Localization | None, culprit_grad: Grads | None, 
         return "skip_step is not supported with a GradScaler (its step() needs gradients)" if has_scaler else ""
     if culprit_grad is None or loc.probes == 0 or loc.explained_share is None:
         return "the culprits were not verified by a probe, so ∇_C is unknown"
+    if loc.norm_without_culprits is not None and loc.norm_without_culprits >= loc.global_norm:
+        return "dropping the culprits would not lower ‖∇‖ (they point against the rest of the gradient)"
     return ""

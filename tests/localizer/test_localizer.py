@@ -22,10 +22,9 @@ F32 = 1e-6  # grad_norm is float32 (foreach_norms): ‖∇_C‖ carries float32 
 
 
 def residual(toy: Toy, flats) -> object:
-    """‖∇ − ∇_C‖ as the localizer gets it, √(‖∇‖² − 2⟨∇_C, ∇⟩ + ‖∇_C‖²) with a float32 ‖∇_C‖: its error
-    is float32 rounding of ‖∇‖², not of the (smaller) residual."""
-    exact = toy.norm(without=flats)
-    return pytest.approx(exact, abs=F32 * toy.norm() ** 2 / exact)
+    """‖∇ − ∇_C‖ is computed directly in float64 (not as √(‖∇‖² − 2⟨∇_C, ∇⟩ + ‖∇_C‖²), which cancels),
+    so on the toy's integer vectors it is exact."""
+    return pytest.approx(toy.norm(without=flats), rel=1e-12)
 
 
 def decode(ids: list[int]) -> str:
@@ -124,6 +123,8 @@ def test_candidates_rank_and_shares_split_by_the_position_exact_layer() -> None:
     (0.1, 10.0, -5.0, ctx(loss=-1.0), False),  # a non-positive loss is not used
     (0.1, 10.0, 5.0, ctx(loss=math.nan), False),
     (math.nan, 10.0, 5.0, ctx(healthy=1.0, loss=5.0), False),  # a non-finite share never verifies
+    (-0.2, 10.0, 5.0, ctx(loss=5.0), False),  # pointing against the gradient: not the cause, whatever its loss
+    (0.0, 10.0, 5.0, ctx(loss=5.0), False),
 ])
 def test_verified_criteria(explained, norm, loss_c, context, expected) -> None:
     assert Localizer(LocalizerConfig(), None)._verified(explained, norm, loss_c, context) is expected
@@ -316,6 +317,24 @@ def test_non_finite_sum_scores_are_located_even_where_the_exact_layer_is_finite(
                                                       toy.opener(), ctx()).localization
     assert (loc.status, loc.probes, keys(loc)) == ("located", 0, bad)
     assert loc.note == "non-finite gradient: culprits are the positions where it appears"
+
+
+def test_a_culprit_set_against_the_gradient_is_not_located_even_if_it_carries_the_loss() -> None:
+    """−10·e_0 + e_1 among aligned e_0 noise, loss weights w = e_1: the token carries the whole loss, but
+    its gradient points against the rest (explained share < 0), so dropping it would raise ‖∇‖."""
+    toy = planted({(1, 0, 2): basis(D, 0, -10) + basis(D, 1, 1)}, w=basis(D, 1))
+    loc = localize(toy, context=ctx(healthy=5.0, loss=toy.loss_of())).localization
+    assert loc.status == "diffuse" and loc.culprits == ()
+    assert "explain only -" in loc.note
+
+
+def test_non_finite_scores_are_located_before_the_unattributed_check() -> None:
+    toy, _ = three_culprits()
+    scores = toy.scores()
+    scores[toy.flat(1, 1, 1)] = np.inf
+    loc = localize(toy, view=toy.view(scores=scores, unattributed=0.7)).localization
+    assert (loc.status, loc.probes, keys(loc)) == ("located", 0, [(11, 1, 1)])
+    assert toy.opens == 0  # no bisection on a non-finite gradient: its norms are NaN
 
 
 # -- 8. unavailable ---------------------------------------------------------------------------------------

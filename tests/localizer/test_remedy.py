@@ -1,6 +1,8 @@
 """apply_remedy on real localizations of the exact toy: what is applied, what is refused and why."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -112,3 +114,14 @@ def test_a_non_finite_step_located_without_probes_can_be_skipped_but_not_dropped
     assert rem.reason == "the culprits were not verified by a probe, so ∇_C is unknown"
     with_grad(toy)
     assert apply_remedy("skip_step", loc, None, [toy.w], SCALE, False).applied and toy.w.grad is None
+
+
+def test_drop_culprits_is_refused_when_it_would_not_lower_the_norm() -> None:
+    """A located set whose removal would not lower ‖∇‖ (reported norm without it ≥ the norm): the remedy
+    refuses rather than making the step worse."""
+    toy, loc, g_c, _ = located()
+    grad = with_grad(toy).clone()
+    worse = dataclasses.replace(loc, norm_without_culprits=loc.global_norm * 1.5)
+    rem = apply_remedy("drop_culprits", worse, g_c, [toy.w], SCALE, has_scaler=False)
+    assert not rem.applied and "would not lower" in rem.reason
+    assert torch.equal(toy.w.grad, grad)
