@@ -107,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from bench.models import MODELS
 
+    if args.repeats is not None and not args.memory:
+        parser.error("--repeats is for --memory")
     single = args.peers or args.profile
     model = args.model or ("tinygpt" if single else "all")
     if single and model != "tinygpt" and not (args.profile and model == "llama"):

@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 MEMORY_VARIANTS = ("plain", "per_layer", "per_token", "per_token_full", "per_token_off")
+# glibc serves allocations >= this from mmap and unmaps them on free (a fixed threshold also turns
+# off the dynamic one, which grows after a big free and then keeps big buffers on the heap, whose
+# pages stay resident): RSS then tracks live tensor bytes. Ignored by other C libraries.
+PINNED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,6 +43,9 @@ class MemoryConfig:
     device: str = "cpu"
     timeout_s: float = 600.0  # per subprocess
     jobs: int = 2  # subprocesses at a time: each one's ru_maxrss is its own, so they may overlap
+    # also run every process with glibc's mmap threshold pinned (see PINNED_ENV): peaks then follow
+    # the bytes actually live instead of where glibc's dynamic threshold happened to put big buffers
+    pinned: bool = True
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.steps < 2 or self.jobs < 1:
@@ -81,7 +88,10 @@ def measure_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {k: v for k, v in os.environ.items() if k not in PINNED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if spec["malloc"] == "pinned":
+        env.update(PINNED_ENV)
     if spec["threads"]:
         env["OMP_NUM_THREADS"] = str(spec["threads"])
     proc = subprocess.run([sys.executable, "-m", "bench.memory", json.dumps(spec)], cwd=ROOT, env=env,
@@ -94,37 +104,43 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 def run_memory(cfg: MemoryConfig, progress: Any = None) -> dict[str, Any]:
     load_start, start = os.getloadavg()[0], time.perf_counter()
     base = {k: v for k, v in asdict(cfg).items() if k in ("quick", "seed", "lr", "threads", "device", "steps")}
-    n = len(MEMORY_VARIANTS)
-    specs = [{**base, "model": model, "variant": variant} for model in cfg.models for r in range(cfg.repeats)
+    n, mallocs = len(MEMORY_VARIANTS), ("default", "pinned") if cfg.pinned else ("default",)
+    specs = [{**base, "model": model, "variant": variant, "malloc": malloc} for model in cfg.models
+             for r in range(cfg.repeats) for malloc in mallocs
              for variant in MEMORY_VARIANTS[r % n:] + MEMORY_VARIANTS[:r % n]]  # the order rotates per repeat
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     with ThreadPoolExecutor(cfg.jobs) as pool:
         for i, (spec, out) in enumerate(zip(specs, pool.map(lambda s: _run_child(s, cfg.timeout_s), specs))):
-            runs.setdefault((spec["model"], spec["variant"]), []).append(out)
+            runs.setdefault((spec["model"], spec["variant"], spec["malloc"]), []).append(out)
             if progress is not None:
-                progress(i, len(specs), {"model": spec["model"], "variant": spec["variant"],
-                                         "peak_rss_mb": round(out["peak_rss_mb"], 1)})
-    models = {model: _summarize(model, runs) for model in cfg.models}
+                progress(i, len(specs), {k: spec[k] for k in ("model", "variant", "malloc")}
+                         | {"peak_rss_mb": round(out["peak_rss_mb"], 1)})
+    models = {model: _summarize(model, runs, mallocs) for model in cfg.models}
     return {"memory": models, "repeats": cfg.repeats, "steps": cfg.steps, "jobs": cfg.jobs, "device": cfg.device,
+            "pinned_env": PINNED_ENV if cfg.pinned else None,
             "wall_s": round(time.perf_counter() - start, 1), "nproc": os.cpu_count(),
             "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
 
 
-def _summarize(model: str, runs: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Any]:
+def _summarize(model: str, runs: dict[tuple[str, str, str], list[dict[str, Any]]],
+               mallocs: tuple[str, ...]) -> dict[str, Any]:
+    """Medians over the repeats; keys of the pinned-threshold runs start with ``pinned_``."""
     from bench.variants import computes
 
-    pbytes = runs[(model, "plain")][0]["param_bytes"]
-    keys = ["peak_rss_mb", "setup_rss_mb"] + (["cuda_peak_mb"] if "cuda_peak_mb" in runs[(model, "plain")][0] else [])
-    med = {v: {k: statistics.median(r[k] for r in runs[(model, v)]) for k in keys} for v in MEMORY_VARIANTS}
+    pbytes = runs[(model, "plain", "default")][0]["param_bytes"]
     out: dict[str, Any] = {"param_mb": round(pbytes / 2**20, 2), "variants": {}}
     for v in MEMORY_VARIANTS:
-        row: dict[str, Any] = {"computes": computes(v),
-                               "peak_rss_mb_runs": [round(r["peak_rss_mb"], 1) for r in runs[(model, v)]]}
-        for k in keys:
-            extra = med[v][k] - med["plain"][k]
-            row[k] = round(med[v][k], 1)
-            row[f"extra_{k}"] = round(extra, 1)
-            row[f"extra_{k}_pct_params"] = round(100.0 * extra * 2**20 / pbytes, 1)
+        row: dict[str, Any] = {"computes": computes(v)}
+        for malloc in mallocs:
+            prefix = "" if malloc == "default" else f"{malloc}_"
+            mine, plain = runs[(model, v, malloc)], runs[(model, "plain", malloc)]
+            row[f"{prefix}peak_rss_mb_runs"] = [round(r["peak_rss_mb"], 1) for r in mine]
+            for k in ["peak_rss_mb", "setup_rss_mb"] + (["cuda_peak_mb"] if "cuda_peak_mb" in mine[0] else []):
+                med = statistics.median(r[k] for r in mine)
+                extra = med - statistics.median(r[k] for r in plain)
+                row[f"{prefix}{k}"] = round(med, 1)
+                row[f"extra_{prefix}{k}"] = round(extra, 1)
+                row[f"extra_{prefix}{k}_pct_params"] = round(100.0 * extra * 2**20 / pbytes, 1)
         out["variants"][v] = row
     return out
 
@@ -134,17 +150,19 @@ def format_memory(res: dict[str, Any]) -> str:
     for model, m in res["memory"].items():
         lines.append(f"{model}: parameters {m['param_mb']} MiB; median of {res['repeats']} processes, "
                      f"{res['steps']} steps each")
-        cuda = "cuda_peak_mb" in m["variants"]["plain"]
-        rows = [("variant", "peak RSS MiB", "extra MiB", "extra % params", "at attach: extra MiB", "runs")
-                + (("CUDA peak MiB", "extra MiB", "extra % params") if cuda else ())]
+        plain = m["variants"]["plain"]
+        cols = [(label, key) for label, key in (("RSS", "peak_rss_mb"), ("RSS pinned", "pinned_peak_rss_mb"),
+                                                ("CUDA", "cuda_peak_mb")) if key in plain]
+        head = ["variant"] + [f"{label} {x}" for label, _ in cols for x in ("peak MiB", "extra", "% params")]
+        rows = [tuple(head + ["RSS at attach: extra"])]
         for v, row in m["variants"].items():
-            rows.append((v, f"{row['peak_rss_mb']:.1f}", f"{row['extra_peak_rss_mb']:+.1f}",
-                         f"{row['extra_peak_rss_mb_pct_params']:+.1f}", f"{row['extra_setup_rss_mb']:+.1f}",
-                         str(row["peak_rss_mb_runs"]))
-                        + ((f"{row['cuda_peak_mb']:.1f}", f"{row['extra_cuda_peak_mb']:+.1f}",
-                            f"{row['extra_cuda_peak_mb_pct_params']:+.1f}") if cuda else ()))
+            cells = [v] + [f"{row[k]:.1f}" if i == 0 else f"{row[f'extra_{k}' + ('_pct_params' if i == 2 else '')]:+.1f}"
+                           for _, k in cols for i in range(3)]
+            rows.append(tuple(cells + [f"{row['extra_setup_rss_mb']:+.1f}"]))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows] + [""]
+    if res.get("pinned_env"):
+        lines.append(f"RSS pinned: the same runs with {res['pinned_env']} (RSS follows the live bytes)")
     lines.append(f"{res['wall_s']} s, load average {res['loadavg_1m'][0]} -> {res['loadavg_1m'][1]} "
                  f"on {res['nproc']} CPUs")
     return "\n".join(lines)

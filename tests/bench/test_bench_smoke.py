@@ -75,11 +75,15 @@ def test_overhead_memory_quick_json():
     mem = res["memory"]["tinygpt"]
     assert list(mem["variants"]) == ["plain", "per_layer", "per_token", "per_token_full", "per_token_off"]
     assert mem["param_mb"] > 0 and res["repeats"] == 1 and res["steps"] >= 2
+    assert res["pinned_env"] == {"MALLOC_MMAP_THRESHOLD_": "131072"}
     for name, row in mem["variants"].items():
-        assert row["peak_rss_mb"] > 0 and row["setup_rss_mb"] > 0, name
-        assert row["peak_rss_mb"] >= row["setup_rss_mb"], name  # a high-water mark only grows
-        assert math.isfinite(row["extra_peak_rss_mb"]) and math.isfinite(row["extra_peak_rss_mb_pct_params"])
-    assert mem["variants"]["plain"]["extra_peak_rss_mb"] == 0.0
+        for prefix in ("", "pinned_"):  # default glibc malloc; the same runs with the mmap threshold pinned
+            assert row[f"{prefix}peak_rss_mb"] > 0 and row[f"{prefix}setup_rss_mb"] > 0, name
+            assert row[f"{prefix}peak_rss_mb"] >= row[f"{prefix}setup_rss_mb"], name  # a high-water mark only grows
+            assert math.isfinite(row[f"extra_{prefix}peak_rss_mb"])
+            assert math.isfinite(row[f"extra_{prefix}peak_rss_mb_pct_params"])
+            assert len(row[f"{prefix}peak_rss_mb_runs"]) == 1
+    assert mem["variants"]["plain"]["extra_peak_rss_mb"] == mem["variants"]["plain"]["extra_pinned_peak_rss_mb"] == 0
     assert "cuda_peak_mb" not in mem["variants"]["plain"]  # CPU run
 
 

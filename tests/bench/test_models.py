@@ -32,7 +32,9 @@ def test_quick_llama_builds_tied_gqa_rotary_and_gives_logits():
 
 
 def test_update_ratio_mode_maps_to_this_checkouts_config():
+    # TODO(lead): drop with update_ratio_mode once update_ratio strings land
+    strings = isinstance(WatchConfig().update_ratio, str)
     for mode in ("lean", "full", "off"):
         value = update_ratio_mode(mode)
         WatchConfig(update_ratio=value)  # accepted by the config on this checkout
-        assert bool(value) == (mode != "off")
+        assert value == mode if strings else value is (mode != "off")
