@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--peers", action="store_true",
                       help="add Opacus ghost norms, BackPACK BatchL2Grad and wandb.watch to the TinyGPT run")
     ov.add_argument("--repeats", type=int, default=None,
-                    help="--memory: processes per variant (default 3; 1 with --quick)")
+                    help="--memory: processes per variant and allocator setting (default 2; 1 with --quick)")
 
     lo = sub.add_parser("localization", help="planted-culprit scenarios: gradloc vs GradLoc-style bisection")
     lo.add_argument("--seeds", type=int, default=None, help="seeds per scenario (default 5; 1 with --quick)")
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)  # gradloc's warnings would interleave with the table
 
     if args.name == "overhead":
-        return _overhead(parser, args)
+        return _overhead(ov, args)
 
     if args.name == "agent":
         from dataclasses import replace
@@ -119,7 +119,7 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.memory:
         from bench.memory import MemoryConfig, format_memory, run_memory
 
-        repeats = args.repeats or (1 if args.quick else 3)
+        repeats = args.repeats or (1 if args.quick else 2)
         mem = MemoryConfig(models=models, repeats=repeats, steps=3 if args.quick else 5, quick=args.quick,
                            threads=threads, device=args.device)
         res = run_memory(mem, _progress(args.verbose))

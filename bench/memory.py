@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class MemoryConfig:
     models: tuple[str, ...] = ("tinygpt", "llama")
-    repeats: int = 3  # subprocesses per (model, variant)
+    repeats: int = 2  # subprocesses per (model, variant) and allocator setting
     steps: int = 5  # optimizer steps per subprocess
     quick: bool = False
     seed: int = 0
@@ -156,8 +156,8 @@ def format_memory(res: dict[str, Any]) -> str:
         head = ["variant"] + [f"{label} {x}" for label, _ in cols for x in ("peak MiB", "extra", "% params")]
         rows = [tuple(head + ["RSS at attach: extra"])]
         for v, row in m["variants"].items():
-            cells = [v] + [f"{row[k]:.1f}" if i == 0 else f"{row[f'extra_{k}' + ('_pct_params' if i == 2 else '')]:+.1f}"
-                           for _, k in cols for i in range(3)]
+            cells = [v] + [x for _, k in cols for x in (f"{row[k]:.1f}", f"{row[f'extra_{k}']:+.1f}",
+                                                        f"{row[f'extra_{k}_pct_params']:+.1f}")]
             rows.append(tuple(cells + [f"{row['extra_setup_rss_mb']:+.1f}"]))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows] + [""]
