@@ -120,8 +120,11 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from bench.memory import MemoryConfig, format_memory, run_memory
 
         repeats = args.repeats or (1 if args.quick else 2)
-        mem = MemoryConfig(models=models, repeats=repeats, steps=3 if args.quick else 5, quick=args.quick,
-                           threads=threads, device=args.device)
+        try:
+            mem = MemoryConfig(models=models, repeats=repeats, steps=3 if args.quick else 5, quick=args.quick,
+                               threads=threads, device=args.device)
+        except ValueError as e:
+            parser.error(str(e))
         res = run_memory(mem, _progress(args.verbose))
         print(json.dumps(res) if args.json else format_memory(res))
         return 0
@@ -130,7 +133,10 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     kw = {"models": models, "threads": threads, "peers": args.peers, "device": args.device}
     kw.update({k: getattr(args, k) for k in ("rounds", "warmup") if getattr(args, k) is not None})
-    cfg = OverheadConfig.quick_config(**kw) if args.quick else OverheadConfig(**kw)
+    try:
+        cfg = OverheadConfig.quick_config(**kw) if args.quick else OverheadConfig(**kw)
+    except ValueError as e:
+        parser.error(str(e))
     if args.profile:
         from bench.profile import format_profile, run_profile
 
