@@ -1,5 +1,8 @@
 """``python -m bench overhead|localization|agent [--json] [--quick] [...]``.
 
+``overhead`` runs TinyGPT and an HF Llama side by side (``--model``); ``--memory``, ``--peers`` and
+``--profile`` are its other modes.
+
 With ``--json`` exactly one JSON object is printed on stdout (progress goes to stderr with
 ``--verbose``); without it, a human-readable table.
 """
@@ -28,12 +31,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="name", required=True)
 
     ov = sub.add_parser("overhead", help="step-time overhead: plain vs per-layer vs per-token, interleaved")
-    ov.add_argument("--rounds", type=int, default=None, help="measured rounds (default 40; 10 with --quick; steps per variant with --profile: 10, 3 with --quick)")
+    ov.add_argument("--model", choices=["tinygpt", "llama", "all"], default=None,
+                    help="TinyGPT, a random-initialized HF Llama, or both side by side (default: all; "
+                         "tinygpt with --peers and --profile)")
+    ov.add_argument("--rounds", type=int, default=None,
+                    help="measured rounds (default 40 for TinyGPT, 20 for Llama; 10 with --quick; steps per "
+                         "variant with --profile: 10, 3 with --quick)")
     ov.add_argument("--warmup", type=int, default=None, help="discarded warm-up rounds (default 3; 2 with --quick)")
     ov.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default 1; 0 = torch's default)")
-    ov.add_argument("--profile", action="store_true",
-                    help="instead of the A/B/C ratios: time gradloc's functions per step (where the overhead goes)")
+    ov.add_argument("--device", default="cpu", help="torch device (default cpu; e.g. cuda)")
+    mode = ov.add_mutually_exclusive_group()
+    mode.add_argument("--profile", action="store_true",
+                      help="instead of the ratios: time gradloc's functions per step (where the overhead goes)")
+    mode.add_argument("--memory", action="store_true",
+                      help="instead of the ratios: peak memory per variant, one fresh process per run "
+                           "(JSON under 'memory')")
+    mode.add_argument("--peers", action="store_true",
+                      help="add Opacus ghost norms, BackPACK BatchL2Grad and wandb.watch to the TinyGPT run")
+    ov.add_argument("--repeats", type=int, default=None,
+                    help="--memory: processes per variant and allocator setting (default 2; 1 with --quick)")
 
     lo = sub.add_parser("localization", help="planted-culprit scenarios: gradloc vs GradLoc-style bisection")
     lo.add_argument("--seeds", type=int, default=None, help="seeds per scenario (default 5; 1 with --quick)")
@@ -58,27 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)  # gradloc's warnings would interleave with the table
 
     if args.name == "overhead":
-        from dataclasses import replace
-
-        from bench.overhead import (
-            OverheadConfig,
-            format_profile,
-            format_table,
-            run_overhead,
-            run_profile,
-        )
-
-        cfg = OverheadConfig.quick() if args.quick else OverheadConfig()
-        for field in ("rounds", "warmup", "threads"):
-            if getattr(args, field) is not None:
-                cfg = replace(cfg, **{field: getattr(args, field) or None})
-        if args.profile:
-            res = run_profile(cfg, steps=args.rounds or (3 if args.quick else 10))
-            print(json.dumps(res) if args.json else format_profile(res))
-            return 0
-        res = run_overhead(cfg, _progress(args.verbose))
-        print(json.dumps(res) if args.json else format_table(res))
-        return 0
+        return _overhead(ov, args)
 
     if args.name == "agent":
         from dataclasses import replace
@@ -103,6 +100,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         cfg = replace(cfg, threads=args.threads or None)
     res = run_localization(cfg, _progress(args.verbose))
+    print(json.dumps(res) if args.json else format_table(res))
+    return 0
+
+
+def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from bench.models import MODELS
+
+    if args.repeats is not None and not args.memory:
+        parser.error("--repeats is for --memory")
+    single = args.peers or args.profile
+    model = args.model or ("tinygpt" if single else "all")
+    if single and model != "tinygpt" and not (args.profile and model == "llama"):
+        parser.error(f"--{'peers' if args.peers else 'profile'} runs on one model"
+                     f"{' (TinyGPT)' if args.peers else ''}: not --model {model}")
+    models = MODELS if model == "all" else (model,)
+    threads = None if args.threads == 0 else (args.threads or 1)
+    if args.memory:
+        from bench.memory import MemoryConfig, format_memory, run_memory
+
+        repeats = args.repeats or (1 if args.quick else 2)
+        try:
+            mem = MemoryConfig(models=models, repeats=repeats, steps=3 if args.quick else 5, quick=args.quick,
+                               threads=threads, device=args.device)
+        except ValueError as e:
+            parser.error(str(e))
+        res = run_memory(mem, _progress(args.verbose))
+        print(json.dumps(res) if args.json else format_memory(res))
+        return 0
+
+    from bench.overhead import OverheadConfig, format_table, run_overhead
+
+    kw = {"models": models, "threads": threads, "peers": args.peers, "device": args.device}
+    kw.update({k: getattr(args, k) for k in ("rounds", "warmup") if getattr(args, k) is not None})
+    try:
+        cfg = OverheadConfig.quick_config(**kw) if args.quick else OverheadConfig(**kw)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.profile:
+        from bench.profile import format_profile, run_profile
+
+        res = run_profile(cfg, steps=args.rounds or (3 if args.quick else 10))
+        print(json.dumps(res) if args.json else format_profile(res))
+        return 0
+    res = run_overhead(cfg, _progress(args.verbose))
     print(json.dumps(res) if args.json else format_table(res))
     return 0
 

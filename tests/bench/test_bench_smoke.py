@@ -5,7 +5,9 @@ The numbers of the full runs are in docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def needs(*modules: str) -> pytest.MarkDecorator:
+    """The optional extras a benchmark mode runs on (``bench``: transformers; ``bench-peers``)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"not installed: {missing}")
 
 
 def run_bench(*args: str, timeout: float = 120) -> dict:
@@ -24,20 +32,64 @@ def run_bench(*args: str, timeout: float = 120) -> dict:
     return json.loads(out)
 
 
+@needs("transformers")
 def test_overhead_quick_json():
     res = run_bench("overhead", "--quick", "--json", "--threads", "1")
-    for key in ("per_layer_ratio", "per_token_ratio", "plain_step_ms", "per_layer_step_ms", "per_token_step_ms",
-                "rounds", "tokens_per_step", "d_model", "n_layers", "torch_threads"):
-        assert key in res, key
-    # a tiny model on a possibly busy machine: only sanity, not the targets (see docs/BENCHMARKS.md)
-    assert 0.5 < res["per_layer_ratio"] < 20
-    assert 0.5 < res["per_token_ratio"] < 20
-    assert res["plain_step_ms"] > 0 and res["rounds"] == 10 and res["torch_threads"] == 1
-    assert res["updates_identical"], "monitoring changed the optimizer update"
+    assert set(res["models"]) == {"tinygpt", "llama"}  # both by default, side by side
+    assert res["torch_threads"] == 1 and res["loadavg_1m"] and res["wall_s"] > 0
+    for name, m in res["models"].items():
+        for key in ("per_layer_ratio", "per_token_ratio", "plain_step_ms", "per_layer_step_ms", "per_token_step_ms",
+                    "paired_per_token_ratio", "cpu_per_token_ratio", "rounds", "tokens_per_step", "d_model",
+                    "n_layers", "params", "phases_ms"):
+            assert key in m, (name, key)
+        # tiny models on a possibly busy machine: only sanity, not the targets (see docs/BENCHMARKS.md)
+        for key in ("per_layer_ratio", "per_token_ratio", "paired_per_token_ratio", "cpu_per_token_ratio"):
+            assert math.isfinite(m[key]) and 0.5 < m[key] < 20, (name, key, m[key])
+        assert m["plain_step_ms"] > 0 and m["rounds"] == 10
+        assert m["updates_identical"], f"{name}: monitoring changed the optimizer update"
+        assert m["identical_to_plain"] == {"per_layer": True, "per_token": True}
+    llama = res["models"]["llama"]
+    assert llama["model"] == "llama" and llama["kv_heads"] < llama["n_heads"] and llama["tied_embeddings"]
+
+
+@needs("opacus", "backpack", "wandb")
+def test_overhead_peers_quick_json():
+    res = run_bench("overhead", "--quick", "--json", "--peers")
+    assert set(res["models"]) == {"tinygpt"}
+    m = res["models"]["tinygpt"]
+    assert list(m["phases_ms"]) == ["plain", "per_layer", "per_token", "opacus_ghost", "backpack_l2", "wandb_watch"]
+    assert set(res["peers"]) == {"opacus_ghost", "backpack_l2", "wandb_watch"}
+    for name in ("per_layer", "per_token", "opacus_ghost", "backpack_l2", "wandb_watch"):
+        assert math.isfinite(m[f"{name}_ratio"]) and m[f"{name}_ratio"] > 0, name
+        assert m["computes"][name], name
+    assert m["updates_identical"]
+    assert res["peers"]["backpack_l2"]["computes"].startswith("BackPACK")
+    # BackPACK has no LayerNorm extension: the run reports which parameters it left out
+    left_out = m["extra"]["backpack_l2"]["params_without_batch_l2"]
+    assert left_out and all(".ln" in n or n.startswith("ln_f.") for n in left_out), left_out
+    assert m["extra"]["wandb_watch"]["service_cpu_s"] >= 0
+
+
+def test_overhead_memory_quick_json():
+    res = run_bench("overhead", "--quick", "--json", "--memory", "--model", "tinygpt")
+    mem = res["memory"]["tinygpt"]
+    assert list(mem["variants"]) == ["plain", "per_layer", "per_token", "per_token_full", "per_token_off"]
+    assert mem["param_mb"] > 0 and res["repeats"] == 1 and res["steps"] >= 2
+    assert res["pinned_env"] == {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    for name, row in mem["variants"].items():
+        for prefix in ("", "pinned_"):  # default glibc malloc; the same runs with the mmap threshold pinned
+            assert row[f"{prefix}peak_rss_mb"] > 0 and row[f"{prefix}setup_rss_mb"] > 0, name
+            assert row[f"{prefix}peak_rss_mb"] >= row[f"{prefix}setup_rss_mb"], name  # a high-water mark only grows
+            assert math.isfinite(row[f"extra_{prefix}peak_rss_mb"])
+            assert math.isfinite(row[f"extra_{prefix}peak_rss_mb_pct_params"])
+            assert len(row[f"{prefix}peak_rss_mb_runs"]) == 1
+    assert mem["variants"]["plain"]["extra_peak_rss_mb"] == mem["variants"]["plain"]["extra_pinned_peak_rss_mb"] == 0
+    assert "cuda_peak_mb" not in mem["variants"]["plain"]  # CPU run
 
 
 def test_overhead_profile_quick_json():
     res = run_bench("overhead", "--quick", "--profile", "--json", "--threads", "1")
+    assert res["model"] == "tinygpt"
     fns = res["functions_ms_per_step"]
     assert set(fns) == {"per_layer", "per_token"}
     assert "Monitor.end_step (all of it)" in fns["per_layer"]
@@ -65,6 +117,7 @@ def test_localization_quick_json():
     assert res["bisection_all_recall"] >= res["bisection_recall"]
 
 
+@needs("transformers")
 @pytest.mark.parametrize("name", ["overhead", "localization"])
 def test_human_table(name):
     args = [name, "--quick"] + (["--threads", "1"] if name == "overhead" else [])

@@ -1,0 +1,142 @@
+"""The variants the overhead benchmark times: one model copy each, with its own AdamW.
+
+A variant's step is the training step a user runs: forward and backward of every micro-batch,
+the tool's per-step work (gradloc's ``end_step``, a peer's read-out), ``optimizer.step()``,
+``zero_grad()``. The gradloc variants use the defaults users get (embedded agent included, its
+store in a throw-away file); the peers (``bench/peers.py``) are the tools users reach for instead.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import gradloc
+from bench.models import logits
+from gradloc.demo.model import token_losses
+
+
+def update_ratio_mode(mode: str) -> Any:
+    """``WatchConfig.update_ratio`` for ``"lean" | "full" | "off"`` on this checkout."""
+    # TODO(lead): drop once update_ratio strings land (then pass the string as it is)
+    if isinstance(gradloc.WatchConfig().update_ratio, str):
+        return mode
+    return {"lean": True, "full": True, "off": False}[mode]  # bool era: True is the full snapshot
+
+
+# name -> WatchConfig fields; "per_layer" and "per_token" are the two timed by default
+GRADLOC_VARIANTS: dict[str, dict[str, Any]] = {
+    "per_layer": {"token_stats": False},
+    "per_token": {},  # WatchConfig() as users get it
+    "per_token_full": {"update_ratio": "full"},  # a full parameter snapshot every step
+    "per_token_off": {"update_ratio": "off"},  # no optimizer hooks, no snapshot
+}
+COMPUTES = {
+    "plain": "nothing (baseline)",
+    "per_layer": "gradloc per-layer: grad norm / max|g| / non-finite per layer, spike detector, update ratios",
+    "per_token": "gradloc default: per-layer + per-token gradient scores (top-k tokens per step), detector",
+    "per_token_full": "gradloc default with update_ratio='full' (full parameter snapshot per step)",
+    "per_token_off": "gradloc default with update_ratio='off' (no update-to-weight ratios)",
+}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Variant:
+    """Plain training: no monitoring. Subclasses add their tool's work to the same step."""
+
+    def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu") -> None:
+        self.name, self.model, self.device = name, model, device
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.step_s: list[float] = []
+        self.cpu_s: list[float] = []  # process CPU time of the step: insensitive to preemption
+        self.phase_s: dict[str, list[float]] = {"fwd_bwd": [], "end_step": [], "opt_step": []}
+        self.extra: dict[str, Any] = {}  # per-variant facts for the JSON (spikes flagged, service CPU…)
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        loss = token_losses(logits(self.model, x), y).sum() / n_tokens
+        loss.backward()
+        return loss.detach()
+
+    def end_step(self, total: torch.Tensor) -> None:
+        pass
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int, record: bool) -> None:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            total += self.micro_step(x, y, n_tokens)
+        sync(self.device)
+        t1 = time.perf_counter()
+        self.end_step(total)
+        sync(self.device)
+        t2 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync(self.device)
+        t3 = time.perf_counter()
+        c3 = time.process_time()
+        if record:
+            self.step_s.append(t3 - t0)
+            self.cpu_s.append(c3 - c0)
+            self.phase_s["fwd_bwd"].append(t1 - t0)
+            self.phase_s["end_step"].append(t2 - t1)
+            self.phase_s["opt_step"].append(t3 - t2)
+
+    def close(self) -> None:
+        pass
+
+
+class GradlocVariant(Variant):
+    def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu") -> None:
+        super().__init__(name, model, lr, device)
+        fields = dict(GRADLOC_VARIANTS[name])
+        if "update_ratio" in fields:
+            fields["update_ratio"] = update_ratio_mode(fields["update_ratio"])
+        self.store = os.path.join(tempfile.gettempdir(), f"gradloc-bench-{os.getpid()}-{name}.db")
+        config = gradloc.WatchConfig(job="bench", store_path=self.store, **fields)
+        self.mon = gradloc.watch(model, self.opt, config=config)
+        self.extra["spikes_flagged"] = 0
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        with self.mon.micro_batch(y):
+            return super().micro_step(x, y, n_tokens)
+
+    def end_step(self, total: torch.Tensor) -> None:
+        report = self.mon.end_step(total)
+        self.extra["spikes_flagged"] += int(report.spike.is_spike)
+
+    def close(self) -> None:
+        self.mon.close()
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.store + suffix):
+                os.remove(self.store + suffix)
+
+
+def make_variant(name: str, model: nn.Module, lr: float, device: str = "cpu") -> Variant:
+    if name == "plain":
+        return Variant(name, model, lr, device)
+    if name in GRADLOC_VARIANTS:
+        return GradlocVariant(name, model, lr, device)
+    from bench.peers import PEERS  # opacus, backpack, wandb: imported only when asked for
+
+    return PEERS[name](name, model, lr, device)
+
+
+def computes(name: str) -> str:
+    if name in COMPUTES:
+        return COMPUTES[name]
+    from bench.peers import PEERS
+
+    return PEERS[name].computes
