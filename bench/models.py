@@ -5,8 +5,6 @@ the same per-token cross-entropy (``gradloc.demo.model.token_losses``) on their 
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -92,29 +90,6 @@ def param_bytes(model: nn.Module) -> int:
 
 
 def _import_llama() -> tuple[type, type]:
-    hide_broken_torchvision()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaConfig, LlamaForCausalLM
-
-
-def hide_broken_torchvision() -> None:
-    """Make transformers see no torchvision when the installed one cannot load.
-
-    A torchvision built for another torch raises at import ("operator torchvision::nms does not
-    exist"), and transformers imports it for image utilities even for a text-only Llama. Marking
-    the module as absent (``sys.modules[name] = None``) makes ``importlib.util.find_spec`` return
-    None, so transformers takes its no-torchvision path (its cached answer, if transformers asked
-    already, is cleared). A working torchvision is left alone.
-    """
-    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
-        return
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.modules["torchvision"] = None  # type: ignore[assignment]
-        probe = getattr(sys.modules.get("transformers.utils.import_utils"), "is_torchvision_available", None)
-        if hasattr(probe, "cache_clear"):
-            probe.cache_clear()

@@ -21,7 +21,7 @@ def _profile_targets() -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of the gradloc functions to time; owners are looked up at call
     time by their callers, so wrapping the attribute times every call."""
     from gradloc.adapters import pytorch as adapter
-    from gradloc.collector import layer_stats, step, token_hooks
+    from gradloc.collector import layer_stats, step, token_hooks, update_ratio
     from gradloc.collector.rules import embedding, layer_norm, linear, rms_norm
     from gradloc.detector.detector import SpikeDetector
 
@@ -35,8 +35,8 @@ def _profile_targets() -> list[tuple[Any, str, str]]:
         (adapter, "stack_step", "token_summary.stack_step"),
         (SpikeDetector, "observe", "SpikeDetector.observe"),
         (adapter.Monitor, "_emit_pending", "Monitor._emit_pending"),
-        (layer_stats.LayerStatsCollector, "take_snapshot", "LayerStatsCollector.take_snapshot (optimizer pre-hook)"),
-        (layer_stats.LayerStatsCollector, "update_sq", "LayerStatsCollector.update_sq (optimizer post-hook)"),
+        (update_ratio.UpdateRatioTracker, "before_step", "UpdateRatioTracker.before_step (optimizer pre-hook)"),
+        (update_ratio.UpdateRatioTracker, "after_step", "UpdateRatioTracker.after_step (optimizer post-hook)"),
         (token_hooks, "_capture", "token_hooks._capture (forward hook)"),
         (token_hooks.MicroBatchScores, "add", "MicroBatchScores.add (backward hook)"),
         (layer_norm, "layer_norm_hat", "rules.layer_norm.layer_norm_hat"),

@@ -19,15 +19,6 @@ import gradloc
 from bench.models import logits
 from gradloc.demo.model import token_losses
 
-
-def update_ratio_mode(mode: str) -> Any:
-    """``WatchConfig.update_ratio`` for ``"lean" | "full" | "off"`` on this checkout."""
-    # TODO(lead): drop once update_ratio strings land (then pass the string as it is)
-    if isinstance(gradloc.WatchConfig().update_ratio, str):
-        return mode
-    return {"lean": True, "full": True, "off": False}[mode]  # bool era: True is the full snapshot
-
-
 # name -> WatchConfig fields; "per_layer" and "per_token" are the two timed by default
 GRADLOC_VARIANTS: dict[str, dict[str, Any]] = {
     "per_layer": {"token_stats": False},
@@ -102,8 +93,6 @@ class GradlocVariant(Variant):
     def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu") -> None:
         super().__init__(name, model, lr, device)
         fields = dict(GRADLOC_VARIANTS[name])
-        if "update_ratio" in fields:
-            fields["update_ratio"] = update_ratio_mode(fields["update_ratio"])
         self.store = os.path.join(tempfile.gettempdir(), f"gradloc-bench-{os.getpid()}-{name}.db")
         config = gradloc.WatchConfig(job="bench", store_path=self.store, **fields)
         self.mon = gradloc.watch(model, self.opt, config=config)

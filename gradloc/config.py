@@ -84,16 +84,18 @@ UPDATE_RATIO_MODES = ("lean", "full", "off")
 REMEDIES = ("drop_culprits", "skip_step")
 MIN_MEMORY_BUDGET = 64 * 2**20  # bytes: the persistent-memory floor for small models
 MEMORY_BUDGET_FRACTION = 0.02  # of the trainable parameters' bytes
+MEMORY_RESERVE = 16 * 2**20  # bytes of the budget kept for gradloc's other state (history, token buffers, agent)
 
 
 @dataclass(frozen=True)
 class WatchConfig:
     """What a monitor measures and where it sends it.
 
-    Memory: gradloc's persistent device memory stays within ``memory_budget_bytes`` (default
+    Memory: gradloc's persistent memory stays within ``memory_budget_bytes`` (default
     max(2% of the trainable parameters' bytes, 64 MiB)). The update-to-weight ratios need a copy of
     the parameters from before ``optimizer.step()``: ``update_ratio="lean"`` (default) copies a
-    rotating window of them that fits the budget, so every layer gets a ratio at least every
+    rotating window of them that fits the budget less gradloc's other persistent tensors and a
+    16 MiB reserve for its other state, so every layer gets a ratio at least every
     ⌈parameter bytes / window⌉ steps; ``"full"`` copies all of them every step (1× parameter bytes);
     ``"off"`` measures none. ``True``/``False`` mean ``"lean"``/``"off"``.
 

@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine: a virtual environment in .venv with gradloc and the test
-# tools, torch pinned to the local CPU build through constraints.txt. Safe to re-run.
+# One-time set-up on a fresh machine: a virtual environment in .venv with gradloc, its extras and the
+# test tools, torch pinned to the local CPU build through constraints.txt. Safe to re-run: each part
+# checks what is already there and does nothing when it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Prometheus 2.42 (Debian bookworm) for the integration tests and for scraping the daemon locally.
-# Only the binaries are used; the package's service is never started (tests run their own).
-if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+# Debian packages the integration tests use. Only the binaries are used; no service is started.
+#   prometheus: Prometheus 2.42 and promtool (real scrapes, rule checks)
+apt_packages=()
+command -v prometheus >/dev/null && command -v promtool >/dev/null || apt_packages+=(prometheus)
+if [ ${#apt_packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
   if [ "$SUDO" != none ] && command -v apt-get >/dev/null; then
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
   else
-    echo "setup: prometheus/promtool missing and no root/apt-get; the Prometheus tests will fail" >&2
+    echo "setup: ${apt_packages[*]} missing and no root/apt-get; the tests that need them will fail" >&2
   fi
 fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.gradloc-setup
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test]"
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test,hf,bench,bench-peers]"
+# backpack-for-pytorch (bench-peers) requires torchvision, but uses it only in an examples module.
+# PyPI's torchvision build does not load against the CPU torch served here ("operator
+# torchvision::nms does not exist"), and transformers then fails to import any model: remove it
+# when it cannot be imported.
+if .venv/bin/python -m pip show -q torchvision 2>/dev/null && ! .venv/bin/python -c "import torchvision" 2>/dev/null; then
+  .venv/bin/python -m pip uninstall --quiet -y torchvision
+fi
 echo "$want" > "$stamp"

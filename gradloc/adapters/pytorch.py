@@ -31,7 +31,7 @@ from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.collector.update_ratio import UpdateRatioTracker, Window
-from gradloc.config import MEMORY_BUDGET_FRACTION, MIN_MEMORY_BUDGET, WatchConfig
+from gradloc.config import MEMORY_BUDGET_FRACTION, MEMORY_RESERVE, MIN_MEMORY_BUDGET, WatchConfig
 from gradloc.detector import INCIDENT, SpikeDetector
 from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
 from gradloc.localizer import Localizer, ProbeFn
@@ -90,7 +90,7 @@ class Monitor:
 
     def _window_bytes(self) -> int | None:
         """Bytes of the update-ratio window: None (everything) for "full", else the memory budget
-        less gradloc's other persistent device tensors."""
+        less gradloc's other persistent device tensors and a reserve for its other state."""
         mode = self.config.update_ratio
         if mode == "full":
             return None
@@ -99,8 +99,9 @@ class Monitor:
         budget = self.config.memory_budget_bytes
         if budget is None:
             budget = max(int(MEMORY_BUDGET_FRACTION * self.layer_stats.param_bytes()), MIN_MEMORY_BUDGET)
+        reserve = min(MEMORY_RESERVE, budget // 4)
         n_params = len(self.layer_stats.params)
-        return max(budget - self.layer_stats.persistent_bytes() - 64 * n_params, 0)  # 64: alignment per piece
+        return max(budget - reserve - self.layer_stats.persistent_bytes() - 64 * n_params, 0)  # 64: alignment per piece
 
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> "Monitor":

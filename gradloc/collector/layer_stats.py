@@ -48,7 +48,7 @@ def foreach_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor
 
 def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor max |x| as float32 (P,). ``aminmax`` reads each tensor once without an |x| copy; the
-    ∞-norm kernel was ~18× slower on CPU (bench/overhead.py --profile)."""
+    ∞-norm kernel was ~18× slower on CPU (python -m bench overhead --profile)."""
     out = []
     for t in tensors:
         if t.numel() == 0:

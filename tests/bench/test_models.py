@@ -5,8 +5,6 @@ import pytest
 import torch
 
 from bench.models import FULL, QUICK, build_model, logits, param_bytes
-from bench.variants import update_ratio_mode
-from gradloc import WatchConfig
 from tests.helpers import single_thread  # noqa: F401 (autouse fixture)
 
 
@@ -29,12 +27,3 @@ def test_quick_llama_builds_tied_gqa_rotary_and_gives_logits():
     assert param_bytes(model) == 4 * sum(p.numel() for p in model.parameters())
     again = build_model(cfg, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))  # seeded
-
-
-def test_update_ratio_mode_maps_to_this_checkouts_config():
-    # TODO(lead): drop with update_ratio_mode once update_ratio strings land
-    strings = isinstance(WatchConfig().update_ratio, str)
-    for mode in ("lean", "full", "off"):
-        value = update_ratio_mode(mode)
-        WatchConfig(update_ratio=value)  # accepted by the config on this checkout
-        assert value == mode if strings else value is (mode != "off")
