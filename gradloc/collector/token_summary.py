@@ -30,7 +30,7 @@ class StepScores:
     def offsets(self) -> tuple[int, ...]:
         out = [0]
         for m in self.metas:
-            out.append(out[-1] + m.batch * m.seq)
+            out.append(out[-1] + m.n_tokens)
         return tuple(out)
 
 
@@ -42,7 +42,7 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
     called: set[str] = set()
     scored: set[str] = set()
     for meta, buf in parts:
-        n = meta.batch * meta.seq
+        n = meta.n_tokens
         zeros = torch.zeros(n, device=device)
         if buf is not None and buf.scores is not None:
             tot, ex, per = buf.rows()
@@ -79,7 +79,7 @@ def summary_pack(s: StepScores, k: int) -> torch.Tensor:
     offs = s.offsets
     mb_sums = torch.stack([s.totals[a:b].sum() for a, b in zip(offs, offs[1:])])
     ids = torch.cat([m.token_ids.reshape(-1).to(masked.device) if m.token_ids is not None  # (B, T) -> (B·T,)
-                     else torch.full((m.batch * m.seq,), -1, device=masked.device) for m in s.metas])
+                     else torch.full((m.n_tokens,), -1, device=masked.device) for m in s.metas])
     breakdown = [s.per_layer[:, idx].flatten()] if s.per_layer is not None else []  # (L, k) -> (L·k,)
     parts = [mb_sums, vals, idx.to(vals.dtype), ids[idx].to(vals.dtype), *breakdown, s.totals.sum()[None]]
     return torch.cat([p.double() for p in parts])
@@ -106,12 +106,12 @@ def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str
             continue
         m = int(np.searchsorted(offs, idx[j], side="right")) - 1
         meta, local = s.metas[m], int(idx[j] - offs[m])
-        b, t = divmod(local, meta.seq)
+        b, t = meta.locate(local)
         col = breakdown[:, j]
         lshares = tuple(LayerShare(layers[i], float(col[i] / vals[j])) for i in np.argsort(-col)[:5] if col[i] > 0)
         top.append(TokenScore(meta.index, b, t, float(vals[j]), float(vals[j] / total) if total > 0 else 0.0,
                               int(tok_ids[j]) if tok_ids[j] >= 0 else None,
-                              meta.sample_ids[b] if meta.sample_ids else None, lshares))
+                              meta.sample_id(b), lshares))
     mb_shares = tuple(float(x / total) if total > 0 else 0.0 for x in mb)
     return TokenStats(int(s.totals.numel()), total, tuple(top), top[0].share if top else 0.0,
                       mb_shares, unattributed_share, s.dropped_calls)

@@ -44,12 +44,15 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, D = x.shape
         H = self.cfg.n_heads
         q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)  # (B, T, 3D) -> 3 × (B, T, D)
         q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D/H)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if attn_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         y = y.transpose(1, 2).reshape(B, T, D)  # (B, H, T, D/H) -> (B, T, D)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
@@ -65,12 +68,22 @@ class TinyGPT(nn.Module):
         self.ln_f = _norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V). With ``cu_seqlens`` (S + 1 offsets), ``idx`` is one packed row (1, N) of
+        S sequences: positions restart at each sequence and attention stays inside it."""
         B, T = idx.shape
-        pos = torch.arange(T, device=idx.device).expand(B, T)  # (T,) -> (B, T): per-token positions
+        mask = None
+        if cu_seqlens is None:
+            pos = torch.arange(T, device=idx.device).expand(B, T)  # (T,) -> (B, T): per-token positions
+        else:
+            lengths = torch.diff(cu_seqlens)  # (S,)
+            seg = torch.repeat_interleave(torch.arange(len(lengths), device=idx.device), lengths)  # (N,)
+            pos = (torch.arange(T, device=idx.device) - cu_seqlens[seg])[None]  # (N,) -> (1, N)
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            mask = causal & (seg[:, None] == seg[None, :])  # (N, N): block-diagonal causal
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.ln_f(x))  # (B, T, V)
 
 

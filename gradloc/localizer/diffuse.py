@@ -34,7 +34,7 @@ def sample_shares(view: TokenView, measure: Callable[[int, np.ndarray], float] |
             probes_left -= 1
         share = score / total if math.isfinite(total) and total > 0 else math.nan
         out.append(SampleShare(meta.index, b, share, measured,
-                               meta.sample_ids[b] if meta.sample_ids else None, n_loss))
+                               meta.sample_id(b), n_loss))
     return tuple(out)
 
 

@@ -250,7 +250,7 @@ class Localizer:
 
 
 def _n_samples(view: TokenView) -> int:
-    return sum(m.batch for m in view.metas)
+    return sum(m.n_samples for m in view.metas)
 
 
 def _loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float | None]:

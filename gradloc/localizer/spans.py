@@ -42,12 +42,12 @@ def build_culprits(view: TokenView, flats: Sequence[int], shares: Sequence[float
     for flat, share in zip(flats, shares):
         m, b, t = view.locate(int(flat))
         meta = view.metas[m]
-        tok = int(meta.token_ids[b, t]) if meta.token_ids is not None else None
+        tok = int(meta.token_ids.reshape(-1)[meta.flat(b, t)]) if meta.token_ids is not None else None  # (B, T) -> (B·T,)
         score_share = float(view.scores[flat]) / total if np.isfinite(total) and total > 0 else float("nan")
         out.append(Culprit(
             micro_batch=meta.index, sample=b, position=t, share=float(share), score_share=score_share,
             token_id=tok, text=safe_decode(decode, [tok]) if tok is not None else None,
-            sample_id=meta.sample_ids[b] if meta.sample_ids else None, layers=_layer_shares(view, int(flat)),
+            sample_id=meta.sample_id(b), layers=_layer_shares(view, int(flat)),
         ))
     return tuple(sorted(out, key=lambda c: -c.share if np.isfinite(c.share) else 0.0))
 
@@ -73,11 +73,11 @@ def build_spans(view: TokenView, culprits: Sequence[Culprit], decode: Decode | N
 
 def _span(meta, b: int, run: list[Culprit], decode: Decode | None, context: int) -> CulpritSpan:
     start, end = run[0].position, run[-1].position + 1
-    ids: list[int] = [] if meta.token_ids is None else [int(x) for x in meta.token_ids[b].tolist()]
+    ids = meta.sample_tokens(b)  # this sample's tokens only: context never crosses into a packed neighbour
     return CulpritSpan(
         micro_batch=meta.index, sample=b, start=start, end=end, share=sum(c.share for c in run),
         token_ids=tuple(ids[start:end]), text=safe_decode(decode, ids[start:end]) if ids else None,
         context_before=safe_decode(decode, ids[max(0, start - context):start]) if ids else None,
         context_after=safe_decode(decode, ids[end:end + context]) if ids else None,
-        sample_id=meta.sample_ids[b] if meta.sample_ids else None,
+        sample_id=meta.sample_id(b),
     )

@@ -31,11 +31,9 @@ class TokenView:
         return self.scores
 
     def locate(self, flat: int) -> tuple[int, int, int]:
-        """Flat index -> (micro-batch position in ``metas``, sample, position)."""
+        """Flat index -> (micro-batch position in ``metas``, sample, position within the sample)."""
         m = int(np.searchsorted(self.offsets, flat, side="right")) - 1
-        local = flat - self.offsets[m]
-        T = self.metas[m].seq
-        return m, local // T, local % T
+        return (m, *self.metas[m].locate(flat - self.offsets[m]))
 
     def micro_batch_shares(self) -> tuple[float, ...]:
         total = float(self.scores.sum())
@@ -46,7 +44,7 @@ class TokenView:
     def mask_for(self, m: int, flats: np.ndarray) -> "np.ndarray":
         """(B, T) bool mask selecting ``flats`` (flat indices inside micro-batch m)."""
         meta = self.metas[m]
-        mask = np.zeros(meta.batch * meta.seq, dtype=bool)
+        mask = np.zeros(meta.n_tokens, dtype=bool)
         mask[np.asarray(flats) - self.offsets[m]] = True
         return mask.reshape(meta.batch, meta.seq)  # (B·T,) -> (B, T)
 
@@ -54,14 +52,14 @@ class TokenView:
         """(micro-batch position, sample, Σ score over the sample's positions, loss tokens), best first."""
         out = []
         for m, meta in enumerate(self.metas):
-            a, b = self.offsets[m], self.offsets[m + 1]
-            scores = self.scores[a:b].reshape(meta.batch, meta.seq).sum(axis=1)  # (B·T,) -> (B, T) -> (B,)
-            eligible = self.eligible[a:b].reshape(meta.batch, meta.seq).sum(axis=1)  # (B·T,) -> (B,)
-            out += [(m, s, float(scores[s]), int(eligible[s])) for s in range(meta.batch)]
+            base = self.offsets[m]
+            for s in range(meta.n_samples):
+                a, b = meta.bounds(s)
+                out.append((m, s, float(self.scores[base + a:base + b].sum()), int(self.eligible[base + a:base + b].sum())))
         return sorted(out, key=lambda r: -r[2] if np.isfinite(r[2]) else 0.0)
 
     def sample_flats(self, m: int, sample: int) -> np.ndarray:
         """Flat indices of the loss positions of one sample of micro-batch position m."""
-        T = self.metas[m].seq
-        a = self.offsets[m] + sample * T
-        return np.flatnonzero(self.eligible[a:a + T]) + a
+        a, b = self.metas[m].bounds(sample)
+        base = self.offsets[m]
+        return np.flatnonzero(self.eligible[base + a:base + b]) + base + a
