@@ -48,6 +48,34 @@ BISECTION_POLICIES = ("off", "fallback", "on_failure")
 
 
 @dataclass(frozen=True)
+class ClassifierConfig:
+    """Thresholds of the spike classes (docs/rl.md, "Classification").
+
+    A culprit token is a *training–inference mismatch* when |log π_old − log π_rollout| (the same
+    weights scored by the trainer and by the inference engine; π_train when no old policy is given)
+    ≥ ``mismatch_log_ratio`` at the token, or on average over its sequence (the geometric-mean
+    ratio); *stale off-policy* when |log π_train − log π_old| ≥ ``stale_log_ratio``; a
+    *low-probability token with a large advantage* when π_train ≤ ``low_prob``, |A| ≥
+    ``advantage_z`` × the step's RMS advantage, and its ratio was not clipped (by the loss's own
+    flag, else |ratio − 1| ≤ ``clip_epsilon``). A spike is *layer-concentrated* when one layer
+    carries ≥ ``layer_share`` of ‖∇‖² and its own z-score flagged it.
+    """
+
+    mismatch_log_ratio: float = math.log(2.0)  # a ratio outside [1/2, 2], as truncated importance sampling uses
+    stale_log_ratio: float = math.log(2.0)
+    low_prob: float = 0.05
+    advantage_z: float = 2.0
+    clip_epsilon: float = 0.2
+    layer_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("mismatch_log_ratio", "stale_log_ratio", "advantage_z", "clip_epsilon"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _check(0 < self.low_prob < 1, f"low_prob must be in (0, 1), got {self.low_prob}")
+        _check(0 < self.layer_share <= 1, f"layer_share must be in (0, 1], got {self.layer_share}")
+
+
+@dataclass(frozen=True)
 class LocalizerConfig:
     """One-pass attribution, verified with at most ``max_probes`` masked-loss probes.
 
@@ -67,8 +95,10 @@ class LocalizerConfig:
     bisection_budget: int = 48
     bisection_sigma: float = 4.0  # a token subset is hot above sigma × the healthy-noise level
     context_tokens: int = 8
+    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.classifier, ClassifierConfig), "classifier must be a ClassifierConfig")
         _check(self.max_probes >= 1, f"max_probes must be >= 1, got {self.max_probes}")
         _check(0 < self.min_explained_share <= 1, "min_explained_share must be in (0, 1]")
         _check(self.max_candidates >= 1, "max_candidates must be >= 1")

@@ -12,6 +12,11 @@ from typing import Any
 
 INCIDENT_SCHEMA_VERSION = 1
 SHED_FEATURES = ("update_ratio", "layer_breakdown")  # StepRecord.shed values, in shedding order
+# Bucket bounds of RLStats' histograms (a value v falls in the first bucket whose bound is >= v; the
+# last count is above the last bound). Log ratios are symmetric around 0, advantages in their own units.
+RL_LOG_RATIO_BUCKETS = (-4.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.02, -0.01, 0.0,
+                        0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
+RL_ADVANTAGE_BUCKETS = (-10.0, -5.0, -3.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
 
 
 def to_dict(record: Any) -> dict[str, Any]:
@@ -80,6 +85,27 @@ class TokenStats:
 
 
 @dataclass(frozen=True)
+class RLStats:
+    """Distributions of one step's per-token RL fields over its loss tokens (trainer side, summed
+    over micro-batches). Histogram counts are per bucket of ``gradloc.exporters.metric_specs``'
+    ``RL_LOG_RATIO_BUCKETS`` / ``RL_ADVANTAGE_BUCKETS`` (the last count is above the last bound).
+    Fields the trainer did not give are None (or empty counts)."""
+
+    tokens: int  # loss tokens with RL fields
+    # training–inference mismatch: log π_old − log π_rollout (log π_train − log π_rollout without an old policy)
+    log_ratio_counts: tuple[int, ...] = ()
+    log_ratio_sum: float | None = None
+    max_abs_log_ratio: float | None = None
+    mismatch_fraction: float | None = None  # tokens whose |mismatch log ratio| is above the threshold
+    max_abs_log_ratio_old: float | None = None  # log π_train − log π_old (staleness)
+    clip_fraction: float | None = None  # tokens whose importance ratio the loss clipped
+    advantage_counts: tuple[int, ...] = ()
+    advantage_rms: float | None = None
+    max_abs_advantage: float | None = None
+    entropy_mean: float | None = None
+
+
+@dataclass(frozen=True)
 class StepRecord:
     job: str
     rank: int
@@ -100,6 +126,7 @@ class StepRecord:
     step_s: float | None = None
     overhead: float | None = None
     shed: tuple[str, ...] = ()  # optional work shed to stay within WatchConfig.max_overhead
+    rl: RLStats | None = None  # per-token RL fields' distributions (Monitor.rl_fields), when given
 
 
 @dataclass(frozen=True)
@@ -128,6 +155,53 @@ class SpikeEvent:
 
 
 @dataclass(frozen=True)
+class TokenRL:
+    """One token's RL fields as the loss saw them (None where the trainer did not give one)."""
+
+    logp: float | None = None  # log π_train(token): the policy being trained, this forward
+    rollout_logp: float | None = None  # log π_rollout(token): the inference engine that sampled it
+    old_logp: float | None = None  # log π_old(token): the policy the ratio is taken against
+    advantage: float | None = None
+    ratio: float | None = None  # the importance ratio the loss used
+    clipped: bool | None = None  # whether the loss clipped that ratio
+    entropy: float | None = None
+    sequence_log_ratio: float | None = None  # mean of the mismatch log ratio over the sequence's loss tokens
+
+    @property
+    def log_ratio(self) -> float | None:
+        """Training–inference mismatch: the trainer's log-prob of the policy that sampled the token
+        (``old_logp`` when given, else ``logp``: on-policy they are the same weights) minus the
+        inference engine's, ``rollout_logp``. Both score the same weights, so any gap is the two
+        engines disagreeing — not the policy having moved (that is ``log_ratio_old``)."""
+        trainer = self.old_logp if self.old_logp is not None else self.logp
+        return None if trainer is None or self.rollout_logp is None else trainer - self.rollout_logp
+
+    @property
+    def log_ratio_old(self) -> float | None:
+        """log π_train − log π_old (staleness)."""
+        return None if self.logp is None or self.old_logp is None else self.logp - self.old_logp
+
+
+@dataclass(frozen=True)
+class Evidence:
+    name: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Classification:
+    """What kind of spike (or culprit) this is, with the numbers that decided it.
+
+    ``kind``: ``train_inference_mismatch``, ``low_prob_high_advantage``, ``stale_off_policy``,
+    ``layer_concentrated``, ``diffuse``, or ``unclassified`` (criteria in docs/rl.md).
+    """
+
+    kind: str
+    reason: str
+    evidence: tuple[Evidence, ...] = ()
+
+
+@dataclass(frozen=True)
 class Culprit:
     """One culprit token with its share of the step's gradient norm²."""
 
@@ -140,6 +214,8 @@ class Culprit:
     text: str | None = None
     sample_id: str | None = None
     layers: tuple[LayerShare, ...] = ()
+    rl: TokenRL | None = None
+    classification: Classification | None = None
 
 
 @dataclass(frozen=True)
@@ -232,3 +308,4 @@ class Incident:
     schema_version: int = INCIDENT_SCHEMA_VERSION
     top_layers: tuple[LayerStats, ...] = field(default=())  # largest layer norms at the spike
     remedy: Remedy | None = None
+    classification: Classification | None = None

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gradloc.adapters.spike import SpikeInputs, SpikePath, scaler_state
+from gradloc.collector import rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
 from gradloc.collector.layer_stats import LayerStatsCollector, module_layer_map
 from gradloc.collector.overhead import OverheadMeter
@@ -83,6 +84,8 @@ class Monitor:
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
         self._parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]] = []
+        self._open: MicroBatchMeta | None = None  # the micro-batch block being run
+        self._rl: dict[int, rl_fields.RLTensors] = {}  # micro-batch index -> its RL fields
         self._pending: Assembled | None = None
         self._update: tuple[int, Window, torch.Tensor] | None = None  # (record step, window, device sums)
         self._opt_handles: list[Any] = []
@@ -163,17 +166,40 @@ class Monitor:
             breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
             self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown)
         self.meter.end(t0)
+        self._open = meta
         try:
             yield meta
         except BaseException:
             if self.hooks:
                 self.hooks.end()
+            self._open = None
+            self._rl.pop(meta.index, None)
             self.counters["failed_micro_batches"] += 1  # e.g. an OOM the user retries: not part of the step
             raise
+        self._open = None
         buf = self.hooks.end() if self.hooks else None
         self._parts.append((meta, buf))
         if buf is not None:
             self._check_wiring(buf)
+
+    def rl_fields(self, **fields: torch.Tensor | None) -> None:
+        """Per-token RL fields of the current micro-batch, from tensors the loss already has; call
+        inside its ``micro_batch`` block. Each is (B, T) like the block's token ids: ``logp``
+        (log π_train of the sampled tokens), ``rollout_logp`` (the inference engine's), ``old_logp``,
+        ``advantages`` (also (B,) or, packed, one per sequence), ``ratio``, ``clipped`` (bool),
+        ``entropy``. They stay on the device; the step exports their distributions and every
+        culprit carries its own values. A wrong field raises ``BatchMetadataError`` on the first
+        step (setup) and is counted and dropped after that."""
+        meta = self._open
+        if meta is None:
+            raise BatchMetadataError("rl_fields() must be called inside a mon.micro_batch(...) block")
+        try:
+            self._rl[meta.index] = rl_fields.make_rl(meta, fields)
+        except BatchMetadataError:
+            if self._ended == 0:
+                raise
+            self.counters["dropped_rl_fields"] += 1
+            log.warning("gradloc: RL fields of micro-batch %d dropped", meta.index, exc_info=True)
 
     def _check_wiring(self, buf: MicroBatchScores) -> None:
         if buf.dropped_calls == 0 or buf.matched_calls > 0:
@@ -205,9 +231,10 @@ class Monitor:
         upd = self._update if self._update and self._pending and self._update[0] == self._pending.record.step else None
         self._update = None
         unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
+        rl, rl_pack = self._rl_step([m for m, _ in parts], scores)
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
-                       upd[2] if upd else None, unscored)
+                       upd[2] if upd else None, unscored, rl_pack)
         assembled = assemble(self.layer_stats, x)
         self.meter.end(t0)
         own, step_s, ratio = self.meter.finish_step()
@@ -222,7 +249,7 @@ class Monitor:
         if INCIDENT.intersection(spike.kinds):
             t2 = time.perf_counter()
             incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
-                                                        scale is not None))
+                                                        scale is not None, rl))
             self.meter.exclude(time.perf_counter() - t2)
             self.incidents.append(incident)
             for sink in self.sinks:
@@ -230,6 +257,23 @@ class Monitor:
         self.step += 1
         self._ended += 1
         return StepReport(record, spike, incident)
+
+    def _rl_step(self, metas: list[MicroBatchMeta], scores: StepScores | None
+                 ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+        """The step's RL fields over its positions (device) and their distributions pack."""
+        given_rl, self._rl = self._rl, {}
+        if not given_rl or not metas:
+            return None, None
+        dev = self.layer_stats.device
+        fields = rl_fields.stack(metas, given_rl, dev)
+        if scores is not None:
+            eligible = scores.eligible
+        else:
+            eligible = torch.cat([torch.ones(m.n_tokens, dtype=torch.bool, device=dev) if m.loss_mask is None
+                                  else m.loss_mask.reshape(-1).to(dev) for m in metas])  # (B, T) -> (B·T,)
+        given = {f for r in given_rl.values() for f in rl_fields.FIELDS if getattr(r, f) is not None}
+        fields["eligible"] = eligible
+        return fields, rl_fields.rl_pack(fields, eligible, given)
 
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
         if not parts or self.hooks is None:

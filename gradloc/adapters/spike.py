@@ -18,6 +18,7 @@ from gradloc.collector.token_summary import StepScores
 from gradloc.config import WatchConfig
 from gradloc.detector import LOCALIZE
 from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
+from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.remedy import apply_remedy
 from gradloc.records import Incident, Localization, SpikeEvent, StepRecord
@@ -34,6 +35,7 @@ class SpikeInputs:
     scale: float  # GradScaler scale the stored gradients were produced with (1.0 without one)
     unscaled: bool  # the stored gradients are already unscaled
     has_scaler: bool
+    rl: dict[str, torch.Tensor] | None = None  # the step's RL fields over its positions (device), if given
 
 
 class SpikePath:
@@ -48,6 +50,13 @@ class SpikePath:
         if LOCALIZE.intersection(x.spike.kinds):
             result = self._localize(x)
         loc = result.localization if result is not None else None
+        classification = None
+        if loc is not None:
+            try:
+                loc, classification = classify(loc, x.record, x.spike, self.cfg.localizer.classifier)
+            except Exception:  # never raise into the training loop
+                self.counters["classify_errors"] += 1
+                log.warning("gradloc: classifying step %d failed", x.record.step, exc_info=True)
         remedy = None
         if self.cfg.remedy is not None:
             grad_scale = 1.0 if x.unscaled else x.scale
@@ -57,13 +66,13 @@ class SpikePath:
         rec = x.record
         top = tuple(sorted(rec.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:5])
         return Incident(uuid.uuid4().hex, rec.job, rec.rank, rec.step, rec.time_unix, x.spike, loc,
-                        top_layers=top, remedy=remedy)
+                        top_layers=top, remedy=remedy, classification=classification)
 
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
         rec = x.record
         try:
             view = token_view(x.scores, self.token_layers, x.scale,
-                              rec.tokens.unattributed_share if rec.tokens else 1.0)
+                              rec.tokens.unattributed_share if rec.tokens else 1.0, x.rl)
             stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale,
                                     rec.global_norm)
             opener = None
@@ -84,8 +93,9 @@ class SpikePath:
 
 
 def token_view(scores: StepScores | None, layers: Sequence[str], scale: float,
-               unattributed: float) -> TokenView | None:
-    """Host copy of a step's per-token scores, unscaled (fetched only when a spike is localized)."""
+               unattributed: float, rl: dict[str, torch.Tensor] | None = None) -> TokenView | None:
+    """Host copy of a step's per-token scores, unscaled, and of its RL fields (fetched only when a
+    spike is localized)."""
     if scores is None:
         return None
     k = 1.0 / scale**2
@@ -93,8 +103,9 @@ def token_view(scores: StepScores | None, layers: Sequence[str], scale: float,
     def host(t: torch.Tensor | None):
         return None if t is None else t.double().cpu().numpy() * k
 
+    rl_host = None if rl is None else {name: t.cpu().numpy() for name, t in rl.items() if name != "eligible"}
     return TokenView(tuple(layers), scores.metas, scores.offsets, host(scores.totals), host(scores.per_layer),
-                     scores.eligible.cpu().numpy(), unattributed, scores.exact_layer, host(scores.exact))
+                     scores.eligible.cpu().numpy(), unattributed, scores.exact_layer, host(scores.exact), rl_host)
 
 
 def scaler_state(scaler: object, optimizer: object) -> tuple[torch.Tensor | None, bool]:

@@ -1,7 +1,7 @@
 """Assemble one optimizer step's measurements into a :class:`StepRecord` with one host transfer.
 
 Packed layout (float64): ``[layer pack (4L) | uncovered_sq | scale | loss? | token summary? |
-previous step's update sums (2L)?]``.
+RL pack? | previous step's update sums (2L)?]``.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from gradloc.collector.layer_stats import LayerStatsCollector
+from gradloc.collector.rl_fields import PACK_LENGTH as RL_PACK_LENGTH
+from gradloc.collector.rl_fields import unpack_rl
 from gradloc.collector.token_summary import StepScores, summary_length, summary_pack, unpack_summary
 from gradloc.records import StepRecord
 
@@ -32,6 +34,7 @@ class StepInputs:
     top_k: int
     previous_update: torch.Tensor | None  # (2L,) [Σ‖Δθ‖² | Σ‖θ‖²] of the previous step's window, on the device
     unattributed: tuple[int, ...] = ()  # covered parameters whose module went unscored this step
+    rl: torch.Tensor | None = None  # the step's RL distributions pack (collector.rl_fields.rl_pack)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
         parts.append(loss_t.detach().reshape(1))
     if x.scores is not None:
         parts.append(summary_pack(x.scores, x.top_k))
+    if x.rl is not None:
+        parts.append(x.rl)
     if x.previous_update is not None:
         parts.append(x.previous_update)
     host = torch.cat([p.to(dev, torch.float64).flatten() for p in parts]).cpu().numpy()  # one transfer
@@ -79,13 +84,17 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
         share = uncovered_sq / total_sq if finite and total_sq > 0 else 0.0
         tokens = unpack_summary(host[pos:pos + n], x.scores, x.top_k, x.token_layers, 1.0 / scale**2, share)
         pos += n
+    rl = None
+    if x.rl is not None:
+        rl = unpack_rl(host[pos:pos + RL_PACK_LENGTH])
+        pos += RL_PACK_LENGTH
     record = StepRecord(
         job=x.job, rank=x.rank, step=x.step, time_unix=time.time(),
         global_norm=math.sqrt(total_sq) if finite else float("nan"), loss=loss,
         micro_batches=x.micro_batches, layers=layers.unpack(pack, nonfinite), tokens=tokens,
         nonfinite=sum(nonfinite) if nonfinite else 0,
         grad_scale=scale if x.scale is not None else None,
-        skipped=x.scale is not None and not finite,
+        skipped=x.scale is not None and not finite, rl=rl,
     )
     previous = host[pos:pos + 2 * L].copy() if x.previous_update is not None else None
     return Assembled(record, previous, scale)

@@ -83,7 +83,7 @@ class TinyGPT(nn.Module):
             mask = causal & (seg[:, None] == seg[None, :])  # (N, N): block-diagonal causal
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x) if mask is None else block(x, mask)
         return self.head(self.ln_f(x))  # (B, T, V)
 
 

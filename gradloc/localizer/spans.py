@@ -47,7 +47,7 @@ def build_culprits(view: TokenView, flats: Sequence[int], shares: Sequence[float
         out.append(Culprit(
             micro_batch=meta.index, sample=b, position=t, share=float(share), score_share=score_share,
             token_id=tok, text=safe_decode(decode, [tok]) if tok is not None else None,
-            sample_id=meta.sample_id(b), layers=_layer_shares(view, int(flat)),
+            sample_id=meta.sample_id(b), layers=_layer_shares(view, int(flat)), rl=view.token_rl(int(flat)),
         ))
     return tuple(sorted(out, key=lambda c: -c.share if np.isfinite(c.share) else 0.0))
 

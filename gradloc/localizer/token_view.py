@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradloc.collector.batch import MicroBatchMeta
+from gradloc.records import TokenRL
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class TokenView:
     unattributed_share: float
     exact_layer: int | None = None  # layer whose per-position score comes from that position's loss only
     exact_scores: np.ndarray | None = None  # (N,) that layer's scores (also without the breakdown)
+    rl: dict[str, np.ndarray] | None = None  # (N,) per RL field (collector.rl_fields.FIELDS, "has"); NaN where not given
 
     @property
     def rank_scores(self) -> np.ndarray:
@@ -47,6 +49,27 @@ class TokenView:
         mask = np.zeros(meta.n_tokens, dtype=bool)
         mask[np.asarray(flats) - self.offsets[m]] = True
         return mask.reshape(meta.batch, meta.seq)  # (B·T,) -> (B, T)
+
+    def token_rl(self, flat: int) -> TokenRL | None:
+        """One position's RL fields, with its sequence's mean mismatch log ratio (TokenRL.log_ratio)."""
+        if self.rl is None or not self.rl["has"][flat]:
+            return None
+        r = self.rl
+
+        def val(name: str) -> float | None:
+            v = float(r[name][flat])
+            return v if np.isfinite(v) else None
+
+        m, sample, _ = self.locate(flat)
+        a, b = self.metas[m].bounds(sample)
+        base = self.offsets[m]
+        seq = slice(base + a, base + b)
+        trainer = np.where(np.isfinite(r["old_logp"][seq]), r["old_logp"][seq], r["logp"][seq])
+        lr = (trainer - r["rollout_logp"][seq])[self.eligible[seq]]
+        lr = lr[np.isfinite(lr)]
+        return TokenRL(val("logp"), val("rollout_logp"), val("old_logp"), val("advantages"), val("ratio"),
+                       bool(r["clipped"][flat]) if val("logp") is not None or r["clipped"].any() else None,
+                       val("entropy"), float(lr.mean()) if lr.size else None)
 
     def sample_totals(self) -> list[tuple[int, int, float, int]]:
         """(micro-batch position, sample, Σ score over the sample's positions, loss tokens), best first."""

@@ -1,0 +1,164 @@
+"""Per-token RL fields of a micro-batch, and their per-step distributions.
+
+The trainer hands over tensors its loss already has (``Monitor.rl_fields`` inside the micro-batch
+block): log π_train of the sampled tokens, log π_rollout (the inference engine's), log π_old,
+advantages, the importance ratio, the clipped flags, the entropy. They stay on the device. At
+``end_step`` they are reduced there to a fixed-size pack (histogram counts, maxima, fractions) that
+travels in the step's one host transfer; only a spike step copies the full per-token values to the
+host, to attach each culprit's own values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from gradloc.collector.batch import MicroBatchMeta
+from gradloc.errors import BatchMetadataError
+from gradloc.records import RL_ADVANTAGE_BUCKETS, RL_LOG_RATIO_BUCKETS, RLStats
+
+MISMATCH_LOG_RATIO = math.log(2.0)  # |log π_old − log π_rollout| above this counts as a mismatched token
+
+
+@dataclass(frozen=True)
+class RLTensors:
+    """One micro-batch's fields in its (B, T) layout (packed: (1, N)), detached copies on the device."""
+
+    logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    ratio: torch.Tensor | None = None
+    clipped: torch.Tensor | None = None  # bool
+    entropy: torch.Tensor | None = None
+
+
+FIELDS = tuple(f.name for f in fields(RLTensors))
+
+
+def make_rl(meta: MicroBatchMeta, given: Mapping[str, torch.Tensor | None]) -> RLTensors:
+    """Validate and copy one micro-batch's fields; raises :class:`BatchMetadataError`.
+
+    Every field is (B, T) like the micro-batch; ``advantages`` may also be one per sample: (B,) for
+    a padded micro-batch, (S,) per sequence of a packed one.
+    """
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise BatchMetadataError(f"unknown RL field(s) {unknown}; known: {list(FIELDS)}")
+    shape = (meta.batch, meta.seq)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in given.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise BatchMetadataError(f"RL field {name} must be a tensor, got {type(t).__name__}")
+        t = t.detach()
+        if name == "advantages" and t.dim() == 1 and t.shape[0] == meta.n_samples:
+            t = _per_sample(meta, t)
+        if tuple(t.shape) != shape:
+            want = f"{shape}" + (f" or ({meta.n_samples},) per sample" if name == "advantages" else "")
+            raise BatchMetadataError(f"RL field {name} has shape {tuple(t.shape)}, the micro-batch needs {want}")
+        out[name] = t.to(torch.bool).clone() if name == "clipped" else t.to(torch.float32).clone()
+    return RLTensors(**out)
+
+
+def _per_sample(meta: MicroBatchMeta, adv: torch.Tensor) -> torch.Tensor:
+    """(samples,) -> (B, T): each sample's advantage on all of its positions."""
+    if not meta.packed:
+        return adv[:, None].expand(meta.batch, meta.seq)  # (B,) -> (B, T)
+    lengths = torch.tensor([b - a for a, b in (meta.bounds(s) for s in range(meta.n_samples))], device=adv.device)
+    return torch.repeat_interleave(adv, lengths)[None]  # (S,) -> (N,) -> (1, N)
+
+
+# -- the per-step pack ------------------------------------------------------------------------------
+_K1, _K2 = len(RL_LOG_RATIO_BUCKETS) + 1, len(RL_ADVANTAGE_BUCKETS) + 1
+_PRESENT = ("rollout_logp", "old_logp", "clipped", "advantages", "entropy")
+PACK_LENGTH = 1 + len(_PRESENT) + (_K1 + 3) + 1 + 1 + (_K2 + 2) + 1
+
+
+def stack(metas: Sequence[MicroBatchMeta], rl: Mapping[int, RLTensors], device: torch.device) -> dict[str, torch.Tensor]:
+    """Each field over the step's positions, (N,) in micro-batch order, NaN (clipped: False) where a
+    micro-batch did not give it; plus ``has`` (N,): positions of micro-batches with RL fields."""
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in (*FIELDS, "has")}
+    for meta in metas:
+        r = rl.get(meta.index)
+        n = meta.n_tokens
+        for name in FIELDS:
+            t = getattr(r, name) if r is not None else None
+            if t is None:
+                t = torch.zeros(n, dtype=torch.bool, device=device) if name == "clipped" else \
+                    torch.full((n,), math.nan, device=device)
+            out[name].append(t.reshape(n).to(device))  # (B, T) -> (B·T,)
+        out["has"].append(torch.full((n,), r is not None, dtype=torch.bool, device=device))
+    return {name: torch.cat(ts) for name, ts in out.items()}
+
+
+def rl_pack(fields_: Mapping[str, torch.Tensor], eligible: torch.Tensor, given: set[str]) -> torch.Tensor:
+    """The step's distributions as one float64 vector of PACK_LENGTH (see :func:`unpack_rl`), over
+    the loss positions of the micro-batches that gave RL fields. ``given``: the field names given."""
+    dev = eligible.device
+    on = eligible & fields_["has"]  # (N,)
+    n = on.sum()
+    needs = {"rollout_logp": {"logp", "old_logp"}, "old_logp": {"logp"}}  # each ratio needs one of these too
+    present = [float(f in given and (f not in needs or bool(needs[f] & given))) for f in _PRESENT]
+    parts = [n[None].double(), torch.tensor(present, dtype=torch.float64, device=dev)]
+    trainer = torch.where(torch.isfinite(fields_["old_logp"]), fields_["old_logp"], fields_["logp"])
+    lr = trainer - fields_["rollout_logp"]  # mismatch: the same policy scored by trainer and engine
+    parts += _hist(lr, on & torch.isfinite(lr), RL_LOG_RATIO_BUCKETS, with_sum=True)
+    parts.append(((lr.abs() > MISMATCH_LOG_RATIO) & on & torch.isfinite(lr)).sum()[None].double())
+    old = fields_["logp"] - fields_["old_logp"]
+    parts.append(_max_abs(old, on & torch.isfinite(old)))
+    parts.append((fields_["clipped"] & on).sum()[None].double())
+    adv = fields_["advantages"]
+    ok = on & torch.isfinite(adv)
+    parts += [*_hist(adv, ok, RL_ADVANTAGE_BUCKETS, with_sum=False),
+              torch.where(ok, adv, 0.0).double().pow(2).sum()[None], _max_abs(adv, ok)]
+    ent = fields_["entropy"]
+    parts.append(torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum()[None])
+    return torch.cat(parts)  # (PACK_LENGTH,)
+
+
+def _max_abs(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    return torch.where(ok, x.abs(), 0.0).double().amax()[None] if x.numel() else torch.zeros(1, dtype=torch.float64, device=x.device)
+
+
+def _hist(x: torch.Tensor, ok: torch.Tensor, bounds: tuple[float, ...], with_sum: bool) -> list[torch.Tensor]:
+    """[counts (K + 1)] + [Σx, max|x|] for the positions in ``ok``."""
+    b = torch.tensor(bounds, dtype=torch.float32, device=x.device)
+    idx = torch.bucketize(torch.where(ok, x, 0.0), b)  # (N,) bucket i: bounds[i-1] < x <= bounds[i]
+    counts = torch.zeros(len(bounds) + 1, dtype=torch.float64, device=x.device).index_add_(0, idx, ok.double())
+    if not with_sum:
+        return [counts]
+    return [counts, torch.where(ok, x, 0.0).double().sum()[None], _max_abs(x, ok)]
+
+
+def unpack_rl(host: np.ndarray) -> RLStats:
+    n = int(host[0])
+    present = dict(zip(_PRESENT, (bool(x) for x in host[1:1 + len(_PRESENT)])))
+    pos = 1 + len(_PRESENT)
+    lr_counts, lr_sum, lr_max, mismatch = host[pos:pos + _K1], host[pos + _K1], host[pos + _K1 + 1], host[pos + _K1 + 2]
+    pos += _K1 + 3
+    old_max, clipped = host[pos], host[pos + 1]
+    pos += 2
+    adv_counts, adv_sq, adv_max = host[pos:pos + _K2], host[pos + _K2], host[pos + _K2 + 1]
+    ent = host[pos + _K2 + 2]
+    has_lr, has_adv = present["rollout_logp"] and n > 0, present["advantages"] and n > 0
+
+    def frac(x: float, ok: bool) -> float | None:
+        return float(x) / n if ok and n > 0 else None
+
+    return RLStats(
+        tokens=n,
+        log_ratio_counts=tuple(int(c) for c in lr_counts) if has_lr else (),
+        log_ratio_sum=float(lr_sum) if has_lr else None, max_abs_log_ratio=float(lr_max) if has_lr else None,
+        mismatch_fraction=frac(mismatch, has_lr),
+        max_abs_log_ratio_old=float(old_max) if present["old_logp"] and n > 0 else None,
+        clip_fraction=frac(clipped, present["clipped"]),
+        advantage_counts=tuple(int(c) for c in adv_counts) if has_adv else (),
+        advantage_rms=math.sqrt(adv_sq / n) if has_adv else None,
+        max_abs_advantage=float(adv_max) if has_adv else None,
+        entropy_mean=frac(ent, present["entropy"]),
+    )
