@@ -2,10 +2,10 @@
 how its per-token logprobs compare with the trainer's (transformers, float32, same weights).
 
 No mocks: a real ``vllm.LLM`` in this process and the real ``RequestOutput`` objects it returns. These
-tests pin the facts the RL adapter is built on (see ``engine.py`` and the tier's notes in
-docs/DESIGN-NOTES.md): one ``RequestOutput`` per prompt with ``n`` ``CompletionOutput``s; per generated
-position a ``{token_id: Logprob}`` dict that always holds the sampled token; EOS kept in ``token_ids``
-when a completion stops on it; logprobs from the raw (temperature-free) distribution.
+tests pin the facts the RL adapter is built on (listed in tests/vllm/README.md): one ``RequestOutput``
+per prompt with ``n`` ``CompletionOutput``s; per generated position a ``{token_id: Logprob}`` dict that
+always holds the sampled token; EOS kept in ``token_ids`` when a completion stops on it; logprobs from
+the raw (temperature-free) distribution.
 """
 from __future__ import annotations
 
