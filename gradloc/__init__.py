@@ -22,6 +22,8 @@ _LAZY = {
     "StepRecord": "gradloc.records", "LayerStats": "gradloc.records", "TokenScore": "gradloc.records",
     "TokenStats": "gradloc.records", "SpikeEvent": "gradloc.records", "Culprit": "gradloc.records",
     "CulpritSpan": "gradloc.records", "Localization": "gradloc.records", "Incident": "gradloc.records",
+    "SampleInfo": "gradloc.records", "TokenRL": "gradloc.records", "Classification": "gradloc.records",
+    "RLStats": "gradloc.records", "SampleShare": "gradloc.records", "Remedy": "gradloc.records",
     "to_dict": "gradloc.records",
 }
 

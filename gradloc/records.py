@@ -100,6 +100,7 @@ class RLStats:
     max_abs_log_ratio_old: float | None = None  # log π_train − log π_old (staleness)
     clip_fraction: float | None = None  # tokens whose importance ratio the loss clipped
     advantage_counts: tuple[int, ...] = ()
+    advantage_sum: float | None = None
     advantage_rms: float | None = None
     max_abs_advantage: float | None = None
     entropy_mean: float | None = None
@@ -183,6 +184,24 @@ class TokenRL:
 
 
 @dataclass(frozen=True)
+class SampleInfo:
+    """Where a sample came from (RL rollouts): the request, the completion, and its spans.
+
+    Spans are in the coordinates gradloc reports positions in: *loss positions*, where position p
+    scores token p + 1 of the sequence. The response's tokens are scored at positions
+    [response_start, response_start + response_tokens); a culprit's response token index is
+    ``position - response_start``.
+    """
+
+    request_id: str | None = None
+    completion_index: int | None = None
+    prompt_tokens: int = 0
+    response_start: int = 0
+    response_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
 class Evidence:
     name: str
     value: float
@@ -216,6 +235,7 @@ class Culprit:
     layers: tuple[LayerShare, ...] = ()
     rl: TokenRL | None = None
     classification: Classification | None = None
+    sample_info: SampleInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +252,7 @@ class CulpritSpan:
     context_before: str | None = None
     context_after: str | None = None
     sample_id: str | None = None
+    sample_info: SampleInfo | None = None
 
 
 @dataclass(frozen=True)

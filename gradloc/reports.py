@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradloc.records import CulpritSpan, Incident, StepRecord, TokenStats
+from gradloc.records import CulpritSpan, Incident, RLStats, StepRecord, TokenStats
 
 CORRELATED_SCHEMA_VERSION = 1
 
@@ -82,6 +82,7 @@ class StepSummary:
     step_s: float | None = None
     overhead: float | None = None  # smoothed gradloc / training time
     shed: tuple[str, ...] = ()
+    rl: RLStats | None = None
 
 
 def summarize(record: StepRecord) -> StepSummary:
@@ -95,7 +96,7 @@ def summarize(record: StepRecord) -> StepSummary:
     return StepSummary(record.job, record.rank, record.step, record.time_unix, record.global_norm,
                        record.loss, record.micro_batches, cols, record.tokens, record.nonfinite,
                        record.grad_scale, record.skipped, record.overhead_s, record.step_s, record.overhead,
-                       record.shed)
+                       record.shed, record.rl)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 
 # The real-vLLM test tier's own environment (.venv-vllm, ~3.4 GB, ~3 min on a fresh machine; a no-op
-# when up to date). GRADLOC_SKIP_VLLM=1 leaves it out (tests/vllm/test_tier.py then skips).
+# when up to date). GRADLOC_SKIP_VLLM=1 leaves it out (tests/vllm_tier/test_tier.py then skips).
 if [ "${GRADLOC_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/setup_vllm.sh
 fi

@@ -36,7 +36,7 @@ from gradloc.config import MEMORY_BUDGET_FRACTION, MEMORY_RESERVE, MIN_MEMORY_BU
 from gradloc.detector import INCIDENT, SpikeDetector
 from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
 from gradloc.localizer import Localizer, ProbeFn
-from gradloc.records import Incident, SpikeEvent, StepRecord
+from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord
 from gradloc.sinks import Sink, default_sinks
 
 log = logging.getLogger("gradloc")
@@ -152,16 +152,20 @@ class Monitor:
     def micro_batch(self, token_ids: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,
                     sample_ids: Sequence[object] | None = None, shape: tuple[int, int] | None = None,
                     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
-                    position_ids: torch.Tensor | None = None) -> Iterator[MicroBatchMeta]:
+                    position_ids: torch.Tensor | None = None,
+                    sample_infos: Sequence[SampleInfo] | None = None) -> Iterator[MicroBatchMeta]:
         """Forward and backward of one micro-batch. ``token_ids`` (B, T) are the ids each loss
         position scores (for a causal LM: the shifted labels); masks/ids are validated here.
 
         A packed micro-batch is one row (1, N) of sequences back to back: give their boundaries as
         ``cu_seqlens`` (S + 1 offsets from 0 to N) or as ``position_ids`` that restart at 0, and one
-        sample id per sequence. Culprits are then reported per sequence.
+        sample id per sequence. Culprits are then reported per sequence. ``sample_infos`` (one
+        ``gradloc.SampleInfo`` per sample: request, completion, prompt and response spans) ride
+        along into incidents; ``gradloc.adapters.rl`` builds them from rollouts.
         """
         t0 = self.meter.begin()
-        meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids)
+        meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids,
+                         sample_infos)
         if self.hooks:
             breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
             self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown)

@@ -1,9 +1,20 @@
 """Terminal and JSON renderings of incidents (pure functions: no click, no I/O)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
-from gradloc.records import Culprit, CulpritSpan, Incident, Localization, Remedy, SampleShare
+from gradloc.records import (
+    Classification,
+    Culprit,
+    CulpritSpan,
+    Incident,
+    Localization,
+    Remedy,
+    SampleShare,
+    TokenRL,
+    to_dict,
+)
 
 _HL, _DIM, _BOLD, _OFF = "\x1b[1;97;41m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 
@@ -40,6 +51,8 @@ def incident_text(inc: Incident, color: bool = True) -> str:
         lines += _remedy_lines(inc.remedy)
         return "\n".join(lines)
     lines.append(_outcome(loc))
+    if inc.classification is not None:
+        lines.append(f"  class: {inc.classification.kind} — {inc.classification.reason}")
     if loc.note:
         lines.append(f"  note: {loc.note}")
     lines += _remedy_lines(inc.remedy)
@@ -55,6 +68,12 @@ def incident_text(inc: Incident, color: bool = True) -> str:
         first = by_span.get((span.micro_batch, span.sample, span.start))
         if first is not None and first.layers:
             lines.append("      through " + ", ".join(f"{s.layer} {_pct(s.share)}" for s in first.layers[:4]))
+        if span.sample_info is not None and span.sample_info.request_id is not None:
+            si = span.sample_info
+            lines.append(f"      rollout: request {si.request_id!r} completion {si.completion_index} · response token "
+                         f"{span.start - si.response_start} of {si.response_tokens} · finish {si.finish_reason}")
+        if first is not None and first.rl is not None:
+            lines.append("      rl: " + _rl_text(first.rl) + (f" → {first.classification.kind}" if first.classification else ""))
     if not loc.spans:
         lines.append("  no culprit tokens found")
     return "\n".join(lines)
@@ -68,6 +87,15 @@ def _outcome(loc: Localization) -> str:
     if loc.status == "diffuse":
         return f"{head} — no small set of tokens explains the spike; no token is named"
     return head
+
+
+def _rl_text(r: TokenRL) -> str:
+    parts = [("π_train", None if r.logp is None else f"{math.exp(r.logp):.3g}"),
+             ("log π_trainer−π_rollout", None if r.log_ratio is None else f"{r.log_ratio:+.3g}"),
+             ("log π_train−π_old", None if r.log_ratio_old is None else f"{r.log_ratio_old:+.3g}"),
+             ("A", None if r.advantage is None else f"{r.advantage:+.3g}"),
+             ("ratio", None if r.ratio is None else f"{r.ratio:.3g}"), ("clipped", None if r.clipped is None else str(r.clipped))]
+    return " · ".join(f"{k} {v}" for k, v in parts if v is not None)
 
 
 def _sample_line(x: SampleShare) -> str:
@@ -97,8 +125,20 @@ def incident_line(inc: Incident) -> str:
 
 
 def culprit_json(c: Culprit) -> dict[str, Any]:
-    return {"micro_batch": c.micro_batch, "sample": c.sample, "position": c.position,
-            "token_id": c.token_id, "text": c.text, "share": c.share, "sample_id": c.sample_id}
+    """A culprit in the demo's ``--json``: where and what, plus its RL fields and class when it has them."""
+    out: dict[str, Any] = {"micro_batch": c.micro_batch, "sample": c.sample, "position": c.position,
+                           "token_id": c.token_id, "text": c.text, "share": c.share, "sample_id": c.sample_id}
+    if c.rl is not None:
+        out["rl"] = {**to_dict(c.rl), "log_ratio": c.rl.log_ratio, "log_ratio_old": c.rl.log_ratio_old}
+    if c.classification is not None:
+        out["classification"] = _class_json(c.classification)
+    if c.sample_info is not None:
+        out["sample_info"] = to_dict(c.sample_info)
+    return out
+
+
+def _class_json(c: Classification) -> dict[str, Any]:
+    return {"kind": c.kind, "reason": c.reason, "evidence": {e.name: e.value for e in c.evidence}}
 
 
 def _sample_json(x: SampleShare) -> dict[str, Any]:
@@ -119,6 +159,7 @@ def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
             "explained_share": loc.explained_share if loc else None,
             "culprits": [culprit_json(c) for c in loc.culprits] if loc else [],
             "samples": [_sample_json(x) for x in loc.samples] if loc else [],
+            "classification": None if inc.classification is None else _class_json(inc.classification),
             "remedy": None if inc.remedy is None else {
                 "action": inc.remedy.action, "applied": inc.remedy.applied, "norm_before": inc.remedy.norm_before,
                 "norm_after": inc.remedy.norm_after, "reason": inc.remedy.reason},

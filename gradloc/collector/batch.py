@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from gradloc.errors import BatchMetadataError
+from gradloc.records import SampleInfo
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class MicroBatchMeta:
     sample_ids: tuple[str, ...] | None  # one per sample (per sequence when packed)
     rng: RngState  # RNG at block entry, so a probe replays the same dropout masks
     starts: tuple[int, ...] | None = None  # packed (1, N): flat start of each sequence; None: one per row
+    sample_infos: tuple[SampleInfo, ...] | None = None  # one per sample: where it came from (RL rollouts)
 
     @property
     def n_tokens(self) -> int:
@@ -77,6 +79,9 @@ class MicroBatchMeta:
     def sample_id(self, sample: int) -> str | None:
         return self.sample_ids[sample] if self.sample_ids else None
 
+    def sample_info(self, sample: int) -> SampleInfo | None:
+        return self.sample_infos[sample] if self.sample_infos else None
+
     def sample_tokens(self, sample: int) -> list[int]:
         """Token ids of one sample's positions ([] without token ids)."""
         if self.token_ids is None:
@@ -88,7 +93,8 @@ class MicroBatchMeta:
 def make_meta(index: int, token_ids: torch.Tensor | None, loss_mask: torch.Tensor | None,
               sample_ids: Sequence[object] | None, shape: tuple[int, int] | None,
               cu_seqlens: Sequence[int] | torch.Tensor | None = None,
-              position_ids: torch.Tensor | None = None) -> MicroBatchMeta:
+              position_ids: torch.Tensor | None = None,
+              sample_infos: Sequence[SampleInfo] | None = None) -> MicroBatchMeta:
     """Validate and snapshot one micro-batch's metadata; raises :class:`BatchMetadataError`."""
     if token_ids is not None:
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 2:
@@ -109,8 +115,12 @@ def make_meta(index: int, token_ids: torch.Tensor | None, loss_mask: torch.Tenso
     if ids is not None and len(ids) != n_samples:
         what = "sequences in the packed row" if starts is not None else "samples"
         raise BatchMetadataError(f"sample_ids has {len(ids)} entries for a micro-batch of {n_samples} {what}")
+    infos = None if sample_infos is None else tuple(sample_infos)
+    if infos is not None and (len(infos) != n_samples or not all(isinstance(x, SampleInfo) for x in infos)):
+        raise BatchMetadataError(f"sample_infos must hold one gradloc.SampleInfo per sample ({n_samples}), "
+                                 f"got {len(infos)} item(s)")
     tok = None if token_ids is None else token_ids.detach().clone()
-    return MicroBatchMeta(index, B, T, tok, loss_mask, ids, RngState.capture(), starts)
+    return MicroBatchMeta(index, B, T, tok, loss_mask, ids, RngState.capture(), starts, infos)
 
 
 def _packed_starts(B: int, T: int, cu_seqlens: Sequence[int] | torch.Tensor | None,

@@ -76,7 +76,7 @@ def _per_sample(meta: MicroBatchMeta, adv: torch.Tensor) -> torch.Tensor:
 # -- the per-step pack ------------------------------------------------------------------------------
 _K1, _K2 = len(RL_LOG_RATIO_BUCKETS) + 1, len(RL_ADVANTAGE_BUCKETS) + 1
 _PRESENT = ("rollout_logp", "old_logp", "clipped", "advantages", "entropy")
-PACK_LENGTH = 1 + len(_PRESENT) + (_K1 + 3) + 1 + 1 + (_K2 + 2) + 1
+PACK_LENGTH = 1 + len(_PRESENT) + (_K1 + 3) + 1 + 1 + (_K2 + 3) + 1
 
 
 def stack(metas: Sequence[MicroBatchMeta], rl: Mapping[int, RLTensors], device: torch.device) -> dict[str, torch.Tensor]:
@@ -114,8 +114,8 @@ def rl_pack(fields_: Mapping[str, torch.Tensor], eligible: torch.Tensor, given: 
     parts.append((fields_["clipped"] & on).sum()[None].double())
     adv = fields_["advantages"]
     ok = on & torch.isfinite(adv)
-    parts += [*_hist(adv, ok, RL_ADVANTAGE_BUCKETS, with_sum=False),
-              torch.where(ok, adv, 0.0).double().pow(2).sum()[None], _max_abs(adv, ok)]
+    parts += [*_hist(adv, ok, RL_ADVANTAGE_BUCKETS, with_sum=True),
+              torch.where(ok, adv, 0.0).double().pow(2).sum()[None]]
     ent = fields_["entropy"]
     parts.append(torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum()[None])
     return torch.cat(parts)  # (PACK_LENGTH,)
@@ -143,8 +143,8 @@ def unpack_rl(host: np.ndarray) -> RLStats:
     pos += _K1 + 3
     old_max, clipped = host[pos], host[pos + 1]
     pos += 2
-    adv_counts, adv_sq, adv_max = host[pos:pos + _K2], host[pos + _K2], host[pos + _K2 + 1]
-    ent = host[pos + _K2 + 2]
+    adv_counts, adv_sum, adv_max, adv_sq = host[pos:pos + _K2], host[pos + _K2], host[pos + _K2 + 1], host[pos + _K2 + 2]
+    ent = host[pos + _K2 + 3]
     has_lr, has_adv = present["rollout_logp"] and n > 0, present["advantages"] and n > 0
 
     def frac(x: float, ok: bool) -> float | None:
@@ -158,6 +158,7 @@ def unpack_rl(host: np.ndarray) -> RLStats:
         max_abs_log_ratio_old=float(old_max) if present["old_logp"] and n > 0 else None,
         clip_fraction=frac(clipped, present["clipped"]),
         advantage_counts=tuple(int(c) for c in adv_counts) if has_adv else (),
+        advantage_sum=float(adv_sum) if has_adv else None,
         advantage_rms=math.sqrt(adv_sq / n) if has_adv else None,
         max_abs_advantage=float(adv_max) if has_adv else None,
         entropy_mean=frac(ent, present["entropy"]),

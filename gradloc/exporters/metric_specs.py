@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gradloc.records import RL_ADVANTAGE_BUCKETS, RL_LOG_RATIO_BUCKETS
+
 # 1e-8 … 1e4, two boundaries per decade (1, 3.16): 25 buckets plus +Inf.
 NORM_BUCKETS: tuple[float, ...] = tuple(float(f"{x:.3g}") for x in np.logspace(-8, 4, 25))
 PROBE_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -34,6 +36,9 @@ class MetricSpec:
     labels: tuple[str, ...]
     help: str
     buckets: tuple[float, ...] = ()
+    # a histogram the trainer sends as bucket counts (not per value): exported from the state's
+    # cumulative counts, in Prometheus as any histogram and over OTLP as pre-aggregated points
+    preaggregated: bool = False
 
     @property
     def prom_sample(self) -> str:
@@ -50,8 +55,8 @@ def _c(key: str, prom: str, otel: str, unit: str, labels: tuple[str, ...], help:
 
 
 def _h(key: str, prom: str, otel: str, unit: str, labels: tuple[str, ...], help: str,
-       buckets: tuple[float, ...]) -> MetricSpec:
-    return MetricSpec(key, prom, otel, "histogram", unit, labels, help, buckets)
+       buckets: tuple[float, ...], preaggregated: bool = False) -> MetricSpec:
+    return MetricSpec(key, prom, otel, "histogram", unit, labels, help, buckets, preaggregated)
 
 
 JR = ("job", "rank")
@@ -81,6 +86,15 @@ SPECS: tuple[MetricSpec, ...] = (
        "Non-finite gradient elements in the latest step."),
     _g("overhead", "gradloc_overhead_ratio", "gradloc.overhead", "1", JR,
        "gradloc's own time per step over the training step's own time, smoothed (0.04: steps take 4% longer)."),
+    _g("rl_max_abs_log_ratio", "gradloc_rl_max_abs_log_ratio", "gradloc.rl.max_abs_log_ratio", "1",
+       ("job", "rank", "reference"),
+       "Largest |log-ratio| over the step's loss tokens: reference=rollout is log π_old − log π_rollout (training–inference "
+       "mismatch), reference=old is log π_train − log π_old (staleness)."),
+    _g("rl_mismatch", "gradloc_rl_mismatch_ratio", "gradloc.rl.mismatch_fraction", "1", JR,
+       "Share of the step's loss tokens whose |log π_old − log π_rollout| exceeds log 2 (ratio outside [1/2, 2])."),
+    _g("rl_clipped", "gradloc_rl_clipped_ratio", "gradloc.rl.clip_fraction", "1", JR,
+       "Share of the step's loss tokens whose importance ratio the loss clipped."),
+    _g("rl_entropy", "gradloc_rl_entropy", "gradloc.rl.entropy", "1", JR, "Mean policy entropy over the step's loss tokens."),
     _g("shed", "gradloc_shed", "gradloc.shed", "1", ("job", "rank", "feature"),
        "1 while gradloc sheds an optional feature (update_ratio, layer_breakdown) to stay within its overhead budget, else 0."),
     # Counters over the whole run.
@@ -95,6 +109,9 @@ SPECS: tuple[MetricSpec, ...] = (
        "Correlated incidents closed (status complete|partial). Exemplar: incident trace id."),
     _c("localizations", "gradloc_localizations", "gradloc.localization.count", "{localization}", ("job", "status"),
        "Per-rank localizations of incidents by outcome (located, diffuse, unverified, unavailable)."),
+    _c("incident_classes", "gradloc_incident_classes", "gradloc.incident.class_count", "{finding}", ("job", "class"),
+       "Per-rank incident findings by class (train_inference_mismatch, stale_off_policy, low_prob_high_advantage, "
+       "layer_concentrated, diffuse, unclassified)."),
     _c("remedies", "gradloc_remedies", "gradloc.remedy.count", "{step}", ("job", "action", "applied"),
        "Spike steps the opt-in remedy acted on (applied=true) or refused (applied=false), by action."),
     _c("missing_ranks", "gradloc_incident_missing_ranks", "gradloc.incident.missing_ranks", "{rank}", ("job",),
@@ -108,6 +125,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _h("explained", "gradloc_localization_explained_ratio", "gradloc.localization.explained_share", "1",
        ("job",), "Share of ‖∇‖² the located culprits explain.",
        (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)),
+    _h("rl_log_ratio", "gradloc_rl_log_ratio", "gradloc.rl.log_ratio", "1", ("job",),
+       "Per-token training–inference mismatch log π_old − log π_rollout (log π_train without an old policy), every step's loss tokens.",
+       RL_LOG_RATIO_BUCKETS, preaggregated=True),
+    _h("rl_advantage", "gradloc_rl_advantage", "gradloc.rl.advantage", "1", ("job",),
+       "Per-token advantages over every step's loss tokens.", RL_ADVANTAGE_BUCKETS, preaggregated=True),
     # Self-metrics of the pipeline: nothing is dropped silently.
     _c("records", "gradloc_agent_records", "gradloc.agent.records", "{record}", ("kind",),
        "Records accepted by the agent (kind step|incident)."),

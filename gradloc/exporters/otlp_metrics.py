@@ -12,7 +12,12 @@ Where each value comes from, and why:
   observation). Those two come from the synchronous counters only, never from the snapshot, so they
   are not counted twice.
 * **Histograms** have no observable form in OTel: they are recorded in ``on_step``/``on_incident``
-  with explicit bucket boundaries from the spec (Views; never exponential buckets).
+  with explicit bucket boundaries from the spec (Views; never exponential buckets). The exception
+  are *pre-aggregated* histograms (``MetricSpec.preaggregated``: the RL distributions), which the
+  trainer sends as bucket counts, not values: OTel's API cannot record counts, so each export gets
+  their cumulative points, built from the state's counts, added next to the SDK's metrics
+  (:func:`with_preaggregated`; no min/max, which counts do not give, and no sum for histograms with
+  negative buckets, as OTLP and OpenMetrics ask).
 
 Attribute values are strings (``rank="3"``), like the Prometheus labels, so both paths agree.
 
@@ -23,15 +28,21 @@ ourselves (no warning per collection); non-finite gradients stay visible through
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
     MetricExporter,
     MetricExportResult,
     MetricsData,
@@ -39,7 +50,14 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
 from gradloc.exporters.metric_specs import SPECS, MetricSpec
-from gradloc.exporters.state import RANK_GAUGES, CounterPoint, TelemetrySnapshot, TelemetryState, shed_values
+from gradloc.exporters.state import (
+    RANK_GAUGES,
+    CounterPoint,
+    TelemetrySnapshot,
+    TelemetryState,
+    rl_ratio_values,
+    shed_values,
+)
 from gradloc.reports import CorrelatedIncident, LayerColumns, StepSummary
 
 log = logging.getLogger(__name__)
@@ -58,7 +76,29 @@ _LAYER_GAUGES: dict[str, Callable[[LayerColumns], np.ndarray]] = {
 def histogram_views() -> list[View]:
     """One View per histogram spec: explicit boundaries from the spec."""
     return [View(instrument_name=s.otel, aggregation=ExplicitBucketHistogramAggregation(
-        boundaries=[float(b) for b in s.buckets])) for s in SPECS if s.kind == "histogram"]
+        boundaries=[float(b) for b in s.buckets])) for s in SPECS if s.kind == "histogram" and not s.preaggregated]
+
+
+def with_preaggregated(data: MetricsData, snap: TelemetrySnapshot, start_ns: int) -> MetricsData:
+    """``data`` with the pre-aggregated histograms' cumulative points added to its first scope."""
+    metrics = []
+    for spec in SPECS:
+        if not spec.preaggregated:
+            continue
+        points = [HistogramDataPoint(
+            attributes=dict(zip(spec.labels, h.labels)), start_time_unix_nano=start_ns,
+            time_unix_nano=int(snap.time_unix * 1e9), count=h.count,
+            sum=h.sum if math.isfinite(h.sum) and spec.buckets[0] >= 0 else None, bucket_counts=list(h.counts),
+            explicit_bounds=[float(b) for b in spec.buckets], min=None, max=None, exemplars=[])
+            for h in snap.histograms if h.key == spec.key]
+        if points:
+            metrics.append(Metric(spec.otel, spec.help, spec.unit, Histogram(points, AggregationTemporality.CUMULATIVE)))
+    if not metrics or not data.resource_metrics or not data.resource_metrics[0].scope_metrics:
+        return data
+    rm = data.resource_metrics[0]
+    sm = dataclasses.replace(rm.scope_metrics[0], metrics=[*rm.scope_metrics[0].metrics, *metrics])
+    rm = dataclasses.replace(rm, scope_metrics=[sm, *rm.scope_metrics[1:]])
+    return dataclasses.replace(data, resource_metrics=[rm, *data.resource_metrics[1:]])
 
 
 class CountingMetricExporter(MetricExporter):
@@ -69,8 +109,14 @@ class CountingMetricExporter(MetricExporter):
                          preferred_aggregation=inner._preferred_aggregation)
         self._inner, self._state = inner, state
         self.failures = 0
+        self._start_ns = time.time_ns()
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
+        try:
+            metrics_data = with_preaggregated(metrics_data, self._state.snapshot(), self._start_ns)
+        except Exception:  # the SDK's own metrics still go out
+            log.warning("OTLP: adding the pre-aggregated histograms failed", exc_info=True)
+            self._state.count("export_failures", (EXPORTER,))
         try:
             result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception:
@@ -134,6 +180,8 @@ class MetricInstruments:
         first = True
         for spec in SPECS:
             kw = {"unit": spec.unit, "description": spec.help}
+            if spec.preaggregated:
+                continue  # exported from the state's counts (with_preaggregated)
             if spec.kind == "histogram":
                 self._sync[spec.key] = meter.create_histogram(spec.otel, **kw)
             elif spec.kind == "counter" and spec.key in SYNC_COUNTERS:
@@ -158,6 +206,9 @@ class MetricInstruments:
         if spec.key == "shed":
             return lambda snap: [Observation(v, {**_rank_attrs(p.summary), "feature": f})
                                  for p in snap.ranks for f, v in shed_values(p.summary)]
+        if spec.key == "rl_max_abs_log_ratio":
+            return lambda snap: [Observation(v, {**_rank_attrs(p.summary), "reference": r})
+                                 for p in snap.ranks for r, v in rl_ratio_values(p.summary) if math.isfinite(v)]
         if spec.key in RANK_GAUGES:
             get = RANK_GAUGES[spec.key]
             return lambda snap: [Observation(v, _rank_attrs(p.summary)) for p in snap.ranks

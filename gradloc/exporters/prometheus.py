@@ -40,6 +40,7 @@ from gradloc.exporters.state import (
     RankPoint,
     TelemetrySnapshot,
     TelemetryState,
+    rl_ratio_values,
     shed_values,
 )
 
@@ -119,6 +120,8 @@ def _rank_rows(p: RankPoint) -> Iterator[Row]:
             yield key, Sample(BY_KEY[key].prom, labels, value)
     for feature, value in shed_values(p.summary):
         yield "shed", Sample(BY_KEY["shed"].prom, {**labels, "feature": feature}, value)
+    for reference, value in rl_ratio_values(p.summary):
+        yield "rl_max_abs_log_ratio", Sample(BY_KEY["rl_max_abs_log_ratio"].prom, {**labels, "reference": reference}, value)
 
 
 def _layer_index(p: RankPoint) -> list[tuple[int, str]]:
@@ -177,7 +180,11 @@ def _histogram_rows(h: HistogramPoint) -> Iterator[Row]:
     buckets = _buckets(spec, h)
     for le, count, ex in buckets:
         yield h.key, Sample(spec.prom + "_bucket", {**labels, "le": le}, count, None, ex)
-    # _count is the +Inf bucket (they must agree); _sum only when it is a number.
+    # _count is the +Inf bucket (they must agree); _sum only when it is a number. A histogram with
+    # negative buckets (the RL log ratios and advantages) has neither: OpenMetrics forbids _sum there
+    # and allows _count only with _sum; its count is the le="+Inf" bucket.
+    if spec.buckets[0] < 0:
+        return
     yield h.key, Sample(spec.prom + "_count", labels, buckets[-1][1])
     total = _number(h.sum)
     if total is not None and math.isfinite(total):

@@ -37,7 +37,18 @@ RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
     "grad_scale": lambda s: s.grad_scale,
     "nonfinite": lambda s: s.nonfinite,
     "overhead": lambda s: s.overhead,
+    "rl_mismatch": lambda s: None if s.rl is None else s.rl.mismatch_fraction,
+    "rl_clipped": lambda s: None if s.rl is None else s.rl.clip_fraction,
+    "rl_entropy": lambda s: None if s.rl is None else s.rl.entropy_mean,
 }
+
+
+def rl_ratio_values(s: StepSummary) -> list[tuple[str, float]]:
+    """(reference, max |log-ratio|) for the ratios the step's RL fields gave."""
+    if s.rl is None:
+        return []
+    pairs = (("rollout", s.rl.max_abs_log_ratio), ("old", s.rl.max_abs_log_ratio_old))
+    return [(ref, v) for ref, v in pairs if v is not None]
 
 
 def shed_values(s: StepSummary) -> list[tuple[str, float]]:
@@ -116,6 +127,14 @@ class _Hist:
         if exemplar is not None:
             self.exemplars[i] = exemplar
 
+    def add_counts(self, counts: tuple[int, ...], total: float | None) -> None:
+        """Add pre-aggregated bucket counts (same bounds; the last count is above the last bound)."""
+        for i, c in enumerate(counts[: len(self.counts)]):
+            self.counts[i] += c
+        n = sum(counts)
+        self.count += n
+        self.sum += total if total is not None and math.isfinite(total) else math.nan
+
     def exemplify(self, value: float, exemplar: Exemplar) -> None:
         """Attach an exemplar to the bucket ``value`` falls in, without counting it again."""
         self.exemplars[int(np.searchsorted(self.bounds, value, side="left"))] = exemplar
@@ -153,7 +172,17 @@ class TelemetryState:
             if math.isfinite(s.global_norm):
                 self._hist("norm_hist", jr).observe(s.global_norm)
             self._hist("ingest_lag", ()).observe(max(0.0, now - s.time_unix))
+            if s.rl is not None:
+                self._observe_rl(s)
             self._store_rank(s, now)
+
+    def _observe_rl(self, s: StepSummary) -> None:
+        rl, job = s.rl, (s.job,)
+        assert rl is not None
+        if rl.log_ratio_counts:
+            self._hist("rl_log_ratio", job).add_counts(rl.log_ratio_counts, rl.log_ratio_sum)
+        if rl.advantage_counts:
+            self._hist("rl_advantage", job).add_counts(rl.advantage_counts, rl.advantage_sum)
 
     def _store_rank(self, s: StepSummary, now: float) -> None:
         key = (s.job, s.rank)
@@ -180,6 +209,8 @@ class TelemetryState:
                     self._bump("spikes", (inc.job, str(f.rank), kind), exemplar=ex)
                 if f.localization is not None:
                     self._bump("localizations", (inc.job, f.localization.status))
+                if f.classification is not None:
+                    self._bump("incident_classes", (inc.job, f.classification.kind))
                 if f.remedy is not None:
                     self._bump("remedies", (inc.job, f.remedy.action, "true" if f.remedy.applied else "false"))
             self._hist("probes", (inc.job,)).observe(float(inc.probes))

@@ -48,6 +48,7 @@ def build_culprits(view: TokenView, flats: Sequence[int], shares: Sequence[float
             micro_batch=meta.index, sample=b, position=t, share=float(share), score_share=score_share,
             token_id=tok, text=safe_decode(decode, [tok]) if tok is not None else None,
             sample_id=meta.sample_id(b), layers=_layer_shares(view, int(flat)), rl=view.token_rl(int(flat)),
+            sample_info=meta.sample_info(b),
         ))
     return tuple(sorted(out, key=lambda c: -c.share if np.isfinite(c.share) else 0.0))
 
@@ -79,5 +80,5 @@ def _span(meta, b: int, run: list[Culprit], decode: Decode | None, context: int)
         token_ids=tuple(ids[start:end]), text=safe_decode(decode, ids[start:end]) if ids else None,
         context_before=safe_decode(decode, ids[max(0, start - context):start]) if ids else None,
         context_after=safe_decode(decode, ids[end:end + context]) if ids else None,
-        sample_id=meta.sample_id(b),
+        sample_id=meta.sample_id(b), sample_info=meta.sample_info(b),
     )

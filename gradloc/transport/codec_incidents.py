@@ -13,15 +13,19 @@ from typing import Any, Callable
 
 from gradloc.records import (
     INCIDENT_SCHEMA_VERSION,
+    Classification,
     Culprit,
     CulpritSpan,
+    Evidence,
     Incident,
     LayerShare,
     LayerStats,
     Localization,
     Remedy,
+    SampleInfo,
     SampleShare,
     SpikeEvent,
+    TokenRL,
 )
 from gradloc.transport import validate as v
 from gradloc.transport.wire import pb
@@ -48,6 +52,8 @@ def encode_incident(inc: Incident) -> pb.IncidentMsg:
                        spike=_encode_spike(inc.spike), top_layers=[_encode_layer(s) for s in inc.top_layers])
     if inc.localization is not None:
         m.localization.CopyFrom(_encode_localization(inc.localization))
+    if inc.classification is not None:
+        m.classification.CopyFrom(_encode_class(inc.classification))
     if inc.remedy is not None:
         r = inc.remedy
         m.remedy.CopyFrom(pb.RemedyMsg(action=r.action, applied=r.applied, norm_before=r.norm_before, reason=r.reason))
@@ -82,13 +88,37 @@ def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
         cm = m.culprits.add(micro_batch=c.micro_batch, sample=c.sample, position=c.position, share=c.share,
                             score_share=c.score_share, layers=_shares(c.layers))
         _set_optional(cm, c, ("token_id", "text", "sample_id"))
+        if c.rl is not None:
+            _set_optional(cm.rl, c.rl, _RL_FIELDS)
+            cm.rl.SetInParent()
+        if c.classification is not None:
+            cm.classification.CopyFrom(_encode_class(c.classification))
+        if c.sample_info is not None:
+            cm.sample_info.CopyFrom(_encode_info(c.sample_info))
     for s in loc.spans:
         sm = m.spans.add(micro_batch=s.micro_batch, sample=s.sample, start=s.start, end=s.end, share=s.share,
                          token_ids=s.token_ids)
         _set_optional(sm, s, ("text", "context_before", "context_after", "sample_id"))
+        if s.sample_info is not None:
+            sm.sample_info.CopyFrom(_encode_info(s.sample_info))
     for x in loc.samples:
         xm = m.samples.add(micro_batch=x.micro_batch, sample=x.sample, score_share=x.score_share, tokens=x.tokens)
         _set_optional(xm, x, ("share", "sample_id"))
+    return m
+
+
+_RL_FIELDS = ("logp", "rollout_logp", "old_logp", "advantage", "ratio", "clipped", "entropy", "sequence_log_ratio")
+
+
+def _encode_class(c: Classification) -> pb.ClassificationMsg:
+    return pb.ClassificationMsg(kind=c.kind, reason=c.reason,
+                                evidence=[pb.EvidenceMsg(name=e.name, value=e.value) for e in c.evidence])
+
+
+def _encode_info(i: SampleInfo) -> pb.SampleInfoMsg:
+    m = pb.SampleInfoMsg(prompt_tokens=i.prompt_tokens, response_start=i.response_start,
+                         response_tokens=i.response_tokens)
+    _set_optional(m, i, ("request_id", "completion_index", "finish_reason"))
     return m
 
 
@@ -139,10 +169,32 @@ def decode_incident(m: pb.IncidentMsg, world_size: int, where: str) -> Incident:
     c = _Checks(grad_event, loss_event)
     loc = _decode_localization(m.localization, c, f"{where}.localization") if m.HasField("localization") else None
     remedy = _decode_remedy(m.remedy, c, f"{where}.remedy") if m.HasField("remedy") else None
+    cls = _decode_class(m.classification, c, f"{where}.classification") if m.HasField("classification") else None
     return Incident(v.text(m.incident_id, f"{where}.incident_id", required=True),
                     v.text(m.job, f"{where}.job", required=True), v.rank(m.rank, world_size, f"{where}.rank"),
                     v.count(m.step, f"{where}.step"), c.finite(m.time_unix, f"{where}.time_unix"),
-                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top, remedy)
+                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top, remedy, cls)
+
+
+def _decode_class(m: pb.ClassificationMsg, c: _Checks, where: str) -> Classification:
+    return Classification(c.name(m.kind, f"{where}.kind"), c.free_text(m.reason, f"{where}.reason"),
+                          tuple(Evidence(c.name(e.name, f"{where}.evidence[{i}].name"),
+                                         c.derived(e.value, f"{where}.evidence[{i}].value"))
+                                for i, e in enumerate(m.evidence)))
+
+
+def _decode_info(m: pb.SampleInfoMsg, c: _Checks, where: str) -> SampleInfo:
+    return SampleInfo(_get_optional(m, "request_id", c.name, where),
+                      _get_optional(m, "completion_index", v.count, where),
+                      v.count(m.prompt_tokens, f"{where}.prompt_tokens"), v.count(m.response_start, f"{where}.response_start"),
+                      v.count(m.response_tokens, f"{where}.response_tokens"),
+                      _get_optional(m, "finish_reason", c.name, where))
+
+
+def _decode_token_rl(m: pb.TokenRLMsg, c: _Checks, where: str) -> TokenRL:
+    vals = {f: _get_optional(m, f, c.derived, where) for f in _RL_FIELDS if f != "clipped"}
+    return TokenRL(vals["logp"], vals["rollout_logp"], vals["old_logp"], vals["advantage"], vals["ratio"],
+                   m.clipped if m.HasField("clipped") else None, vals["entropy"], vals["sequence_log_ratio"])
 
 
 def _decode_remedy(m: pb.RemedyMsg, c: _Checks, where: str) -> Remedy:
@@ -190,7 +242,10 @@ def _decode_culprit(m: pb.CulpritMsg, c: _Checks, where: str) -> Culprit:
                    v.count(m.position, f"{where}.position"), c.derived(m.share, f"{where}.share"),
                    c.derived(m.score_share, f"{where}.score_share"), _get_optional(m, "token_id", v.count, where),
                    _get_optional(m, "text", c.free_text, where), _get_optional(m, "sample_id", c.name, where),
-                   _decode_shares(m.layers, c, f"{where}.layers"))
+                   _decode_shares(m.layers, c, f"{where}.layers"),
+                   _decode_token_rl(m.rl, c, f"{where}.rl") if m.HasField("rl") else None,
+                   _decode_class(m.classification, c, f"{where}.classification") if m.HasField("classification") else None,
+                   _decode_info(m.sample_info, c, f"{where}.sample_info") if m.HasField("sample_info") else None)
 
 
 def _decode_span(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> CulpritSpan:
@@ -202,7 +257,8 @@ def _decode_span(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> CulpritSpan:
                        tuple(v.count(t, f"{where}.token_ids[{i}]") for i, t in enumerate(m.token_ids)),
                        *(_get_optional(m, f, c.free_text, where)
                          for f in ("text", "context_before", "context_after")),
-                       _get_optional(m, "sample_id", c.name, where))
+                       _get_optional(m, "sample_id", c.name, where),
+                       _decode_info(m.sample_info, c, f"{where}.sample_info") if m.HasField("sample_info") else None)
 
 
 def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Localization:

@@ -14,7 +14,15 @@ from typing import NoReturn
 
 import numpy as np
 
-from gradloc.records import LayerShare, StepRecord, TokenScore, TokenStats
+from gradloc.records import (
+    RL_ADVANTAGE_BUCKETS,
+    RL_LOG_RATIO_BUCKETS,
+    LayerShare,
+    RLStats,
+    StepRecord,
+    TokenScore,
+    TokenStats,
+)
 from gradloc.reports import LayerColumns, StepSummary
 from gradloc.transport import validate as v
 from gradloc.transport.wire import pb
@@ -53,7 +61,36 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
         if value is not None:
             setattr(m, field, value)
     m.shed.extend(rec.shed)
+    if rec.rl is not None:
+        _encode_rl(rec.rl, m.rl)
     return m
+
+
+_RL_FLOATS = ("log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction",
+              "advantage_sum", "advantage_rms", "max_abs_advantage", "entropy_mean")
+
+
+def _encode_rl(r: RLStats, out: pb.RLStatsMsg) -> None:
+    out.tokens = r.tokens
+    out.log_ratio_counts.extend(r.log_ratio_counts)
+    out.advantage_counts.extend(r.advantage_counts)
+    for f in _RL_FLOATS:
+        if getattr(r, f) is not None:
+            setattr(out, f, getattr(r, f))
+
+
+def _decode_rl(m: pb.RLStatsMsg, where: str) -> RLStats:
+    counts = {}
+    for f, bounds in (("log_ratio_counts", RL_LOG_RATIO_BUCKETS), ("advantage_counts", RL_ADVANTAGE_BUCKETS)):
+        got = getattr(m, f)
+        if len(got) not in (0, len(bounds) + 1):
+            raise v.reject("length_mismatch", f"{where}.{f} has {len(got)} counts, expected {len(bounds) + 1} (or none)")
+        counts[f] = tuple(v.count(c, f"{where}.{f}[{i}]") for i, c in enumerate(got))
+    floats = {f: v.finite(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None for f in _RL_FLOATS}
+    return RLStats(v.count(m.tokens, f"{where}.tokens"), counts["log_ratio_counts"], floats["log_ratio_sum"],
+                   floats["max_abs_log_ratio"], floats["mismatch_fraction"], floats["max_abs_log_ratio_old"],
+                   floats["clip_fraction"], counts["advantage_counts"], floats["advantage_sum"], floats["advantage_rms"],
+                   floats["max_abs_advantage"], floats["entropy_mean"])
 
 
 def _encode_tokens(t: TokenStats, index: dict[str, int], out: pb.TokenStatsMsg) -> None:
@@ -105,7 +142,7 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
         m.skipped, *(v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
                      for f in ("overhead_seconds", "step_seconds", "overhead")),
-        _shed(m, where))
+        _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None)
 
 
 def _shed(m: pb.Step, where: str) -> tuple[str, ...]:

@@ -10,8 +10,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradloc.records import Incident, Localization, Remedy, SpikeEvent, TokenStats
+from gradloc.records import (
+    RL_ADVANTAGE_BUCKETS,
+    RL_LOG_RATIO_BUCKETS,
+    Classification,
+    Incident,
+    Localization,
+    Remedy,
+    RLStats,
+    SpikeEvent,
+    TokenStats,
+)
 from gradloc.reports import CorrelatedIncident, LayerColumns, StepSummary
+
+
+def rl_stats(tokens: int = 100) -> RLStats:
+    """A step's RL distributions: every token in the bucket just above 0 (log ratio) / 1 (advantage)."""
+    lr = [0] * (len(RL_LOG_RATIO_BUCKETS) + 1)
+    lr[RL_LOG_RATIO_BUCKETS.index(0.01)] = tokens
+    adv = [0] * (len(RL_ADVANTAGE_BUCKETS) + 1)
+    adv[RL_ADVANTAGE_BUCKETS.index(1.0)] = tokens
+    return RLStats(tokens, tuple(lr), 0.005 * tokens, 0.3, 0.0, 0.9, 0.05, tuple(adv), 0.8 * tokens, 0.8, 2.5, 1.7)
+
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 
@@ -32,7 +52,8 @@ def columns(norms: Sequence[float], names: Sequence[str] | None = None,
 
 def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float, global_norm: float | None = None,
          loss: float | None = 2.5, grad_scale: float | None = None, tokens: bool = True,
-         skipped: bool = False, overhead: float | None = 0.03, shed: tuple[str, ...] = ()) -> StepSummary:
+         skipped: bool = False, overhead: float | None = 0.03, shed: tuple[str, ...] = (),
+         rl: RLStats | None = None) -> StepSummary:
     """One rank's step ``n``; the global norm defaults to the L2 norm of the finite layer norms."""
     if global_norm is None:
         finite = layers.grad_norm[np.isfinite(layers.grad_norm)]
@@ -43,14 +64,14 @@ def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float,
     return StepSummary(job, rank, n, time_unix, global_norm=global_norm, loss=loss, micro_batches=2,
                        layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped,
                        overhead_s=None if overhead is None else 0.01, step_s=None if overhead is None else 0.34,
-                       overhead=overhead, shed=shed)
+                       overhead=overhead, shed=shed, rl=rl)
 
 
 def incident(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: float = 42.0,
              ranks: Sequence[int] = (0, 1, 2), missing: Sequence[int] = (),
              kinds: tuple[str, ...] = ("grad_spike",), time_unix: float = 1_760_000_000.0,
              probes: int = 3, explained: float | None = 0.9, status: str | None = "located",
-             remedy: Remedy | None = None) -> CorrelatedIncident:
+             remedy: Remedy | None = None, kind: str | None = "train_inference_mismatch") -> CorrelatedIncident:
     """A correlated incident whose every reporting rank has one finding of ``kinds`` (localized with
     ``status`` unless None; ``remedy`` on every finding)."""
     loc = None if status is None else Localization(step_n, "attribution", status, probes, explained, global_norm,
@@ -58,7 +79,8 @@ def incident(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: fl
     findings = tuple(
         Incident(incident_id=f"{r:02d}{trace_id[2:]}", job=job, rank=r, step=step_n, time_unix=time_unix,
                  spike=SpikeEvent(step=step_n, kinds=kinds, global_norm=global_norm, z=30.0, mean=1.0, std=0.1),
-                 localization=loc, remedy=remedy)
+                 localization=loc, remedy=remedy,
+                 classification=None if kind is None else Classification(kind, "test"))
         for r in ranks)
     status = "partial" if missing else "complete"
     return CorrelatedIncident(

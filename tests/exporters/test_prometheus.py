@@ -27,7 +27,7 @@ from gradloc.exporters.prometheus import (
 )
 from gradloc.exporters.state import RankPoint, StateConfig, TelemetryState
 from gradloc.records import Remedy
-from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, step
+from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, rl_stats, step
 
 OM_ACCEPT = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # what Prometheus 2.42 sends
@@ -49,7 +49,8 @@ def realistic_state() -> TelemetryState:
                 state.observe_step(step(job, rank, n, columns(norms, update_ratio=ratios), time_unix=now - 0.05,
                                         loss=None if rank == 2 else 2.5, grad_scale=65536.0 if rank == 0 else None,
                                         skipped=(n == 100 and rank == 1),
-                                        shed=("update_ratio",) if (j, rank) == (1, 2) else ()))
+                                        shed=("update_ratio",) if (j, rank) == (1, 2) else (),
+                                        rl=rl_stats() if j == 0 else None))
     state.observe_incident(incident("llm-7b", 100, global_norm=42.0, ranks=(0, 1), missing=(2,),
                                     kinds=("grad_spike", "loss_spike"),
                                     remedy=Remedy("drop_culprits", True, 42.0, 1.5)))
@@ -120,6 +121,20 @@ def test_per_rank_and_per_layer_values():
     assert loc == {("llm-7b", "located"): 2.0}  # one per reporting rank's finding
     rem = {(lab["action"], lab["applied"]): v for lab, v in samples(text, "gradloc_remedies_total")}
     assert rem == {("drop_culprits", "true"): 2.0}
+    classes = {(lab["job"], lab["class"]): v for lab, v in samples(text, "gradloc_incident_classes_total")}
+    assert classes == {("llm-7b", "train_inference_mismatch"): 2.0}
+    # RL: gauges for the ranks that sent RL fields only, histograms from the trainers' bucket counts
+    ratio = {(lab["job"], lab["rank"], lab["reference"]): v for lab, v in samples(text, "gradloc_rl_max_abs_log_ratio")}
+    assert ratio == {(JOBS[0], str(r), ref): v for r in range(RANKS) for ref, v in (("rollout", 0.3), ("old", 0.9))}
+    assert {v for _, v in samples(text, "gradloc_rl_clipped_ratio")} == {0.05}
+    assert {v for _, v in samples(text, "gradloc_rl_entropy")} == {1.7}
+    buckets = {lab["le"]: v for lab, v in samples(text, "gradloc_rl_log_ratio_bucket") if lab["job"] == JOBS[0]}
+    # 3 ranks × 2 steps × 100 tokens, all in (0, 0.01]
+    assert buckets["0.0"] == 0 and buckets["0.01"] == 600 and buckets["+Inf"] == 600
+    adv = {lab["le"]: v for lab, v in samples(text, "gradloc_rl_advantage_bucket")}
+    assert adv["1.0"] == adv["+Inf"] == 600
+    # negative buckets: no _sum and no _count (OpenMetrics); the count is the +Inf bucket
+    assert not samples(text, "gradloc_rl_advantage_sum") and not samples(text, "gradloc_rl_advantage_count")
     assert len(norms) == len(JOBS) * RANKS * LAYERS
     assert norms[("rm-1b", "2", "model.layers.39.mlp.down_proj")] == pytest.approx(2.0 * 4)
     assert samples(text, "gradloc_step") and {v for _, v in samples(text, "gradloc_step")} == {100.0}

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 
 from gradloc.records import (
+    Classification,
     Culprit,
     CulpritSpan,
+    Evidence,
     Incident,
     LayerShare,
     LayerStats,
@@ -57,8 +59,11 @@ def finding(rank: int, step: int, span: CulpritSpan, *, incident_id: str, time_u
     remedy = (Remedy("drop_culprits", True, 3.5, 0.9, "∇ − ∇_C: 1 culprit token(s) dropped from the update")
               if status == "located" else
               Remedy("drop_culprits", False, 3.5, None, f"not applied to a {status} spike: only a located culprit set qualifies"))
+    cls = Classification("layer_concentrated", "blocks.1.proj carries 62% of ‖∇‖² and its own z-score flagged it",
+                         (Evidence("top_layer_share", 0.62), Evidence("flagged_layers", 1.0)))
     return Incident(incident_id=f"{rank:02d}" + incident_id[2:], job="llm-7b", rank=rank, step=step,
-                    time_unix=time_unix, spike=spike, localization=loc, top_layers=_layers(), remedy=remedy)
+                    time_unix=time_unix, spike=spike, localization=loc, top_layers=_layers(), remedy=remedy,
+                    classification=cls)
 
 
 def make_incident(incident_id: str = INCIDENT_ID, *, job: str = "llm-7b", step: int = 1200,

@@ -16,16 +16,23 @@ import pytest
 from hypothesis import strategies as st
 
 from gradloc.records import (
+    RL_ADVANTAGE_BUCKETS,
+    RL_LOG_RATIO_BUCKETS,
+    Classification,
     Culprit,
     CulpritSpan,
+    Evidence,
     Incident,
     LayerShare,
     LayerStats,
     Localization,
     Remedy,
+    RLStats,
+    SampleInfo,
     SampleShare,
     SpikeEvent,
     StepRecord,
+    TokenRL,
     TokenScore,
     TokenStats,
     to_dict,
@@ -97,6 +104,16 @@ def token_stats(draw: st.DrawFn, names: list[str], event: bool) -> TokenStats:
 
 
 @st.composite
+def rl_stats(draw: st.DrawFn) -> RLStats:
+    counts = lambda n: st.one_of(st.just(()), st.lists(st.integers(0, 2**40), min_size=n, max_size=n).map(tuple))  # noqa: E731
+    return RLStats(draw(small_int), draw(counts(len(RL_LOG_RATIO_BUCKETS) + 1)), *(draw(opt(finite)) for _ in range(5)),
+                   draw(counts(len(RL_ADVANTAGE_BUCKETS) + 1)), *(draw(opt(finite)) for _ in range(4)))
+
+
+infos = st.builds(SampleInfo, opt_text, opt(small_int), small_int, small_int, small_int, opt_text)
+
+
+@st.composite
 def step_records(draw: st.DrawFn) -> StepRecord:
     names = draw(st.lists(name, max_size=8, unique=True))
     layers = tuple(draw(layer_stats(n)) for n in names)
@@ -107,7 +124,8 @@ def step_records(draw: st.DrawFn) -> StepRecord:
                       draw(finite), draw(anyfloat if event else finite), draw(st.none() | anyfloat),
                       draw(st.integers(0, 64)), layers, tokens, nonfinite, draw(st.none() | finite),
                       draw(st.booleans()), *(draw(opt(nonneg)) for _ in range(3)),
-                      tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2, unique=True))))
+                      tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2, unique=True))),
+                      draw(opt(rl_stats())))
 
 
 @st.composite
@@ -119,11 +137,16 @@ def incidents(draw: st.DrawFn) -> Incident:
     loss = draw(opt(anyfloat))
     lossy = anyfloat if loss is not None and not math.isfinite(loss) else finite
     shares = st.lists(st.builds(LayerShare, name, derived), max_size=3).map(tuple)
+    classes = st.builds(Classification, name, st.text(max_size=20),
+                        st.lists(st.builds(Evidence, name, derived), max_size=3).map(tuple))
+    token_rl = st.builds(TokenRL, *([opt(derived)] * 5), opt(st.booleans()), opt(derived), opt(derived))
     culprits = st.lists(st.builds(Culprit, small_int, small_int, small_int, derived, derived, opt(small_int),
-                                  opt_text, opt_text, shares), max_size=3).map(tuple)
+                                  opt_text, opt_text, shares, opt(token_rl), opt(classes), opt(infos)),
+                        max_size=3).map(tuple)
     spans = st.lists(st.builds(lambda mb, s, a, d, sh, ids, *t: CulpritSpan(mb, s, a, a + d, sh, ids, *t),
                                small_int, small_int, small_int, st.integers(0, 5), derived,
-                               st.lists(small_int, max_size=3).map(tuple), opt_text, opt_text, opt_text, opt_text),
+                               st.lists(small_int, max_size=3).map(tuple), opt_text, opt_text, opt_text, opt_text,
+                               opt(infos)),
                      max_size=2).map(tuple)
     samples = st.lists(st.builds(SampleShare, small_int, small_int, derived, opt(derived), opt_text, small_int),
                        max_size=3).map(tuple)
@@ -136,7 +159,7 @@ def incidents(draw: st.DrawFn) -> Incident:
                        draw(st.text(max_size=30)))
     top = tuple(draw(st.lists(name.flatmap(layer_stats), max_size=3)))
     return Incident(draw(name), draw(name), draw(st.integers(0, WORLD - 1)), draw(small_int), draw(finite), spike, loc,
-                    top_layers=top, remedy=remedy)
+                    top_layers=top, remedy=remedy, classification=draw(opt(classes)))
 
 
 # -- wire helpers ----------------------------------------------------------------------------------
@@ -177,6 +200,7 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
     for field in ("job", "rank", "step", "micro_batches", "nonfinite", "skipped"):
         assert getattr(got, field) == getattr(want, field), field
     assert got.shed == want.shed
+    assert to_dict(got)["rl"] == to_dict(want)["rl"]
     for field in ("time_unix", "global_norm", "loss", "grad_scale", "overhead_s", "step_s", "overhead"):
         a, b = getattr(got, field), getattr(want, field)
         assert (a is None) == (b is None) and (a is None or a == b or (math.isnan(a) and math.isnan(b))), field

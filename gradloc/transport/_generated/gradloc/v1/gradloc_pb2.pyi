@@ -71,7 +71,7 @@ class LayerTable(_message.Message):
     def __init__(self, id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed")
+    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Step(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_FIELD_NUMBER: _ClassVar[int]
     SHED_FIELD_NUMBER: _ClassVar[int]
+    RL_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
@@ -116,7 +117,36 @@ class Step(_message.Message):
     step_seconds: float
     overhead: float
     shed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ...) -> None: ...
+    rl: RLStatsMsg
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ...) -> None: ...
+
+class RLStatsMsg(_message.Message):
+    __slots__ = ("tokens", "log_ratio_counts", "log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction", "advantage_counts", "advantage_rms", "max_abs_advantage", "entropy_mean", "advantage_sum")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOG_RATIO_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_RATIO_SUM_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_LOG_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_LOG_RATIO_OLD_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_RMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_SUM_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    log_ratio_counts: _containers.RepeatedScalarFieldContainer[int]
+    log_ratio_sum: float
+    max_abs_log_ratio: float
+    mismatch_fraction: float
+    max_abs_log_ratio_old: float
+    clip_fraction: float
+    advantage_counts: _containers.RepeatedScalarFieldContainer[int]
+    advantage_rms: float
+    max_abs_advantage: float
+    entropy_mean: float
+    advantage_sum: float
+    def __init__(self, tokens: _Optional[int] = ..., log_ratio_counts: _Optional[_Iterable[int]] = ..., log_ratio_sum: _Optional[float] = ..., max_abs_log_ratio: _Optional[float] = ..., mismatch_fraction: _Optional[float] = ..., max_abs_log_ratio_old: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., advantage_counts: _Optional[_Iterable[int]] = ..., advantage_rms: _Optional[float] = ..., max_abs_advantage: _Optional[float] = ..., entropy_mean: _Optional[float] = ..., advantage_sum: _Optional[float] = ...) -> None: ...
 
 class TokenStatsMsg(_message.Message):
     __slots__ = ("tokens", "total_score", "top_share", "micro_batch_shares", "unattributed_share", "dropped_calls", "micro_batch", "sample", "position", "score", "share", "token_id", "sample_id", "sample_id_none", "layer_count", "layer_index", "layer_share", "extra_layers")
@@ -211,7 +241,7 @@ class SpikeMsg(_message.Message):
     def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ..., global_norm: _Optional[float] = ..., z: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., loss: _Optional[float] = ..., loss_z: _Optional[float] = ..., loss_mean: _Optional[float] = ..., layers: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class CulpritMsg(_message.Message):
-    __slots__ = ("micro_batch", "sample", "position", "share", "score_share", "token_id", "text", "sample_id", "layers")
+    __slots__ = ("micro_batch", "sample", "position", "share", "score_share", "token_id", "text", "sample_id", "layers", "rl", "classification", "sample_info")
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +251,9 @@ class CulpritMsg(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RL_FIELD_NUMBER: _ClassVar[int]
+    CLASSIFICATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INFO_FIELD_NUMBER: _ClassVar[int]
     micro_batch: int
     sample: int
     position: int
@@ -230,10 +263,67 @@ class CulpritMsg(_message.Message):
     text: str
     sample_id: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerShareMsg]
-    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., share: _Optional[float] = ..., score_share: _Optional[float] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., sample_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerShareMsg, _Mapping]]] = ...) -> None: ...
+    rl: TokenRLMsg
+    classification: ClassificationMsg
+    sample_info: SampleInfoMsg
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., share: _Optional[float] = ..., score_share: _Optional[float] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., sample_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerShareMsg, _Mapping]]] = ..., rl: _Optional[_Union[TokenRLMsg, _Mapping]] = ..., classification: _Optional[_Union[ClassificationMsg, _Mapping]] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
+
+class TokenRLMsg(_message.Message):
+    __slots__ = ("logp", "rollout_logp", "old_logp", "advantage", "ratio", "clipped", "entropy", "sequence_log_ratio")
+    LOGP_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGP_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOGP_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LOG_RATIO_FIELD_NUMBER: _ClassVar[int]
+    logp: float
+    rollout_logp: float
+    old_logp: float
+    advantage: float
+    ratio: float
+    clipped: bool
+    entropy: float
+    sequence_log_ratio: float
+    def __init__(self, logp: _Optional[float] = ..., rollout_logp: _Optional[float] = ..., old_logp: _Optional[float] = ..., advantage: _Optional[float] = ..., ratio: _Optional[float] = ..., clipped: _Optional[bool] = ..., entropy: _Optional[float] = ..., sequence_log_ratio: _Optional[float] = ...) -> None: ...
+
+class EvidenceMsg(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+
+class ClassificationMsg(_message.Message):
+    __slots__ = ("kind", "reason", "evidence")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    reason: str
+    evidence: _containers.RepeatedCompositeFieldContainer[EvidenceMsg]
+    def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., evidence: _Optional[_Iterable[_Union[EvidenceMsg, _Mapping]]] = ...) -> None: ...
+
+class SampleInfoMsg(_message.Message):
+    __slots__ = ("request_id", "completion_index", "prompt_tokens", "response_start", "response_tokens", "finish_reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_START_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    completion_index: int
+    prompt_tokens: int
+    response_start: int
+    response_tokens: int
+    finish_reason: str
+    def __init__(self, request_id: _Optional[str] = ..., completion_index: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., response_start: _Optional[int] = ..., response_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class CulpritSpanMsg(_message.Message):
-    __slots__ = ("micro_batch", "sample", "start", "end", "share", "token_ids", "text", "context_before", "context_after", "sample_id")
+    __slots__ = ("micro_batch", "sample", "start", "end", "share", "token_ids", "text", "context_before", "context_after", "sample_id", "sample_info")
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +334,7 @@ class CulpritSpanMsg(_message.Message):
     CONTEXT_BEFORE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INFO_FIELD_NUMBER: _ClassVar[int]
     micro_batch: int
     sample: int
     start: int
@@ -254,7 +345,8 @@ class CulpritSpanMsg(_message.Message):
     context_before: str
     context_after: str
     sample_id: str
-    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ...) -> None: ...
+    sample_info: SampleInfoMsg
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
 
 class LocalizationMsg(_message.Message):
     __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note", "samples")
@@ -323,7 +415,7 @@ class RemedyMsg(_message.Message):
     def __init__(self, action: _Optional[str] = ..., applied: _Optional[bool] = ..., norm_before: _Optional[float] = ..., norm_after: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class IncidentMsg(_message.Message):
-    __slots__ = ("incident_id", "job", "rank", "step", "time_unix", "spike", "localization", "schema_version", "top_layers", "remedy")
+    __slots__ = ("incident_id", "job", "rank", "step", "time_unix", "spike", "localization", "schema_version", "top_layers", "remedy", "classification")
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +426,7 @@ class IncidentMsg(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     REMEDY_FIELD_NUMBER: _ClassVar[int]
+    CLASSIFICATION_FIELD_NUMBER: _ClassVar[int]
     incident_id: str
     job: str
     rank: int
@@ -344,4 +437,5 @@ class IncidentMsg(_message.Message):
     schema_version: int
     top_layers: _containers.RepeatedCompositeFieldContainer[LayerStatsMsg]
     remedy: RemedyMsg
-    def __init__(self, incident_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., spike: _Optional[_Union[SpikeMsg, _Mapping]] = ..., localization: _Optional[_Union[LocalizationMsg, _Mapping]] = ..., schema_version: _Optional[int] = ..., top_layers: _Optional[_Iterable[_Union[LayerStatsMsg, _Mapping]]] = ..., remedy: _Optional[_Union[RemedyMsg, _Mapping]] = ...) -> None: ...
+    classification: ClassificationMsg
+    def __init__(self, incident_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., spike: _Optional[_Union[SpikeMsg, _Mapping]] = ..., localization: _Optional[_Union[LocalizationMsg, _Mapping]] = ..., schema_version: _Optional[int] = ..., top_layers: _Optional[_Iterable[_Union[LayerStatsMsg, _Mapping]]] = ..., remedy: _Optional[_Union[RemedyMsg, _Mapping]] = ..., classification: _Optional[_Union[ClassificationMsg, _Mapping]] = ...) -> None: ...

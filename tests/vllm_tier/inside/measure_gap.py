@@ -1,6 +1,6 @@
 """|log π_train − log π_vllm| for an engine dtype against the float32 trainer, same weights.
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m tests.vllm.inside.measure_gap bfloat16
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m tests.vllm_tier.inside.measure_gap bfloat16
 
 Prints the token count, median, p99 and max of the gap over 8 prompts × n=4 × ≤16 tokens at T=1.
 A measurement, not a test (one engine per process: each dtype needs its own run).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.vllm.inside import engine
+from tests.vllm_tier.inside import engine
 
 
 def main(dtype: str) -> None:

@@ -2,7 +2,7 @@
 how its per-token logprobs compare with the trainer's (transformers, float32, same weights).
 
 No mocks: a real ``vllm.LLM`` in this process and the real ``RequestOutput`` objects it returns. These
-tests pin the facts the RL adapter is built on (listed in tests/vllm/README.md): one ``RequestOutput``
+tests pin the facts the RL adapter is built on (listed in tests/vllm_tier/README.md): one ``RequestOutput``
 per prompt with ``n`` ``CompletionOutput``s; per generated position a ``{token_id: Logprob}`` dict that
 always holds the sampled token; EOS kept in ``token_ids`` when a completion stops on it; logprobs from
 the raw (temperature-free) distribution.
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from tests.vllm.inside import engine
+from tests.vllm_tier.inside import engine
 
 pytestmark = pytest.mark.vllm
 
@@ -24,7 +24,7 @@ MAX_TOKENS = 16
 # Bound on |log π_train − log π_vllm| for one token, identical float32 weights. Measured over 386 sampled
 # tokens (T=1): median 2.1e-6, p99 4.0e-5, max 1.2e-4 — float32 rounding in different kernels (vLLM's
 # CPU attention, fused RMSNorm/SiLU, its own rotary). 1e-3 is ~8× the worst observed; a bf16 engine on the
-# same weights is off by median 3.7e-2, max 1.7 (tests/vllm/inside/measure_gap.py), so a dtype or weight
+# same weights is off by median 3.7e-2, max 1.7 (tests/vllm_tier/inside/measure_gap.py), so a dtype or weight
 # mismatch fails it.
 MAX_GAP = 1e-3
 
