@@ -47,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--memory", action="store_true",
                       help="instead of the ratios: peak memory per variant, one fresh process per run "
                            "(JSON under 'memory')")
+    ov.add_argument("--rl", action="store_true",
+                    help="add per_token_rl: the default monitor with per-token RL fields every micro-batch")
     mode.add_argument("--peers", action="store_true",
                       help="add Opacus ghost norms, BackPACK BatchL2Grad and wandb.watch to the TinyGPT run")
     ov.add_argument("--repeats", type=int, default=None,
@@ -56,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lo.add_argument("--seeds", type=int, default=None, help="seeds per scenario (default 5; 1 with --quick)")
     lo.add_argument("--train-steps", type=int, default=None, help="training steps before the scenarios")
     lo.add_argument("--kappa", type=float, default=None, help="bisection baseline's κ (default 4.0)")
+    lo.add_argument("--rl", action="store_true",
+                    help="the RL scenario set instead: mismatch, low-probability large-advantage, two samples, packed")
     lo.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default 1; 0 = torch's default)")
 
@@ -91,6 +95,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from dataclasses import replace
+
+    if args.rl:
+        from bench.localization_rl import RLBenchConfig, run_rl_localization
+        from bench.localization_rl import format_table as rl_table
+
+        rl_cfg = RLBenchConfig.quick() if args.quick else RLBenchConfig()
+        if args.seeds is not None:
+            rl_cfg = replace(rl_cfg, seeds=args.seeds)
+        res = run_rl_localization(rl_cfg, _progress(args.verbose))
+        print(json.dumps(res) if args.json else rl_table(res))
+        return 0
 
     from bench.localization import LocalizationConfig, format_table, run_localization
 
@@ -131,7 +146,7 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from bench.overhead import OverheadConfig, format_table, run_overhead
 
-    kw = {"models": models, "threads": threads, "peers": args.peers, "device": args.device}
+    kw = {"models": models, "threads": threads, "peers": args.peers, "rl": args.rl, "device": args.device}
     kw.update({k: getattr(args, k) for k in ("rounds", "warmup") if getattr(args, k) is not None})
     try:
         cfg = OverheadConfig.quick_config(**kw) if args.quick else OverheadConfig(**kw)

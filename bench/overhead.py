@@ -48,6 +48,7 @@ class OverheadConfig:
     threads: int | None = 1
     quick: bool = False  # the small models of bench.models.QUICK
     peers: bool = False  # add the peer tools' variants (TinyGPT only)
+    rl: bool = False  # add per_token_rl: the default monitor with per-token RL fields
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -70,7 +71,7 @@ class OverheadConfig:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        return VARIANTS + (PEER_VARIANTS if self.peers else ())
+        return VARIANTS + (("per_token_rl",) if self.rl else ()) + (PEER_VARIANTS if self.peers else ())
 
 
 def _ms(xs: list[float]) -> float:

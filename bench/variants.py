@@ -25,6 +25,7 @@ GRADLOC_VARIANTS: dict[str, dict[str, Any]] = {
     "per_token": {},  # WatchConfig() as users get it
     "per_token_full": {"update_ratio": "full"},  # a full parameter snapshot every step
     "per_token_off": {"update_ratio": "off"},  # no optimizer hooks, no snapshot
+    "per_token_rl": {},  # the default, plus per-token RL fields every micro-batch (RLVariant)
 }
 COMPUTES = {
     "plain": "nothing (baseline)",
@@ -32,6 +33,8 @@ COMPUTES = {
     "per_token": "gradloc default: per-layer + per-token gradient scores (top-k tokens per step), detector",
     "per_token_full": "gradloc default with update_ratio='full' (full parameter snapshot per step)",
     "per_token_off": "gradloc default with update_ratio='off' (no update-to-weight ratios)",
+    "per_token_rl": "gradloc default + RL fields (logp, old/rollout logp, advantages, ratio, clipped) and their "
+                    "per-step distributions",
 }
 
 
@@ -113,9 +116,28 @@ class GradlocVariant(Variant):
                 os.remove(self.store + suffix)
 
 
+class RLVariant(GradlocVariant):
+    """The default monitor, and every micro-batch hands over the per-token RL fields a GRPO loss has
+    (here from the same cross-entropy step: logp = −CE per token, π_old = π_rollout = its detached
+    copy, one advantage per sequence, ratio 1): the extra cost of ``rl_fields`` and its distributions."""
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        with self.mon.micro_batch(y):
+            per_token = token_losses(logits(self.model, x), y)  # (B, T)
+            loss = per_token.sum() / n_tokens
+            logp = -per_token.detach()
+            ones = torch.ones_like(logp)
+            self.mon.rl_fields(logp=logp, old_logp=logp, rollout_logp=logp, advantages=ones[:, 0], ratio=ones,
+                               clipped=ones < 0)
+            loss.backward()
+            return loss.detach()
+
+
 def make_variant(name: str, model: nn.Module, lr: float, device: str = "cpu") -> Variant:
     if name == "plain":
         return Variant(name, model, lr, device)
+    if name == "per_token_rl":
+        return RLVariant(name, model, lr, device)
     if name in GRADLOC_VARIANTS:
         return GradlocVariant(name, model, lr, device)
     from bench.peers import PEERS  # opacus, backpack, wandb: imported only when asked for
