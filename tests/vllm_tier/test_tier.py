@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TIER = "tests/vllm_tier/inside"
-TIMEOUT_S = 540  # the tier takes ~20 s here (≈10 s of it importing vllm); under pytest-timeout's 600 s
+TIMEOUT_S = 540  # the tier takes 20–55 s here (10–25 s of it importing vllm); under pytest-timeout's 600 s
 
 
 def _tail(text: str, n: int = 6000) -> str:

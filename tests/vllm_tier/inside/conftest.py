@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import gradloc
 from tests.vllm_tier.inside import engine
 
 _MEASURED: dict[str, str] = {}
@@ -49,3 +50,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for name, value in _MEASURED.items():
         terminalreporter.write_line(f"{name}: {value}")
     terminalreporter.write_line(f"peak RSS of the test process: {peak:.0f} MiB")
+    # which checkout's gradloc ran: .venv-vllm has one installed editable, a worktree's PYTHONPATH shadows it
+    terminalreporter.write_line(f"gradloc under test: {Path(gradloc.__file__).parent}")
