@@ -153,6 +153,8 @@ class WatchConfig:
     max_overhead: float | None = 0.5  # shed optional work above this fraction of the step's time (None: never)
     remedy: str | None = None  # None | "drop_culprits" | "skip_step"
     history: int = 256  # StepRecords kept in Monitor.history
+    distributed: str = "auto"  # "auto": an initialised torch.distributed job of > 1 rank is watched as one; "off"
+    collective_timeout_s: float = 60.0  # every gradloc collective is waited on at most this long
     strict: bool = True  # wiring mistakes (shape mismatch) raise BatchMetadataError at block exit
     incident_path: str | None = None  # JSONL incident file (embedded mode)
     world_size: int = 1  # ranks in the job: the agent waits for all of them before closing an incident
@@ -187,6 +189,8 @@ class WatchConfig:
         _check(self.remedy != "drop_culprits" or self.token_stats,
                "remedy='drop_culprits' needs token_stats=True (culprits are located from per-token statistics)")
         _check(self.history >= 1, f"history must be >= 1, got {self.history}")
+        _check(self.distributed in ("auto", "off"), f"distributed must be 'auto' or 'off', got {self.distributed!r}")
+        _check(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")
         _check(isinstance(self.localizer, LocalizerConfig), "localizer must be a LocalizerConfig")
 

@@ -128,6 +128,7 @@ class StepRecord:
     overhead: float | None = None
     shed: tuple[str, ...] = ()  # optional work shed to stay within WatchConfig.max_overhead
     rl: RLStats | None = None  # per-token RL fields' distributions (Monitor.rl_fields), when given
+    layers_global: bool = False  # the per-layer statistics are the job's (DDP, FSDP2, ZeRO): the same on every rank
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,7 @@ class Culprit:
     rl: TokenRL | None = None
     classification: Classification | None = None
     sample_info: SampleInfo | None = None
+    rank: int | None = None  # the rank whose micro-batch holds it (an in-job incident; None: the incident's rank)
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,7 @@ class CulpritSpan:
     context_after: str | None = None
     sample_id: str | None = None
     sample_info: SampleInfo | None = None
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,7 @@ class SampleShare:
     share: float | None = None
     sample_id: str | None = None
     tokens: int = 0  # loss tokens in the sample
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -330,3 +334,6 @@ class Incident:
     top_layers: tuple[LayerStats, ...] = field(default=())  # largest layer norms at the spike
     remedy: Remedy | None = None
     classification: Classification | None = None
+    # "rank": this rank's own finding; "job": localized across the ranks of a DDP/FSDP2/ZeRO job and
+    # emitted once (by rank 0): culprits, spans and samples name their rank, shares are the job's
+    scope: str = "rank"

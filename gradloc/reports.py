@@ -83,6 +83,7 @@ class StepSummary:
     overhead: float | None = None  # smoothed gradloc / training time
     shed: tuple[str, ...] = ()
     rl: RLStats | None = None
+    layers_global: bool = False  # the layer columns are the job's: exported once per job, not per rank
 
 
 def summarize(record: StepRecord) -> StepSummary:
@@ -96,7 +97,7 @@ def summarize(record: StepRecord) -> StepSummary:
     return StepSummary(record.job, record.rank, record.step, record.time_unix, record.global_norm,
                        record.loss, record.micro_batches, cols, record.tokens, record.nonfinite,
                        record.grad_scale, record.skipped, record.overhead_s, record.step_s, record.overhead,
-                       record.shed, record.rl)
+                       record.shed, record.rl, record.layers_global)
 
 
 @dataclass(frozen=True)

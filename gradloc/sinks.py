@@ -28,9 +28,13 @@ class Sink(Protocol):
     def shutdown(self) -> None: ...
 
 
-def default_sinks(cfg: "WatchConfig") -> list[Any]:
+def default_sinks(cfg: "WatchConfig", embedded_store: bool = True) -> list[Any]:
     """The sinks ``watch`` adds on its own: JSONL (if asked), then the agent client (``agent=``)
-    or the embedded agent. Nothing half-built stays open when one of them fails."""
+    or the embedded agent. Nothing half-built stays open when one of them fails.
+
+    ``embedded_store=False`` (ranks other than 0 of a DDP/FSDP2 job in embedded mode): no SQLite
+    store and no ``/metrics`` server on this rank — rank 0 holds the job's incidents, and one port
+    cannot serve several ranks of one node. Use a ``gradloc-agent`` daemon for every rank's metrics."""
     sinks: list[Any] = []
     try:
         if cfg.incident_path:
@@ -44,8 +48,9 @@ def default_sinks(cfg: "WatchConfig") -> list[Any]:
         elif cfg.embedded:
             from gradloc.agent.embedded import EmbeddedAgent
 
-            sinks.append(EmbeddedAgent(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, store=cfg.store,
-                                       store_path=cfg.store_path, metrics_address=cfg.metrics_address,
+            sinks.append(EmbeddedAgent(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size,
+                                       store=cfg.store and embedded_store, store_path=cfg.store_path,
+                                       metrics_address=cfg.metrics_address if embedded_store else None,
                                        otlp_endpoint=cfg.otlp_endpoint))
     except BaseException:
         for sink in sinks:

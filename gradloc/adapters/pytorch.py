@@ -23,9 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradloc.adapters import job_setup
+from gradloc.adapters.dist_spike import DistSpikePath
 from gradloc.adapters.spike import SpikeInputs, SpikePath, scaler_state
 from gradloc.collector import rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
+from gradloc.collector.job import JobView
 from gradloc.collector.layer_stats import LayerStatsCollector, module_layer_map
 from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
@@ -55,9 +58,12 @@ class Monitor:
                  config: WatchConfig | None = None, decode: Callable[[list[int]], str] | Any = None,
                  sinks: Sequence[Sink] = ()) -> None:
         self.model, self.optimizer = _check_model(model, config or WatchConfig()), optimizer
-        self.config = cfg = config or WatchConfig()
-        self.layer_stats = LayerStatsCollector(model, cfg.layer_grouping)
-        self.hooks = TokenHooks(model, module_layer_map(model, cfg.layer_grouping)) if cfg.token_stats else None
+        job = job_setup.resolve(model, config or WatchConfig())
+        self.config = cfg = job.config
+        self.comm, self.job_kind = job.comm, job.kind  # a DDP/FSDP2 job: one collective per step, spikes together
+        watched = job.model  # DDP: the inner module (the same parameters, no "module." prefix)
+        self.layer_stats = LayerStatsCollector(watched, cfg.layer_grouping)
+        self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
         if self.hooks is not None and not self.hooks.watched:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
@@ -75,10 +81,12 @@ class Monitor:
                                                 self.layer_stats.device)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         self.counters: Counter[str] = Counter()
-        self.spikes = SpikePath(model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
-                                Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg,
-                                self.pause_token_hooks, self.counters)
-        self.sinks: list[Sink] = list(sinks) + default_sinks(cfg)
+        spike_args = (model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
+                      Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg, self.pause_token_hooks,
+                      self.counters)
+        self.spikes = SpikePath(*spike_args) if self.comm is None else \
+            DistSpikePath(*spike_args, comm=self.comm, kind=self.job_kind, probe_context=job.probe_context)
+        self.sinks: list[Sink] = list(sinks) + default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
@@ -110,6 +118,9 @@ class Monitor:
     def attach(self) -> "Monitor":
         if self.attached or self.model in _ATTACHED:
             raise AttachError("this model already has a gradloc monitor attached; detach() it first")
+        if self.comm is not None:
+            job_setup.check_consistent(self.comm, self.config, self.layer_stats.layers,
+                                       self.hooks.layers if self.hooks else [])
         if self.hooks:
             self.hooks.attach()
         if self.optimizer is not None and self.update_ratios.enabled:
@@ -238,26 +249,29 @@ class Monitor:
         rl, rl_pack = self._rl_step([m for m, _ in parts], scores)
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
-                       upd[2] if upd else None, unscored, rl_pack)
+                       upd[2] if upd else None, unscored, rl_pack, self.comm)
         assembled = assemble(self.layer_stats, x)
         self.meter.end(t0)
         own, step_s, ratio = self.meter.finish_step()
         t1 = self.meter.begin()
-        ratios = self.update_ratios.ratios(upd[1], assembled.previous_update) if upd else None
+        ratios = self.update_ratios.ratios(assembled.previous_update) if upd else None
         self._emit_pending(ratios)
-        record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed)
+        record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
+                         layers_global=self.comm is not None)
         self._pending = replace(assembled, record=record)
-        spike = self.detector.observe(record)
+        spike = self.detector.observe(_as_judged(record, assembled.job))
         self.meter.end(t1)
         incident = None
         if INCIDENT.intersection(spike.kinds):
             t2 = time.perf_counter()
             incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
-                                                        scale is not None, rl))
+                                                        scale is not None, rl,
+                                                        assembled.job.loss if assembled.job else record.loss))
             self.meter.exclude(time.perf_counter() - t2)
             self.incidents.append(incident)
-            for sink in self.sinks:
-                self._safe(sink.on_incident, incident)
+            if self.comm is None or self.config.rank == 0:  # a job's incident is emitted once, by rank 0
+                for sink in self.sinks:
+                    self._safe(sink.on_incident, incident)
         self.step += 1
         self._ended += 1
         return StepReport(record, spike, incident)
@@ -311,9 +325,11 @@ class Monitor:
     def _take_update_host(self) -> np.ndarray | None:
         if self._update is None or self._pending is None or self._update[0] != self._pending.record.step:
             return None
-        _, window, sums = self._update
+        _, _, sums = self._update
         self._update = None
-        return self.update_ratios.ratios(window, sums.double().cpu().numpy())
+        if self.layer_stats.sharded:
+            return None  # the sums of the other ranks' shards arrive only with a next step's gather
+        return self.update_ratios.ratios(sums.double().cpu().numpy())
 
     def _emit_pending(self, ratios: np.ndarray | None) -> None:
         if self._pending is None:
@@ -332,6 +348,15 @@ class Monitor:
         except Exception:
             self.counters["sink_errors"] += 1
             log.warning("gradloc: %s failed", getattr(fn, "__qualname__", fn), exc_info=True)
+
+
+def _as_judged(record: StepRecord, job: JobView | None) -> StepRecord:
+    """What the detector sees: in a multi-rank job the job's loss and top-token share, so that every
+    rank's detector gets the same inputs and every rank takes the same path at a spike."""
+    if job is None:
+        return record
+    tokens = replace(record.tokens, top_share=job.top_share) if record.tokens is not None else None
+    return replace(record, loss=job.loss, tokens=tokens)
 
 
 def _check_model(model: nn.Module, cfg: WatchConfig) -> nn.Module:

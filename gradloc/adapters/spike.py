@@ -36,9 +36,12 @@ class SpikeInputs:
     unscaled: bool  # the stored gradients are already unscaled
     has_scaler: bool
     rl: dict[str, torch.Tensor] | None = None  # the step's RL fields over its positions (device), if given
+    job_loss: float | None = None  # a multi-rank job's mean loss (the detector's view); None: the record's
 
 
 class SpikePath:
+    scope = "rank"  # the incidents' scope (records.Incident.scope)
+
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], token_layers: Sequence[str],
                  localizer: Localizer, cfg: WatchConfig, pause_hooks: Callable[[bool], None],
                  counters: Counter[str]) -> None:
@@ -66,7 +69,7 @@ class SpikePath:
         rec = x.record
         top = tuple(sorted(rec.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:5])
         return Incident(uuid.uuid4().hex, rec.job, rec.rank, rec.step, rec.time_unix, x.spike, loc,
-                        top_layers=top, remedy=remedy, classification=classification)
+                        top_layers=top, remedy=remedy, classification=classification, scope=self.scope)
 
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
         rec = x.record

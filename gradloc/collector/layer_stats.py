@@ -27,6 +27,12 @@ def group_name(param_name: str, grouping: LayerGrouping) -> str:
     return ".".join(parts[: min(int(grouping), max(len(parts) - 1, 1))])
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters and gradients); any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def foreach_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
     """Per-tensor norms as one float32 tensor (P,); low-precision tensors are reduced in float32.
 
@@ -90,6 +96,9 @@ class LayerStatsCollector:
         for p, g in zip(self.params, self.group_of):
             self.numel[g] += p.numel()
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        # FSDP2: parameters and gradients are DTensors; statistics are of this rank's shards, summed
+        # over ranks by one collective per step (adapters/dist_step.py)
+        self.sharded = any(hasattr(p, "to_local") for p in self.params)
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(self.params):
             by_device.setdefault(p.device, []).append(i)
@@ -106,7 +115,8 @@ class LayerStatsCollector:
         return tuple(g.device for g in self._groups)
 
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+        """Bytes of the trainable parameters this rank holds (its shards when sharded)."""
+        return sum(local(p).numel() * p.element_size() for p in self.params)
 
     def persistent_bytes(self) -> int:
         """Device memory this collector keeps between steps (index and mask tensors)."""
@@ -145,8 +155,8 @@ class LayerStatsCollector:
             inv_scale = inv_scale.to(g.device, torch.float32)
         present = [j for j, i in enumerate(g.members) if self.params[i].grad is not None]
         idx = g.group_index if len(present) == len(g.members) else self._index_for(g, tuple(present))
-        grads = [self.params[g.members[j]].grad for j in present]
-        params = [self.params[g.members[j]].detach() for j in present]
+        grads = [local(self.params[g.members[j]].grad) for j in present]
+        params = [local(self.params[g.members[j]].detach()) for j in present]
         zeros = torch.zeros(L, device=g.device)
         if not grads:
             return torch.cat([zeros, zeros, zeros, zeros, zeros[:1]])
@@ -179,7 +189,7 @@ class LayerStatsCollector:
         counts = [0] * self.n_layers
         for p, g in zip(self.params, self.group_of):
             if p.grad is not None:
-                counts[g] += int((~torch.isfinite(p.grad)).sum())
+                counts[g] += int((~torch.isfinite(local(p.grad))).sum())
         return counts
 
     def unpack(self, host: Sequence[float], nonfinite: Sequence[int] | None) -> tuple[LayerStats, ...]:

@@ -1,7 +1,8 @@
 """Assemble one optimizer step's measurements into a :class:`StepRecord` with one host transfer.
 
 Packed layout (float64): ``[layer pack (4L) | uncovered_sq | scale | loss? | token summary? |
-RL pack? | previous step's update sums (2L)?]``.
+RL pack? | previous step's update sums (3L)? | every rank's job vector (3W)?]``. In a multi-rank job
+one collective precedes the transfer (collector/job.py); on one rank there is none.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from gradloc.collector.job import Gather, JobView, gather_step, job_vector, job_view
 from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.collector.rl_fields import PACK_LENGTH as RL_PACK_LENGTH
 from gradloc.collector.rl_fields import unpack_rl
@@ -32,16 +34,18 @@ class StepInputs:
     scores: StepScores | None
     token_layers: tuple[str, ...]
     top_k: int
-    previous_update: torch.Tensor | None  # (2L,) [Σ‖Δθ‖² | Σ‖θ‖²] of the previous step's window, on the device
+    previous_update: torch.Tensor | None  # (3L,) [Σ‖Δθ‖² | Σ‖θ‖² | elements] of the previous step's window
     unattributed: tuple[int, ...] = ()  # covered parameters whose module went unscored this step
     rl: torch.Tensor | None = None  # the step's RL distributions pack (collector.rl_fields.rl_pack)
+    comm: Gather | None = None  # a multi-rank job: one all_gather per step (collector/job.py)
 
 
 @dataclass(frozen=True)
 class Assembled:
     record: StepRecord
-    previous_update: np.ndarray | None  # (2L,) host copy of StepInputs.previous_update
+    previous_update: np.ndarray | None  # (3L,) host copy of StepInputs.previous_update (the job's, when sharded)
     scale: float  # host GradScaler scale (1.0 without a scaler)
+    job: JobView | None = None  # a multi-rank job's step, identical on every rank
 
 
 def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
@@ -51,16 +55,28 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     else:
         scale = torch.ones(1, dtype=torch.float64, device=dev)
     inv = 1.0 if (x.scale is None or x.unscaled_already) else scale.reciprocal()
-    parts = [layers.grad_pack(inv, x.unattributed), scale]  # (4L + 1,), (1,)
+    pack, update = layers.grad_pack(inv, x.unattributed), x.previous_update  # (4L + 1,), (3L,)?
     loss_t = x.loss if isinstance(x.loss, torch.Tensor) else None
+    summary = summary_pack(x.scores, x.top_k) if x.scores is not None else None
+    rows = None
+    if x.comm is not None:
+        top, total = (summary[len(x.scores.metas)], summary[-1]) if summary is not None else (0.0, 0.0)
+        job = job_vector(loss_t if loss_t is not None else x.loss, top, total, dev)
+        shared_pack, shared_update, rows = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None,
+                                                       update if layers.sharded else None, job)
+        pack = shared_pack if shared_pack is not None else pack
+        update = shared_update if shared_update is not None else update
+    parts = [pack, scale]  # (4L + 1,), (1,)
     if loss_t is not None:
         parts.append(loss_t.detach().reshape(1))
-    if x.scores is not None:
-        parts.append(summary_pack(x.scores, x.top_k))
+    if summary is not None:
+        parts.append(summary)
     if x.rl is not None:
         parts.append(x.rl)
-    if x.previous_update is not None:
-        parts.append(x.previous_update)
+    if update is not None:
+        parts.append(update)
+    if rows is not None:
+        parts.append(rows.flatten())  # (W, 3) -> (3W,)
     host = torch.cat([p.to(dev, torch.float64).flatten() for p in parts]).cpu().numpy()  # one transfer
     return _parse(host, layers, x, loss_t is not None)
 
@@ -96,8 +112,12 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
         grad_scale=scale if x.scale is not None else None,
         skipped=x.scale is not None and not finite, rl=rl,
     )
-    previous = host[pos:pos + 2 * L].copy() if x.previous_update is not None else None
-    return Assembled(record, previous, scale)
+    previous = None
+    if x.previous_update is not None:
+        previous = host[pos:pos + 3 * L].copy()
+        pos += 3 * L
+    job = job_view(host[pos:].reshape(-1, 3)) if x.comm is not None else None  # (3W,) -> (W, 3)
+    return Assembled(record, previous, scale, job)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

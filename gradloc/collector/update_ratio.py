@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from gradloc.collector.layer_stats import foreach_norms
+from gradloc.collector.layer_stats import foreach_norms, local
 
 _ALIGN = 64  # bytes: every piece's copy starts at a multiple of this inside the buffer
 _MAX_PLANS = 64
@@ -62,8 +62,8 @@ class UpdateRatioTracker:
         self.primary = primary
         self.layer_numel = np.zeros(n_layers, dtype=np.int64)
         for p, g in zip(self.params, self.group_of):
-            self.layer_numel[g] += p.numel()
-        total = sum(p.numel() * p.element_size() for p in self.params)
+            self.layer_numel[g] += p.numel()  # a DTensor's global count: shards' sums are summed over ranks
+        total = sum(local(p).numel() * p.element_size() for p in self.params)
         self.window_bytes = total if window_bytes is None else max(0, min(int(window_bytes), total))
         self.full = self.window_bytes >= total
         self._cursor = (0, 0)  # (parameter index, element offset) where the next window starts
@@ -109,7 +109,7 @@ class UpdateRatioTracker:
         i, off = start
         elems = np.zeros(self.n_layers, dtype=np.int64)
         for _ in range(2 * len(self.params) + 1):
-            p = self.params[i]
+            p = local(self.params[i])
             es, rest = p.element_size(), p.numel() - off
             take = min(rest, left // es) if pieces or left >= es else min(rest, 1)  # ≥ 1 element a step
             if take <= 0:
@@ -150,7 +150,8 @@ class UpdateRatioTracker:
         return idx
 
     def _sources(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
-        return [self.params[pc.param].detach().reshape(-1)[pc.start:pc.start + pc.count] for pc in pieces]  # (*shape) -> (numel,)
+        return [local(self.params[pc.param].detach()).reshape(-1)[pc.start:pc.start + pc.count]  # (*shape) -> (numel,)
+                for pc in pieces]
 
     # -- optimizer hooks ------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -160,7 +161,7 @@ class UpdateRatioTracker:
         window = self._next_window()
         groups: dict[torch.device, list[int]] = {}
         for j, pc in enumerate(window.pieces):
-            groups.setdefault(self.params[pc.param].device, []).append(j)
+            groups.setdefault(local(self.params[pc.param]).device, []).append(j)
         by_device, before = [], []
         for dev, idx in groups.items():
             pieces = [window.pieces[j] for j in idx]
@@ -171,30 +172,34 @@ class UpdateRatioTracker:
         self._live = _Live(window, by_device, before)
 
     def after_step(self) -> tuple[Window, torch.Tensor] | None:
-        """Post-hook: the window and per-layer ``[Σ‖Δ‖² (L) | Σ‖θ_before‖² (L)]`` on the primary device."""
+        """Post-hook: the window and per-layer ``[Σ‖Δ‖² (L) | Σ‖θ_before‖² (L) | elements covered (L)]``
+        on the primary device (sharded: this rank's, to be summed over ranks)."""
         live, self._live = self._live, None
         if live is None:
             return None
         L = self.n_layers
-        out = torch.zeros(2 * L, device=self.primary)
+        out = torch.zeros(3 * L, device=self.primary)
+        out[2 * L:] = torch.from_numpy(live.window.layer_elems.astype(np.float32)).to(self.primary)
         for (idx, dst, layer), before_sq in zip(live.by_device, live.before_sq):
             pieces = [live.window.pieces[j] for j in idx]
             torch._foreach_sub_(dst, self._sources(pieces))  # θ_before − θ_after
             delta_sq = foreach_norms(dst).pow(2)  # (pieces,)
-            part = torch.zeros(2 * L, device=layer.device)
+            part = torch.zeros(3 * L, device=layer.device)
             part.index_add_(0, layer, delta_sq).index_add_(0, layer + L, before_sq)
             out += part.to(self.primary, non_blocking=True)
         return live.window, out
 
     # -- host side --------------------------------------------------------------------------------
-    def ratios(self, window: Window, sums: np.ndarray) -> np.ndarray:
-        """(L,) ratios from one window's host sums (NaN where no layer sweep completed this step)."""
+    def ratios(self, sums: np.ndarray) -> np.ndarray:
+        """(L,) ratios from one window's host sums ``[Σ‖Δ‖² | Σ‖θ‖² | elements]`` (the job's, summed
+        over ranks, when sharded); NaN where no layer's sweep completed this step."""
         L = self.n_layers
         out = np.full(L, np.nan)
-        covered = window.layer_elems > 0
+        elems = sums[2 * L:3 * L]
+        covered = elems > 0
         self._acc[0, covered] += sums[:L][covered]
         self._acc[1, covered] += sums[L:2 * L][covered]
-        self._acc[2, covered] += window.layer_elems[covered]
+        self._acc[2, covered] += elems[covered]
         done = covered & (self._acc[2] >= self.layer_numel)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.sqrt(self._acc[0] / self._acc[1])

@@ -54,6 +54,8 @@ def encode_incident(inc: Incident) -> pb.IncidentMsg:
         m.localization.CopyFrom(_encode_localization(inc.localization))
     if inc.classification is not None:
         m.classification.CopyFrom(_encode_class(inc.classification))
+    if inc.scope != "rank":
+        m.scope = inc.scope
     if inc.remedy is not None:
         r = inc.remedy
         m.remedy.CopyFrom(pb.RemedyMsg(action=r.action, applied=r.applied, norm_before=r.norm_before, reason=r.reason))
@@ -87,7 +89,7 @@ def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
     for c in loc.culprits:
         cm = m.culprits.add(micro_batch=c.micro_batch, sample=c.sample, position=c.position, share=c.share,
                             score_share=c.score_share, layers=_shares(c.layers))
-        _set_optional(cm, c, ("token_id", "text", "sample_id"))
+        _set_optional(cm, c, ("token_id", "text", "sample_id", "rank"))
         if c.rl is not None:
             _set_optional(cm.rl, c.rl, _RL_FIELDS)
             cm.rl.SetInParent()
@@ -98,12 +100,12 @@ def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
     for s in loc.spans:
         sm = m.spans.add(micro_batch=s.micro_batch, sample=s.sample, start=s.start, end=s.end, share=s.share,
                          token_ids=s.token_ids)
-        _set_optional(sm, s, ("text", "context_before", "context_after", "sample_id"))
+        _set_optional(sm, s, ("text", "context_before", "context_after", "sample_id", "rank"))
         if s.sample_info is not None:
             sm.sample_info.CopyFrom(_encode_info(s.sample_info))
     for x in loc.samples:
         xm = m.samples.add(micro_batch=x.micro_batch, sample=x.sample, score_share=x.score_share, tokens=x.tokens)
-        _set_optional(xm, x, ("share", "sample_id"))
+        _set_optional(xm, x, ("share", "sample_id", "rank"))
     return m
 
 
@@ -173,7 +175,18 @@ def decode_incident(m: pb.IncidentMsg, world_size: int, where: str) -> Incident:
     return Incident(v.text(m.incident_id, f"{where}.incident_id", required=True),
                     v.text(m.job, f"{where}.job", required=True), v.rank(m.rank, world_size, f"{where}.rank"),
                     v.count(m.step, f"{where}.step"), c.finite(m.time_unix, f"{where}.time_unix"),
-                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top, remedy, cls)
+                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top, remedy, cls,
+                    _scope(m.scope, f"{where}.scope"))
+
+
+def _scope(scope: str, where: str) -> str:
+    if scope not in ("", "rank", "job"):
+        raise v.reject("invalid_value", f"{where} is {scope[:40]!r}; known: 'rank', 'job'")
+    return scope or "rank"
+
+
+def _opt_rank(m: Any, where: str) -> int | None:
+    return v.count(m.rank, f"{where}.rank") if m.HasField("rank") else None
 
 
 def _decode_class(m: pb.ClassificationMsg, c: _Checks, where: str) -> Classification:
@@ -205,7 +218,8 @@ def _decode_remedy(m: pb.RemedyMsg, c: _Checks, where: str) -> Remedy:
 def _decode_sample(m: pb.SampleShareMsg, c: _Checks, where: str) -> SampleShare:
     return SampleShare(v.count(m.micro_batch, f"{where}.micro_batch"), v.count(m.sample, f"{where}.sample"),
                        c.derived(m.score_share, f"{where}.score_share"), _get_optional(m, "share", c.derived, where),
-                       _get_optional(m, "sample_id", c.name, where), v.count(m.tokens, f"{where}.tokens"))
+                       _get_optional(m, "sample_id", c.name, where), v.count(m.tokens, f"{where}.tokens"),
+                       _opt_rank(m, where))
 
 
 def _decode_layer(m: pb.LayerStatsMsg, where: str) -> LayerStats:
@@ -245,7 +259,8 @@ def _decode_culprit(m: pb.CulpritMsg, c: _Checks, where: str) -> Culprit:
                    _decode_shares(m.layers, c, f"{where}.layers"),
                    _decode_token_rl(m.rl, c, f"{where}.rl") if m.HasField("rl") else None,
                    _decode_class(m.classification, c, f"{where}.classification") if m.HasField("classification") else None,
-                   _decode_info(m.sample_info, c, f"{where}.sample_info") if m.HasField("sample_info") else None)
+                   _decode_info(m.sample_info, c, f"{where}.sample_info") if m.HasField("sample_info") else None,
+                   _opt_rank(m, where))
 
 
 def _decode_span(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> CulpritSpan:
@@ -258,7 +273,8 @@ def _decode_span(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> CulpritSpan:
                        *(_get_optional(m, f, c.free_text, where)
                          for f in ("text", "context_before", "context_after")),
                        _get_optional(m, "sample_id", c.name, where),
-                       _decode_info(m.sample_info, c, f"{where}.sample_info") if m.HasField("sample_info") else None)
+                       _decode_info(m.sample_info, c, f"{where}.sample_info") if m.HasField("sample_info") else None,
+                       _opt_rank(m, where))
 
 
 def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Localization:

@@ -63,6 +63,7 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
     m.shed.extend(rec.shed)
     if rec.rl is not None:
         _encode_rl(rec.rl, m.rl)
+    m.layers_global = rec.layers_global
     return m
 
 
@@ -142,7 +143,7 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
         m.skipped, *(v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
                      for f in ("overhead_seconds", "step_seconds", "overhead")),
-        _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None)
+        _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None, m.layers_global)
 
 
 def _shed(m: pb.Step, where: str) -> tuple[str, ...]:

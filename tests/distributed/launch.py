@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -47,7 +48,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        out.put((rank, "ok", result))
+        out.put((rank, "ok", pickle.dumps(result)))  # by value: torch's queue would share tensors by fd
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         out.put((rank, "error", traceback.format_exc()))
 
@@ -79,7 +80,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             if p.is_alive():

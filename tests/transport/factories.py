@@ -125,7 +125,7 @@ def step_records(draw: st.DrawFn) -> StepRecord:
                       draw(st.integers(0, 64)), layers, tokens, nonfinite, draw(st.none() | finite),
                       draw(st.booleans()), *(draw(opt(nonneg)) for _ in range(3)),
                       tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2, unique=True))),
-                      draw(opt(rl_stats())))
+                      draw(opt(rl_stats())), draw(st.booleans()))
 
 
 @st.composite
@@ -141,15 +141,16 @@ def incidents(draw: st.DrawFn) -> Incident:
                         st.lists(st.builds(Evidence, name, derived), max_size=3).map(tuple))
     token_rl = st.builds(TokenRL, *([opt(derived)] * 5), opt(st.booleans()), opt(derived), opt(derived))
     culprits = st.lists(st.builds(Culprit, small_int, small_int, small_int, derived, derived, opt(small_int),
-                                  opt_text, opt_text, shares, opt(token_rl), opt(classes), opt(infos)),
+                                  opt_text, opt_text, shares, opt(token_rl), opt(classes), opt(infos),
+                                  opt(st.integers(0, WORLD - 1))),
                         max_size=3).map(tuple)
     spans = st.lists(st.builds(lambda mb, s, a, d, sh, ids, *t: CulpritSpan(mb, s, a, a + d, sh, ids, *t),
                                small_int, small_int, small_int, st.integers(0, 5), derived,
                                st.lists(small_int, max_size=3).map(tuple), opt_text, opt_text, opt_text, opt_text,
-                               opt(infos)),
+                               opt(infos), opt(st.integers(0, WORLD - 1))),
                      max_size=2).map(tuple)
-    samples = st.lists(st.builds(SampleShare, small_int, small_int, derived, opt(derived), opt_text, small_int),
-                       max_size=3).map(tuple)
+    samples = st.lists(st.builds(SampleShare, small_int, small_int, derived, opt(derived), opt_text, small_int,
+                                 opt(st.integers(0, WORLD - 1))), max_size=3).map(tuple)
     loc = draw(opt(st.builds(Localization, small_int, name, name, small_int, opt(derived), g, opt(derived),
                              opt(derived), culprits, spans, st.lists(derived, max_size=3).map(tuple), derived,
                              opt(lossy), opt(lossy), st.text(max_size=30), samples)))
@@ -159,7 +160,8 @@ def incidents(draw: st.DrawFn) -> Incident:
                        draw(st.text(max_size=30)))
     top = tuple(draw(st.lists(name.flatmap(layer_stats), max_size=3)))
     return Incident(draw(name), draw(name), draw(st.integers(0, WORLD - 1)), draw(small_int), draw(finite), spike, loc,
-                    top_layers=top, remedy=remedy, classification=draw(opt(classes)))
+                    top_layers=top, remedy=remedy, classification=draw(opt(classes)),
+                    scope=draw(st.sampled_from(["rank", "job"])))
 
 
 # -- wire helpers ----------------------------------------------------------------------------------
@@ -200,7 +202,7 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
     for field in ("job", "rank", "step", "micro_batches", "nonfinite", "skipped"):
         assert getattr(got, field) == getattr(want, field), field
     assert got.shed == want.shed
-    assert to_dict(got)["rl"] == to_dict(want)["rl"]
+    assert to_dict(got)["rl"] == to_dict(want)["rl"] and got.layers_global == want.layers_global
     for field in ("time_unix", "global_norm", "loss", "grad_scale", "overhead_s", "step_s", "overhead"):
         a, b = getattr(got, field), getattr(want, field)
         assert (a is None) == (b is None) and (a is None or a == b or (math.isnan(a) and math.isnan(b))), field

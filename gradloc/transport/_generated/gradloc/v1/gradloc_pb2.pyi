@@ -71,7 +71,7 @@ class LayerTable(_message.Message):
     def __init__(self, id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl")
+    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl", "layers_global")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class Step(_message.Message):
     OVERHEAD_FIELD_NUMBER: _ClassVar[int]
     SHED_FIELD_NUMBER: _ClassVar[int]
     RL_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_GLOBAL_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
@@ -118,7 +119,8 @@ class Step(_message.Message):
     overhead: float
     shed: _containers.RepeatedScalarFieldContainer[str]
     rl: RLStatsMsg
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ...) -> None: ...
+    layers_global: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ...) -> None: ...
 
 class RLStatsMsg(_message.Message):
     __slots__ = ("tokens", "log_ratio_counts", "log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction", "advantage_counts", "advantage_rms", "max_abs_advantage", "entropy_mean", "advantage_sum")
@@ -241,7 +243,7 @@ class SpikeMsg(_message.Message):
     def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ..., global_norm: _Optional[float] = ..., z: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., loss: _Optional[float] = ..., loss_z: _Optional[float] = ..., loss_mean: _Optional[float] = ..., layers: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class CulpritMsg(_message.Message):
-    __slots__ = ("micro_batch", "sample", "position", "share", "score_share", "token_id", "text", "sample_id", "layers", "rl", "classification", "sample_info")
+    __slots__ = ("micro_batch", "sample", "position", "share", "score_share", "token_id", "text", "sample_id", "layers", "rl", "classification", "sample_info", "rank")
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +256,7 @@ class CulpritMsg(_message.Message):
     RL_FIELD_NUMBER: _ClassVar[int]
     CLASSIFICATION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INFO_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     micro_batch: int
     sample: int
     position: int
@@ -266,7 +269,8 @@ class CulpritMsg(_message.Message):
     rl: TokenRLMsg
     classification: ClassificationMsg
     sample_info: SampleInfoMsg
-    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., share: _Optional[float] = ..., score_share: _Optional[float] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., sample_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerShareMsg, _Mapping]]] = ..., rl: _Optional[_Union[TokenRLMsg, _Mapping]] = ..., classification: _Optional[_Union[ClassificationMsg, _Mapping]] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
+    rank: int
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., share: _Optional[float] = ..., score_share: _Optional[float] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., sample_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerShareMsg, _Mapping]]] = ..., rl: _Optional[_Union[TokenRLMsg, _Mapping]] = ..., classification: _Optional[_Union[ClassificationMsg, _Mapping]] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class TokenRLMsg(_message.Message):
     __slots__ = ("logp", "rollout_logp", "old_logp", "advantage", "ratio", "clipped", "entropy", "sequence_log_ratio")
@@ -323,7 +327,7 @@ class SampleInfoMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., completion_index: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., response_start: _Optional[int] = ..., response_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class CulpritSpanMsg(_message.Message):
-    __slots__ = ("micro_batch", "sample", "start", "end", "share", "token_ids", "text", "context_before", "context_after", "sample_id", "sample_info")
+    __slots__ = ("micro_batch", "sample", "start", "end", "share", "token_ids", "text", "context_before", "context_after", "sample_id", "sample_info", "rank")
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +339,7 @@ class CulpritSpanMsg(_message.Message):
     CONTEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INFO_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     micro_batch: int
     sample: int
     start: int
@@ -346,7 +351,8 @@ class CulpritSpanMsg(_message.Message):
     context_after: str
     sample_id: str
     sample_info: SampleInfoMsg
-    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
+    rank: int
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class LocalizationMsg(_message.Message):
     __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note", "samples")
@@ -385,20 +391,22 @@ class LocalizationMsg(_message.Message):
     def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleShareMsg, _Mapping]]] = ...) -> None: ...
 
 class SampleShareMsg(_message.Message):
-    __slots__ = ("micro_batch", "sample", "score_share", "share", "sample_id", "tokens")
+    __slots__ = ("micro_batch", "sample", "score_share", "share", "sample_id", "tokens", "rank")
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SCORE_SHARE_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     micro_batch: int
     sample: int
     score_share: float
     share: float
     sample_id: str
     tokens: int
-    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., score_share: _Optional[float] = ..., share: _Optional[float] = ..., sample_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., score_share: _Optional[float] = ..., share: _Optional[float] = ..., sample_id: _Optional[str] = ..., tokens: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RemedyMsg(_message.Message):
     __slots__ = ("action", "applied", "norm_before", "norm_after", "reason")
@@ -415,7 +423,7 @@ class RemedyMsg(_message.Message):
     def __init__(self, action: _Optional[str] = ..., applied: _Optional[bool] = ..., norm_before: _Optional[float] = ..., norm_after: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class IncidentMsg(_message.Message):
-    __slots__ = ("incident_id", "job", "rank", "step", "time_unix", "spike", "localization", "schema_version", "top_layers", "remedy", "classification")
+    __slots__ = ("incident_id", "job", "rank", "step", "time_unix", "spike", "localization", "schema_version", "top_layers", "remedy", "classification", "scope")
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +435,7 @@ class IncidentMsg(_message.Message):
     TOP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     REMEDY_FIELD_NUMBER: _ClassVar[int]
     CLASSIFICATION_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     incident_id: str
     job: str
     rank: int
@@ -438,4 +447,5 @@ class IncidentMsg(_message.Message):
     top_layers: _containers.RepeatedCompositeFieldContainer[LayerStatsMsg]
     remedy: RemedyMsg
     classification: ClassificationMsg
-    def __init__(self, incident_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., spike: _Optional[_Union[SpikeMsg, _Mapping]] = ..., localization: _Optional[_Union[LocalizationMsg, _Mapping]] = ..., schema_version: _Optional[int] = ..., top_layers: _Optional[_Iterable[_Union[LayerStatsMsg, _Mapping]]] = ..., remedy: _Optional[_Union[RemedyMsg, _Mapping]] = ..., classification: _Optional[_Union[ClassificationMsg, _Mapping]] = ...) -> None: ...
+    scope: str
+    def __init__(self, incident_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., spike: _Optional[_Union[SpikeMsg, _Mapping]] = ..., localization: _Optional[_Union[LocalizationMsg, _Mapping]] = ..., schema_version: _Optional[int] = ..., top_layers: _Optional[_Iterable[_Union[LayerStatsMsg, _Mapping]]] = ..., remedy: _Optional[_Union[RemedyMsg, _Mapping]] = ..., classification: _Optional[_Union[ClassificationMsg, _Mapping]] = ..., scope: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,82 @@
+"""Watching one rank of a multi-rank job: unwrap the model, join the job, check every rank agrees.
+
+- **DDP**: the hooks and statistics go on ``model.module`` (the same parameters, without the
+  ``module.`` prefix in layer names); probes run the user's closure under ``model.no_sync()`` so their
+  backward never starts the gradient all-reduce on one rank only.
+- **FSDP2** (``fully_shard``): the model is watched as it is; its parameters and gradients are
+  DTensor shards (``LayerStatsCollector.sharded``), and every rank takes part in every probe.
+- A plain model in a multi-rank job (no DDP/FSDP2 wrapper) is watched rank by rank, as before: its
+  gradients are each rank's own, so no collective runs and the agent correlates the ranks.
+- The rank and world size come from the process group. A configuration that says otherwise is a
+  setup error, and so is any rank watching different layers or with different settings: every rank
+  exchanges a fingerprint at attach, and every rank raises the same :class:`AttachError` on a
+  mismatch (instead of some ranks entering collectives the others never reach).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, ContextManager
+
+from torch import nn
+
+from gradloc.adapters.dist import JobComm
+from gradloc.config import WatchConfig
+from gradloc.errors import AttachError, ConfigError
+
+
+@dataclass(frozen=True)
+class JobSetup:
+    model: nn.Module  # what hooks and statistics watch (DDP's inner module)
+    config: WatchConfig  # with the job's rank and world size
+    comm: JobComm | None
+    probe_context: Callable[[], ContextManager[Any]]  # wraps each probe (DDP: no_sync)
+    kind: str  # "single" (one rank, or ranks watched independently) | "ddp" | "fsdp"
+
+
+def resolve(model: nn.Module, cfg: WatchConfig) -> JobSetup:
+    comm = JobComm.detect(cfg.collective_timeout_s) if cfg.distributed == "auto" else None
+    inner, ctx, kind = model, contextlib.nullcontext, "single"
+    if _is_ddp(model):
+        inner, ctx, kind = model.module, model.no_sync, "ddp"
+    elif comm is not None and _is_fsdp2(model):
+        kind = "fsdp"
+    if comm is None:
+        return JobSetup(inner, cfg, None, ctx, kind)
+    if cfg.world_size not in (1, comm.world_size) or (cfg.world_size == comm.world_size and cfg.rank != comm.rank):
+        raise ConfigError(f"WatchConfig says rank {cfg.rank} of {cfg.world_size}, but this process is rank "
+                          f"{comm.rank} of {comm.world_size} in the process group: leave rank/world_size unset")
+    cfg = replace(cfg, rank=comm.rank, world_size=comm.world_size)
+    # A plain model in a multi-rank job has each rank's own gradients (no wrapper reduces them here):
+    # its ranks are watched independently, as separate processes of one job, with no collective.
+    return JobSetup(inner, cfg, comm if kind != "single" else None, ctx, kind)
+
+
+def check_consistent(comm: JobComm, cfg: WatchConfig, layers: list[str], token_layers: list[str]) -> None:
+    """Every rank must watch the same layers with the same settings (one collective, at attach)."""
+    settings = {f.name: repr(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in ("rank", "store_path",
+                                                                                        "metrics_address")}
+    mine = hashlib.sha256(repr((layers, token_layers, sorted(settings.items()))).encode()).hexdigest()
+    every = comm.all_gather_object((mine, len(layers), len(token_layers), settings), "gradloc attach check")
+    bad = [r for r, (h, *_) in enumerate(every) if h != every[0][0]]
+    if bad:
+        diff = sorted(k for k in settings if any(e[3].get(k) != every[0][3].get(k) for e in every))
+        what = f"settings differ: {diff}" if diff else "the watched layers differ: " + \
+            ", ".join(f"rank {r}: {e[1]} layers / {e[2]} token layers" for r, e in enumerate(every))
+        raise AttachError(f"gradloc: ranks {bad} do not match rank 0 ({what}); every rank must watch the same "
+                          "model with the same WatchConfig")
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,48 @@
+"""DDP on gloo: global norms, one incident naming the rank, probes on the owning rank, training unchanged."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.ddp_job import train
+from tests.distributed.launch import run
+
+STEPS, SPIKE = 8, 7
+
+
+def _ddp(rank, world, plant, monitor):
+    out = train(rank, world, "ddp", STEPS, plant, monitor)
+    return {"params": out["params"], "collectives": out["collectives"], "kind": out["kind"],
+            "reports": [(r.record.global_norm, r.record.layers_global, r.spike.kinds,
+                         r.incident.localization if r.incident else None, r.incident.scope if r.incident else None)
+                        for r in out["reports"]]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_culprit_on_rank_1_is_found_by_every_rank_as_one_job_incident(world):
+    plant = (1, SPIKE, 1, 2, 5)
+    res = run(_ddp, world, plant, True, timeout_s=300)
+    assert all(r["kind"] == "ddp" for r in res)
+    for s in range(STEPS):  # every rank sees the job's norm and the same verdict
+        norms = {r["reports"][s][0] for r in res}
+        assert len(norms) == 1, (s, norms)
+        assert len({r["reports"][s][2] for r in res}) == 1
+        assert all(r["reports"][s][1] for r in res)  # layers_global
+    for r in res:
+        assert r["collectives"][:SPIKE] == [1] * SPIKE  # one all_gather per healthy step, nothing else
+        norm, _, kinds, loc, scope = r["reports"][SPIKE]
+        assert "grad_spike" in kinds and scope == "job"
+        assert loc.status == "located" and loc.probes <= 3, loc.note
+        assert [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits] == [plant[:1] + plant[2:]]
+        assert loc.explained_share > 0.9
+    locs = [r["reports"][SPIKE][3] for r in res]
+    assert all(repr(loc) == repr(locs[0]) for loc in locs)  # the same localization on every rank
+
+
+def test_training_is_bitwise_identical_with_and_without_gradloc():
+    plant = (1, SPIKE, 1, 2, 5)
+    with_mon = run(_ddp, 2, plant, True, timeout_s=300)
+    without = run(_ddp, 2, plant, False, timeout_s=300)
+    for r in range(2):
+        for name, p in without[r]["params"].items():
+            assert torch.equal(p, with_mon[r]["params"][name]), f"rank {r}: {name} differs"
