@@ -22,6 +22,7 @@ called: left unscored, their gradient is reported as the unattributed share, nev
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -36,12 +37,13 @@ _SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_he
 class FusedHeadScores:
     """Scores for the LM head of ``model`` (a ``PreTrainedModel``, or a PEFT wrapper of one)."""
 
-    def __init__(self, model: nn.Module, hooks: TokenHooks, temperature: float = 1.0) -> None:
+    def __init__(self, model: nn.Module, hooks: TokenHooks, temperature: float = 1.0,
+                 counters: Counter[str] | None = None) -> None:
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.head: nn.Module | None = lm.get_output_embeddings()
         self.hooks = hooks
         self.scale = self._scale(lm, temperature)  # 1/τ, or None: unscored (unattributed)
-        self.errors = 0
+        self.counters = Counter() if counters is None else counters  # "fused_head_errors": failures caught
         self.armed = False
         self._hidden_sq: torch.Tensor | None = None  # (B, T) ‖a_t‖² of the last armed backbone forward
         self._handle = lm.base_model.register_forward_hook(self._on_backbone) if lm.base_model is not lm else None
@@ -75,9 +77,16 @@ class FusedHeadScores:
 
     def on_logps(self, logps: torch.Tensor, entropies: torch.Tensor | None, first: int) -> None:
         """Register the head's score for the kernel's output ``logps`` (B, C), log π of the tokens
-        scored at positions ``first … first + C − 1`` of the backbone's (B, T) layout."""
+        scored at positions ``first … first + C − 1`` of the backbone's (B, T) layout. Never raises."""
         if not self.armed or self.head is None:
             return
+        try:
+            self._register(logps, entropies, first)
+        except Exception:
+            self.counters["fused_head_errors"] += 1
+            log.warning("gradloc: fused LM head not scored", exc_info=True)
+
+    def _register(self, logps: torch.Tensor, entropies: torch.Tensor | None, first: int) -> None:
         add = self.hooks.external(self.head)  # marks the head as called: unscored counts as unattributed
         hidden, scale = self._hidden_sq, self.scale
         if add is None or scale is None or hidden is None or not logps.requires_grad:
@@ -101,7 +110,7 @@ class FusedHeadScores:
                     score[:, first:first + factor.shape[1]] = g.float().pow(2) * factor
                 add(score)
             except Exception:  # never raise into backward
-                self.errors += 1
+                self.counters["fused_head_errors"] += 1
                 log.debug("gradloc: fused LM head score failed", exc_info=True)
 
         return on_grad

@@ -111,7 +111,7 @@ class GradlocGRPOMixin(GradlocTrainerMixin):
         super()._gradloc_attach(model, inputs)
         if self.gradloc.hooks is not None:
             self._gradloc_head = FusedHeadScores(self.accelerator.unwrap_model(model), self.gradloc.hooks,
-                                                 self.temperature)
+                                                 self.temperature, self.gradloc.counters)
 
     def _gradloc_close(self) -> None:
         if self._gradloc_head is not None:
