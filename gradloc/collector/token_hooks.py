@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ class MicroBatchScores:
     last_layer: int | None = None  # token layer of the last watched module called in forward
     forward_calls: dict[str, int] = field(default_factory=dict)  # module -> grad-tracking calls in forward
     recompute_calls: dict[str, int] = field(default_factory=dict)  # module -> calls re-run inside backward
+    external_calls: dict[str, int] = field(default_factory=dict)  # module -> scores registered by external()
     # Modules by name: called with a matching shape / called but not scorable (shape, hook error) /
     # whose score actually arrived in backward. A called module that never scored contributed nothing
     # to the token scores, so its gradient counts as unattributed (see ``unscored``).
@@ -122,6 +123,36 @@ class TokenHooks:
     def end(self) -> MicroBatchScores | None:
         current, self.current = self.current, None
         return current
+
+    def external(self, module: nn.Module) -> Callable[[torch.Tensor], None] | None:
+        """Scores for a watched module whose weight a fused kernel uses without calling the module
+        (TRL's fused LM head): call in forward, inside a micro-batch block; returns ``add(score)``
+        for backward, ``score`` the module's (B, T) per-position score. None when nothing is
+        captured (outside a block, paused, no grad, not watched). Until ``add`` runs, the module
+        counts as called but unscored, so its gradient is reported as unattributed. An external
+        score never becomes the position-exact layer (it may be an approximation). None too when
+        the module did run in this micro-batch's forward: its own rule scores it."""
+        buf = self.current
+        w = next((w for w in self.watched if w.module is module), None)
+        if buf is None or w is None or self.suspended or not torch.is_grad_enabled():
+            return None
+        if buf.forward_calls.get(w.name, 0) > buf.external_calls.get(w.name, 0):
+            return None
+        buf.external_calls[w.name] = buf.external_calls.get(w.name, 0) + 1
+        buf.forward_calls[w.name] = buf.forward_calls.get(w.name, 0) + 1
+        buf.matched_calls += 1
+        buf.matched_modules.add(w.name)
+
+        def add(score: torch.Tensor) -> None:
+            try:
+                with torch.no_grad():
+                    buf.add(w.layer, score.float())
+                buf.scored_modules.add(w.name)
+            except Exception:  # never raise into the training loop
+                buf.hook_errors += 1
+                log.debug("gradloc: external score failed on %s", w.name, exc_info=True)
+
+        return add
 
     def _make_hook(self, w: WatchedModule):
         def hook(module: nn.Module, args: tuple, out: Any) -> None:

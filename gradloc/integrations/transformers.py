@@ -14,9 +14,13 @@ loop (``Trainer._run_epoch`` in transformers 5.23) calls ``training_step`` per m
 the step's last one ``_clip_grad_norm`` and only then ``on_pre_optimizer_step`` (which sees
 clipped gradients).
 
-The mechanism: ``training_step(model, inputs, num_items_in_batch)`` is overridden. Each call opens
-``mon.micro_batch(...)`` around the Trainer's own ``training_step`` (forward, loss scaling,
-``accelerator.backward``). The loop sets ``accelerator.sync_gradients`` to its ``do_sync_step``
+The mechanism: ``training_step(model, inputs, num_items_in_batch)`` is overridden. Each call runs
+the Trainer's own ``training_step`` (``_prepare_inputs``, forward, loss scaling,
+``accelerator.backward``) and opens ``mon.micro_batch(...)`` as soon as ``_prepare_inputs`` returns
+the batch the loss will see, so the block holds the forward and the backward (a trainer that
+generates its batch there, like TRL's GRPOTrainer, builds on this: ``gradloc.integrations.trl``).
+Subclasses adapt three methods: ``_gradloc_micro_batch_args`` (the block's layout),
+``_gradloc_pop_ids`` (sample ids of the raw batch) and ``gradloc_probe_loss``. The loop sets ``accelerator.sync_gradients`` to its ``do_sync_step``
 before each ``training_step``, and clips exactly when that flag is set. So when it is set after our
 call returns, this was the last micro-batch of the optimizer step, and ``mon.end_step`` runs then:
 after its backward, before clipping. The probe closure recomputes a micro-batch's loss through
@@ -56,6 +60,18 @@ class _Part:
     ga_steps: int  # the Trainer's current_gradient_accumulation_steps for this micro-batch
 
 
+@dataclass
+class _Block:
+    """The micro-batch being run: its gradloc block opens once the Trainer has prepared its inputs
+    (``_prepare_inputs``, which a trainer such as TRL's GRPOTrainer uses to generate them)."""
+
+    stack: ExitStack
+    ids: list[str] | None  # sample ids popped from the raw batch, if any
+    setup: bool  # the first micro-batch of the monitor: bad metadata raises
+    prepared: Mapping[str, Any] | None = None  # as the loss sees them, shallow copy
+    entered: bool = False  # the block is open (False: left out of per-token statistics, counted)
+
+
 class GradlocTrainerMixin:
     """Attach gradloc to any ``transformers.Trainer`` subclass: list it first among the bases.
 
@@ -76,8 +92,7 @@ class GradlocTrainerMixin:
         self.gradloc_errors = 0  # gradloc failures caught on the training path (each one logged)
         self._gradloc_parts: list[_Part] = []
         self._gradloc_loss: torch.Tensor | None = None
-        self._gradloc_prepared: Mapping[str, Any] | None = None
-        self._gradloc_capture = False
+        self._gradloc_block: _Block | None = None  # set only inside training_step
         self._gradloc_stepped = False  # the current monitor has run end_step at least once
         self._gradloc_forward_args: frozenset[str] | None = None  # the model's forward parameters
         super().__init__(*args, **kwargs)
@@ -97,19 +112,17 @@ class GradlocTrainerMixin:
         setup = self.gradloc is None
         if setup:
             self._gradloc_attach(model, inputs)  # typed errors only here, before the first optimizer step
-        inputs, ids = pop_sample_ids(inputs, self._gradloc_id_columns())
-        mon = self.gradloc
-        stack = ExitStack()
-        entered = self._gradloc_enter(stack, mon, inputs, ids, setup)
-        self._gradloc_prepared, self._gradloc_capture = None, entered and mon.hooks is not None
+        inputs, ids = self._gradloc_pop_ids(inputs)
+        block = self._gradloc_block = _Block(ExitStack(), ids, setup)
         try:
-            with stack:
+            with block.stack:  # _prepare_inputs opens the micro-batch block inside it: forward + backward
                 loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
-            self._gradloc_capture = False
-        if entered and mon.hooks is not None:
-            self._gradloc_parts.append(_Part(self._gradloc_prepared or inputs, num_items_in_batch,
-                                             self._gradloc_ga_steps()))
+            self._gradloc_block = None
+        if block.prepared is None:  # a training_step override that never prepared its inputs
+            self.gradloc.counters["hf_skipped_micro_batches"] += 1
+        elif block.entered and self.gradloc.hooks is not None:
+            self._gradloc_parts.append(_Part(block.prepared, num_items_in_batch, self._gradloc_ga_steps()))
         self._gradloc_loss = loss.detach() if self._gradloc_loss is None else self._gradloc_loss + loss.detach()
         if self.accelerator.sync_gradients:  # the loop clips right after this call returns
             self._gradloc_end_step(model)
@@ -117,13 +130,15 @@ class GradlocTrainerMixin:
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         prepared = super()._prepare_inputs(inputs)
-        if self._gradloc_capture and isinstance(prepared, Mapping):
-            self._gradloc_prepared = dict(prepared)  # compute_loss may pop "labels" from its dict
+        block = self._gradloc_block
+        if block is not None and block.prepared is None and isinstance(prepared, Mapping):
+            block.prepared = dict(prepared)  # compute_loss may pop "labels" from its dict
+            block.entered = self._gradloc_enter(block.stack, self.gradloc, prepared, block.ids, block.setup)
         return prepared
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         if self.gradloc_sample_id_column is not None:
-            inputs = dict(pop_sample_ids(inputs, self._gradloc_id_columns())[0])
+            inputs = self._gradloc_pop_ids(inputs)[0]
         return super().prediction_step(model, inputs, *args, **kwargs)
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -212,6 +227,10 @@ class GradlocTrainerMixin:
         model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
         return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
+    def _gradloc_pop_ids(self, inputs: Any) -> tuple[Any, list[str] | None]:
+        """The raw batch without its sample-id column (the model never sees it), and the ids."""
+        return pop_sample_ids(inputs, self._gradloc_id_columns())
+
     def _gradloc_id_columns(self) -> list[str]:
         cols = [self.gradloc_sample_id_column] if self.gradloc_sample_id_column else ["uid", "id"]
         if self._gradloc_forward_args is None:
@@ -226,13 +245,8 @@ class GradlocTrainerMixin:
         try:
             if mon.hooks is None:
                 stack.enter_context(mon.micro_batch(shape=batch_shape(inputs), sample_ids=ids))
-                return True
-            view = causal_view(inputs, _pad_id(self.processing_class))
-            if view is None:
-                raise BatchMetadataError("this micro-batch has no 2-D integer labels")
-            if ids is None:
-                ids = [f"{self.state.global_step}:{index}:{row}" for row in range(view.token_ids.shape[0])]
-            stack.enter_context(mon.micro_batch(view.token_ids, loss_mask=view.loss_mask, sample_ids=ids))
+            else:
+                stack.enter_context(mon.micro_batch(**self._gradloc_micro_batch_args(inputs, ids, index)))
             return True
         except BatchMetadataError:
             if setup:
@@ -241,6 +255,17 @@ class GradlocTrainerMixin:
             log.warning("gradloc: micro-batch %d of step %d left out of per-token statistics", index,
                         self.state.global_step, exc_info=True)
             return False
+
+    def _gradloc_micro_batch_args(self, inputs: Mapping[str, Any], ids: list[str] | None,
+                                  index: int) -> dict[str, Any]:
+        """``Monitor.micro_batch`` arguments for a prepared micro-batch: the logits' (B, T) layout,
+        where position p scores ``labels[p + 1]``; raises :class:`BatchMetadataError`."""
+        view = causal_view(inputs, _pad_id(self.processing_class))
+        if view is None:
+            raise BatchMetadataError("this micro-batch has no 2-D integer labels")
+        if ids is None:
+            ids = [f"{self.state.global_step}:{index}:{row}" for row in range(view.token_ids.shape[0])]
+        return dict(token_ids=view.token_ids, loss_mask=view.loss_mask, sample_ids=ids)
 
     def _gradloc_end_step(self, model: torch.nn.Module) -> None:
         parts, loss = self._gradloc_parts, self._gradloc_loss
@@ -266,7 +291,7 @@ class GradlocTrainerMixin:
             log.warning("gradloc: end_step failed at step %d", self.state.global_step, exc_info=True)
 
     def _gradloc_close(self) -> None:
-        self._gradloc_parts, self._gradloc_loss, self._gradloc_prepared = [], None, None
+        self._gradloc_parts, self._gradloc_loss, self._gradloc_block = [], None, None
         if self.gradloc is not None:
             try:
                 self.gradloc.close()
