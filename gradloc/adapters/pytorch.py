@@ -72,6 +72,7 @@ class Monitor:
         covered = self.hooks.covered_modules if self.hooks else set()
         owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
         self.layer_stats.set_uncovered([o not in covered for o in owners])
+        self._watched = frozenset(covered)
         self._params_of: dict[str, list[int]] = {}  # module name -> indices of its direct parameters
         for i, o in enumerate(owners):
             self._params_of.setdefault(o, []).append(i)
@@ -296,7 +297,7 @@ class Monitor:
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
         if not parts or self.hooks is None:
             return None
-        return stack_step(parts, len(self.hooks.layers), self.layer_stats.device)
+        return stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self._watched)
 
     def pause_token_hooks(self, on: bool) -> None:
         """Pause (True) or resume (False) per-token capture, e.g. around extra forward/backward

@@ -23,7 +23,7 @@ class StepScores:
     eligible: torch.Tensor  # (N,) bool
     dropped_calls: int
     dropped_layers: frozenset[int]
-    unscored_modules: frozenset[str]  # called with a gradient but never scored: their ‖g‖² is unattributed
+    unscored_modules: frozenset[str]  # watched but not scored this step: their ‖g‖² is unattributed
     exact_layer: int | None  # last watched layer in forward order (the LM head): position-exact
 
     @property
@@ -35,7 +35,11 @@ class StepScores:
 
 
 def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
-               device: torch.device) -> StepScores:
+               device: torch.device, watched: frozenset[str] = frozenset()) -> StepScores:
+    """The step's scores. ``watched``: every module with a per-token rule. One that no micro-batch
+    scored — its calls could not be split per token, its hook failed, or its weight was used
+    without calling it (a fused LM head) — contributed nothing to the scores, so its gradient is
+    the step's unattributed share (a module without a gradient adds nothing there)."""
     breakdown = all(buf is None or buf.breakdown for _, buf in parts)
     totals, exacts, layers, eligible = [], [], [], []
     dropped, dropped_layers, exact_layer = 0, set(), None
@@ -67,7 +71,7 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
             eligible.append(meta.loss_mask.reshape(n).to(device, non_blocking=True))  # (B, T) -> (B·T,)
     return StepScores(tuple(m for m, _ in parts), torch.cat(totals), torch.cat(exacts),
                       torch.cat(layers, dim=1) if breakdown else None, torch.cat(eligible), dropped,
-                      frozenset(dropped_layers), frozenset(called - scored), exact_layer)
+                      frozenset(dropped_layers), frozenset((called | watched) - scored), exact_layer)
 
 
 def summary_pack(s: StepScores, k: int) -> torch.Tensor:
