@@ -37,7 +37,6 @@ from typing import Any, Callable
 import torch
 
 from gradloc.adapters.rl.held import HeldBlocks
-from gradloc.adapters.rl.jagged import non_tensor
 from gradloc.adapters.rl.verl_batch import PAD_SAMPLE, VerlLayout, layout, masked_loss_function, rl_fields
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, UnsupportedModelError
@@ -147,11 +146,10 @@ class GradlocVerlHooks:
     # -- helpers ------------------------------------------------------------------------------
     def _layout_or_none(self, micro_batch: Any) -> VerlLayout | None:
         def make() -> VerlLayout:
-            ids = micro_batch.get("input_ids")
-            n = int(ids.values().numel()) if getattr(ids, "is_nested", False) else int(ids.shape[-1])
-            pad = getattr(self.engine, "_get_packed_pad_size", None)
-            packed = bool(non_tensor(micro_batch.get("use_remove_padding", True)))
-            return layout(micro_batch, pad_size=int(pad(n)) if callable(pad) and packed else 0)
+            lay = layout(micro_batch)
+            pad = getattr(self.engine, "_get_packed_pad_size", None)  # pad_to_length: a static pad after the row
+            size = int(pad(lay.n_values)) if callable(pad) and lay.packed else 0
+            return layout(micro_batch, pad_size=size) if size else lay
 
         if self.mon.hooks is None:  # per-layer statistics only: no per-token blocks
             return None

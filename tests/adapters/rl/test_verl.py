@@ -21,6 +21,7 @@ from tests.adapters.rl.verl_like import (
     EngineWithValueHead,
     HFShaped,
     Sample,
+    chunk,
     current_logp,
     loss_fn,
     make_batch,
@@ -171,7 +172,7 @@ def test_probe_is_the_real_loss_restricted_to_the_mask(nested_responses):
 
 
 # -- the engine wrapper ---------------------------------------------------------------------------------
-def _train(plant: bool, hooks: bool, steps: int = SPIKE + 1, **hook_kw):
+def _train(plant: bool, hooks: bool, steps: int = SPIKE + 1, remove_padding: bool = True, **hook_kw):
     """GRPO-style steps through the engine: old = the current policy, rollout ≈ old (engine noise),
     untruncated IS weights exp(old − rollout) (verl's rollout correction with a large threshold).
     ``plant``: at the spike step the engine's log-prob of response token 2 of sample 5 is 8 nats off
@@ -191,14 +192,16 @@ def _train(plant: bool, hooks: bool, steps: int = SPIKE + 1, **hook_kw):
         if plant and step == SPIKE:
             samples[5].rollout[2] -= 8.0
         batch = make_batch(samples)
+        batch["use_remove_padding"] = remove_padding
         engine.response_tokens.append(int(batch["response_mask"].sum()))
         engine.infer_batch(batch, lf)  # compute_log_prob-style forward-only pass: passes straight through
         engine.train_batch(batch, lf)
     return engine, h, module
 
 
-def test_a_corrupted_rollout_logprob_is_located_in_the_packed_row_and_classified():
-    engine, hooks, _ = _train(plant=True, hooks=True)
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_a_corrupted_rollout_logprob_is_located_and_classified(remove_padding):
+    engine, hooks, _ = _train(plant=True, hooks=True, remove_padding=remove_padding)
     assert len(hooks.reports) == SPIKE + 1 and hooks.blocks.errors == 0
     rep = hooks.reports[SPIKE]
     assert rep.incident is not None, rep.spike
@@ -222,6 +225,21 @@ def test_the_hooks_never_change_the_update():
     assert hooks.reports[SPIKE].incident.localization.probes > 0  # probes ran in between
     for a, b in zip(plain.parameters(), watched.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_static_pad_after_the_packed_row_is_part_of_the_layout():
+    """verl's pad_to_length: the model sees N + pad tokens; the hooks ask the engine for the pad size."""
+    module = HFShaped(0)
+    engine = EngineWithLMHead(module, torch.optim.SGD(module.parameters(), lr=0.01), pad_to_length_bucket=16)
+    hooks = GradlocVerlHooks(engine, **WATCH)
+    for seed in (1, 2):
+        batch = make_batch(_samples(seed))
+        engine.train_batch(batch, loss_fn())
+    rec = hooks.reports[-1].record
+    assert hooks.blocks.errors == 0 and rec.tokens.dropped_calls == 0
+    padded_rows = [-(-int(mb["input_ids"].values().numel()) // 16) * 16 for mb in chunk(batch, 4)]
+    assert rec.tokens.tokens == sum(padded_rows)  # every micro-batch as the model saw it, pad included
+    assert rec.tokens.top and all(t.sample_id != "<pad>" for t in rec.tokens.top)  # the pad scores nothing
 
 
 def test_a_bad_micro_batch_fails_at_setup_and_is_skipped_after_it():

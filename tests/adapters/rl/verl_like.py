@@ -15,8 +15,9 @@ What is imitated, read from verl v0.9.0 (``verl/workers/engine/fsdp/transformer_
   ``train_batch`` → ``optimizer_zero_grad``, ``forward_backward_batch`` (global ``batch_num_tokens``,
   micro-batches, ``forward_step`` each, then ``loss.backward()``), ``optimizer_step`` (clip, skip a
   non-finite step, return the pre-clip norm). ``forward_step`` packs the nested ids into one (1, N)
-  row, runs the model with ``cu_seqlens`` and builds ``model_output["log_probs"]`` (and ``entropy``)
-  as nested tensors over the sequences, log-probs of the rolled ids — the remove-padding path.
+  row (plus ``pad_to_length``'s static pad when asked), runs the model with ``cu_seqlens`` and builds
+  ``model_output["log_probs"]`` (and ``entropy``) as nested tensors over the sequences, log-probs of
+  the rolled ids; with ``use_remove_padding=False`` the model sees (B, L) right-padded rows instead.
 - :func:`ppo_loss`: verl's ``ppo_loss`` with the vanilla (dual-clip) policy loss, written here from
   its formulas: per-token terms × ``rollout_is_weights``, ``agg_loss`` token-mean
   (Σ l·m / batch_num_tokens · dp_size), minus entropy_coeff × entropy, plus the low_var_kl KL loss.
@@ -174,18 +175,23 @@ def ppo_loss(config, model_output, data, dp_group=None):
 class Engine:
     """FSDPEngine / FSDPEngineWithLMHead method names and signatures (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, optimizer=None, clip_grad: float = 1.0, micro_batch_size: int = 4):
+    def __init__(self, module: nn.Module, optimizer=None, clip_grad: float = 1.0, micro_batch_size: int = 4,
+                 pad_to_length_bucket: int | None = None):
         self.module, self.optimizer = module, optimizer
         self.optimizer_config = SimpleNamespace(clip_grad=clip_grad)
         self.scaler = None
         self.micro_batch_size = micro_batch_size
+        self.pad_to_length, self.pad_to_length_bucket = pad_to_length_bucket is not None, pad_to_length_bucket
         self.grad_norms: list[float] = []
 
     def initialize(self):
         return None
 
     def _get_packed_pad_size(self, packed_length: int) -> int:
-        return 0  # pad_to_length: false (verl's default)
+        if not self.pad_to_length:  # verl's default
+            return 0
+        bucket = self.pad_to_length_bucket
+        return -(-packed_length // bucket) * bucket - packed_length
 
     def train_batch(self, data: Batch, loss_function):
         self.optimizer_zero_grad()
@@ -226,12 +232,23 @@ class EngineWithLMHead(Engine):
     def forward_step(self, micro_batch, loss_function, forward_only):
         micro_batch = micro_batch.to("cpu")
         input_ids = micro_batch["input_ids"]
-        ids = input_ids.values().unsqueeze(0)  # (N,) -> (1, N)
         cu = input_ids.offsets()
-        rolled = torch.roll(ids, shifts=-1, dims=1).squeeze(0)  # (N,): position q scores id q + 1
-        out = self.module(input_ids=ids, attention_mask=None, position_ids=micro_batch["position_ids"].values()[None],
-                          use_cache=False, cu_seqlens=cu)
-        logits = out.logits.squeeze(0)  # (1, N, V) -> (N, V)
+        rolled = torch.roll(input_ids.values(), shifts=-1)  # (N,): position q scores id q + 1
+        if micro_batch.get("use_remove_padding", True):
+            ids = input_ids.values().unsqueeze(0)  # (N,) -> (1, N)
+            n, pad = ids.shape[1], self._get_packed_pad_size(ids.shape[1])
+            model_cu = cu
+            if pad:  # pad_to_length: the model sees N + pad tokens, the pad as one more sequence (cu_seqlens)
+                ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
+                model_cu = torch.cat([cu, cu.new_tensor([n + pad])])
+            out = self.module(input_ids=ids, attention_mask=None, position_ids=None, use_cache=False,
+                              cu_seqlens=model_cu)
+            logits = out.logits.squeeze(0)[:n]  # (1, N + pad, V) -> (N, V): the pad stripped
+        else:  # (B, L) right-padded rows, then each row's valid logits back to back
+            lens = cu.diff()
+            padded_ids = input_ids.to_padded_tensor(0, output_size=(len(lens), int(lens.max())))
+            out = self.module(input_ids=padded_ids, use_cache=False)
+            logits = out.logits[torch.arange(padded_ids.shape[1])[None] < lens[:, None]]  # (B, L, V) -> (N, V)
         logp_all = torch.log_softmax(logits.float(), -1)
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(
             logp_all.gather(-1, rolled[:, None]).squeeze(-1), cu)}
