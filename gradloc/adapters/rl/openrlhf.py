@@ -21,12 +21,18 @@ masks), and takes the loss at ``strategy.backward`` instead of running it (nor t
 metrics), ÷ gas. For a token-level PPO loss (``policy_loss_type="ppo"``, ``token_level_loss``, any IS
 correction but ``seq-mask-tis``) with the KL and entropy terms that is exactly Σ over the masked
 tokens of the training loss's terms; anything else is refused at attach (``probes=False`` skips probes).
-Probes run ``loss.backward()`` on the bare module: under ZeRO ≥ 1, whose hooks reduce gradients in
-every backward, that needs DeepSpeed-aware probes gradloc does not have yet — use ZeRO 0 or probes=False.
+
+DeepSpeed: gradloc's monitor reads ``p.grad`` before ``engine.step()``. Only ZeRO stage 0 keeps it
+there: stage 1 moves it into its partitions inside ``engine.backward`` at the boundary, stages 2 and 3
+partition it from hooks that fire in every backward — a probe's too. So ZeRO ≥ 1 is refused unless you
+pass a monitor that reads DeepSpeed's gradients (``mon=``), and probes run under stage 0 only, where a
+probe's plain ``loss.backward()`` stays on its rank and its gradient is put back afterwards.
 """
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -37,7 +43,9 @@ from gradloc.adapters.rl.openrlhf_batch import ExperienceLayout, layout, rl_fiel
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, ProbeError, UnsupportedModelError
 
-__all__ = ["ExperienceLayout", "GradlocOpenRLHF", "layout", "masked_loss", "rl_fields"]
+log = logging.getLogger("gradloc")
+
+__all__ = ["ExperienceLayout", "GradlocOpenRLHF", "install", "layout", "masked_loss", "rl_fields"]
 
 
 @dataclass
@@ -62,25 +70,15 @@ class GradlocOpenRLHF:
     ``sample_ids(experience) -> ids``: one per row (default: ``experience.index`` when it has one per row).
     """
 
-    def __init__(self, trainer: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool = True,
+    def __init__(self, trainer: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool | None = None,
                  packed: bool | None = None, sample_ids: Callable[[Any], Any] | None = None,
                  on_report: Callable[[Any], None] | None = None, **overrides: Any) -> None:
-        if getattr(trainer, "_gradloc_hooks", None) is not None:
-            raise AttachError("this trainer already has gradloc hooks; detach() them first")
         strategy = getattr(trainer, "strategy", None)
-        for obj, name in ((trainer, "training_step"), (trainer, "actor_loss_fn"), (trainer, "actor"),
-                          (strategy, "backward"), (strategy, "optimizer_step")):
-            if not hasattr(obj, name):
-                raise UnsupportedModelError(f"no {name}: not an OpenRLHF ActorPPOTrainer with a DeepSpeed strategy")
-        if getattr(strategy, "ring_attn_group", None) is not None:
-            raise UnsupportedModelError("ring attention splits each packed row across ranks; gradloc needs the "
-                                        "whole row on one rank (ring_attn_size=1)")
-        if probes:
-            _check_exact(trainer)
+        engine = getattr(getattr(trainer, "actor", None), "model", getattr(trainer, "actor", None))
+        probes = _check(trainer, strategy, engine, mon, probes)
         self.trainer, self.strategy, self.probes, self.on_report = trainer, strategy, probes, on_report
         self.packed = bool(_arg(trainer, "ds", "packing_samples", False)) if packed is None else packed
         self.sample_ids = sample_ids
-        engine = getattr(trainer.actor, "model", trainer.actor)
         self.own_monitor = mon is None
         self.mon = mon if mon is not None else _watch(getattr(engine, "module", engine), trainer, config, overrides)
         self.blocks = HeldBlocks(self.mon, "openrlhf")
@@ -218,21 +216,81 @@ def masked_loss(trainer: Any, experience: Any, token_mask: torch.Tensor, lay: Ex
     raise ProbeError("training_step returned without calling strategy.backward")
 
 
-def _check_exact(trainer: Any) -> None:
-    """Probes replay the loss with action_mask × mask: exact only where every term is a per-token sum."""
-    fn = trainer.actor_loss_fn
-    why = None
-    if getattr(fn, "policy_loss_type", "ppo") != "ppo":
-        why = f"policy_loss_type={fn.policy_loss_type!r} (a sequence-level ratio)"
-    elif not getattr(fn, "token_level_loss", True):
-        why = "token_level_loss=False (per-sequence means over the action mask)"
-    elif getattr(fn, "enable_vllm_is_correction", False) and getattr(fn, "vllm_is_correction_type", "tis") == "seq-mask-tis":
-        why = "vllm_is_correction_type='seq-mask-tis' (a sequence filter over the action mask)"
-    elif getattr(trainer, "aux_loss", False):
-        why = "the MoE aux loss (not a per-token term)"
-    if why is not None:
-        raise ConfigError(f"probes mask the loss through action_mask, which is not exact with {why}; "
+def install(trainer_cls: type, **kwargs: Any) -> Callable[[], None]:
+    """Patch ``trainer_cls.__init__`` (OpenRLHF's ``ActorPPOTrainer``) so every trainer it builds gets
+    :class:`GradlocOpenRLHF` (``kwargs``), stored as ``trainer.gradloc``. Call it in the actor's process
+    before the trainer is built (e.g. from a Ray ``worker_process_setup_hook``). Returns an uninstall
+    function."""
+    orig = trainer_cls.__init__
+    if getattr(orig, "_gradloc", False):
+        raise AttachError(f"gradloc is already installed on {trainer_cls.__name__}")
+
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        orig(self, *args, **kw)
+        if type(self) is trainer_cls:
+            self.gradloc = GradlocOpenRLHF(self, **kwargs)
+
+    __init__._gradloc = True
+    had = "__init__" in trainer_cls.__dict__
+    trainer_cls.__init__ = __init__
+
+    def uninstall() -> None:
+        if had:
+            trainer_cls.__init__ = orig
+        else:
+            del trainer_cls.__init__
+
+    return uninstall
+
+
+def _check(trainer: Any, strategy: Any, engine: Any, mon: Any, probes: bool | None) -> bool:
+    """Refuse what cannot be watched (typed errors at attach); whether to probe."""
+    if getattr(trainer, "_gradloc_hooks", None) is not None:
+        raise AttachError("this trainer already has gradloc hooks; detach() them first")
+    for obj, name in ((trainer, "training_step"), (trainer, "actor_loss_fn"), (trainer, "actor"),
+                      (strategy, "backward"), (strategy, "optimizer_step")):
+        if not hasattr(obj, name):
+            raise UnsupportedModelError(f"no {name}: not an OpenRLHF ActorPPOTrainer with a DeepSpeed strategy")
+    if getattr(strategy, "ring_attn_group", None) is not None:
+        raise UnsupportedModelError("ring attention splits each packed row across ranks; gradloc needs the "
+                                    "whole row on one rank (ring_attn_size=1)")
+    stage = _zero_stage(engine)
+    if stage >= 1 and mon is None:
+        raise UnsupportedModelError(f"under ZeRO stage {stage} p.grad is gone by the time DeepSpeed clips (moved "
+                                    "into its partitions), and gradloc's monitor reads p.grad; run ZeRO stage 0, "
+                                    "or pass a DeepSpeed-aware monitor as mon=")
+    if probes and stage >= 1:
+        raise ConfigError(f"under ZeRO stage {stage} a probe's backward can run DeepSpeed's gradient-reduction "
+                          "hooks and change the update; pass probes=False")
+    inexact = _inexact(trainer)
+    if probes and inexact:
+        raise ConfigError(f"probes mask the loss through action_mask, which is not exact with {inexact}; "
                           "pass probes=False for attribution-only incidents")
+    if probes is None:
+        if inexact:
+            log.warning("gradloc (openrlhf): probes off: masking action_mask is not exact with %s", inexact)
+        return stage == 0 and inexact is None
+    return probes
+
+
+def _inexact(trainer: Any) -> str | None:
+    """Why replaying the loss with action_mask × mask would not restrict it exactly (None: it does)."""
+    fn = trainer.actor_loss_fn
+    if getattr(fn, "policy_loss_type", "ppo") != "ppo":
+        return f"policy_loss_type={fn.policy_loss_type!r} (a sequence-level ratio)"
+    if not getattr(fn, "token_level_loss", True):
+        return "token_level_loss=False (per-sequence means over the action mask)"
+    if getattr(fn, "enable_vllm_is_correction", False) and getattr(fn, "vllm_is_correction_type", "tis") == "seq-mask-tis":
+        return "vllm_is_correction_type='seq-mask-tis' (a sequence filter over the action mask)"
+    if getattr(trainer, "aux_loss", False):
+        return "the MoE aux loss (not a per-token term)"
+    return None
+
+
+def _zero_stage(engine: Any) -> int:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return int(stage()) if callable(stage) else 0
 
 
 def _clip_eps(fn: Any) -> tuple[float, float] | None:

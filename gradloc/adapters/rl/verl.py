@@ -36,10 +36,10 @@ from typing import Any, Callable
 
 import torch
 
-from gradloc.adapters.rl.held import HeldBlocks
+from gradloc.adapters.rl.held import HeldBlocks, world_size
 from gradloc.adapters.rl.verl_batch import PAD_SAMPLE, VerlLayout, layout, masked_loss_function, rl_fields
 from gradloc.config import WatchConfig
-from gradloc.errors import AttachError, UnsupportedModelError
+from gradloc.errors import AttachError, ConfigError, UnsupportedModelError
 
 __all__ = ["GradlocVerlHooks", "PAD_SAMPLE", "VerlLayout", "install", "layout", "masked_loss_function", "rl_fields"]
 
@@ -62,10 +62,13 @@ class GradlocVerlHooks:
     engine.optimizer, config=config, **overrides)`` (rank and world size from torch.distributed).
     ``clip_ratio``: (low, high) for ``clipped``; by default read from the loss function's actor
     config (``partial(ppo_loss, config=...)``: clip_ratio_low/high or clip_ratio).
-    ``probes=False``: incidents from attribution only (no extra forward/backward passes).
+    ``probes``: verify culprits with masked-loss probes (extra forward/backward passes). Default: on
+    for a single rank. With more ranks every probe's forward all-gathers FSDP parameters, so all
+    ranks would have to run the same probes in lockstep, which gradloc does not coordinate yet: off
+    by default, and ``probes=True`` is refused. Off, incidents come from attribution alone.
     """
 
-    def __init__(self, engine: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool = True,
+    def __init__(self, engine: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool | None = None,
                  clip_ratio: tuple[float, float] | None = None, on_report: Callable[[Any], None] | None = None,
                  **overrides: Any) -> None:
         if any(getattr(engine, "__dict__", {}).get(n) is not None and getattr(getattr(engine, n), "_gradloc", False)
@@ -77,6 +80,12 @@ class GradlocVerlHooks:
         for name in ("module", *_PATCHED):
             if not hasattr(engine, name):
                 raise UnsupportedModelError(f"{type(engine).__name__} has no {name}: not a verl FSDP engine")
+        ranks = world_size()
+        if probes and ranks > 1:
+            raise ConfigError(f"probes on FSDP with {ranks} ranks need every rank to run the same probes in lockstep "
+                              "(each forward all-gathers parameters), which gradloc does not coordinate yet; pass "
+                              "probes=False for attribution-only incidents")
+        probes = ranks == 1 if probes is None else probes
         self.engine = engine
         self.own_monitor = mon is None
         self.mon = mon if mon is not None else _watch(engine, config, overrides)

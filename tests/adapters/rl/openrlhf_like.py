@@ -74,10 +74,13 @@ def make_experience(rows: list[tuple[list[int], list[int]]], *, advantages: list
 class Engine(nn.Module):
     """DeepSpeed engine surface (see the module docstring) around the HF-shaped model."""
 
-    def __init__(self, module: nn.Module, optimizer, gas: int, clip: float = 1.0) -> None:
+    def __init__(self, module: nn.Module, optimizer, gas: int, clip: float = 1.0, zero_stage: int = 0) -> None:
         super().__init__()
-        self.module, self.optimizer, self.gas, self.clip = module, optimizer, gas, clip
+        self.module, self.optimizer, self.gas, self.clip, self.stage = module, optimizer, gas, clip, zero_stage
         self.micro_steps, self.norms = 0, []
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -254,9 +257,9 @@ def fill_logprobs(actor: Actor, exp: Experience, *, noise: float = 0.0, g: torch
     exp.rollout_log_probs = (lp + jitter) * exp.action_mask.float()
 
 
-def make_trainer(seed: int = 0, gas: int = 2, lr: float = 0.05, **kw) -> Trainer:
+def make_trainer(seed: int = 0, gas: int = 2, lr: float = 0.05, zero_stage: int = 0, **kw) -> Trainer:
     module = HFShaped(seed)
-    engine = Engine(module, torch.optim.SGD(module.parameters(), lr=lr), gas)
+    engine = Engine(module, torch.optim.SGD(module.parameters(), lr=lr), gas, zero_stage=zero_stage)
     return Trainer(Actor(engine, packing_samples=kw.get("packing", False)), gas, **kw)
 
 

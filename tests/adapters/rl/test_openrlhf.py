@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import gradloc
-from gradloc.adapters.rl.openrlhf import GradlocOpenRLHF, layout, masked_loss, rl_fields
+from gradloc.adapters.rl.openrlhf import GradlocOpenRLHF, install, layout, masked_loss, rl_fields
 from gradloc.collector.batch import make_meta
 from tests.adapters.rl.openrlhf_like import (
     Experience,
     PolicyLoss,
+    Trainer,
     fill_logprobs,
     k3,
     make_experience,
@@ -246,16 +247,46 @@ def test_attach_refuses_what_it_cannot_do_exactly():
         t = make_trainer(is_threshold=(0.5, 2.0))
         setattr(t.actor_loss_fn, attr, value)
         with pytest.raises(gradloc.ConfigError, match=match):
-            GradlocOpenRLHF(t, **WATCH)
-        GradlocOpenRLHF(t, probes=False, **WATCH).detach()  # attribution-only incidents are fine
+            GradlocOpenRLHF(t, probes=True, **WATCH)
+        hooks = GradlocOpenRLHF(t, **WATCH)  # by default: attribution-only incidents
+        assert hooks.probes is False
+        hooks.detach()
     trainer.aux_loss = True
     with pytest.raises(gradloc.ConfigError, match="aux loss"):
-        GradlocOpenRLHF(trainer, **WATCH)
+        GradlocOpenRLHF(trainer, probes=True, **WATCH)
     trainer.aux_loss = False
     hooks = GradlocOpenRLHF(trainer, **WATCH)
+    assert hooks.probes is True
     with pytest.raises(gradloc.AttachError):
         GradlocOpenRLHF(trainer, **WATCH)
     hooks.detach()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_that_move_p_grad_need_a_deepspeed_aware_monitor(stage):
+    trainer = make_trainer(zero_stage=stage)
+    with pytest.raises(gradloc.UnsupportedModelError, match=f"ZeRO stage {stage}"):
+        GradlocOpenRLHF(trainer, **WATCH)
+    mon = gradloc.watch(trainer.actor.model.module, **WATCH)  # stands in for a monitor that reads ZeRO's gradients
+    with pytest.raises(gradloc.ConfigError, match="reduction"):
+        GradlocOpenRLHF(trainer, mon, probes=True)
+    hooks = GradlocOpenRLHF(trainer, mon)
+    assert hooks.probes is False
+    hooks.detach()
+    mon.close()
+
+
+def test_install_attaches_to_every_trainer_the_class_builds():
+    uninstall = install(Trainer, **WATCH)
+    try:
+        with pytest.raises(gradloc.AttachError):
+            install(Trainer)
+        trainer = make_trainer()
+        assert isinstance(trainer.gradloc, GradlocOpenRLHF) and "training_step" in vars(trainer)
+        trainer.gradloc.detach()
+    finally:
+        uninstall()
+    assert "gradloc" not in vars(make_trainer())
 
 
 # -- bad input ------------------------------------------------------------------------------------------

@@ -262,6 +262,25 @@ def test_a_bad_micro_batch_fails_at_setup_and_is_skipped_after_it():
     assert "forward_step" not in engine.__dict__ and "optimizer_step" not in engine.__dict__
 
 
+def test_probes_are_off_by_default_and_refused_on_several_ranks(monkeypatch):
+    """With more than one FSDP rank a probe would need every rank in lockstep. The rank count is
+    patched (``world_size`` → 2) instead of starting a second process: only the attach-time decision
+    is under test."""
+    import gradloc.adapters.rl.verl as verl_mod
+
+    module = HFShaped(0)
+    engine = EngineWithLMHead(module, torch.optim.SGD(module.parameters(), lr=0.01))
+    one_rank = GradlocVerlHooks(engine, **WATCH)
+    assert one_rank.probes is True
+    one_rank.detach()
+    monkeypatch.setattr(verl_mod, "world_size", lambda: 2)
+    with pytest.raises(gradloc.ConfigError, match="lockstep"):
+        GradlocVerlHooks(engine, probes=True, **WATCH)
+    hooks = GradlocVerlHooks(engine, **WATCH)
+    assert hooks.probes is False
+    hooks.detach()
+
+
 def test_attach_errors_and_install():
     module = HFShaped(0)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
