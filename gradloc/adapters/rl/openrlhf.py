@@ -1,0 +1,312 @@
+"""gradloc for OpenRLHF 0.11's PPO actor, duck-typed: no openrlhf, deepspeed or ray import.
+
+    from gradloc.adapters.rl.openrlhf import GradlocOpenRLHF
+    trainer = ActorPPOTrainer(...)                 # inside PolicyModelActor.fit
+    hooks = GradlocOpenRLHF(trainer, job="ppo")    # WatchConfig fields
+
+What it patches, on the objects (``detach()`` restores them), and why:
+
+- ``trainer.training_step(experience, kl_ctl, step, loss_batch_info)``: one micro-batch — the actor's
+  forward, PolicyLoss (+ KL, entropy), ``strategy.backward`` and ``strategy.optimizer_step``. The
+  wrapper maps the experience to gradloc's layout (:mod:`gradloc.adapters.rl.openrlhf_batch`) and
+  holds ``mon.micro_batch`` open around it.
+- ``trainer.actor_loss_fn``: records the action log-probs the loss sees, for ``mon.rl_fields``.
+- ``trainer.strategy.backward``: records each loss ÷ gas (DeepSpeed scales the backward by 1/gas).
+- ``trainer.strategy.optimizer_step``: DeepSpeed clips and steps inside ``engine.step()`` at the
+  gradient-accumulation boundary, so at the boundary ``mon.end_step`` runs first, then the original.
+
+A probe replays the original ``training_step`` on a copy of the experience whose ``action_mask`` is
+× the token mask, with the step's ``loss_batch_info`` (the normalizers, computed from the unmasked
+masks), and takes the loss at ``strategy.backward`` instead of running it (nor the optimizer, EMA or
+metrics), ÷ gas. For a token-level PPO loss (``policy_loss_type="ppo"``, ``token_level_loss``, any IS
+correction but ``seq-mask-tis``) with the KL and entropy terms that is exactly Σ over the masked
+tokens of the training loss's terms; anything else is refused at attach (``probes=False`` skips probes).
+
+DeepSpeed: gradloc's monitor reads ``p.grad`` before ``engine.step()``. Only ZeRO stage 0 keeps it
+there: stage 1 moves it into its partitions inside ``engine.backward`` at the boundary, stages 2 and 3
+partition it from hooks that fire in every backward — a probe's too. So ZeRO ≥ 1 is refused unless you
+pass a monitor that reads DeepSpeed's gradients (``mon=``), and probes run under stage 0 only, where a
+probe's plain ``loss.backward()`` stays on its rank and its gradient is put back afterwards.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from gradloc.adapters.rl.held import HeldBlocks
+from gradloc.adapters.rl.openrlhf_batch import ExperienceLayout, layout, rl_fields
+from gradloc.config import WatchConfig
+from gradloc.errors import AttachError, ConfigError, ProbeError, UnsupportedModelError
+
+log = logging.getLogger("gradloc")
+
+__all__ = ["ExperienceLayout", "GradlocOpenRLHF", "install", "layout", "masked_loss", "rl_fields"]
+
+
+@dataclass
+class _Part:
+    experience: Any
+    kl_ctl: Any
+    step: Any
+    loss_batch_info: Any
+    layout: ExperienceLayout
+
+
+class _Captured(Exception):
+    def __init__(self, loss: torch.Tensor) -> None:
+        super().__init__("probe loss captured")
+        self.loss = loss
+
+
+class GradlocOpenRLHF:
+    """gradloc on one ``ActorPPOTrainer``-like trainer (see the module docstring).
+
+    ``packed``: the layout the actor runs (default ``trainer.args.ds.packing_samples``).
+    ``sample_ids(experience) -> ids``: one per row (default: ``experience.index`` when it has one per row).
+    """
+
+    def __init__(self, trainer: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool | None = None,
+                 packed: bool | None = None, sample_ids: Callable[[Any], Any] | None = None,
+                 on_report: Callable[[Any], None] | None = None, **overrides: Any) -> None:
+        strategy = getattr(trainer, "strategy", None)
+        engine = getattr(getattr(trainer, "actor", None), "model", getattr(trainer, "actor", None))
+        probes = _check(trainer, strategy, engine, mon, probes)
+        self.trainer, self.strategy, self.probes, self.on_report = trainer, strategy, probes, on_report
+        self.packed = bool(_arg(trainer, "ds", "packing_samples", False)) if packed is None else packed
+        self.sample_ids = sample_ids
+        self.own_monitor = mon is None
+        self.mon = mon if mon is not None else _watch(getattr(engine, "module", engine), trainer, config, overrides)
+        self.blocks = HeldBlocks(self.mon, "openrlhf")
+        self._held: _Part | None = None  # the watched micro-batch inside training_step
+        self._in_step = self._probing = False
+        patches = ((trainer, "training_step", self._training_step), (trainer, "actor_loss_fn", self._loss_fn),
+                   (strategy, "backward", self._backward), (strategy, "optimizer_step", self._optimizer_step))
+        self._orig = {name: getattr(obj, name) for obj, name, _ in patches}
+        self._saved = [(obj, name, name in vars(obj), vars(obj).get(name)) for obj, name, _ in patches]
+        for obj, name, fn in patches:
+            setattr(obj, name, fn)
+        trainer._gradloc_hooks = self
+
+    @property
+    def reports(self) -> Any:
+        return self.blocks.reports
+
+    def detach(self) -> None:
+        """Restore the trainer and strategy; close the monitor if these hooks made it."""
+        for obj, name, had, value in self._saved:
+            if had:
+                setattr(obj, name, value)
+            else:
+                delattr(obj, name)  # back to the class's method
+        self.trainer._gradloc_hooks = None
+        self.blocks.close()
+        if self.own_monitor:
+            self.mon.close()
+
+    # -- the patched methods ------------------------------------------------------------------
+    def _training_step(self, experience: Any, kl_ctl: Any, step: Any, loss_batch_info: Any = None, *args: Any,
+                       **kwargs: Any) -> Any:
+        self.blocks.close()
+        lay = self._layout_or_none(experience)
+        part = _Part(experience, kl_ctl, step, loss_batch_info, lay) if lay is not None else None
+        self._held = part if part is not None and self.blocks.open(lay.micro_batch_kwargs, part) is not None else None
+        self._in_step = True
+        try:
+            status = self._orig["training_step"](experience, kl_ctl, step, loss_batch_info, *args, **kwargs)
+        except BaseException as exc:
+            self.blocks.close(exc)
+            raise
+        finally:
+            self._in_step, self._held = False, None
+        self.blocks.close()  # no boundary in this call: the block ends with the call
+        return status
+
+    def _loss_fn(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                 *args: Any, **kwargs: Any) -> Any:
+        held = self._held
+        if held is not None and not self._probing and self.blocks.held:
+            clip = _clip_eps(self._orig["actor_loss_fn"])
+            self.blocks.guard(lambda: self.mon.rl_fields(**rl_fields(held.layout, held.experience, log_probs,
+                                                                     clip_eps=clip)), "rl_fields")
+        return self._orig["actor_loss_fn"](log_probs, old_log_probs, advantages, *args, **kwargs)
+
+    def _backward(self, loss: torch.Tensor, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        if self._in_step and not self._probing:
+            self.blocks.guard(lambda: self.blocks.add_loss(loss.detach() / self._gas()), "loss")
+        return self._orig["backward"](loss, model, optimizer, **kwargs)
+
+    def _optimizer_step(self, optimizer: Any, model: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = getattr(model, "model", model)
+        boundary = getattr(engine, "is_gradient_accumulation_boundary", None)
+        if self._in_step and not self._probing and (not callable(boundary) or boundary()):
+            probe_for = self._probe_for if self.probes and self.mon.hooks is not None else None
+            report = self.blocks.end_step(probe_for)
+            if report is not None and self.on_report is not None:
+                self.blocks.guard(lambda: self.on_report(report), "on_report")
+        return self._orig["optimizer_step"](optimizer, model, scheduler, *args, **kwargs)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _layout_or_none(self, experience: Any) -> ExperienceLayout | None:
+        if self.mon.hooks is None:
+            return None
+
+        def make() -> ExperienceLayout:
+            ids = self.sample_ids(experience) if self.sample_ids is not None else None
+            return layout(experience, packed=self.packed, sample_ids=ids)
+
+        return self.blocks.guard(make, "layout") if self.blocks.stepped else make()
+
+    def _gas(self) -> int:
+        engine = getattr(self.trainer.actor, "model", None)
+        steps = getattr(engine, "gradient_accumulation_steps", None)
+        if callable(steps):
+            return max(int(steps()), 1)
+        return max(int(getattr(self.strategy, "accumulated_gradient", 1) or 1), 1)
+
+    def _probe_for(self, parts: list[_Part]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        dynamic = bool(_arg(self.trainer, "train", "dynamic_batch_enable", False))
+
+        def probe(i: int, token_mask: torch.Tensor) -> torch.Tensor:
+            p = parts[i]
+            if p.loss_batch_info is None and not dynamic:
+                raise ProbeError("training_step got no loss_batch_info: replayed with a masked action_mask it "
+                                 "would recompute the normalizers from that mask")
+            self._probing = True
+            try:
+                return masked_loss(self.trainer, p.experience, token_mask, p.layout, kl_ctl=p.kl_ctl, step=p.step,
+                                   loss_batch_info=p.loss_batch_info, gas=self._gas(),
+                                   training_step=self._orig["training_step"])
+            finally:
+                self._probing = False
+
+        return probe
+
+
+def masked_loss(trainer: Any, experience: Any, token_mask: torch.Tensor, lay: ExperienceLayout, *, kl_ctl: Any,
+                step: Any, loss_batch_info: Any, gas: int = 1, training_step: Callable[..., Any] | None = None
+                ) -> torch.Tensor:
+    """The loss ``trainer.training_step`` builds for ``experience`` with ``action_mask`` × ``token_mask``
+    (``lay``'s shape), ÷ ``gas`` as DeepSpeed scales it — taken at ``strategy.backward``, which is not
+    run (nor anything after it: optimizer, EMA, metrics). ``loss_batch_info``: the step's normalizers."""
+    exp = copy.copy(experience)
+    exp.info = dict(getattr(experience, "info", None) or {})
+    am = experience.action_mask
+    exp.action_mask = am * lay.to_actions(token_mask.to(torch.bool)).to(device=am.device, dtype=am.dtype)
+    strategy = trainer.strategy
+    had, saved = "backward" in vars(strategy), vars(strategy).get("backward")
+
+    def capture(loss: torch.Tensor, *_: Any, **__: Any) -> None:
+        raise _Captured(loss)
+
+    strategy.backward = capture
+    try:
+        (training_step or trainer.training_step)(exp, kl_ctl, step, loss_batch_info)
+    except _Captured as got:
+        return got.loss / gas
+    finally:
+        if had:
+            strategy.backward = saved
+        else:
+            del strategy.backward
+    raise ProbeError("training_step returned without calling strategy.backward")
+
+
+def install(trainer_cls: type, **kwargs: Any) -> Callable[[], None]:
+    """Patch ``trainer_cls.__init__`` (OpenRLHF's ``ActorPPOTrainer``) so every trainer it builds gets
+    :class:`GradlocOpenRLHF` (``kwargs``), stored as ``trainer.gradloc``. Call it in the actor's process
+    before the trainer is built (e.g. from a Ray ``worker_process_setup_hook``). Returns an uninstall
+    function."""
+    orig = trainer_cls.__init__
+    if getattr(orig, "_gradloc", False):
+        raise AttachError(f"gradloc is already installed on {trainer_cls.__name__}")
+
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        orig(self, *args, **kw)
+        if type(self) is trainer_cls:
+            self.gradloc = GradlocOpenRLHF(self, **kwargs)
+
+    __init__._gradloc = True
+    had = "__init__" in trainer_cls.__dict__
+    trainer_cls.__init__ = __init__
+
+    def uninstall() -> None:
+        if had:
+            trainer_cls.__init__ = orig
+        else:
+            del trainer_cls.__init__
+
+    return uninstall
+
+
+def _check(trainer: Any, strategy: Any, engine: Any, mon: Any, probes: bool | None) -> bool:
+    """Refuse what cannot be watched (typed errors at attach); whether to probe."""
+    if getattr(trainer, "_gradloc_hooks", None) is not None:
+        raise AttachError("this trainer already has gradloc hooks; detach() them first")
+    for obj, name in ((trainer, "training_step"), (trainer, "actor_loss_fn"), (trainer, "actor"),
+                      (strategy, "backward"), (strategy, "optimizer_step")):
+        if not hasattr(obj, name):
+            raise UnsupportedModelError(f"no {name}: not an OpenRLHF ActorPPOTrainer with a DeepSpeed strategy")
+    if getattr(strategy, "ring_attn_group", None) is not None:
+        raise UnsupportedModelError("ring attention splits each packed row across ranks; gradloc needs the "
+                                    "whole row on one rank (ring_attn_size=1)")
+    stage = _zero_stage(engine)
+    if stage >= 1 and mon is None:
+        raise UnsupportedModelError(f"under ZeRO stage {stage} p.grad is gone by the time DeepSpeed clips (moved "
+                                    "into its partitions), and gradloc's monitor reads p.grad; run ZeRO stage 0, "
+                                    "or pass a DeepSpeed-aware monitor as mon=")
+    if probes and stage >= 1:
+        raise ConfigError(f"under ZeRO stage {stage} a probe's backward can run DeepSpeed's gradient-reduction "
+                          "hooks and change the update; pass probes=False")
+    inexact = _inexact(trainer)
+    if probes and inexact:
+        raise ConfigError(f"probes mask the loss through action_mask, which is not exact with {inexact}; "
+                          "pass probes=False for attribution-only incidents")
+    if probes is None:
+        if inexact:
+            log.warning("gradloc (openrlhf): probes off: masking action_mask is not exact with %s", inexact)
+        return stage == 0 and inexact is None
+    return probes
+
+
+def _inexact(trainer: Any) -> str | None:
+    """Why replaying the loss with action_mask × mask would not restrict it exactly (None: it does)."""
+    fn = trainer.actor_loss_fn
+    if getattr(fn, "policy_loss_type", "ppo") != "ppo":
+        return f"policy_loss_type={fn.policy_loss_type!r} (a sequence-level ratio)"
+    if not getattr(fn, "token_level_loss", True):
+        return "token_level_loss=False (per-sequence means over the action mask)"
+    if getattr(fn, "enable_vllm_is_correction", False) and getattr(fn, "vllm_is_correction_type", "tis") == "seq-mask-tis":
+        return "vllm_is_correction_type='seq-mask-tis' (a sequence filter over the action mask)"
+    if getattr(trainer, "aux_loss", False):
+        return "the MoE aux loss (not a per-token term)"
+    return None
+
+
+def _zero_stage(engine: Any) -> int:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return int(stage()) if callable(stage) else 0
+
+
+def _clip_eps(fn: Any) -> tuple[float, float] | None:
+    lo, hi = getattr(fn, "clip_eps_low", None), getattr(fn, "clip_eps_high", None)
+    return (float(lo), float(hi)) if lo is not None and hi is not None else None
+
+
+def _arg(trainer: Any, group: str, name: str, default: Any) -> Any:
+    return getattr(getattr(getattr(trainer, "args", None), group, None), name, default)
+
+
+def _watch(module: Any, trainer: Any, config: WatchConfig | None, overrides: dict[str, Any]) -> Any:
+    from gradloc.adapters.pytorch import watch
+
+    cfg = replace(config or WatchConfig(), **overrides)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and cfg.world_size == 1:
+        cfg = replace(cfg, rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size())
+    opt = getattr(trainer, "actor_optim", None)
+    return watch(module, opt if isinstance(opt, torch.optim.Optimizer) else None, config=cfg)
