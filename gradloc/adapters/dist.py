@@ -31,6 +31,7 @@ class JobComm:
     timeout_s: float = 60.0
     group: Any = None  # None: the default process group
     collectives: int = 0  # issued so far (the tests count them)
+    broken: str = ""  # why gradloc's collectives stopped (a timeout: the ranks are out of lockstep)
 
     @staticmethod
     def detect(timeout_s: float) -> "JobComm | None":
@@ -54,11 +55,19 @@ class JobComm:
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            raise CollectiveTimeout(f"{what} on rank {self.rank} did not complete within {self.timeout_s:g} s "
-                                    f"(a rank crashed, hangs, or took another path): {exc}") from exc
+            # After a collective that did not complete, the ranks' next collectives would pair up
+            # wrongly: gradloc issues none for the rest of the run (Monitor falls back to per-rank).
+            self.broken = (f"{what} on rank {self.rank} did not complete within {self.timeout_s:g} s "
+                           f"(a rank crashed, hangs, or took another path): {exc}")
+            raise CollectiveTimeout(self.broken) from exc
+
+    def _check(self) -> None:
+        if self.broken:
+            raise CollectiveTimeout(f"gradloc's collectives are off after an earlier failure: {self.broken}")
 
     def all_gather(self, t: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
         """(W, *t.shape): every rank's ``t``, in rank order, on ``t``'s device."""
+        self._check()
         import torch.distributed as dist
 
         src = t.detach().contiguous().to(self.device)
@@ -68,6 +77,7 @@ class JobComm:
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", what: str = "all_reduce") -> torch.Tensor:
         """The reduction of every rank's ``t`` (a new tensor on ``t``'s device)."""
+        self._check()
         import torch.distributed as dist
 
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -77,6 +87,7 @@ class JobComm:
 
     def all_reduce_(self, tensors: list[torch.Tensor], what: str = "all_reduce") -> None:
         """In-place SUM of each tensor over ranks (gradients: one collective per tensor, all in flight)."""
+        self._check()
         import torch.distributed as dist
 
         works = [(t, dist.all_reduce(t, group=self.group, async_op=True)) for t in tensors]

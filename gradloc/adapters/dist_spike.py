@@ -43,6 +43,10 @@ from gradloc.localizer.token_view import TokenView
 from gradloc.records import Localization, SampleShare
 
 
+class ProbeFailed(RuntimeError):
+    """A probe raised on some rank; every rank learned it in the same collective."""
+
+
 class DistSpikePath(SpikePath):
     scope = "job"
 
@@ -52,11 +56,19 @@ class DistSpikePath(SpikePath):
         self.comm, self.kind, self.probe_context = comm, kind, probe_context
 
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
+        self._error = ""
         try:
             return self._job_localize(x)
         except CollectiveTimeout as exc:
             self.counters["collective_timeouts"] += 1
             return LocalizeResult(self._unavailable(x, f"localization failed: {exc}"))
+        except ProbeFailed as exc:  # every rank got here together: the job's collectives stay in lockstep
+            self.counters["probe_errors"] += 1
+            return LocalizeResult(self._unavailable(x, f"localization failed: {exc}"))
+        except Exception as exc:  # never raise into the training loop (the other ranks time out)
+            self.counters["localize_errors"] += 1
+            return LocalizeResult(self._unavailable(x, f"localization failed on rank {self.comm.rank}: "
+                                                       f"{type(exc).__name__}: {exc}"))
 
     def _unavailable(self, x: SpikeInputs, note: str) -> Localization:
         return Localization(x.record.step, "none", "unavailable", 0, None, x.record.global_norm, None, None, (), (),
@@ -112,9 +124,14 @@ class DistSpikePath(SpikePath):
                       rounds: int) -> tuple[Grads, float]:
         g_c: Grads = [None] * len(self.params)
         for i in range(rounds):
-            if i < len(groups):
+            if i < len(groups) and not self._error:
                 m, flats = groups[i]
-                g_c = session.add_to(g_c, view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+                try:
+                    g_c = session.add_to(g_c, view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+                except Exception as exc:  # noqa: BLE001 - DDP: carry on with nothing, so no rank waits
+                    if self.kind == "fsdp":
+                        raise  # its forward/backward are collectives: the other ranks time out
+                    self._error = f"the probe on rank {self.comm.rank} failed: {type(exc).__name__}: {exc}"
             elif self.kind == "fsdp":  # a collective: take part with nothing to probe
                 meta = view.metas[0]
                 g_c = session.add_to(g_c, meta.index, torch.zeros(meta.batch, meta.seq, dtype=torch.bool))
@@ -134,7 +151,12 @@ class DistSpikePath(SpikePath):
         self.comm.all_reduce_(full, "gradloc probe combine")  # DDP: Σ over ranks …
         torch._foreach_div_(full, float(W))  # … averaged, as DDP averages the training gradient
         g_c[:] = full
-        loss = float(self.comm.all_reduce(torch.tensor([loss_c], dtype=torch.float64), what="gradloc probe loss"))
+        flags = self.comm.all_reduce(torch.tensor([loss_c, float(bool(self._error))], dtype=torch.float64),
+                                     what="gradloc probe loss")
+        if flags[1] > 0:  # every rank learns what failed where (one more collective, on this path only)
+            errors = self.comm.all_gather_object(self._error, "gradloc probe errors")
+            raise ProbeFailed("; ".join(e for e in errors if e))
+        loss = float(flags[0])
         total_sq = stored.norm ** 2
         inner = dot(full, stored.grads, stored.inv_scale)
         return (inner / total_sq if total_sq > 0 else math.nan), grad_norm(full), \

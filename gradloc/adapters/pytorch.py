@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gradloc.adapters import job_setup
+from gradloc.adapters.dist import CollectiveTimeout
 from gradloc.adapters.dist_spike import DistSpikePath
 from gradloc.adapters.spike import SpikeInputs, SpikePath, scaler_state
 from gradloc.collector import rl_fields
@@ -120,8 +121,12 @@ class Monitor:
         if self.attached or self.model in _ATTACHED:
             raise AttachError("this model already has a gradloc monitor attached; detach() it first")
         if self.comm is not None:
-            job_setup.check_consistent(self.comm, self.config, self.layer_stats.layers,
-                                       self.hooks.layers if self.hooks else [])
+            try:
+                job_setup.check_consistent(self.comm, self.config, self.layer_stats.layers,
+                                           self.hooks.layers if self.hooks else [])
+            except CollectiveTimeout as exc:
+                raise AttachError(f"gradloc: the ranks did not all attach within {self.config.collective_timeout_s:g} s "
+                                  f"(call gradloc.watch on every rank): {exc}") from exc
         if self.hooks:
             self.hooks.attach()
         if self.optimizer is not None and self.update_ratios.enabled:
@@ -237,6 +242,8 @@ class Monitor:
         """
         if step is not None:
             self.step = int(step)
+        if self.comm is not None and self.comm.broken:
+            self._leave_job()
         if self._ended == 0 and self.config.remedy == "drop_culprits" and probe is None:
             raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
                               "without probes no culprit set is verified and ∇_C is unknown")
@@ -251,7 +258,11 @@ class Monitor:
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
                        upd[2] if upd else None, unscored, rl_pack, self.comm)
-        assembled = assemble(self.layer_stats, x)
+        try:
+            assembled = assemble(self.layer_stats, x)
+        except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits
+            self._leave_job()
+            assembled = assemble(self.layer_stats, replace(x, comm=None))
         self.meter.end(t0)
         own, step_s, ratio = self.meter.finish_step()
         t1 = self.meter.begin()
@@ -276,6 +287,16 @@ class Monitor:
         self.step += 1
         self._ended += 1
         return StepReport(record, spike, incident)
+
+    def _leave_job(self) -> None:
+        """After a gradloc collective failed, the ranks are out of lockstep: watch this rank alone."""
+        log.error("gradloc: collectives are off for the rest of the run, each rank is watched on its own: %s",
+                  self.comm.broken if self.comm else "")
+        self.counters["left_job"] += 1
+        self.comm = None
+        spikes = self.spikes
+        self.spikes = SpikePath(spikes.model, spikes.params, spikes.token_layers, spikes.localizer, spikes.cfg,
+                                spikes.pause_hooks, spikes.counters)
 
     def _rl_step(self, metas: list[MicroBatchMeta], scores: StepScores | None
                  ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:

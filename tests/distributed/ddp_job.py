@@ -78,5 +78,6 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
         mon.close()
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in model.named_parameters()}
-    return {"reports": reports, "params": params, "collectives": collectives,
+    history = [{s.layer: s.update_ratio for s in rec.layers} for rec in mon.history] if mon is not None else []
+    return {"reports": reports, "params": params, "collectives": collectives, "history_ratios": history,
             "kind": mon.job_kind if mon is not None else None}

@@ -43,19 +43,19 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         torch.set_num_threads(1)
         if not env.get("GRADLOC_TEST_NO_INIT"):
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        try:
-            result = fn(rank, world, *args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        result = fn(rank, world, *args)
         out.put((rank, "ok", pickle.dumps(result)))  # by value: torch's queue would share tensors by fd
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         out.put((rank, "error", traceback.format_exc()))
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
-        env: dict[str, str] | None = None) -> list[Any]:
-    """``fn(rank, world_size, *args)`` in ``world_size`` processes; their return values by rank."""
+        env: dict[str, str] | None = None, may_die: tuple[int, ...] = ()) -> list[Any]:
+    """``fn(rank, world_size, *args)`` in ``world_size`` processes; their return values by rank.
+
+    ``may_die``: ranks a test makes crash on purpose; their result is None."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -74,7 +74,10 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 
             try:
                 rank, status, value = out.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode]
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode is not None]
+                for r in [r for r in dead if r in may_die]:
+                    results[r] = None
+                dead = [r for r in dead if r not in may_die]
                 if dead:
                     raise AssertionError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
                 continue
