@@ -53,8 +53,10 @@ from gradloc.exporters.metric_specs import SPECS, MetricSpec
 from gradloc.exporters.state import (
     RANK_GAUGES,
     CounterPoint,
+    RankPoint,
     TelemetrySnapshot,
     TelemetryState,
+    norm_hist_labels,
     rl_ratio_values,
     shed_values,
 )
@@ -167,8 +169,8 @@ class _SnapshotReader:
             return self._counters.get(key, [])
 
 
-def _rank_attrs(s: StepSummary) -> dict[str, str]:
-    return {"job": s.job, "rank": str(s.rank)}
+def _rank_attrs(p: RankPoint) -> dict[str, str]:
+    return {"job": p.summary.job, "rank": p.rank_label}
 
 
 class MetricInstruments:
@@ -204,15 +206,14 @@ class MetricInstruments:
             return lambda snap: [Observation(c.value, dict(zip(spec.labels, c.labels)))
                                  for c in self._reader.counters(spec.key)]
         if spec.key == "shed":
-            return lambda snap: [Observation(v, {**_rank_attrs(p.summary), "feature": f})
-                                 for p in snap.ranks for f, v in shed_values(p.summary)]
+            return lambda snap: [Observation(v, {**_rank_attrs(p), "feature": f})
+                                 for p in snap.ranks if p.own for f, v in shed_values(p.summary)]
         if spec.key == "rl_max_abs_log_ratio":
-            return lambda snap: [Observation(v, {**_rank_attrs(p.summary), "reference": r})
-                                 for p in snap.ranks for r, v in rl_ratio_values(p.summary) if math.isfinite(v)]
+            return lambda snap: [Observation(v, {**_rank_attrs(p), "reference": r}) for p in snap.ranks if p.own
+                                 for r, v in rl_ratio_values(p.summary) if math.isfinite(v)]
         if spec.key in RANK_GAUGES:
-            get = RANK_GAUGES[spec.key]
-            return lambda snap: [Observation(v, _rank_attrs(p.summary)) for p in snap.ranks
-                                 if (v := get(p.summary)) is not None and math.isfinite(v)]
+            return lambda snap: [Observation(v, _rank_attrs(p)) for p in snap.ranks
+                                 for k, v in p.gauges() if k == spec.key and math.isfinite(v)]
         if spec.key in _LAYER_GAUGES:
             return lambda snap: _layer_observations(snap, _LAYER_GAUGES[spec.key])
         if spec.key == "pending":
@@ -222,8 +223,9 @@ class MetricInstruments:
 
     # -- synchronous instruments --------------------------------------------------------------
     def on_step(self, s: StepSummary, now: float) -> None:
-        if math.isfinite(s.global_norm):
-            self._sync["norm_hist"].record(s.global_norm, _rank_attrs(s))
+        labels = norm_hist_labels(s)
+        if math.isfinite(s.global_norm) and labels is not None:
+            self._sync["norm_hist"].record(s.global_norm, dict(zip(("job", "rank"), labels)))
         if math.isfinite(s.time_unix):
             self._sync["ingest_lag"].record(max(0.0, now - s.time_unix))
 
@@ -245,5 +247,5 @@ def _layer_observations(snap: TelemetrySnapshot, column: Callable[[LayerColumns]
         s, n = p.summary, p.layers_exported
         values = column(s.layers)[:n]
         for i in np.flatnonzero(np.isfinite(values)).tolist():
-            out.append(Observation(float(values[i]), {"job": s.job, "rank": str(s.rank), "layer": s.layers.names[i]}))
+            out.append(Observation(float(values[i]), {**_rank_attrs(p), "layer": s.layers.names[i]}))
     return out

@@ -33,7 +33,6 @@ from prometheus_client.utils import floatToGoString
 
 from gradloc.exporters.metric_specs import BY_KEY, SPECS, MetricSpec
 from gradloc.exporters.state import (
-    RANK_GAUGES,
     CounterPoint,
     Exemplar,
     HistogramPoint,
@@ -113,11 +112,13 @@ Row = tuple[str, Sample]  # (spec key, sample): one point's samples, added only 
 
 
 def _rank_rows(p: RankPoint) -> Iterator[Row]:
-    labels = {"job": _label(p.summary.job), "rank": _label(p.summary.rank)}
-    for key, get in RANK_GAUGES.items():
-        value = _number(get(p.summary))
+    labels = {"job": _label(p.summary.job), "rank": _label(p.rank_label)}
+    for key, raw in p.gauges():
+        value = _number(raw)
         if value is not None:
             yield key, Sample(BY_KEY[key].prom, labels, value)
+    if not p.own:
+        return
     for feature, value in shed_values(p.summary):
         yield "shed", Sample(BY_KEY["shed"].prom, {**labels, "feature": feature}, value)
     for reference, value in rl_ratio_values(p.summary):
@@ -139,7 +140,7 @@ def _layer_index(p: RankPoint) -> list[tuple[int, str]]:
 
 
 def _layer_rows(p: RankPoint) -> Iterator[Row]:
-    job, rank = _label(p.summary.job), _label(p.summary.rank)
+    job, rank = _label(p.summary.job), _label(p.rank_label)
     index = _layer_index(p)
     for key, attr in _LAYER_GAUGES.items():
         name = BY_KEY[key].prom

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -41,6 +41,12 @@ RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
     "rl_clipped": lambda s: None if s.rl is None else s.rl.clip_fraction,
     "rl_entropy": lambda s: None if s.rl is None else s.rl.entropy_mean,
 }
+
+
+# Where a step's layer columns are the job's (DDP, FSDP2, ZeRO: ``StepSummary.layers_global``), these
+# and the layer series are the same on every rank: exported once, from rank 0, with rank="job".
+JOB_GAUGES = frozenset({"global_norm", "nonfinite"})
+JOB_RANK = "job"
 
 
 def rl_ratio_values(s: StepSummary) -> list[tuple[str, float]]:
@@ -96,9 +102,43 @@ class HistogramPoint:
 
 @dataclass(frozen=True)
 class RankPoint:
+    """The series one latest step record gives.
+
+    ``scope``: "all" (a rank watched on its own: every gauge and layer series under its rank),
+    "rank" (a rank of a job whose layer columns are global: only its own gauges — loss, tokens,
+    overhead, RL, shed — no layer series), "job" (the job-level part, from rank 0: the layer series
+    and :data:`JOB_GAUGES` under rank="job")."""
+
     summary: StepSummary
     received_unix: float
     layers_exported: int  # the first n layers have series (bounded by max_layers)
+    scope: str = "all"
+
+    @property
+    def rank_label(self) -> str:
+        return JOB_RANK if self.scope == "job" else str(self.summary.rank)
+
+    def gauges(self) -> Iterator[tuple[str, float]]:
+        """(RANK_GAUGES key, value) of the per-rank gauges this point exports (None values left out)."""
+        for key, get in RANK_GAUGES.items():
+            if (self.scope == "job") != (key in JOB_GAUGES) and self.scope != "all":
+                continue
+            value = get(self.summary)
+            if value is not None:
+                yield key, value
+
+    @property
+    def own(self) -> bool:
+        """Whether the rank's own series (shed, RL ratios) come from this point."""
+        return self.scope != "job"
+
+
+def norm_hist_labels(s: StepSummary) -> Labels | None:
+    """Labels of the global-norm histogram observation of a step (None: not observed here — a job's
+    norm is observed once, from rank 0)."""
+    if not s.layers_global:
+        return (s.job, str(s.rank))
+    return (s.job, JOB_RANK) if s.rank == 0 else None
 
 
 @dataclass(frozen=True)
@@ -153,7 +193,7 @@ class TelemetryState:
     def __init__(self, config: StateConfig | None = None) -> None:
         self.config = config or StateConfig()
         self._lock = threading.Lock()
-        self._ranks: dict[tuple[str, int], RankPoint] = {}
+        self._ranks: dict[tuple[str, str], RankPoint] = {}  # (job, rank label)
         self._counters: dict[tuple[str, Labels], float] = {}
         self._exemplars: dict[tuple[str, Labels], Exemplar] = {}
         self._hists: dict[tuple[str, Labels], _Hist] = {}
@@ -167,10 +207,11 @@ class TelemetryState:
             self._bump("steps", jr)
             if s.skipped:
                 self._bump("skipped_steps", jr)
-            if s.nonfinite:
-                self._bump("nonfinite_steps", jr)
-            if math.isfinite(s.global_norm):
-                self._hist("norm_hist", jr).observe(s.global_norm)
+            hist = norm_hist_labels(s)
+            if s.nonfinite and hist is not None:
+                self._bump("nonfinite_steps", hist)
+            if math.isfinite(s.global_norm) and hist is not None:
+                self._hist("norm_hist", hist).observe(s.global_norm)
             self._hist("ingest_lag", ()).observe(max(0.0, now - s.time_unix))
             if s.rl is not None:
                 self._observe_rl(s)
@@ -185,16 +226,23 @@ class TelemetryState:
             self._hist("rl_advantage", job).add_counts(rl.advantage_counts, rl.advantage_sum)
 
     def _store_rank(self, s: StepSummary, now: float) -> None:
-        key = (s.job, s.rank)
+        if not s.layers_global:
+            self._store_point((s.job, str(s.rank)), s, now, "all")
+            return
+        self._store_point((s.job, str(s.rank)), s, now, "rank")
+        if s.rank == 0:
+            self._store_point((s.job, JOB_RANK), s, now, "job")
+
+    def _store_point(self, key: tuple[str, str], s: StepSummary, now: float, scope: str) -> None:
         if key not in self._ranks and len(self._ranks) >= self.config.max_series:
             self._expire(now)
             if len(self._ranks) >= self.config.max_series:
                 self._bump("series_dropped", ("max_series",))
                 return
-        n = min(len(s.layers), self.config.max_layers)
-        if n < len(s.layers):
+        n = min(len(s.layers), self.config.max_layers) if scope != "rank" else 0
+        if scope != "rank" and n < len(s.layers):
             self._bump("series_dropped", ("max_layers",))
-        self._ranks[key] = RankPoint(s, now, n)
+        self._ranks[key] = RankPoint(s, now, n, scope)
 
     def observe_incident(self, inc: CorrelatedIncident, now: float | None = None) -> None:
         """Count a closed incident; its trace id becomes the exemplar of the spike metrics."""
@@ -218,8 +266,9 @@ class TelemetryState:
                 # ⟨∇_C, ∇⟩/‖∇‖² can dip below 0 for a culprit set pointing against the rest: clamp.
                 self._hist("explained", (inc.job,)).observe(min(1.0, max(0.0, inc.explained_share)))
             if math.isfinite(inc.global_norm):
-                for rank in inc.ranks_reported:
-                    self._hist("norm_hist", (inc.job, str(rank))).exemplify(
+                job_scope = any(f.scope == "job" for f in inc.findings)
+                for rank in (JOB_RANK,) if job_scope else map(str, inc.ranks_reported):
+                    self._hist("norm_hist", (inc.job, rank)).exemplify(
                         inc.global_norm, Exemplar(inc.trace_id, inc.global_norm, now))
 
     def count(self, key: str, labels: Labels = (), n: float = 1) -> None:

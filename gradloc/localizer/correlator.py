@@ -102,10 +102,18 @@ class Correlator:
         for key in list(self._pending):
             self._close(key, note)
 
-    def _expected(self, job: str) -> tuple[int, ...]:
-        world = self._world.get(job, 0)
-        ranks = set(range(world)) | self._seen.get(job, set())
-        return tuple(sorted(ranks))
+    def _expected(self, job: str, job_scope: bool = False) -> tuple[int, ...]:
+        """The ranks whose step records an incident waits for. A job-scope incident (localized across
+        the ranks by the job's monitors) already holds the whole job: it waits only for the ranks that
+        talk to this agent (all of them with a daemon; rank 0 alone in embedded mode)."""
+        seen = self._seen.get(job, set())
+        if job_scope:
+            return tuple(sorted(seen))
+        return tuple(sorted(set(range(self._world.get(job, 0))) | seen))
+
+    @staticmethod
+    def _job_scope(p: _Pending) -> bool:
+        return any(f.scope == "job" for f in p.incidents.values())
 
     def _views(self, job: str, step: int) -> dict[int, RankView]:
         views = {}
@@ -117,12 +125,12 @@ class Correlator:
 
     def _check(self, key: tuple[str, int]) -> None:
         p = self._pending.get(key)
-        if p is not None and set(self._expected(p.job)) <= set(self._views(p.job, p.step)):
+        if p is not None and set(self._expected(p.job, self._job_scope(p))) <= set(self._views(p.job, p.step)):
             self._close(key, "")
 
     def _close(self, key: tuple[str, int], note: str) -> None:
         p = self._pending.pop(key)
-        inc = merge_incident(p.job, p.step, self._expected(p.job), self._views(p.job, p.step),
+        inc = merge_incident(p.job, p.step, self._expected(p.job, self._job_scope(p)), self._views(p.job, p.step),
                              p.incidents, incident_id=uuid.uuid4().hex, trace_id=self._new_trace_id(),
-                             closed_unix=time.time(), note=note)
+                             closed_unix=time.time(), note=note, world_size=self._world.get(p.job, 0))
         self._emit(inc)

@@ -43,6 +43,9 @@ def _spans(findings: Mapping[int, Incident], shares: Mapping[int, float]) -> tup
     for r, inc in findings.items():
         if inc.localization is None:
             continue
+        if inc.scope == "job":  # localized across the job's ranks: shares are global, each span names its rank
+            out += [RankSpan(r if span.rank is None else span.rank, span.share, span) for span in inc.localization.spans]
+            continue
         # A rank without token stats (or the only rank) keeps its rank-local share.
         scale = shares.get(r, 1.0 if len(findings) == 1 else math.nan)
         out += [RankSpan(r, span.share * scale, span) for span in inc.localization.spans]
@@ -71,6 +74,9 @@ def _notes(expected: tuple[int, ...], views: Mapping[int, RankView], findings: M
     late = sorted(set(findings) - set(views))
     if late:
         notes.append(f"rank(s) {', '.join(map(str, late))} sent a finding but no step record: no share")
+    job_scope = sorted(r for r, f in findings.items() if f.scope == "job")
+    if job_scope:
+        notes.append(f"localized across the job's ranks by rank {job_scope[0]}: span shares are job-wide")
     no_tokens = sorted(r for r, v in views.items() if v.tokens is None)
     if no_tokens:
         notes.append(f"rank(s) {', '.join(map(str, no_tokens))} sent no token statistics: no share")
@@ -79,10 +85,15 @@ def _notes(expected: tuple[int, ...], views: Mapping[int, RankView], findings: M
 
 def merge_incident(job: str, step: int, expected: tuple[int, ...], views: Mapping[int, RankView],
                    findings: Mapping[int, Incident], *, incident_id: str, trace_id: str,
-                   closed_unix: float, note: str = "") -> CorrelatedIncident:
+                   closed_unix: float, note: str = "", world_size: int = 0) -> CorrelatedIncident:
     reported = tuple(sorted(set(views) | set(findings)))
     missing = tuple(r for r in expected if r not in reported)
     shares = _rank_shares(views)
+    partial_view = [r for r in range(world_size) if r not in views]
+    if partial_view and any(f.scope == "job" for f in findings.values()):
+        shares = {}  # one rank's score is not its share of the job: no rank shares rather than a false 1.0
+        note = "; ".join(n for n in (note, "rank shares need every rank's step records (a gradloc-agent daemon); "
+                                     f"this agent did not hear rank(s) {', '.join(map(str, partial_view))}") if n)
     ranks = tuple(_rank_row(r, views.get(r), findings.get(r), shares.get(r)) for r in reported)
     ordered = [findings[r] for r in sorted(findings)]
     locs = [f.localization for f in ordered if f.localization is not None]

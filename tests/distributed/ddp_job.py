@@ -49,7 +49,8 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
     if plant is not None and plant[0] == rank:
         _, s, mb, b, t = plant
         w[s, mb, b, t] = 3000.0
-    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), remedy=remedy,
+    watch = {"store": False, **watch}
+    mon = gradloc.watch(model, opt, detector=gradloc.DetectorConfig(warmup=5), remedy=remedy,
                         **watch) if monitor else None
     reports, collectives = [], []
     for s in range(steps):

@@ -420,3 +420,24 @@ def test_many_layers_do_not_hit_the_sdk_cardinality_limit():
         points = _points(rx.latest("gradloc.grad.norm"))
     assert len(points) == 3 * len(names)
     assert not any(("otel.metric.overflow", True) in key for key in points)
+
+
+def test_a_jobs_global_layer_series_arrive_once_with_rank_job():
+    """DDP/FSDP2/ZeRO ranks send the same job-level layer columns: OTLP gets them once (rank="job"),
+    the global-norm histogram once per step, and each rank's own loss under its rank."""
+    state = TelemetryState()
+    with OtlpReceiver() as rx:
+        with running(state, rx.endpoint) as ex:
+            for rank in (0, 1, 2):
+                s = dataclasses.replace(step(JOB, rank, 100, columns([0.5, 0.3, 0.2], LAYERS), time_unix=time.time(),
+                                             loss=1.0 + rank), layers_global=True)
+                state.observe_step(s)
+                ex.on_step(s)
+            assert ex.force_flush(5.0)
+        metrics = {name: ms[-1] for name, ms in rx.metrics().items()}
+    assert set(_by_rank_layer(metrics["gradloc.grad.norm"])) == {f"job/{layer}" for layer in LAYERS}
+    assert [dict(k)["rank"] for k in _points(metrics["gradloc.grad.global_norm"])] == ["job"]
+    assert {dict(k)["rank"]: p.as_double for k, p in _points(metrics["gradloc.loss"]).items()} == \
+        {"0": 1.0, "1": 2.0, "2": 3.0}
+    hist = _points(metrics["gradloc.step.grad_norm"])
+    assert [(dict(k)["rank"], p.count) for k, p in hist.items()] == [("job", 1)]

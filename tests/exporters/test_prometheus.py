@@ -357,3 +357,39 @@ def test_a_malformed_rank_point_is_skipped_not_fatal(caplog):
     assert {s.labels["rank"] for s in fams["gradloc_grad_norm"].samples} == {"1"}
     assert {s.labels["rank"] for s in fams["gradloc_grad_global_norm"].samples} == {"1"}  # none half-added
     assert "skipped a malformed RankPoint" in caplog.text
+
+
+# -- a job whose layer statistics are global (DDP, FSDP2, ZeRO) ---------------------------------
+
+def _global_job_state(world: int = 4, layers: int = 6) -> TelemetryState:
+    """``world`` ranks sending the same job-level layer columns (``layers_global``), own losses."""
+    state, now = TelemetryState(), time.time()
+    norms = np.linspace(0.1, 1.0, layers)
+    for rank in range(world):
+        s = dataclasses.replace(step("ddp", rank, 7, columns(norms), time_unix=now, loss=2.0 + rank),
+                                layers_global=True)
+        state.observe_step(s)
+    return state
+
+
+def test_global_layer_series_are_exported_once_per_job_with_rank_job():
+    """W ranks × L layers of identical numbers would be W-fold cardinality: the layer series, the
+    global norm and its histogram come once, from rank 0, as rank="job"; each rank keeps its own
+    loss, token, overhead and shed series."""
+    world, layers = 4, 6
+    text = text_of(_global_job_state(world, layers))
+    norms = samples(text, "gradloc_grad_norm")
+    assert len(norms) == layers and {lab["rank"] for lab, _ in norms} == {"job"}
+    assert {lab["rank"] for lab, _ in samples(text, "gradloc_update_ratio")} == {"job"}
+    assert [lab["rank"] for lab, _ in samples(text, "gradloc_grad_global_norm")] == ["job"]
+    assert {lab["rank"]: v for lab, v in samples(text, "gradloc_loss")} == {str(r): 2.0 + r for r in range(world)}
+    assert {lab["rank"] for lab, _ in samples(text, "gradloc_overhead_ratio")} == {str(r) for r in range(world)}
+    assert {lab["rank"] for lab, _ in samples(text, "gradloc_shed")} == {str(r) for r in range(world)}
+    counts = samples(text, "gradloc_step_grad_norm_count")
+    assert [(lab["rank"], v) for lab, v in counts] == [("job", 1.0)]  # observed once, not W times
+    assert {lab["rank"] for lab, _ in samples(text, "gradloc_steps_total")} == {str(r) for r in range(world)}
+    # The same job with per-rank statistics (no wrapper): W × L layer series, as before.
+    state = TelemetryState()
+    for rank in range(world):
+        state.observe_step(step("plain", rank, 7, columns(np.ones(layers)), time_unix=time.time()))
+    assert len(samples(text_of(state), "gradloc_grad_norm")) == world * layers

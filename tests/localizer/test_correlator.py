@@ -125,3 +125,50 @@ def test_old_steps_leave_the_history_and_pending_is_bounded() -> None:
 def test_config_is_validated(kw: dict) -> None:
     with pytest.raises(ConfigError):
         CorrelatorConfig(**kw)
+
+
+def test_a_job_scope_finding_keeps_its_job_wide_shares_and_each_span_its_rank() -> None:
+    """A multi-rank monitor localizes across the job and rank 0 sends ONE incident (scope "job"):
+    its spans already carry job-wide shares and the rank that owns each; the correlator must not
+    scale them by rank 0's share nor attribute them to rank 0."""
+    from dataclasses import replace
+
+    c, out, _ = make()
+    for r in range(2):
+        c.declare("j", r, 2)
+    inc = finding("j", 0, 4)
+    spans = (replace(inc.localization.spans[0], share=0.6, rank=1),
+             replace(inc.localization.spans[0], share=0.2, sample=1, rank=0))
+    c.on_incident(replace(inc, scope="job", localization=replace(inc.localization, spans=spans)))
+    c.on_step(summary("j", 0, 4, total_score=1.0))
+    assert not out
+    c.on_step(summary("j", 1, 4, total_score=3.0))
+    (got,) = out
+    assert [(s.rank, s.share) for s in got.spans] == [(1, 0.6), (0, 0.2)]
+    assert got.status == "complete" and len(got.findings) == 1
+    assert "localized across the job's ranks by rank 0" in got.note
+    # A rank-scope finding from the same job is still scaled by its rank's share.
+    c.on_incident(finding("j", 1, 5, share=0.5))
+    c.on_step(summary("j", 0, 5, total_score=1.0))
+    c.on_step(summary("j", 1, 5, total_score=3.0))
+    assert [(s.rank, s.share) for s in out[-1].spans] == [(1, 0.375)]
+
+
+def test_a_job_scope_finding_heard_by_one_rank_only_closes_at_once_without_rank_shares() -> None:
+    """Embedded mode in a 2-rank job: rank 0's in-process agent hears only rank 0. The job-scope
+    incident already holds the job, so it closes on rank 0's step record (not after the straggler
+    deadline as 'partial'), and gives no rank shares instead of a false 1.0 for rank 0."""
+    from dataclasses import replace
+
+    c, out, _ = make()
+    c.declare("j", 0, 2)
+    c.on_incident(replace(finding("j", 0, 4), scope="job"))
+    c.on_step(summary("j", 0, 4))
+    (got,) = out
+    assert got.status == "complete" and got.ranks_missing == ()
+    assert [s.share for s in got.rank_shares] == [None] and got.micro_batch_shares == ()
+    assert "did not hear rank(s) 1" in got.note
+    # A rank-scope finding of the same job still waits for rank 1 (then is partial).
+    c.on_incident(finding("j", 0, 5))
+    c.on_step(summary("j", 0, 5))
+    assert len(out) == 1 and c.pending == 1
