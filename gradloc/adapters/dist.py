@@ -72,7 +72,8 @@ class JobComm:
 
         src = t.detach().contiguous().to(self.device)
         flat = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=src.device)  # gloo: concatenated
-        self._wait(dist.all_gather_into_tensor(flat, src.reshape(-1), group=self.group, async_op=True), what)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        self._wait(gather(flat, src.reshape(-1), group=self.group, async_op=True), what)
         return flat.reshape(self.world_size, *src.shape).to(t.device)  # (W·n,) -> (W, *shape)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", what: str = "all_reduce") -> torch.Tensor:

@@ -124,10 +124,12 @@ def incident_line(inc: Incident) -> str:
     return f"{head} · {loc.status} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}"
 
 
-def culprit_json(c: Culprit) -> dict[str, Any]:
-    """A culprit in the demo's ``--json``: where and what, plus its RL fields and class when it has them."""
-    out: dict[str, Any] = {"micro_batch": c.micro_batch, "sample": c.sample, "position": c.position,
-                           "token_id": c.token_id, "text": c.text, "share": c.share, "sample_id": c.sample_id}
+def culprit_json(c: Culprit, rank: int = 0) -> dict[str, Any]:
+    """A culprit in the demo's ``--json``: where (``rank``: the culprit's own, else the incident's rank)
+    and what, plus its RL fields and class when it has them."""
+    out: dict[str, Any] = {"rank": rank if c.rank is None else c.rank, "micro_batch": c.micro_batch,
+                           "sample": c.sample, "position": c.position, "token_id": c.token_id, "text": c.text,
+                           "share": c.share, "sample_id": c.sample_id}
     if c.rl is not None:
         out["rl"] = {**to_dict(c.rl), "log_ratio": c.rl.log_ratio, "log_ratio_old": c.rl.log_ratio_old}
     if c.classification is not None:
@@ -141,8 +143,9 @@ def _class_json(c: Classification) -> dict[str, Any]:
     return {"kind": c.kind, "reason": c.reason, "evidence": {e.name: e.value for e in c.evidence}}
 
 
-def _sample_json(x: SampleShare) -> dict[str, Any]:
-    return {"micro_batch": x.micro_batch, "sample": x.sample, "sample_id": x.sample_id, "tokens": x.tokens,
+def _sample_json(x: SampleShare, rank: int) -> dict[str, Any]:
+    return {"rank": rank if x.rank is None else x.rank, "micro_batch": x.micro_batch, "sample": x.sample,
+            "sample_id": x.sample_id, "tokens": x.tokens,
             "score_share": x.score_share, "share": x.share}
 
 
@@ -153,12 +156,13 @@ def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
     for inc in incidents:
         loc = inc.localization
         rows.append({
-            "incident_id": inc.incident_id, "step": inc.step, "kinds": list(inc.spike.kinds),
+            "incident_id": inc.incident_id, "step": inc.step, "rank": inc.rank, "scope": inc.scope,
+            "kinds": list(inc.spike.kinds),
             "method": loc.method if loc else None, "status": loc.status if loc else None,
             "probes": loc.probes if loc else 0,
             "explained_share": loc.explained_share if loc else None,
-            "culprits": [culprit_json(c) for c in loc.culprits] if loc else [],
-            "samples": [_sample_json(x) for x in loc.samples] if loc else [],
+            "culprits": [culprit_json(c, inc.rank) for c in loc.culprits] if loc else [],
+            "samples": [_sample_json(x, inc.rank) for x in loc.samples] if loc else [],
             "classification": None if inc.classification is None else _class_json(inc.classification),
             "remedy": None if inc.remedy is None else {
                 "action": inc.remedy.action, "applied": inc.remedy.applied, "norm_before": inc.remedy.norm_before,

@@ -4,10 +4,12 @@ Library code (no click): ``gradloc.agent.cli`` turns flags into a :class:`DemoCo
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch import nn
 
 from gradloc.adapters.pytorch import watch
 from gradloc.config import DetectorConfig, WatchConfig
@@ -17,6 +19,8 @@ from gradloc.errors import ConfigError
 from gradloc.records import Incident, StepRecord
 
 INJECT_KINDS = ("advantage", "label", "none")
+BACKENDS = ("ddp", "fsdp", "deepspeed")
+PLANT_RANK = 1  # a multi-rank demo plants its culprit on rank 1: the incident must name it
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class DemoConfig:
     job: str = "demo"
     rank: int = 0  # several demo processes with the same job and world_size act as the ranks of one job
     world_size: int = 1
+    backend: str | None = None  # "ddp" | "fsdp" | "deepspeed": the demo spawns world_size ranks of one job
     agent: str | None = None  # ship to a gradloc-agent daemon at host:port (else embedded mode)
     store_path: str | None = None  # embedded mode's SQLite store (None: the per-user default)
     metrics_address: str | None = None  # embedded mode: serve /metrics and /api here
@@ -56,6 +61,12 @@ class DemoConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.prompt < self.seq // 2:
             raise ConfigError(f"prompt must be in [0, seq/2), got {self.prompt}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend is not None and self.world_size < 2:
+            raise ConfigError(f"backend={self.backend!r} needs world_size >= 2 (the demo plants on rank {PLANT_RANK})")
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class Planted:
     sample: int
     position: int
     token_id: int
+    rank: int = 0
 
 
 @dataclass
@@ -84,26 +96,44 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None 
         torch.set_num_threads(threads)
 
 
+def _wrap(cfg: DemoConfig, model: nn.Module) -> nn.Module:
+    """The model as the backend trains it (every rank starts from the same seed)."""
+    if cfg.backend == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if cfg.backend == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
 def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> DemoResult:
     torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed + (1000 * cfg.rank if cfg.backend else 0))  # each rank its own data
     corpus = cl100k_corpus()
-    model = TinyGPT(GPTConfig(vocab=corpus.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers))
+    model = _wrap(cfg, TinyGPT(GPTConfig(vocab=corpus.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers)))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    wcfg = WatchConfig(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, incident_path=cfg.incident_path, agent=cfg.agent, store_path=cfg.store_path,
-                       metrics_address=cfg.metrics_address, detector=DetectorConfig(alpha=cfg.detector_alpha))
+    wcfg = WatchConfig(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, incident_path=cfg.incident_path,
+                       agent=cfg.agent, store_path=cfg.store_path, metrics_address=cfg.metrics_address,
+                       detector=DetectorConfig(alpha=cfg.detector_alpha))
     mon = watch(model, opt, config=wcfg, decode=corpus.to_text)
     planted: list[Planted] = []
     records: list[StepRecord] = []
     n_tokens = cfg.micro_batches * cfg.batch * (cfg.seq - cfg.prompt)
     loss_mask = torch.ones(cfg.batch, cfg.seq, dtype=torch.bool)
     loss_mask[:, : cfg.prompt] = False
+    plants_here = cfg.inject != "none" and (cfg.backend is None or cfg.rank == PLANT_RANK)
     with mon:
         for step in range(cfg.steps):
             batches = [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]
             weights = loss_mask.float().expand(cfg.micro_batches, -1, -1).clone()  # (M, B, T) per-token weights
             if step == cfg.inject_step and cfg.inject != "none":
-                planted.append(_plant(cfg, model, batches, weights, gen))
+                plant = _plant(cfg, model, batches, weights, gen, apply=plants_here)  # every rank runs its forward
+                planted += [plant] if plants_here else []
 
             def loss_for(i: int, mask: torch.Tensor | None = None) -> torch.Tensor:
                 x, y = batches[i]
@@ -112,8 +142,10 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
 
             total = torch.zeros(())
             for i, (_, y) in enumerate(batches):
-                uids = [f"s{step}-{i}-{b}" for b in range(cfg.batch)]
-                with mon.micro_batch(y, loss_mask=loss_mask, sample_ids=uids):
+                uids = [f"s{step}-{i}-{b}" if cfg.backend is None else f"r{cfg.rank}-s{step}-{i}-{b}"
+                        for b in range(cfg.batch)]
+                sync = model.no_sync() if cfg.backend == "ddp" and i < cfg.micro_batches - 1 else contextlib.nullcontext()
+                with sync, mon.micro_batch(y, loss_mask=loss_mask, sample_ids=uids):
                     loss = loss_for(i)
                     loss.backward()
                 total += loss.detach()
@@ -128,13 +160,17 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
     return DemoResult(planted, list(mon.incidents), records, corpus.to_text, store)
 
 
-def _plant(cfg: DemoConfig, model: TinyGPT, batches: list, weights: torch.Tensor,
-           gen: torch.Generator) -> Planted:
+def _plant(cfg: DemoConfig, model: nn.Module, batches: list, weights: torch.Tensor,
+           gen: torch.Generator, apply: bool = True) -> Planted:
+    """Choose the culprit token and plant it (``apply``). Every rank of a job runs the forward (an
+    FSDP2 or DDP forward is a collective), only the planting rank changes its batch."""
     mb = int(torch.randint(0, cfg.micro_batches, (1,), generator=gen))
     b = int(torch.randint(0, cfg.batch, (1,), generator=gen))
     x, y = batches[mb]
     with torch.no_grad():
-        logp = torch.log_softmax(model(x[b : b + 1])[0].float(), dim=-1)  # (T, V)
+        logp = torch.log_softmax(model(x[b : b + 1])[0].float(), dim=-1)  # (1, T, V) -> (T, V)
+    if not apply:
+        return Planted(mb, b, 0, 0, cfg.rank)
     lo = max(cfg.prompt, cfg.seq // 4)
     if cfg.inject == "advantage":  # RL-style: a sampled low-probability token with a huge weight
         t = lo + int(logp[lo:].gather(1, y[b, lo:, None]).squeeze(1).argmin())
@@ -144,4 +180,4 @@ def _plant(cfg: DemoConfig, model: TinyGPT, batches: list, weights: torch.Tensor
         y = y.clone()  # labels are a view of the inputs' window: corrupt the target only
         y[b, t] = int(logp[t].argmin())
         batches[mb] = (x, y)
-    return Planted(mb, b, t, int(y[b, t]))
+    return Planted(mb, b, t, int(y[b, t]), cfg.rank)

@@ -38,7 +38,7 @@ def test_demo_json_locates_the_planted_culprit(kind: str, seed: int) -> None:
     assert cpu < 120, f"the demo must finish in under 60 s on 2 cores, used {cpu:.1f} CPU-seconds"
     assert set(doc) == {"planted", "incidents"}
     (planted,) = doc["planted"]
-    assert set(planted) == {"micro_batch", "sample", "position", "token_id"}
+    assert set(planted) == {"rank", "micro_batch", "sample", "position", "token_id"} and planted["rank"] == 0
     inc = _planted_step_incident(doc, 180)
     assert {"step", "probes", "explained_share", "culprits"} <= set(inc)
     assert 1 <= inc["probes"] <= 3
@@ -47,7 +47,9 @@ def test_demo_json_locates_the_planted_culprit(kind: str, seed: int) -> None:
         planted["micro_batch"], planted["sample"], planted["position"], planted["token_id"])
     assert isinstance(top["text"], str) and top["text"].strip()
     assert inc["explained_share"] > 0.5 or kind == "label"
-    assert all({"micro_batch", "sample", "position", "token_id", "text", "share"} <= set(c) for c in inc["culprits"])
+    assert all({"rank", "micro_batch", "sample", "position", "token_id", "text", "share"} <= set(c)
+               for c in inc["culprits"])
+    assert {c["rank"] for c in inc["culprits"]} == {0} and (inc["rank"], inc["scope"]) == (0, "rank")
 
 
 def test_demo_flags_change_the_run() -> None:

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,17 +30,12 @@ from typing import Any
 
 import pytest
 
+from gradloc.demo.spawn import free_port
+
 PROMETHEUS = os.environ.get("GRADLOC_PROMETHEUS", "/usr/bin/prometheus")
 READY_TIMEOUT_S = 30.0
 
 Result = list[dict[str, Any]]
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (Prometheus binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require_binary(path: str = PROMETHEUS) -> str:

@@ -3,7 +3,6 @@ every dropped record is counted, and records reach a daemon that comes up late o
 from __future__ import annotations
 
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gradloc.demo.spawn import free_port
 from gradloc.errors import ConfigError
 from gradloc.transport import AgentClient, LayerTableCache, Overloaded
 
@@ -23,12 +23,6 @@ FAST = dict(world_size=4, flush_interval_s=0.02, timeout_s=2.0, backoff_initial_
 
 def client(address: str, **kw) -> AgentClient:
     return AgentClient(address, job=JOB, rank=1, **{**FAST, **kw})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:

@@ -1,0 +1,125 @@
+"""Run a function as the W ranks of one gloo job, under a deadline that can never hang the caller.
+
+``run_ranks(fn, world_size, *args, timeout_s=...)`` spawns W fresh interpreters (``spawn`` start
+method: no forked torch state), each with the environment a launcher sets (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT — what DeepSpeed needs to skip mpi4py), a gloo process group
+on a free local port and one torch thread, then calls ``fn(rank, world_size, *args)``; results come
+back by value. A rank that raises fails the run with its traceback, a rank that dies fails it with
+its exit code, and when the deadline passes (ranks stuck in different collectives) every process is
+killed and the run fails naming the ranks that had not finished. The demo's ``--world-size N
+--backend …`` and ``bench overhead --ddp N`` run on it, and so do the distributed tests.
+
+``progress(value)`` inside a rank sends ``value`` to the parent's ``on_progress(rank, value)``.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+from gradloc.errors import GradlocError
+
+_OUT: Any = None  # the child's queue to the parent (set in the child only)
+
+
+class SpawnError(GradlocError, RuntimeError):
+    """A rank raised, died, or the job did not finish before its deadline."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def progress(value: Any) -> None:
+    """From inside a rank: hand ``value`` to the parent's ``on_progress`` (never blocks, never raises)."""
+    if _OUT is not None:
+        try:
+            _OUT.put_nowait((int(os.environ.get("RANK", "0")), "progress", value))
+        except Exception:  # noqa: BLE001 - progress is best effort
+            pass
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any, env: dict,
+           init: bool, paths: list[str]) -> None:
+    global _OUT
+    _OUT = out
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": "1", **env})
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        result = fn(rank, world, *args)
+        out.put((rank, "ok", pickle.dumps(result)))  # by value: torch's queue would share tensors by fd
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
+              env: dict[str, str] | None = None, may_die: tuple[int, ...] = (), init: bool = True,
+              on_progress: Callable[[int, Any], None] | None = None, paths: tuple[str, ...] = ()) -> list[Any]:
+    """``fn(rank, world_size, *args)`` in ``world_size`` processes; their return values by rank.
+
+    ``fn`` must be importable by name in a fresh interpreter (a module-level function); ``paths``
+    are put first on the children's ``sys.path``. ``may_die``: ranks expected to crash (their result
+    is None). ``init=False``: no process group (the function makes its own)."""
+    if world_size < 1:
+        raise SpawnError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out, env or {}, init, list(paths)),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise SpawnError(f"ranks {missing} did not finish within {timeout_s:.0f} s (a deadlock?)")
+            try:
+                rank, status, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                _check_dead(procs, results, may_die)
+                continue
+            if status == "progress":
+                if on_progress is not None:
+                    on_progress(rank, value)
+            elif status == "error":
+                raise SpawnError(f"rank {rank} failed:\n{value}")
+            else:
+                results[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return [results[r] for r in range(world_size)]
+
+
+def _check_dead(procs: list[Any], results: dict[int, Any], may_die: tuple[int, ...]) -> None:
+    dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode is not None]
+    for r in [r for r in dead if r in may_die]:
+        results[r] = None
+    dead = [r for r in dead if r not in may_die]
+    if dead:
+        raise SpawnError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
