@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import sys
+from typing import Any, Callable
 
 import click
 
@@ -81,7 +82,7 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
         click.echo(f"\nincidents stored in {result.store_path} — `gradloc-agent incidents list --db {result.store_path}`")
 
 
-def _demo_config(rl: bool, packed: bool, common: dict):
+def _demo_config(rl: bool, packed: bool, common: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
     """The demo's typed config and its runner (raises ConfigError on bad options)."""
     if rl:
         from gradloc.demo.rl import RLDemoConfig, run_rl_demo
