@@ -57,8 +57,9 @@ class Problem:
 
 def problems(gen: torch.Generator, n: int) -> list[Problem]:
     """``n`` problems drawn uniformly (digits 0–9, one of ``+ - *``)."""
-    draw = torch.randint(0, 10, (n, 3), generator=gen).tolist()  # (n, 3): a, op index, b
-    return [Problem(a, OPS[o % len(OPS)], b) for a, o, b in draw]
+    digits = torch.randint(0, 10, (n, 2), generator=gen).tolist()  # (n, 2): a, b
+    ops = torch.randint(0, len(OPS), (n,), generator=gen).tolist()
+    return [Problem(a, OPS[o], b) for (a, b), o in zip(digits, ops)]
 
 
 def sft_batch(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,8 +17,9 @@ is the same loss × a token mask.
 
 Plants (at ``inject_step``): ``mismatch`` lowers one response token's rollout log-prob by
 ``mismatch`` nats in the engine's output, before the join (an engine/trainer disagreement: with
-the default 8 its importance weight becomes e^8 ≈ 3000); ``advantage`` gives the step's least likely
-sampled token an advantage of ``advantage`` (a token-level advantage bug). Library code (no click):
+the default 8 its importance weight becomes e^8 ≈ 3000); ``advantage`` draws one completion's first
+token from the policy's tail (π ≤ ``tail_prob``: a rare but legitimate draw at temperature 1) and
+gives that token an advantage of ``advantage`` (a token-level advantage bug). Library code (no click):
 ``gradloc.agent.cli`` turns flags into a :class:`RLDemoConfig`.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from gradloc.adapters.rl import Rollouts, join
 from gradloc.config import DetectorConfig, WatchConfig
 from gradloc.demo.arith import MAX_ANSWER, PAD, PROMPT_TOKENS, VOCAB, problems, to_text
 from gradloc.demo.model import GPTConfig, TinyGPT
-from gradloc.demo.rl_parts import Part, grpo_advantages, make_parts, plant_advantage, plant_mismatch, warm_start
+from gradloc.demo.rl_parts import Part, grpo_advantages, make_parts, plant_mismatch, warm_start
 from gradloc.demo.run import DemoResult
 from gradloc.demo.sampler import sample
 from gradloc.errors import ConfigError
@@ -61,6 +62,7 @@ class RLDemoConfig:
     clip_epsilon: float = 0.2
     mismatch: float = 8.0  # nats taken off the planted token's rollout log-prob
     advantage: float = 50.0  # the planted token's advantage
+    tail_prob: float = 0.01  # the advantage plant's token is drawn from the policy's tail: π ≤ this
     detector_alpha: float = 0.97
     incident_path: str | None = None
     job: str = "demo-rl"
@@ -87,6 +89,8 @@ class RLDemoConfig:
             raise ConfigError(f"need sft_steps >= 0 and threads >= 1, got {self.sft_steps}, {self.threads}")
         if min(self.lr, self.sft_lr, self.clip_epsilon, self.mismatch, self.advantage) <= 0:
             raise ConfigError("lr, sft_lr, clip_epsilon, mismatch and advantage must be > 0")
+        if not 0 < self.tail_prob < 1:
+            raise ConfigError(f"tail_prob must be in (0, 1), got {self.tail_prob}")
 
 
 @dataclass(frozen=True)
@@ -146,15 +150,18 @@ def _step(cfg: RLDemoConfig, model: TinyGPT, mon: Any, gen: torch.Generator, ste
           plant: str) -> tuple[Any, RLPlanted | None, float]:
     """One GRPO step up to ``end_step``: rollouts, join, advantages, the loss over the micro-batches."""
     batch = problems(gen, cfg.prompts)
-    outputs = sample(model, batch, cfg.n, MAX_ANSWER, gen, request_prefix=f"s{step}-")
+    tail_row = int(torch.randint(0, cfg.prompts * cfg.n, (1,), generator=gen)) if plant == "advantage" else None
+    outputs = sample(model, batch, cfg.n, MAX_ANSWER, gen, request_prefix=f"s{step}-",
+                     tail=None if tail_row is None else (tail_row, cfg.tail_prob))
     rewards = torch.tensor([p.reward(c.token_ids) for p, o in zip(batch, outputs) for c in o.outputs])  # (S,)
     groups = torch.arange(cfg.prompts).repeat_interleave(cfg.n)  # (S,): the rows of one prompt
     adv = grpo_advantages(rewards, groups)  # (S,)
     target = plant_mismatch(outputs, adv, cfg.n, cfg.mismatch, gen) if plant == "mismatch" else None
     rollouts = join(outputs, pad_id=PAD, vocab_size=VOCAB)
     adv_tok = adv[:, None].expand_as(rollouts.loss_mask).clone()  # (S,) -> (S, L): per token
-    if plant == "advantage":
-        target = plant_advantage(rollouts, adv_tok, cfg.advantage)
+    if tail_row is not None:  # the tail token: the completion's first, scored at loss position P − 1
+        target = (tail_row, rollouts.infos[tail_row].response_start)
+        adv_tok[target] = cfg.advantage
     chunks = [c.tolist() for c in torch.arange(cfg.prompts).tensor_split(cfg.micro_batches)]
     rows = [[q * cfg.n + i for q in chunk for i in range(cfg.n)] for chunk in chunks]
     parts = make_parts(rollouts, adv_tok, rows, cfg.packed)

@@ -78,13 +78,3 @@ def plant_mismatch(outputs: Sequence[Any], adv: torch.Tensor, n: int, nats: floa
     entry.logprob -= nats
     comp.cumulative_logprob -= nats
     return row, len(out.prompt_token_ids) - 1 + k  # position p scores token p + 1
-
-
-def plant_advantage(rollouts: Rollouts, adv_tok: torch.Tensor, value: float) -> tuple[int, int]:
-    """Give the step's least likely sampled token (by the sampler's log-prob) the advantage ``value``.
-    Returns its (row, loss position)."""
-    lp = torch.where(rollouts.loss_mask, rollouts.rollout_logp, torch.inf)  # (S, L)
-    flat = int(lp.argmin())
-    row, pos = divmod(flat, lp.shape[1])  # (S·L,) index -> (row, position)
-    adv_tok[row, pos] = value
-    return row, pos

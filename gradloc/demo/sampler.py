@@ -20,8 +20,12 @@ from gradloc.demo.vllm_shapes import CompletionOutput, Logprob, RequestOutput
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, batch: Sequence[Problem], n: int, max_new: int, gen: torch.Generator,
-           request_prefix: str = "") -> list[RequestOutput]:
-    """``n`` completions of each problem's prompt, one ``RequestOutput`` per prompt."""
+           request_prefix: str = "", tail: tuple[int, float] | None = None) -> list[RequestOutput]:
+    """``n`` completions of each problem's prompt, one ``RequestOutput`` per prompt.
+
+    ``tail = (row, p_max)`` (the demo's ``advantage`` plant): completion ``row``'s first token is
+    drawn from the policy's tail, the allowed tokens of probability ≤ ``p_max`` (the least likely one
+    if there is none); the rest of it is sampled as usual, and its log-probs are reported as usual."""
     prompts = torch.tensor([p.prompt_ids for p in batch], dtype=torch.long)  # (Q, P): prompts share a length
     seq = prompts.repeat_interleave(n, dim=0)  # (Q, P) -> (Q·n, P): completions of a prompt are adjacent
     R = seq.shape[0]
@@ -32,7 +36,10 @@ def sample(model: torch.nn.Module, batch: Sequence[Problem], n: int, max_new: in
     allowed[list(SAMPLED)] = 1.0
     for _ in range(max_new):
         logp = torch.log_softmax(model(seq)[:, -1].float(), dim=-1)  # (R, t, V) -> (R, V): the next token
-        tok = torch.multinomial(logp.exp() * allowed, 1, generator=gen).squeeze(1)  # (R,)
+        probs = logp.exp() * allowed  # (R, V)
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (R,)
+        if tail is not None and seq.shape[1] == prompts.shape[1]:
+            tok[tail[0]] = _from_tail(probs[tail[0]], tail[1], gen)
         lp = logp.gather(1, tok[:, None]).squeeze(1)  # (R,)
         rank = (logp > lp[:, None]).sum(1) + 1  # (R,): 1 = the most likely token, as vLLM counts
         for r in (~done).nonzero().flatten().tolist():
@@ -46,6 +53,14 @@ def sample(model: torch.nn.Module, batch: Sequence[Problem], n: int, max_new: in
                           prompt_token_ids=p.prompt_ids,
                           outputs=[_completion(i, tokens[q * n + i], logps[q * n + i]) for i in range(n)])
             for q, p in enumerate(batch)]
+
+
+def _from_tail(probs: torch.Tensor, p_max: float, gen: torch.Generator) -> int:
+    """A token of probability ≤ ``p_max`` drawn in proportion to its probability; (V,) allowed-token probs."""
+    low = torch.where((probs > 0) & (probs <= p_max), probs, 0.0)  # (V,)
+    if float(low.sum()) <= 0:
+        return int(torch.where(probs > 0, probs, torch.inf).argmin())
+    return int(torch.multinomial(low, 1, generator=gen))
 
 
 def _completion(index: int, tokens: list[int], logps: list[tuple[float, int]]) -> CompletionOutput:

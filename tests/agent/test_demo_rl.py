@@ -54,7 +54,7 @@ def test_rl_demo_locates_and_classifies_the_plant(tmp_path, inject: str, layout:
     assert (top["micro_batch"], top["sample"], top["position"], top["token_id"]) == (
         planted["micro_batch"], planted["sample"], planted["position"], planted["token_id"])
     assert top["text"] == CHARS[planted["token_id"]] and top["text"].strip()
-    assert top["share"] > 0.9 and inc["explained_share"] > 0.9
+    assert top["share"] > 0.8 and inc["explained_share"] > 0.8  # measured 0.95-1.02 over seeds 0-7
     assert top["classification"]["kind"] == CLASS[inject] and inc["classification"]["kind"] == CLASS[inject]
     rl = top["rl"]
     assert {"logp", "rollout_logp", "old_logp", "advantage", "ratio", "clipped", "log_ratio"} <= set(rl)
