@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
+from typing import Any, Callable
 
 import click
 
@@ -19,13 +21,20 @@ def main() -> None:
 
 
 @main.command()
+@click.option("--rl", is_flag=True,
+              help="The RL demo: GRPO on single-digit arithmetic, rollouts sampled from the policy itself (vLLM-shaped, "
+                   "through gradloc.adapters.rl.join); the planted culprit is an RL one, and incidents carry its class.")
+@click.option("--packed", is_flag=True, help="With --rl: one packed row per micro-batch (cu_seqlens) instead of padded rows.")
 @click.option("--seed", default=0, show_default=True, help="Seed for model, data and the planted culprit.")
 @click.option("--steps", default=200, show_default=True, help="Optimizer steps to train.")
 @click.option("--inject-step", default=180, show_default=True, help="Step at which the culprit is planted.")
-@click.option("--inject", type=click.Choice(["advantage", "label", "none"]), default="advantage", show_default=True,
-              help="advantage: one sampled low-probability token with a huge loss weight (RL-style); "
-                   "label: one target corrupted into a token of very low probability; none: plant nothing.")
-@click.option("--micro-batches", default=4, show_default=True, help="Gradient-accumulation micro-batches per step.")
+@click.option("--inject", type=click.Choice(["advantage", "label", "mismatch", "none"]), default=None,
+              help="advantage: one sampled low-probability token with a huge loss weight (RL-style; with --rl: a huge "
+                   "advantage); label: one target corrupted into a token of very low probability; mismatch (--rl "
+                   "only): one token's rollout log-prob 8 nats below the trainer's; none: plant nothing. "
+                   "[default: advantage; with --rl: mismatch]")
+@click.option("--micro-batches", type=int, default=None,
+              help="Gradient-accumulation micro-batches per step. [default: 4; with --rl: 2]")
 @click.option("--incidents", "incident_path", type=click.Path(dir_okay=False), default=None,
               help="Also append incidents to this JSONL file.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (planted culprits and incidents).")
@@ -35,30 +44,31 @@ def main() -> None:
               help="Embedded mode: the SQLite incident store [default: $GRADLOC_DB or ~/.local/state/gradloc/incidents.db].")
 @click.option("--metrics-address", default=None, metavar="HOST:PORT",
               help="Embedded mode: serve /metrics and /api/incidents here while training.")
-@click.option("--job", default="demo", show_default=True, help="Job name on every record (a metric label).")
+@click.option("--job", default=None, help="Job name on every record (a metric label). [default: demo; with --rl: demo-rl]")
 @click.option("--rank", default=0, show_default=True, help="This process's rank (run several demos as one job's ranks).")
 @click.option("--world-size", default=1, show_default=True, help="Ranks in the job; the agent waits for all of them.")
 @click.option("--threads", default=1, show_default=True,
               help="Torch intra-op threads (the demo model is tiny: more threads only add synchronization).")
-def demo(seed: int, steps: int, inject_step: int, inject: str, micro_batches: int,
-         incident_path: str | None, as_json: bool, agent: str | None, store_path: str | None,
-         metrics_address: str | None, job: str, rank: int, world_size: int, threads: int) -> None:
+def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject: str | None,
+         micro_batches: int | None, incident_path: str | None, as_json: bool, agent: str | None,
+         store_path: str | None, metrics_address: str | None, job: str | None, rank: int, world_size: int,
+         threads: int) -> None:
     """Train a small causal LM on CPU, plant a culprit, detect and localize the spike."""
     from gradloc.agent.render import demo_json
-    from gradloc.demo.run import DemoConfig, run_demo
 
+    given = {k: v for k, v in dict(inject=inject, micro_batches=micro_batches, job=job).items() if v is not None}
+    common = dict(seed=seed, steps=steps, inject_step=inject_step, incident_path=incident_path, agent=agent,
+                  store_path=store_path, metrics_address=metrics_address, rank=rank, world_size=world_size,
+                  threads=threads, **given)
     try:
-        cfg = DemoConfig(seed=seed, steps=steps, inject_step=inject_step, inject=inject,
-                         micro_batches=micro_batches, incident_path=incident_path, job=job, agent=agent,
-                         store_path=store_path, metrics_address=metrics_address, rank=rank,
-                         world_size=world_size, threads=threads)
+        cfg, run = _demo_config(rl, packed, common)
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     show_bar = not as_json or sys.stderr.isatty()
     with click.progressbar(length=cfg.steps, label="training", file=sys.stderr,
                            show_pos=True, hidden=not show_bar) as bar:
         try:
-            result = run_demo(cfg, on_step=lambda step, rec: bar.update(1))
+            result = run(cfg, on_step=lambda step, rec: bar.update(1))
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc
     planted = [dataclasses.asdict(p) for p in result.planted]
@@ -72,14 +82,32 @@ def demo(seed: int, steps: int, inject_step: int, inject: str, micro_batches: in
         click.echo(f"\nincidents stored in {result.store_path} — `gradloc-agent incidents list --db {result.store_path}`")
 
 
+def _demo_config(rl: bool, packed: bool, common: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
+    """The demo's typed config and its runner (raises ConfigError on bad options)."""
+    if rl:
+        from gradloc.demo.rl import RLDemoConfig, run_rl_demo
+
+        return RLDemoConfig(packed=packed, **common), run_rl_demo
+    if packed:
+        raise ConfigError("--packed needs --rl (the core demo trains on padded rows only)")
+    from gradloc.demo.run import DemoConfig, run_demo
+
+    return DemoConfig(**common), run_demo
+
+
 def _print_demo(cfg, planted, result) -> None:
     from gradloc.agent.render import incident_line, incident_text
 
     color = sys.stdout.isatty()
+    rewards = getattr(result, "rewards", None)
+    if rewards:
+        k = min(20, len(rewards))
+        click.echo(f"GRPO on arithmetic ({'packed' if cfg.packed else 'padded'} rows): mean reward "
+                   f"{sum(rewards[:k]) / k:.2f} over the first {k} steps, {sum(rewards[-k:]) / k:.2f} over the last {k}")
     for p in planted:
         tok = result.to_text([p["token_id"]]) if result.to_text else str(p["token_id"])
         click.echo(f"planted ({cfg.inject}) at step {cfg.inject_step}: micro-batch {p['micro_batch']} · "
-                   f"sample {p['sample']} · position {p['position']} · token {tok!r}")
+                   f"sample {p['sample']} · position {p['position']} · token {tok!r}{_plant_detail(cfg)}")
     keys = {(p["micro_batch"], p["sample"], p["position"]) for p in planted}
     at_plant = [inc for inc in result.incidents if inc.step == cfg.inject_step and planted]
     for inc in at_plant:
@@ -96,6 +124,16 @@ def _print_demo(cfg, planted, result) -> None:
                    "the planted update):")
         for inc in others:
             click.echo("  " + incident_line(inc))
+
+
+def _plant_detail(cfg) -> str:
+    from gradloc.demo.rl import RLDemoConfig
+
+    if not isinstance(cfg, RLDemoConfig):
+        return ""
+    if cfg.inject == "mismatch":
+        return f" · its rollout log-prob lowered by {cfg.mismatch:g} nats: importance weight ×{math.exp(cfg.mismatch):.0f}"
+    return f" · its advantage set to {cfg.advantage:g}" if cfg.inject == "advantage" else ""
 
 
 main.add_command(incidents)
