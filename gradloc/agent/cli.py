@@ -11,6 +11,7 @@ import click
 
 from gradloc.agent.incidents_cli import incidents
 from gradloc.agent.serve_cli import serve
+from gradloc.demo.spawn import SpawnError
 from gradloc.errors import ConfigError
 
 
@@ -46,13 +47,18 @@ def main() -> None:
               help="Embedded mode: serve /metrics and /api/incidents here while training.")
 @click.option("--job", default=None, help="Job name on every record (a metric label). [default: demo; with --rl: demo-rl]")
 @click.option("--rank", default=0, show_default=True, help="This process's rank (run several demos as one job's ranks).")
-@click.option("--world-size", default=1, show_default=True, help="Ranks in the job; the agent waits for all of them.")
+@click.option("--world-size", default=1, show_default=True,
+              help="Ranks in the job. With --backend the demo starts them itself; without, this process is one "
+                   "of them (--rank) and the agent waits for the others.")
+@click.option("--backend", type=click.Choice(["ddp", "fsdp", "deepspeed"]), default=None,
+              help="Start --world-size ranks of one gloo job on this machine (DDP, FSDP2 or DeepSpeed ZeRO-2), "
+                   "plant the culprit on rank 1 and localize it across the ranks.")
 @click.option("--threads", default=1, show_default=True,
               help="Torch intra-op threads (the demo model is tiny: more threads only add synchronization).")
 def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject: str | None,
          micro_batches: int | None, incident_path: str | None, as_json: bool, agent: str | None,
          store_path: str | None, metrics_address: str | None, job: str | None, rank: int, world_size: int,
-         threads: int) -> None:
+         backend: str | None, threads: int) -> None:
     """Train a small causal LM on CPU, plant a culprit, detect and localize the spike."""
     from gradloc.agent.render import demo_json
 
@@ -61,7 +67,7 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
                   store_path=store_path, metrics_address=metrics_address, rank=rank, world_size=world_size,
                   threads=threads, **given)
     try:
-        cfg, run = _demo_config(rl, packed, common)
+        cfg, run = _demo_config(rl, packed, backend, common)
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     show_bar = not as_json or sys.stderr.isatty()
@@ -71,6 +77,8 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
             result = run(cfg, on_step=lambda step, rec: bar.update(1))
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc
+        except SpawnError as exc:  # a rank failed or the job outlived its deadline: say which, no traceback
+            raise click.ClickException(str(exc)) from exc
     planted = [dataclasses.asdict(p) for p in result.planted]
     if as_json:
         click.echo(json.dumps(demo_json(planted, result.incidents), ensure_ascii=False))
@@ -82,8 +90,18 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
         click.echo(f"\nincidents stored in {result.store_path} — `gradloc-agent incidents list --db {result.store_path}`")
 
 
-def _demo_config(rl: bool, packed: bool, common: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
+def _demo_config(rl: bool, packed: bool, backend: str | None,
+                 common: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
     """The demo's typed config and its runner (raises ConfigError on bad options)."""
+    if backend is not None:
+        if rl:
+            raise ConfigError("--backend runs the core demo across ranks; --rl runs on one process")
+        if common["rank"] != 0:
+            raise ConfigError("--rank is for a demo process that is one rank of a job; --backend starts every rank")
+        from gradloc.demo.dist import run_distributed_demo
+        from gradloc.demo.run import DemoConfig
+
+        return DemoConfig(backend=backend, **common), run_distributed_demo
     if rl:
         from gradloc.demo.rl import RLDemoConfig, run_rl_demo
 
@@ -106,13 +124,15 @@ def _print_demo(cfg, planted, result) -> None:
                    f"{sum(rewards[:k]) / k:.2f} over the first {k} steps, {sum(rewards[-k:]) / k:.2f} over the last {k}")
     for p in planted:
         tok = result.to_text([p["token_id"]]) if result.to_text else str(p["token_id"])
-        click.echo(f"planted ({cfg.inject}) at step {cfg.inject_step}: micro-batch {p['micro_batch']} · "
+        where = f"rank {p['rank']} · " if getattr(cfg, "backend", None) else ""
+        click.echo(f"planted ({cfg.inject}) at step {cfg.inject_step}: {where}micro-batch {p['micro_batch']} · "
                    f"sample {p['sample']} · position {p['position']} · token {tok!r}{_plant_detail(cfg)}")
-    keys = {(p["micro_batch"], p["sample"], p["position"]) for p in planted}
+    keys = {(p["rank"], p["micro_batch"], p["sample"], p["position"]) for p in planted}
     at_plant = [inc for inc in result.incidents if inc.step == cfg.inject_step and planted]
     for inc in at_plant:
         click.echo("\n" + incident_text(inc, color=color))
-        found = {(c.micro_batch, c.sample, c.position) for c in inc.localization.culprits} if inc.localization else set()
+        found = {(inc.rank if c.rank is None else c.rank, c.micro_batch, c.sample, c.position)
+                 for c in inc.localization.culprits} if inc.localization else set()
         verdict = "found" if keys <= found else "MISSED"
         click.echo(f"  planted culprit: {verdict} ({len(found & keys)}/{len(keys)}; "
                    f"{len(found - keys)} other token(s) reported)")

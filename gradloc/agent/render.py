@@ -42,7 +42,8 @@ def highlight(span: CulpritSpan, color: bool) -> str:
 def incident_text(inc: Incident, color: bool = True) -> str:
     b = (lambda s: f"{_BOLD}{s}{_OFF}") if color else (lambda s: s)
     sp = inc.spike
-    lines = [b(f"incident {inc.incident_id[:12]} · job {inc.job} · rank {inc.rank} · step {inc.step}"),
+    who = f"all ranks (emitted by rank {inc.rank})" if inc.scope == "job" else f"rank {inc.rank}"
+    lines = [b(f"incident {inc.incident_id[:12]} · job {inc.job} · {who} · step {inc.step}"),
              f"  detected: {', '.join(sp.kinds)} — ‖∇‖ {_num(sp.global_norm)} (healthy {_num(sp.mean)}, "
              f"z {_num(sp.z)}); loss {_num(sp.loss)} (healthy {_num(sp.loss_mean)}, z {_num(sp.loss_z)})"]
     loc = inc.localization
@@ -57,12 +58,12 @@ def incident_text(inc: Incident, color: bool = True) -> str:
         lines.append(f"  note: {loc.note}")
     lines += _remedy_lines(inc.remedy)
     if not loc.spans and loc.samples:
-        lines += ["  samples carrying the norm:", *(_sample_line(x) for x in loc.samples)]
+        lines += ["  samples carrying the norm:", *(_sample_line(x, inc.scope == "job") for x in loc.samples)]
     by_span = {(c.micro_batch, c.sample, c.position): c for c in loc.culprits}
     for span in loc.spans:
         uid = f" (sample id {span.sample_id})" if span.sample_id else ""
         pos = f"position {span.start}" if span.end - span.start == 1 else f"positions {span.start}–{span.end - 1}"
-        lines.append(f"  • micro-batch {span.micro_batch} · sample {span.sample}{uid} · {pos} · "
+        lines.append(f"  • {_rank_of(span.rank, inc.scope == 'job')}micro-batch {span.micro_batch} · sample {span.sample}{uid} · {pos} · "
                      f"share {_pct(span.share)}")
         lines.append(f"      {highlight(span, color)}")
         first = by_span.get((span.micro_batch, span.sample, span.start))
@@ -98,10 +99,16 @@ def _rl_text(r: TokenRL) -> str:
     return " · ".join(f"{k} {v}" for k, v in parts if v is not None)
 
 
-def _sample_line(x: SampleShare) -> str:
+def _rank_of(rank: int | None, job_scope: bool) -> str:
+    """"rank r · " in a job-scope incident (its culprits live on several ranks), "" otherwise."""
+    return f"rank {rank} · " if job_scope and rank is not None else ""
+
+
+def _sample_line(x: SampleShare, job_scope: bool = False) -> str:
     uid = f" (sample id {x.sample_id})" if x.sample_id else ""
     measured = f"{_pct(x.share)} of ‖∇‖² measured, " if x.share is not None else ""
-    return f"  • micro-batch {x.micro_batch} · sample {x.sample}{uid} · {measured}{_pct(x.score_share)} attributed"
+    return (f"  • {_rank_of(x.rank, job_scope)}micro-batch {x.micro_batch} · sample {x.sample}{uid} · {measured}"
+            f"{_pct(x.score_share)} attributed")
 
 
 def _remedy_lines(r: Remedy | None) -> list[str]:
@@ -118,7 +125,8 @@ def incident_line(inc: Incident) -> str:
     head = f"step {inc.step} · {', '.join(inc.spike.kinds)} · ‖∇‖ {_num(inc.spike.global_norm)} (z {_num(inc.spike.z)})"
     if loc is None:
         return head + " · not localized"
-    tops = ", ".join(f"{_visible(c.text)!r} mb {c.micro_batch}/s {c.sample}/p {c.position} {_pct(c.share)}"
+    job = inc.scope == "job"
+    tops = ", ".join(f"{_visible(c.text)!r} {f'r {c.rank}/' if job and c.rank is not None else ''}mb {c.micro_batch}/s {c.sample}/p {c.position} {_pct(c.share)}"
                      for c in loc.culprits[:3])
     more = f" +{len(loc.culprits) - 3} more" if len(loc.culprits) > 3 else ""
     return f"{head} · {loc.status} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}"

@@ -24,7 +24,7 @@ gives that token an advantage of ``advantage`` (a token-level advantage bug). Li
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -100,6 +100,7 @@ class RLPlanted:
     position: int
     token_id: int
     kind: str  # "mismatch" | "advantage"
+    rank: int = 0
 
 
 @dataclass
@@ -178,7 +179,8 @@ def _step(cfg: RLDemoConfig, model: TinyGPT, mon: Any, gen: torch.Generator, ste
             loss.backward()
         total += loss.detach()
     report = mon.end_step(total, probe=loss_for)
-    return report, None if target is None else _where(rollouts, rows, target, plant), float(rewards.mean())
+    where = None if target is None else replace(_where(rollouts, rows, target, plant), rank=cfg.rank)
+    return report, where, float(rewards.mean())
 
 
 def _policy_loss(model: TinyGPT, part: Part, olds: dict[int, torch.Tensor], i: int, eps: float, n_tokens: int,

@@ -45,7 +45,7 @@ def test_rl_demo_locates_and_classifies_the_plant(tmp_path, inject: str, layout:
     assert cpu < 60, f"a 40-step RL demo used {cpu:.1f} CPU-seconds"  # measured ~5-9 CPU-s
     assert set(doc) == {"planted", "incidents"}
     (planted,) = doc["planted"]
-    assert set(planted) == {"micro_batch", "sample", "position", "token_id", "kind"} and planted["kind"] == inject
+    assert set(planted) == {"rank", "micro_batch", "sample", "position", "token_id", "kind"} and planted["kind"] == inject
     at_plant = [inc for inc in doc["incidents"] if inc["step"] == 35]
     assert len(at_plant) == 1, doc["incidents"]
     inc = at_plant[0]

@@ -1,0 +1,44 @@
+"""``gradloc-agent demo --world-size 2 --backend …``: the real CLI starts the ranks itself, plants the
+culprit on rank 1, and the job's one incident names rank 1 (``--json``: rank on planted entries and
+culprits)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+AGENT = str(Path(sys.executable).with_name("gradloc-agent"))
+
+
+def _demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([AGENT, "demo", "--db", str(tmp_path / "demo.db"), *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path, backend: str) -> None:
+    res = _demo(tmp_path, "--world-size", "2", "--backend", backend, "--steps", "60", "--inject-step", "50", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    (planted,) = doc["planted"]
+    assert planted["rank"] == 1
+    at_plant = [i for i in doc["incidents"] if i["step"] == 50]
+    assert len(at_plant) == 1, doc["incidents"]
+    inc = at_plant[0]
+    assert inc["scope"] == "job" and inc["rank"] == 0 and inc["status"] == "located" and 1 <= inc["probes"] <= 3
+    top = inc["culprits"][0]
+    assert {k: top[k] for k in planted} == planted
+    assert all("rank" in c for c in inc["culprits"])
+
+
+def test_bad_combinations_are_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    for args, words in ((("--backend", "ddp"), "world_size >= 2"),
+                        (("--backend", "ddp", "--world-size", "2", "--rl"), "--rl runs on one process"),
+                        (("--backend", "ddp", "--world-size", "2", "--rank", "1"), "--backend starts every rank")):
+        res = _demo(tmp_path, *args)
+        assert res.returncode == 2 and words in res.stderr, (args, res.stderr)
