@@ -51,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="add per_token_rl: the default monitor with per-token RL fields every micro-batch")
     mode.add_argument("--peers", action="store_true",
                       help="add Opacus ghost norms, BackPACK BatchL2Grad and wandb.watch to the TinyGPT run")
+    mode.add_argument("--ddp", type=int, default=None, metavar="N",
+                      help="run the variants as N DDP ranks of one gloo job (CPU; TinyGPT unless --model llama)")
     ov.add_argument("--repeats", type=int, default=None,
                     help="--memory: processes per variant and allocator setting (default 2; 1 with --quick)")
 
@@ -146,6 +148,10 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from bench.overhead import OverheadConfig, format_table, run_overhead
 
+    if args.ddp is not None:
+        if args.ddp < 2 or model == "all" and args.model is not None or args.device != "cpu" or args.rl:
+            parser.error("--ddp N needs N >= 2, one model (TinyGPT by default), the CPU and no --rl")
+        models = (args.model or "tinygpt",) if model == "all" else (model,)
     kw = {"models": models, "threads": threads, "peers": args.peers, "rl": args.rl, "device": args.device}
     kw.update({k: getattr(args, k) for k in ("rounds", "warmup") if getattr(args, k) is not None})
     try:
@@ -157,6 +163,12 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         res = run_profile(cfg, steps=args.rounds or (3 if args.quick else 10))
         print(json.dumps(res) if args.json else format_profile(res))
+        return 0
+    if args.ddp is not None:
+        from bench.ddp import format_ddp, run_ddp_overhead
+
+        res = run_ddp_overhead(cfg, args.ddp)
+        print(json.dumps(res) if args.json else format_ddp(res))
         return 0
     res = run_overhead(cfg, _progress(args.verbose))
     print(json.dumps(res) if args.json else format_table(res))

@@ -7,6 +7,7 @@ store in a throw-away file); the peers (``bench/peers.py``) are the tools users 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import gradloc
 from bench.models import logits
@@ -69,8 +71,11 @@ class Variant:
         c0 = time.process_time()
         t0 = time.perf_counter()
         total = torch.zeros((), device=self.device)
-        for x, y in batches:
-            total += self.micro_step(x, y, n_tokens)
+        for i, (x, y) in enumerate(batches):
+            # DDP: the gradient all-reduce runs with the last micro-batch's backward only, as users run it
+            accumulate = i < len(batches) - 1 and isinstance(self.model, DistributedDataParallel)
+            with self.model.no_sync() if accumulate else contextlib.nullcontext():
+                total += self.micro_step(x, y, n_tokens)
         sync(self.device)
         t1 = time.perf_counter()
         self.end_step(total)

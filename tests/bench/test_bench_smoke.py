@@ -70,6 +70,19 @@ def test_overhead_peers_quick_json():
     assert m["extra"]["wandb_watch"]["service_cpu_s"] >= 0
 
 
+@pytest.mark.distributed
+def test_overhead_ddp_quick_json():
+    """Two DDP ranks (spawned, gloo): ratios on every rank, one gradloc collective per step, and the
+    monitored copies' parameters equal plain's bitwise on every rank."""
+    res = run_bench("overhead", "--quick", "--json", "--ddp", "2", timeout=300)
+    d = res["ddp"]
+    assert d["world_size"] == 2 and d["model"] == "tinygpt" and len(d["ranks"]) == 2
+    assert d["job_kind"] == {"per_layer": "ddp", "per_token": "ddp"}
+    assert d["collectives_per_step"] == {"per_layer": 1.0, "per_token": 1.0}
+    assert d["updates_identical"] and all(all(r["identical_to_plain"].values()) for r in d["ranks"])
+    assert all(r["per_token_ratio"] > 0 and r["per_layer_ratio"] > 0 for r in d["ranks"])
+
+
 def test_overhead_memory_quick_json():
     res = run_bench("overhead", "--quick", "--json", "--memory", "--model", "tinygpt")
     mem = res["memory"]["tinygpt"]
