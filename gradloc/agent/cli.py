@@ -50,8 +50,8 @@ def main() -> None:
 @click.option("--world-size", default=1, show_default=True,
               help="Ranks in the job. With --backend the demo starts them itself; without, this process is one "
                    "of them (--rank) and the agent waits for the others.")
-@click.option("--backend", type=click.Choice(["ddp", "fsdp", "deepspeed"]), default=None,
-              help="Start --world-size ranks of one gloo job on this machine (DDP, FSDP2 or DeepSpeed ZeRO-2), "
+@click.option("--backend", type=click.Choice(["ddp", "fsdp"]), default=None,
+              help="Start --world-size ranks of one gloo job on this machine (DDP or FSDP2), "
                    "plant the culprit on rank 1 and localize it across the ranks.")
 @click.option("--threads", default=1, show_default=True,
               help="Torch intra-op threads (the demo model is tiny: more threads only add synchronization).")

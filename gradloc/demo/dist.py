@@ -1,4 +1,4 @@
-"""The multi-rank demo: ``world_size`` ranks of one gloo job on this machine (DDP, FSDP2 or DeepSpeed).
+"""The multi-rank demo: ``world_size`` ranks of one gloo job on this machine (DDP or FSDP2).
 
 The parent process spawns the ranks (:func:`gradloc.demo.spawn.run_ranks`); each runs the core demo
 on its own data with the model wrapped by the backend, and rank 1 plants the culprit. gradloc
@@ -21,12 +21,7 @@ SECONDS_PER_STEP = 5.0  # the deadline's budget per step and rank (a 2-rank DDP 
 
 def _rank_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
     """One rank (runs in a spawned process): the core demo under the backend; rank 0 reports progress."""
-    if cfg.backend == "deepspeed":
-        from gradloc.demo.ds import run_deepspeed_demo
-
-        result = run_deepspeed_demo(replace(cfg, rank=rank), on_step=(lambda s, _: progress(s)) if rank == 0 else None)
-    else:
-        result = run_demo(replace(cfg, rank=rank), on_step=(lambda s, _: progress(s)) if rank == 0 else None)
+    result = run_demo(replace(cfg, rank=rank), on_step=(lambda s, _: progress(s)) if rank == 0 else None)
     return {"planted": result.planted, "incidents": result.incidents if rank == 0 else [],
             "store_path": result.store_path if rank == 0 else None}
 
@@ -38,7 +33,7 @@ def run_distributed_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord | N
     ``on_step(step, None)`` follows rank 0's progress. Raises :class:`gradloc.demo.spawn.SpawnError`
     when a rank fails or the job outlives ``timeout_s`` (default: 5 s per step)."""
     if cfg.backend is None:
-        raise ConfigError("run_distributed_demo needs a backend (ddp, fsdp or deepspeed)")
+        raise ConfigError("run_distributed_demo needs a backend (ddp or fsdp)")
     from gradloc.demo.data import cl100k_corpus
 
     deadline = timeout_s if timeout_s is not None else 120.0 + SECONDS_PER_STEP * cfg.steps

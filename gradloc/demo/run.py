@@ -19,7 +19,7 @@ from gradloc.errors import ConfigError
 from gradloc.records import Incident, StepRecord
 
 INJECT_KINDS = ("advantage", "label", "none")
-BACKENDS = ("ddp", "fsdp", "deepspeed")
+BACKENDS = ("ddp", "fsdp")  # DeepSpeed: not yet (issue 10)
 PLANT_RANK = 1  # a multi-rank demo plants its culprit on rank 1: the incident must name it
 
 
@@ -42,7 +42,7 @@ class DemoConfig:
     job: str = "demo"
     rank: int = 0  # several demo processes with the same job and world_size act as the ranks of one job
     world_size: int = 1
-    backend: str | None = None  # "ddp" | "fsdp" | "deepspeed": the demo spawns world_size ranks of one job
+    backend: str | None = None  # "ddp" | "fsdp": the demo spawns world_size ranks of one job
     agent: str | None = None  # ship to a gradloc-agent daemon at host:port (else embedded mode)
     store_path: str | None = None  # embedded mode's SQLite store (None: the per-user default)
     metrics_address: str | None = None  # embedded mode: serve /metrics and /api here
