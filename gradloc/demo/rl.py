@@ -35,7 +35,7 @@ from gradloc.config import DetectorConfig, WatchConfig
 from gradloc.demo.arith import MAX_ANSWER, PAD, PROMPT_TOKENS, VOCAB, problems, to_text
 from gradloc.demo.model import GPTConfig, TinyGPT
 from gradloc.demo.rl_parts import Part, grpo_advantages, make_parts, plant_mismatch, warm_start
-from gradloc.demo.run import DemoResult
+from gradloc.demo.run import DemoResult, Planted
 from gradloc.demo.sampler import sample
 from gradloc.errors import ConfigError
 from gradloc.records import StepRecord
@@ -94,13 +94,8 @@ class RLDemoConfig:
 
 
 @dataclass(frozen=True)
-class RLPlanted:
-    micro_batch: int
-    sample: int
-    position: int
-    token_id: int
-    kind: str  # "mismatch" | "advantage"
-    rank: int = 0
+class RLPlanted(Planted):
+    kind: str = "mismatch"  # "mismatch" | "advantage"
 
 
 @dataclass
@@ -210,4 +205,4 @@ def _where(rollouts: Rollouts, rows: list[list[int]], target: tuple[int, int], k
     a packed micro-batch's samples are its sequences and positions restart in each."""
     row, pos = target
     mb = next(m for m, r in enumerate(rows) if row in r)
-    return RLPlanted(mb, rows[mb].index(row), pos, int(rollouts.targets[row, pos]), kind)
+    return RLPlanted(mb, rows[mb].index(row), pos, int(rollouts.targets[row, pos]), kind=kind)
