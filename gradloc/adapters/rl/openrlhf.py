@@ -31,7 +31,6 @@ probe's plain ``loss.backward()`` stays on its rank and its gradient is put back
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -40,6 +39,7 @@ import torch
 
 from gradloc.adapters.rl.held import HeldBlocks
 from gradloc.adapters.rl.openrlhf_batch import ExperienceLayout, layout, rl_fields
+from gradloc.adapters.rl.patch import run_after
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, ProbeError, UnsupportedModelError
 
@@ -221,27 +221,11 @@ def install(trainer_cls: type, **kwargs: Any) -> Callable[[], None]:
     :class:`GradlocOpenRLHF` (``kwargs``), stored as ``trainer.gradloc``. Call it in the actor's process
     before the trainer is built (e.g. from a Ray ``worker_process_setup_hook``). Returns an uninstall
     function."""
-    orig = trainer_cls.__init__
-    if getattr(orig, "_gradloc", False):
-        raise AttachError(f"gradloc is already installed on {trainer_cls.__name__}")
+    def attach(trainer: Any) -> None:
+        if type(trainer) is trainer_cls:
+            trainer.gradloc = GradlocOpenRLHF(trainer, **kwargs)
 
-    @functools.wraps(orig)
-    def __init__(self: Any, *args: Any, **kw: Any) -> None:
-        orig(self, *args, **kw)
-        if type(self) is trainer_cls:
-            self.gradloc = GradlocOpenRLHF(self, **kwargs)
-
-    __init__._gradloc = True
-    had = "__init__" in trainer_cls.__dict__
-    trainer_cls.__init__ = __init__
-
-    def uninstall() -> None:
-        if had:
-            trainer_cls.__init__ = orig
-        else:
-            del trainer_cls.__init__
-
-    return uninstall
+    return run_after(trainer_cls, "__init__", attach)
 
 
 def _check(trainer: Any, strategy: Any, engine: Any, mon: Any, probes: bool | None) -> bool:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from gradloc.adapters.rl.held import HeldBlocks, world_size
+from gradloc.adapters.rl.patch import run_after
 from gradloc.adapters.rl.verl_batch import PAD_SAMPLE, VerlLayout, layout, masked_loss_function, rl_fields
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, UnsupportedModelError
@@ -190,28 +191,11 @@ def install(engine_cls: type, *, only: Callable[[Any], bool] | None = None, **kw
     (the actor; the reference policy has none, the critic is a subclass) gets :class:`GradlocVerlHooks`
     (``kwargs``), stored as ``engine.gradloc``. ``only(engine)`` narrows it further. Returns an
     uninstall function."""
-    orig = engine_cls.__dict__.get("initialize") or getattr(engine_cls, "initialize")
-    if getattr(orig, "_gradloc", False):
-        raise AttachError(f"gradloc is already installed on {engine_cls.__name__}")
+    def attach(engine: Any) -> None:
+        if type(engine) is engine_cls and getattr(engine, "optimizer", None) is not None and (only is None or only(engine)):
+            engine.gradloc = GradlocVerlHooks(engine, **kwargs)
 
-    @functools.wraps(orig)
-    def initialize(self: Any, *args: Any, **kw: Any) -> Any:
-        out = orig(self, *args, **kw)
-        if type(self) is engine_cls and getattr(self, "optimizer", None) is not None and (only is None or only(self)):
-            self.gradloc = GradlocVerlHooks(self, **kwargs)
-        return out
-
-    initialize._gradloc = True
-    had = "initialize" in engine_cls.__dict__
-    engine_cls.initialize = initialize
-
-    def uninstall() -> None:
-        if had:
-            engine_cls.initialize = orig
-        else:
-            del engine_cls.initialize
-
-    return uninstall
+    return run_after(engine_cls, "initialize", attach)
 
 
 def _wrapper(orig: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
