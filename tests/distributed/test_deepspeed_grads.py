@@ -17,7 +17,7 @@ BF16_TOL = 1e-2 covers it. Every case,
 bf16 included, must also match — at 1e-5 — (a) the per-parameter full gradients DeepSpeed's own
 ``safe_get_full_grad`` gathers and (b) the norm DeepSpeed computes inside ``engine.step()`` where it
 reports one (``get_global_grad_norm()`` is None with ZeRO-0 fp32 and a client optimizer: the pack still
-has the norm).
+has the norm). A step pre-hook on the client optimizer, in contrast, sees the clipped gradient (≤ 1e-3).
 
 Collectives are counted by wrapping every ``torch.distributed`` collective in the rank processes before
 DeepSpeed is imported (tests/distributed/collectives.py). Off the boundary ``grad_pack`` must return
@@ -141,6 +141,9 @@ def _run_case(rank: int, world: int, stage: int, dtype: str) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=cfg)
     access = DeepSpeedGradAccess(engine)
+    seen_by_step_hook: list[float] = []  # Σ‖grad‖² the torch optimizer's step pre-hook sees (this rank's share)
+    engine.basic_optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen_by_step_hook.append(
+        sum(float(p.grad.double().pow(2).sum()) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
     out: dict = {"layers": access.layers, "plain_layers": plain_layers, "mode": access.mode,
                  "optimizer": type(engine.optimizer).__name__, "collectives_per_boundary": access.collectives_per_boundary,
                  "steps": []}
@@ -173,6 +176,7 @@ def _run_case(rank: int, world: int, stage: int, dtype: str) -> dict:
                        full=_layer_stats(start, full), n_params=len(full))
             engine.step()
         rec["ds_norm_after"] = _float(engine.get_global_grad_norm())
+        rec["step_hook_sq"] = seen_by_step_hook[-1]
         out["steps"].append(rec)
     engine.destroy()
     return out
@@ -218,6 +222,11 @@ def test_per_layer_stats_match_the_reference(ds_shm_op, world, case):
                 assert _close(rec["global_norm"], float(rec["ds_norm_after"]), FP32_TOL), (where, rec["ds_norm_after"])
             if case[0] == 3:  # ZeRO-3 really partitioned the parameters: outside forward they are empty
                 assert rec["released"] > 0, where
+        # a torch step pre-hook on the client optimizer runs after DeepSpeed's clip: it is no place to measure
+        for step in range(STEPS):
+            shares = [by_case[key(case)]["steps"][step]["step_hook_sq"] for by_case in res["by_rank"]]
+            seen = math.sqrt(shares[0] if case[0] == 0 else sum(shares))  # stage 0: replicated; else partitions
+            assert seen <= CLIP * (1 + 1e-3), (step, seen)
         # every rank reports the same numbers
         assert out["steps"][-1]["ours"] == res["by_rank"][0][key(case)]["steps"][-1]["ours"]
 

@@ -227,6 +227,8 @@ def _check_engine(engine: Any) -> None:
         "optimizer offload": _offload(engine),
         "ZenFlow": bool(getattr(engine, "zenflow", False)),
         "fp16 torch_autocast with a GradScaler": getattr(engine, "torch_autocast_z0_gradscaler", None) is not None,
+        # unmanaged: ZeRO 0/1 reduce (and ZeRO 2 assembles averaged_gradients) inside step(), after no boundary
+        "managed_gradient_accumulation=false": not _call(engine, "managed_gradient_accumulation", True),
     }
     used = [name for name, on in unverified.items() if on]
     if used:
@@ -235,10 +237,13 @@ def _check_engine(engine: Any) -> None:
 
 
 def _offload(engine: Any) -> bool:
-    try:
-        return engine.zero_offload_optimizer() is not None
-    except Exception:  # noqa: BLE001 - an engine without ZeRO config: no offload
-        return False
+    return _call(engine, "zero_offload_optimizer", None) is not None
+
+
+def _call(engine: Any, method: str, default: Any) -> Any:
+    """``engine.method()``, or ``default`` where this DeepSpeed version has no such method."""
+    fn = getattr(engine, method, None)
+    return default if fn is None else fn()
 
 
 def _mode(engine: Any, params: list[torch.nn.Parameter]) -> str:
