@@ -53,6 +53,7 @@ GAS, STEPS, CLIP = 2, 2, 1e-3
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2  # measured worst case 5.2e-3 (a layer's max |g|), per-layer norms 1.4e-3, global 1.3e-4 (fp32: 2e-7)
 LAUNCH_TIMEOUT_S = 300
+NONFINITE_STAGES = (0, 2, 3)
 
 
 def key(case: tuple[int, str]) -> str:
@@ -77,7 +78,45 @@ def _rank_main(rank: int, world: int, cases: list) -> dict:
     collectives.install()  # before deepspeed is imported: its comm backend keeps function references
     import deepspeed  # noqa: F401
 
-    return {key(c): _run_case(rank, world, *c) for c in cases}
+    out = {key(c): _run_case(rank, world, *c) for c in cases}
+    out["nonfinite"] = {stage: _nonfinite_case(rank, stage) for stage in NONFINITE_STAGES}
+    return out
+
+
+def _nonfinite_case(rank: int, stage: int) -> dict:
+    """One boundary; an inf written into the stored gradient of blocks.0.fc.weight where it lives (the
+    rank owning its first element); then the pack and the exact per-layer count (a collective)."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+    from gradloc.adapters.deepspeed import DeepSpeedGradAccess
+    from gradloc.demo.model import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=VOCAB, seq=SEQ, d_model=D_MODEL, n_layers=2))
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
+           "zero_optimization": zero_config(stage), "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+    access = DeepSpeedGradAccess(engine)
+    x, y = data(0, rank, 0)
+    engine.backward(loss_fn(engine(x), y))
+    p = dict(engine.module.named_parameters())["blocks.0.fc.weight"]
+    if stage == 0:
+        p.grad.view(-1)[0] = float("inf")  # replicated: every rank holds it
+    elif stage == 3:
+        if rank == 0:
+            g = safe_get_local_grad(p)  # a copy: write it back
+            g.view(-1)[0] = float("inf")
+            safe_set_local_grad(p, g)
+    elif p._hp_mapping is not None and p._hp_mapping.lp_fragment_address.start == 0:
+        p._hp_mapping.get_lp_grad_fragment(p._index_in_param_group).view(-1)[0] = float("inf")  # a view
+    host = access.grad_pack().tolist()
+    counts = access.nonfinite_counts()
+    layer = access.layers.index("blocks.0.fc")
+    engine.destroy()
+    return {"global_finite": math.isfinite(access.global_norm(host, access.n_layers)), "counts": counts,
+            "expected": [1 if i == layer else 0 for i in range(access.n_layers)]}
 
 
 def _layer_stats(named: dict, grads: dict) -> dict:
@@ -252,3 +291,11 @@ def test_norm_reported_where_deepspeed_reports_none(ds_shm_op):
         for rec in results(world)["by_rank"][0][key((0, "fp32"))]["steps"]:
             assert rec["ds_norm_before"] is None and rec["ds_norm_after"] is None
             assert _close(rec["global_norm"], _global(rec["ref"]), FP32_TOL)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", NONFINITE_STAGES)
+def test_a_nonfinite_gradient_is_seen_by_every_rank_and_counted_exactly(ds_shm_op, world, stage):
+    for by_case in results(world)["by_rank"]:
+        r = by_case["nonfinite"][stage]
+        assert not r["global_finite"] and r["counts"] == r["expected"], r
