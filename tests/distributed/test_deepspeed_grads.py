@@ -299,3 +299,39 @@ def test_a_nonfinite_gradient_is_seen_by_every_rank_and_counted_exactly(ds_shm_o
     for by_case in results(world)["by_rank"]:
         r = by_case["nonfinite"][stage]
         assert not r["global_finite"] and r["counts"] == r["expected"], r
+
+
+def report() -> None:
+    """Worst relative deviations and costs per case (the numbers in docs/deepspeed-notes.md):
+    ``python -m tests.distributed.test_deepspeed_grads``."""
+    def rel(a: float, b: float) -> float:
+        return abs(a - b) / max(abs(b), 1e-30)
+
+    for world in (1, 2):
+        res = results(world)
+        print(f"W={world}: launch {res['seconds']:.1f} s (all cases, one process group)")
+        print("  case           optimizer                      mode        vs reference: norm  max|g|  ‖θ‖  global"
+              "  vs full  vs DS norm | pack ms colls | full ms colls")
+        for case in CASES:
+            w = dict.fromkeys(("norm", "max", "theta", "global", "full", "ds"), 0.0)
+            pack_ms, full_ms, pack_c, full_c = [], [], 0, 0
+            for by_case in res["by_rank"]:
+                out = by_case[key(case)]
+                for rec in out["steps"]:
+                    for layer, ours in rec["ours"].items():
+                        for i, name in enumerate(("norm", "max", "theta")):
+                            w[name] = max(w[name], rel(ours[i], rec["ref"][layer][i]))
+                        w["full"] = max([w["full"]] + [rel(a, b) for a, b in zip(ours, rec["full"][layer])])
+                    w["global"] = max(w["global"], rel(rec["global_norm"], _global(rec["ref"])))
+                    if rec["ds_norm_after"] is not None:
+                        w["ds"] = max(w["ds"], rel(rec["global_norm"], rec["ds_norm_after"]))
+                    pack_ms.append(1e3 * rec["pack_s"])
+                    full_ms.append(1e3 * rec["full_s"])
+                    pack_c, full_c = max(pack_c, rec["pack_collectives"]), max(full_c, rec["full_collectives"])
+            print(f"  {key(case):14s} {out['optimizer']:30s} {out['mode']:10s} "
+                  + " ".join(f"{w[k]:.1e}" for k in ("norm", "max", "theta", "global", "full", "ds"))
+                  + f" | {min(pack_ms):6.2f} {pack_c:4d} | {min(full_ms):6.2f} {full_c:4d}")
+
+
+if __name__ == "__main__":
+    report()
