@@ -115,7 +115,7 @@ def _nonfinite_case(rank: int, stage: int) -> dict:
     counts = access.nonfinite_counts()
     layer = access.layers.index("blocks.0.fc")
     engine.destroy()
-    return {"global_finite": math.isfinite(access.global_norm(host, access.n_layers)), "counts": counts,
+    return {"global_finite": math.isfinite(access.global_norm(host)), "counts": counts,
             "expected": [1 if i == layer else 0 for i in range(access.n_layers)]}
 
 
@@ -207,7 +207,7 @@ def _run_case(rank: int, world: int, stage: int, dtype: str) -> dict:
             rec.update(released=sum(p.numel() == 0 for p in engine.module.parameters()), present=host[3 * L:4 * L], params_per_layer=[access.group_of.count(i) for i in range(L)],
                        ranks_ok=host[-1], contributors=access.contributors)
             rec.update(pack_s=elapsed, pack_collectives=issued, valid=access.valid(host),
-                       global_norm=access.global_norm(host, access.n_layers), ds_norm_before=_float(engine.get_global_grad_norm()),
+                       global_norm=access.global_norm(host), ds_norm_before=_float(engine.get_global_grad_norm()),
                        ours={s.layer: [s.grad_norm, s.grad_max_abs, s.param_norm] for s in access.unpack(host)})
             before, t0 = collectives.total(), time.perf_counter()
             full = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}

@@ -68,11 +68,12 @@ class DeepSpeedGradAccess:
         self.numel = [0] * len(self.layers)
         for p, g in zip(self.params, self.group_of):
             self.numel[g] += int(getattr(p, "ds_numel", p.numel()))
-        self.mode = _mode(engine, self.params)
+        self.mode = _mode(engine, self.names, self.params)
         self.process_group, self.world = _process_group(self.mode, self.params)
         first = self.params[0]
         self.device = first.ds_tensor.device if hasattr(first, "ds_tensor") else first.device
-        self._uncovered = torch.zeros(len(self.params))
+        self.rank = torch.distributed.get_rank(self.process_group) if self.world > 1 else 0  # in that group
+        self._uncovered = [0.0] * len(self.params)
         self.off_boundary_calls = 0  # grad_pack calls that returned None: nothing done, nothing sent
         self.failed_reads = 0  # boundaries where this rank could not read its gradient (logged)
 
@@ -94,7 +95,7 @@ class DeepSpeedGradAccess:
         """Mark the parameters (in :attr:`names` order) no per-token rule attributes."""
         if len(uncovered) != len(self.params):
             raise ValueError(f"uncovered has {len(uncovered)} entries for {len(self.params)} parameters")
-        self._uncovered = torch.tensor([float(u) for u in uncovered])
+        self._uncovered = [float(u) for u in uncovered]
 
     def grad_pack(self) -> torch.Tensor | None:
         """The (4L + 2,) pack at a boundary, on :attr:`device`; None off the boundary (no work, no collective).
@@ -128,7 +129,7 @@ class DeepSpeedGradAccess:
             params.append(theta)
             idx.append(self.group_of[i])
             present.append(1.0 if first else 0.0)
-            unc.append(float(self._uncovered[i]))
+            unc.append(self._uncovered[i])
         zeros = torch.zeros(L, device=self.device)
         if not grads:  # this rank owns no slice of any gradient
             return torch.cat([zeros, zeros, zeros, zeros, torch.tensor([0.0, 1.0], device=self.device)])
@@ -163,11 +164,10 @@ class DeepSpeedGradAccess:
         g = safe_get_local_grad(p)
         if g is None:
             return None
-        rank = torch.distributed.get_rank(self.process_group) if self.world > 1 else 0
-        real = max(0, min(p.partition_numel(), p.ds_numel - rank * p.partition_numel()))  # the rest is padding
+        real = max(0, min(p.partition_numel(), p.ds_numel - self.rank * p.partition_numel()))  # the rest is padding
         if real == 0:
             return None
-        return g.reshape(-1).narrow(0, 0, real), p.ds_tensor.detach().reshape(-1).narrow(0, 0, real), rank == 0
+        return g.reshape(-1).narrow(0, 0, real), p.ds_tensor.detach().reshape(-1).narrow(0, 0, real), self.rank == 0
 
     def _combine(self, local: torch.Tensor) -> torch.Tensor:
         """One all_gather of the W local packs, reduced locally: identical on every rank."""
@@ -209,9 +209,9 @@ class DeepSpeedGradAccess:
                                   float(psq) ** 0.5, self.numel[i]))
         return tuple(out)
 
-    @staticmethod
-    def global_norm(host: Sequence[float], n_layers: int) -> float:
-        return float(sum(float(x) for x in host[:n_layers])) ** 0.5
+    def global_norm(self, host: Sequence[float]) -> float:
+        """‖g‖ of the whole gradient (host copy of a pack)."""
+        return float(sum(float(x) for x in host[:self.n_layers])) ** 0.5
 
 
 def _check_engine(engine: Any) -> None:
@@ -246,21 +246,26 @@ def _call(engine: Any, method: str, default: Any) -> Any:
     return default if fn is None else fn()
 
 
-def _mode(engine: Any, params: list[torch.nn.Parameter]) -> str:
+def _mode(engine: Any, names: list[str], params: list[torch.nn.Parameter]) -> str:
     stage = int(engine.zero_optimization_stage())
     if stage == 3:
-        if not all(hasattr(p, "ds_id") for p in params):
-            raise UnsupportedModelError("ZeRO-3 engine whose parameters are not partitioned (no ds_id)")
+        _require(names, params, "ds_id", "ZeRO-3 did not partition it")
         return PARTITIONS
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     if isinstance(engine.optimizer, BF16_Optimizer):
         return FULL_HP
     if stage in (1, 2):
-        if not all(hasattr(p, "_hp_mapping") for p in params):
-            raise UnsupportedModelError(f"ZeRO-{stage} engine whose parameters have no _hp_mapping")
+        _require(names, params, "_hp_mapping", f"ZeRO-{stage} did not map it (not in the optimizer's groups?)")
         return FRAGMENTS
     return FULL
+
+
+def _require(names: list[str], params: list[torch.nn.Parameter], attr: str, why: str) -> None:
+    missing = [n for n, p in zip(names, params) if not hasattr(p, attr)]
+    if missing:
+        raise UnsupportedModelError(f"trainable parameter {missing[0]!r} (and {len(missing) - 1} more) has no "
+                                    f"{attr}: {why}")
 
 
 def _process_group(mode: str, params: list[torch.nn.Parameter]) -> tuple[Any, int]:
