@@ -85,7 +85,9 @@ def _rank_main(rank: int, world: int, cases: list) -> dict:
 
 def _nonfinite_case(rank: int, stage: int) -> dict:
     """One boundary; an inf written into the stored gradient of blocks.0.fc.weight where it lives (the
-    rank owning its first element); then the pack and the exact per-layer count (a collective)."""
+    rank owning its first element); then the pack and the exact per-layer count (a collective). Then
+    rank 0's read is made to fail (a stand-in raising function: the failure cannot be provoked for real
+    without breaking DeepSpeed) and the pack is taken again."""
     import deepspeed
     import torch
     from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
@@ -114,9 +116,18 @@ def _nonfinite_case(rank: int, stage: int) -> dict:
     host = access.grad_pack().tolist()
     counts = access.nonfinite_counts()
     layer = access.layers.index("blocks.0.fc")
+    if rank == 0:  # a rank whose read fails still joins the all_gather: no hang, and the pack says so
+
+        def broken(p):
+            raise RuntimeError("simulated read failure")
+
+        access._local_slice = broken
+    failed = access.grad_pack().tolist()
     engine.destroy()
     return {"global_finite": math.isfinite(access.global_norm(host)), "counts": counts,
-            "expected": [1 if i == layer else 0 for i in range(access.n_layers)]}
+            "expected": [1 if i == layer else 0 for i in range(access.n_layers)],
+            "valid_after_failure": access.valid(failed), "failed_reads": access.failed_reads,
+            "collectives_per_boundary": access.collectives_per_boundary}
 
 
 def _layer_stats(named: dict, grads: dict) -> dict:
@@ -295,10 +306,15 @@ def test_norm_reported_where_deepspeed_reports_none(ds_shm_op):
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", NONFINITE_STAGES)
-def test_a_nonfinite_gradient_is_seen_by_every_rank_and_counted_exactly(ds_shm_op, world, stage):
+def test_nonfinite_gradient_and_failed_read_are_seen_by_every_rank(ds_shm_op, world, stage):
     for by_case in results(world)["by_rank"]:
         r = by_case["nonfinite"][stage]
         assert not r["global_finite"] and r["counts"] == r["expected"], r
+    for rank, by_case in enumerate(results(world)["by_rank"]):  # rank 0's read failed on purpose
+        r = by_case["nonfinite"][stage]
+        assert r["failed_reads"] == (1 if rank == 0 else 0)
+        # combined packs are invalid on every rank; an uncombined one only where the read failed
+        assert r["valid_after_failure"] == (rank != 0 and not r["collectives_per_boundary"]), (rank, r)
 
 
 def report() -> None:
