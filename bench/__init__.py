@@ -4,19 +4,6 @@ See docs/BENCHMARKS.md for what each one measures and the numbers measured on th
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+from gradloc.demo.run import torch_threads  # one helper for the demos and the benchmarks
 
-import torch
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with ``n`` intra-op threads (None: leave torch's setting), restoring the old count."""
-    old = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+__all__ = ["torch_threads"]

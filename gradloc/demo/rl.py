@@ -35,7 +35,7 @@ from gradloc.config import DetectorConfig, WatchConfig
 from gradloc.demo.arith import MAX_ANSWER, PAD, PROMPT_TOKENS, VOCAB, problems, to_text
 from gradloc.demo.model import GPTConfig, TinyGPT
 from gradloc.demo.rl_parts import Part, grpo_advantages, make_parts, plant_mismatch, warm_start
-from gradloc.demo.run import DemoResult, Planted
+from gradloc.demo.run import DemoResult, Planted, torch_threads
 from gradloc.demo.sampler import sample
 from gradloc.errors import ConfigError
 from gradloc.records import StepRecord
@@ -104,12 +104,8 @@ class RLDemoResult(DemoResult):
 
 
 def run_rl_demo(cfg: RLDemoConfig, on_step: Callable[[int, StepRecord], None] | None = None) -> RLDemoResult:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         return _run(cfg, on_step)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(cfg: RLDemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> RLDemoResult:

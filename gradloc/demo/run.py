@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -87,13 +87,21 @@ class DemoResult:
     store_path: str | None = None  # embedded mode: where the incidents were stored
 
 
-def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None = None) -> DemoResult:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` intra-op threads (None: leave torch's setting), restoring the old count."""
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
     try:
-        return _run(cfg, on_step)
+        yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(old)
+
+
+def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None = None) -> DemoResult:
+    with torch_threads(cfg.threads):
+        return _run(cfg, on_step)
 
 
 def _wrap(cfg: DemoConfig, model: nn.Module) -> nn.Module:
