@@ -1,6 +1,8 @@
 """Multi-process tests: every one is marked ``distributed`` and launches its own processes (launch.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -8,3 +10,22 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "/tests/distributed/" in str(item.fspath):
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(scope="session")
+def ds_shm_op() -> float:
+    """Build (or load) DeepSpeed's shm comm op in one process before any DeepSpeed launch, so no launch's
+    deadline includes the JIT build (~45 s on an idle machine; 186 s measured here under load): seconds taken."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.distributed.ds_common import ENV, HAS_DEEPSPEED
+
+    if not HAS_DEEPSPEED:
+        pytest.skip("needs the deepspeed extra")
+    t0 = time.monotonic()
+    code = "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, **ENV}, check=True, timeout=900,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.monotonic() - t0
