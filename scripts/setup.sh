@@ -35,6 +35,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if .venv/bin/python -m pip show -q torchvision 2>/dev/null && ! .venv/bin/python -c "import torchvision" 2>/dev/null; then
     .venv/bin/python -m pip uninstall --quiet -y torchvision
   fi
+  # DeepSpeed (the deepspeed extra; tests/distributed/test_deepspeed_*): an sdist whose setup.py imports
+  # torch, so it builds against the venv's pinned torch (no build isolation: an isolated build would
+  # pull an unpinned CUDA torch) with no compiled ops (DS_BUILD_OPS=0; the one op it needs on CPU, the
+  # shm comm op, is JIT-built by the tests into .torch_extensions/, once).
+  if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+    .venv/bin/python -m pip install --quiet setuptools wheel
+    DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation -c constraints.txt -e ".[deepspeed]"
+  fi
   echo "$want" > "$stamp"
 fi
 

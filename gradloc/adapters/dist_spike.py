@@ -51,9 +51,12 @@ class DistSpikePath(SpikePath):
     scope = "job"
 
     def __init__(self, *args: Any, comm: JobComm, kind: str, probe_context: Callable[[], ContextManager[Any]],
-                 **kwargs: Any) -> None:
+                 deepspeed: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.comm, self.kind, self.probe_context = comm, kind, probe_context
+        self.deepspeed = deepspeed  # DeepSpeedLayerStats of a DeepSpeed engine (probes by autograd.grad)
+        # FSDP2 and ZeRO-3 gather parameters in a probe's forward: every rank probes in every round
+        self.lockstep = kind == "fsdp" or (deepspeed is not None and deepspeed.lockstep_probes)
 
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
         self._error = ""
@@ -116,6 +119,12 @@ class DistSpikePath(SpikePath):
             return LocalizeResult(self._diffuse(x, view, stored, session, rounds, why, job_total))
 
     def _session(self, x: SpikeInputs) -> Any:
+        if self.deepspeed is not None:
+            from gradloc.adapters.deepspeed.stats import AutogradProbeSession
+
+            gas = int(self.deepspeed.engine.gradient_accumulation_steps())
+            return _Session(AutogradProbeSession(self.model, self.params, x.scores.metas, x.probe, self.pause_hooks,
+                                                 loss_factor=1.0 / gas), self.probe_context())
         return _Session(ProbeSession(self.model, self.params, x.scores.metas, x.probe, self.pause_hooks),
                         self.probe_context())
 
@@ -129,10 +138,10 @@ class DistSpikePath(SpikePath):
                 try:
                     g_c = session.add_to(g_c, view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
                 except Exception as exc:  # noqa: BLE001 - DDP: carry on with nothing, so no rank waits
-                    if self.kind == "fsdp":
+                    if self.lockstep:
                         raise  # its forward/backward are collectives: the other ranks time out
                     self._error = f"the probe on rank {self.comm.rank} failed: {type(exc).__name__}: {exc}"
-            elif self.kind == "fsdp":  # a collective: take part with nothing to probe
+            elif self.lockstep:  # a collective: take part with nothing to probe
                 meta = view.metas[0]
                 g_c = session.add_to(g_c, meta.index, torch.zeros(meta.batch, meta.seq, dtype=torch.bool))
                 session.losses.pop()
@@ -140,6 +149,14 @@ class DistSpikePath(SpikePath):
 
     def _combine(self, stored: StoredGradient, g_c: Grads, loss_c: float) -> tuple[float, float, float, float]:
         W = self.comm.world_size
+        if self.deepspeed is not None:
+            from gradloc.adapters.deepspeed.stats import zero_combine
+
+            *out, failed = zero_combine(self.deepspeed.access, self.comm, g_c, loss_c, bool(self._error),
+                                        stored.norm ** 2)
+            if failed:
+                raise ProbeFailed("; ".join(e for e in self.comm.all_gather_object(self._error, "gradloc probe errors") if e))
+            return tuple(out)  # type: ignore[return-value]
         if self.kind == "fsdp":  # g_c and the stored gradient are this rank's shards of the job's
             gl, sl = [None if g is None else local(g) for g in g_c], [None if g is None else local(g) for g in stored.grads]
             parts = torch.tensor([dot(gl, sl, stored.inv_scale), grad_norm(gl) ** 2,

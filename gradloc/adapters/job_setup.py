@@ -5,6 +5,10 @@
   backward never starts the gradient all-reduce on one rank only.
 - **FSDP2** (``fully_shard``): the model is watched as it is; its parameters and gradients are
   DTensor shards (``LayerStatsCollector.sharded``), and every rank takes part in every probe.
+- **DeepSpeed** (a ``DeepSpeedEngine``, duck-typed: deepspeed is never imported here): hooks on
+  ``engine.module``; the gradient is read where each ZeRO stage keeps it (adapters/deepspeed). The
+  engine always has a process group (``deepspeed.initialize`` makes one), so even one rank is a job
+  of W = 1 and takes the job's spike path, whose probes DeepSpeed allows.
 - A plain model in a multi-rank job (no DDP/FSDP2 wrapper) is watched rank by rank, as before: its
   gradients are each rank's own, so no collective runs and the agent correlates the ranks.
 - The rank and world size come from the process group. A configuration that says otherwise is a
@@ -23,7 +27,7 @@ from torch import nn
 
 from gradloc.adapters.dist import JobComm
 from gradloc.config import WatchConfig
-from gradloc.errors import AttachError, ConfigError
+from gradloc.errors import AttachError, ConfigError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,16 @@ class JobSetup:
     config: WatchConfig  # with the job's rank and world size
     comm: JobComm | None
     probe_context: Callable[[], ContextManager[Any]]  # wraps each probe (DDP: no_sync)
-    kind: str  # "single" (one rank, or ranks watched independently) | "ddp" | "fsdp"
+    kind: str  # "single" (one rank, or ranks watched independently) | "ddp" | "fsdp" | "deepspeed"
 
 
 def resolve(model: nn.Module, cfg: WatchConfig) -> JobSetup:
     comm = JobComm.detect(cfg.collective_timeout_s) if cfg.distributed == "auto" else None
     inner, ctx, kind = model, contextlib.nullcontext, "single"
-    if _is_ddp(model):
+    if is_deepspeed(model):
+        inner, kind = model.module, "deepspeed"
+        comm = comm or _one_rank_job(cfg.collective_timeout_s)
+    elif _is_ddp(model):
         inner, ctx, kind = model.module, model.no_sync, "ddp"
     elif comm is not None and _is_fsdp2(model):
         kind = "fsdp"
@@ -66,6 +73,21 @@ def check_consistent(comm: JobComm, cfg: WatchConfig, layers: list[str], token_l
             ", ".join(f"rank {r}: {e[1]} layers / {e[2]} token layers" for r, e in enumerate(every))
         raise AttachError(f"gradloc: ranks {bad} do not match rank 0 ({what}); every rank must watch the same "
                           "model with the same WatchConfig")
+
+
+def is_deepspeed(model: object) -> bool:
+    """A deepspeed.DeepSpeedEngine (duck-typed, so that deepspeed is imported only by its adapter)."""
+    return all(hasattr(model, a) for a in ("module", "is_gradient_accumulation_boundary", "zero_optimization_stage",
+                                           "gradient_accumulation_steps"))
+
+
+def _one_rank_job(timeout_s: float) -> JobComm:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UnsupportedModelError("a DeepSpeed engine without an initialized process group: create it with "
+                                    "deepspeed.initialize (which calls deepspeed.init_distributed)")
+    return JobComm(dist.get_rank(), dist.get_world_size(), timeout_s)
 
 
 def _is_ddp(model: nn.Module) -> bool:

@@ -62,8 +62,10 @@ class Monitor:
         job = job_setup.resolve(model, config or WatchConfig())
         self.config = cfg = job.config
         self.comm, self.job_kind = job.comm, job.kind  # a DDP/FSDP2 job: one collective per step, spikes together
-        watched = job.model  # DDP: the inner module (the same parameters, no "module." prefix)
-        self.layer_stats = LayerStatsCollector(watched, cfg.layer_grouping)
+        watched = job.model  # DDP, DeepSpeed: the inner module (the same parameters, no "module." prefix)
+        self.layer_stats = _layer_stats(model, watched, cfg, job.kind)
+        if job.kind == "deepspeed":
+            self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
         if self.hooks is not None and not self.hooks.watched:
             raise UnsupportedModelError(
@@ -83,11 +85,12 @@ class Monitor:
                                                 self.layer_stats.device)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         self.counters: Counter[str] = Counter()
-        spike_args = (model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
+        spike_args = (watched if job.kind == "deepspeed" else model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
                       Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg, self.pause_token_hooks,
                       self.counters)
         self.spikes = SpikePath(*spike_args) if self.comm is None else \
-            DistSpikePath(*spike_args, comm=self.comm, kind=self.job_kind, probe_context=job.probe_context)
+            DistSpikePath(*spike_args, comm=self.comm, kind=self.job_kind, probe_context=job.probe_context,
+                          deepspeed=self.layer_stats if job.kind == "deepspeed" else None)
         self.sinks: list[Sink] = list(sinks) + default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
         self.incidents: list[Incident] = []
@@ -244,6 +247,8 @@ class Monitor:
             self.step = int(step)
         if self.comm is not None and self.comm.broken:
             self._leave_job()
+        if self.job_kind == "deepspeed":
+            probe = self._deepspeed_checks(probe)
         if self._ended == 0 and self.config.remedy == "drop_culprits" and probe is None:
             raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
                               "without probes no culprit set is verified and ∇_C is unknown")
@@ -287,6 +292,17 @@ class Monitor:
         self.step += 1
         self._ended += 1
         return StepReport(record, spike, incident)
+
+    def _deepspeed_checks(self, probe: ProbeFn | None) -> ProbeFn | None:
+        if not self.layer_stats.at_boundary():  # type: ignore[attr-defined]
+            msg = ("end_step must be called after engine.backward() of the step's last micro-batch and before "
+                   "engine.step(): DeepSpeed holds the reduced gradient only there")
+            if self._ended == 0:
+                raise ConfigError(msg)
+            self.counters["off_boundary_steps"] += 1
+            log.warning("gradloc: %s (step %d has no gradient statistics)", msg, self.step)
+        # alone after a failed collective, a probe would use .backward() (ZeRO's hooks fire): none then
+        return probe if self.comm is not None else None
 
     def _leave_job(self) -> None:
         """After a gradloc collective failed, the ranks are out of lockstep: watch this rank alone."""
@@ -379,6 +395,17 @@ def _as_judged(record: StepRecord, job: JobView | None) -> StepRecord:
         return record
     tokens = replace(record.tokens, top_share=job.top_share) if record.tokens is not None else None
     return replace(record, loss=job.loss, tokens=tokens)
+
+
+def _layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: str) -> LayerStatsCollector:
+    if kind != "deepspeed":
+        return LayerStatsCollector(watched, cfg.layer_grouping)
+    if cfg.remedy is not None:
+        raise ConfigError(f"remedy={cfg.remedy!r} is not supported under DeepSpeed (the gradient lives in ZeRO's "
+                          "buffers); leave remedy=None")
+    from gradloc.adapters.deepspeed.stats import DeepSpeedLayerStats
+
+    return DeepSpeedLayerStats(model, cfg.layer_grouping)
 
 
 def _check_model(model: nn.Module, cfg: WatchConfig) -> nn.Module:

@@ -124,7 +124,7 @@ class DeepSpeedGradAccess:
             got = self._local_slice(p)
             if got is None:
                 continue
-            g, theta, first = got
+            g, theta, first, _ = got
             grads.append(g)
             params.append(theta)
             idx.append(self.group_of[i])
@@ -143,13 +143,14 @@ class DeepSpeedGradAccess:
         ok = torch.ones(1, device=self.device)
         return torch.cat([grad_sq, grad_max, param_sq, has, uncovered_sq, ok])  # 4 × (L,) + 2 × (1,) -> (4L + 2,)
 
-    def _local_slice(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-        """(gradient slice, parameter slice, whether this rank counts p as present), or None if it holds none."""
+    def _local_slice(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, bool, int] | None:
+        """(gradient slice, parameter slice, whether this rank counts p as present, where the slice starts
+        in p's flattened elements), or None if it holds none."""
         if self.mode == FULL:
-            return None if p.grad is None else (p.grad, p.detach(), True)
+            return None if p.grad is None else (p.grad, p.detach(), True, 0)
         if self.mode == FULL_HP:
             g = getattr(p, "_hp_grad", None)
-            return None if g is None else (g, p.detach(), True)
+            return None if g is None else (g, p.detach(), True, 0)
         if self.mode == FRAGMENTS:
             mapping = p._hp_mapping
             if mapping is None:
@@ -158,7 +159,7 @@ class DeepSpeedGradAccess:
             g = mapping.get_lp_grad_fragment(p._index_in_param_group).reshape(-1)  # (n,) or (p.numel(),)
             if g.numel() != n:  # BF16-style full accumulation buffer: keep the owned fragment only
                 g = g.narrow(0, start, n)
-            return g, p.detach().reshape(-1).narrow(0, start, n), start == 0  # (numel,) -> (n,)
+            return g, p.detach().reshape(-1).narrow(0, start, n), start == 0, start  # (numel,) -> (n,)
         from deepspeed.utils import safe_get_local_grad  # stage 3; deepspeed is present if the engine is
 
         g = safe_get_local_grad(p)
@@ -167,7 +168,31 @@ class DeepSpeedGradAccess:
         real = max(0, min(p.partition_numel(), p.ds_numel - self.rank * p.partition_numel()))  # the rest is padding
         if real == 0:
             return None
-        return g.reshape(-1).narrow(0, 0, real), p.ds_tensor.detach().reshape(-1).narrow(0, 0, real), self.rank == 0
+        start = self.rank * p.partition_numel()
+        return g.reshape(-1).narrow(0, 0, real), p.ds_tensor.detach().reshape(-1).narrow(0, 0, real), self.rank == 0, start
+
+    def local_dot(self, full: Sequence[torch.Tensor | None]) -> float:
+        """Σ over this rank's gradient slices of ⟨slice, the same elements of ``full``⟩ (one full-size
+        tensor per parameter, in :attr:`names` order; e.g. a probe gradient), divided by the loss scale.
+        In the partitioned modes the ranks' values sum to the whole dot product (an all-reduce the
+        caller runs); in the full modes every rank holds all of it. No collective here."""
+        terms = []
+        for p, c in zip(self.params, full):
+            got = self._local_slice(p) if c is not None else None
+            if got is None:
+                continue
+            g, _, _, start = got
+            g = g.reshape(-1)  # (n,): the slice's elements, in p's flattened order from ``start``
+            c = c.reshape(-1).narrow(0, start, g.numel()).to(g.device, torch.float32)  # (numel,) -> (n,)
+            terms.append(torch.dot(g.float(), c))
+        if not terms:
+            return 0.0
+        return float(torch.stack(terms).double().sum()) / _loss_scale(self.engine)
+
+    def full_shape(self, i: int) -> torch.Size:
+        """The shape of parameter ``i``'s whole gradient (ZeRO-3 parameters are (0,) outside forward)."""
+        p = self.params[i]
+        return torch.Size(getattr(p, "ds_shape", p.shape))
 
     def _combine(self, local: torch.Tensor) -> torch.Tensor:
         """One all_gather of the W local packs, reduced locally: identical on every rank."""
