@@ -12,11 +12,15 @@ scenario × seed: one fresh step with the plant, through ``mon.end_step(loss, pr
 Scenarios:
 
 - ``mismatch``: one loss token's rollout log-prob 8 below the trainer's (its IS weight ~3,000) →
-  ``train_inference_mismatch``;
+  ``train_inference_mismatch``; its sample's advantage is at least 1 RMS in magnitude (sign kept): a
+  mismatch token of a sample with A ≈ 0 moves no gradient, so there is no spike to localize (the
+  first 5-seed run had one such step, with no incident);
 - ``low_prob_adv``: a sampled token the policy found very unlikely: one loss position's target is
   replaced by the model's least likely token there (the engine agrees on its probability: no
-  mismatch), and its sample gets advantage ``advantage`` (5× the advantages' RMS, a realistic GRPO
-  value for a rare correct answer); its ratio stays unclipped → ``low_prob_high_advantage``;
+  mismatch), and that token gets advantage ``advantage`` (5× the advantages' RMS; per-token, as PPO
+  with GAE gives: a GRPO-style sample-wide 5× advantage makes every token of the sample a large-
+  advantage token, which gradloc then names too, docs/BENCHMARKS.md §2.1); its ratio stays
+  unclipped → ``low_prob_high_advantage``;
 - ``two_samples``: two mismatch tokens in two different samples (different micro-batches);
 - ``packed``: a mismatch token in a step whose micro-batches are packed rows (the samples back to
   back, ``cu_seqlens``; TinyGPT attends within each sequence): reported per sequence.
@@ -27,6 +31,7 @@ whether each found culprit got the planted class.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import time
@@ -164,6 +169,9 @@ class _RLBench:
                     for m in picks[: 2 if name == "two_samples" else 1]]
             for m, b, t in keys:
                 mbs[m]["rollout"][b, t] -= 8.0
+                adv = mbs[m]["adv"][b]  # (T,): the sample's advantage at every position
+                a = float(adv[t])
+                adv[:] = math.copysign(max(abs(a), 1.0), a)  # |A| ≥ 1 RMS: with A ≈ 0 the token moves no gradient
             return sorted(keys)
         m, b, t = picks[0], int(torch.randint(0, c.batch, (1,), generator=gen)), pos()
         mb = mbs[m]
@@ -174,7 +182,7 @@ class _RLBench:
         mb["y"][b, t] = tok
         for k in ("old", "rollout", "logp0"):
             mb[k][b, t] = float(logp_all[tok])  # sampled at that probability; the engine agrees
-        mb["adv"][b, :] = c.advantage
+        mb["adv"][b, t] = c.advantage  # this token's advantage (per-token, as PPO with GAE gives)
         return [(m, b, t)]
 
     def scenario(self, name: str, seed: int, snap: dict[str, Any]) -> dict[str, Any]:
