@@ -46,6 +46,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# DeepSpeed JIT-builds a CPU shm comm op the first time an engine starts (1.5-3 min on 2 cores). Build
+# it once here, inside the workspace (TORCH_EXTENSIONS_DIR=.torch_extensions, gitignored), where the
+# tests look for it (tests/distributed/ds_common.py), so no test's deadline pays for the build.
+if [ ! -f .torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so ] && .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+  TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions" .venv/bin/python -c \
+    "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None" >/dev/null
+fi
+
 # The real-vLLM test tier's own environment (.venv-vllm, ~3.4 GB, ~3 min on a fresh machine; a no-op
 # when up to date). GRADLOC_SKIP_VLLM=1 leaves it out (tests/vllm_tier/test_tier.py then skips).
 if [ "${GRADLOC_SKIP_VLLM:-0}" != 1 ]; then

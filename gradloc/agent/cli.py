@@ -50,19 +50,22 @@ def main() -> None:
 @click.option("--world-size", default=1, show_default=True,
               help="Ranks in the job. With --backend the demo starts them itself; without, this process is one "
                    "of them (--rank) and the agent waits for the others.")
-@click.option("--backend", type=click.Choice(["ddp", "fsdp"]), default=None,
-              help="Start --world-size ranks of one gloo job on this machine (DDP or FSDP2), "
+@click.option("--backend", type=click.Choice(["ddp", "fsdp", "deepspeed"]), default=None,
+              help="Start --world-size ranks of one gloo job on this machine (DDP, FSDP2 or a DeepSpeed engine), "
                    "plant the culprit on rank 1 and localize it across the ranks.")
+@click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
+              help="With --backend deepspeed: the ZeRO stage. [default: 2]")
 @click.option("--threads", default=1, show_default=True,
               help="Torch intra-op threads (the demo model is tiny: more threads only add synchronization).")
 def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject: str | None,
          micro_batches: int | None, incident_path: str | None, as_json: bool, agent: str | None,
          store_path: str | None, metrics_address: str | None, job: str | None, rank: int, world_size: int,
-         backend: str | None, threads: int) -> None:
+         backend: str | None, zero_stage: int | None, threads: int) -> None:
     """Train a small causal LM on CPU, plant a culprit, detect and localize the spike."""
     from gradloc.agent.render import demo_json
 
-    given = {k: v for k, v in dict(inject=inject, micro_batches=micro_batches, job=job).items() if v is not None}
+    given = {k: v for k, v in dict(inject=inject, micro_batches=micro_batches, job=job,
+                                   zero_stage=zero_stage).items() if v is not None}
     common = dict(seed=seed, steps=steps, inject_step=inject_step, incident_path=incident_path, agent=agent,
                   store_path=store_path, metrics_address=metrics_address, rank=rank, world_size=world_size,
                   threads=threads, **given)
@@ -93,6 +96,8 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
 def _demo_config(rl: bool, packed: bool, backend: str | None,
                  common: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
     """The demo's typed config and its runner (raises ConfigError on bad options)."""
+    if common.get("zero_stage") is not None and backend != "deepspeed":
+        raise ConfigError("--zero-stage needs --backend deepspeed")
     if backend is not None:
         if rl:
             raise ConfigError("--backend runs the core demo across ranks; --rl runs on one process")

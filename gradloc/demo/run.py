@@ -19,7 +19,7 @@ from gradloc.errors import ConfigError
 from gradloc.records import Incident, StepRecord
 
 INJECT_KINDS = ("advantage", "label", "none")
-BACKENDS = ("ddp", "fsdp")  # DeepSpeed: not yet (issue 10)
+BACKENDS = ("ddp", "fsdp", "deepspeed")
 PLANT_RANK = 1  # a multi-rank demo plants its culprit on rank 1: the incident must name it
 
 
@@ -42,7 +42,8 @@ class DemoConfig:
     job: str = "demo"
     rank: int = 0  # several demo processes with the same job and world_size act as the ranks of one job
     world_size: int = 1
-    backend: str | None = None  # "ddp" | "fsdp": the demo spawns world_size ranks of one job
+    backend: str | None = None  # "ddp" | "fsdp" | "deepspeed": the demo spawns world_size ranks of one job
+    zero_stage: int = 2  # backend="deepspeed": the ZeRO stage (0-3)
     agent: str | None = None  # ship to a gradloc-agent daemon at host:port (else embedded mode)
     store_path: str | None = None  # embedded mode's SQLite store (None: the per-user default)
     metrics_address: str | None = None  # embedded mode: serve /metrics and /api here
@@ -65,6 +66,8 @@ class DemoConfig:
             raise ConfigError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.backend is not None and self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.backend is not None and self.world_size < 2:
             raise ConfigError(f"backend={self.backend!r} needs world_size >= 2 (the demo plants on rank {PLANT_RANK})")
 
@@ -106,6 +109,10 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None 
 
 def _wrap(cfg: DemoConfig, model: nn.Module) -> nn.Module:
     """The model as the backend trains it (every rank starts from the same seed)."""
+    if cfg.backend == "deepspeed":
+        from gradloc.demo.ds import engine
+
+        return engine(model, cfg.zero_stage, cfg.batch, cfg.micro_batches, cfg.lr)
     if cfg.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -124,7 +131,9 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
     gen = torch.Generator().manual_seed(cfg.seed + (1000 * cfg.rank if cfg.backend else 0))  # each rank its own data
     corpus = cl100k_corpus()
     model = _wrap(cfg, TinyGPT(GPTConfig(vocab=corpus.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers)))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    ds = cfg.backend == "deepspeed"  # the engine owns the optimizer, clips, and divides each loss by M
+    net = model.module if ds else model  # what probes and the plant's forward run (DeepSpeed: the raw module)
+    opt = None if ds else torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     wcfg = WatchConfig(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, incident_path=cfg.incident_path,
                        agent=cfg.agent, store_path=cfg.store_path, metrics_address=cfg.metrics_address,
                        detector=DetectorConfig(alpha=cfg.detector_alpha))
@@ -140,13 +149,13 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
             batches = [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]
             weights = loss_mask.float().expand(cfg.micro_batches, -1, -1).clone()  # (M, B, T) per-token weights
             if step == cfg.inject_step and cfg.inject != "none":
-                plant = _plant(cfg, model, batches, weights, gen, apply=plants_here)  # every rank runs its forward
+                plant = _plant(cfg, net, batches, weights, gen, apply=plants_here)  # every rank runs its forward
                 planted += [plant] if plants_here else []
 
-            def loss_for(i: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+            def loss_for(i: int, mask: torch.Tensor | None = None, fwd: nn.Module = net) -> torch.Tensor:
                 x, y = batches[i]
                 w = weights[i] if mask is None else weights[i] * mask
-                return (token_losses(model(x), y) * w).sum() / n_tokens
+                return (token_losses(fwd(x), y) * w).sum() / n_tokens * (cfg.micro_batches if ds else 1)
 
             total = torch.zeros(())
             for i, (_, y) in enumerate(batches):
@@ -154,13 +163,18 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
                         for b in range(cfg.batch)]
                 sync = model.no_sync() if cfg.backend == "ddp" and i < cfg.micro_batches - 1 else contextlib.nullcontext()
                 with sync, mon.micro_batch(y, loss_mask=loss_mask, sample_ids=uids):
-                    loss = loss_for(i)
-                    loss.backward()
-                total += loss.detach()
+                    loss = loss_for(i, fwd=model)
+                    model.backward(loss) if ds else loss.backward()
+                total += loss.detach() / (cfg.micro_batches if ds else 1)
+                if ds and i < cfg.micro_batches - 1:
+                    model.step()  # DeepSpeed: every micro-batch; the optimizer steps at the boundary only
             report = mon.end_step(total, probe=loss_for)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if ds:
+                model.step()  # clips (gradient_clipping 1.0) and steps
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             records.append(report.record)
             if on_step is not None:
                 on_step(step, report.record)

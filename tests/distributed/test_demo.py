@@ -15,14 +15,22 @@ AGENT = str(Path(sys.executable).with_name("gradloc-agent"))
 
 
 def _demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from tests.distributed.ds_common import ENV  # DeepSpeed's shm op, built once by the ds_shm_op fixture
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **ENV}
     return subprocess.run([AGENT, "demo", "--db", str(tmp_path / "demo.db"), *args], capture_output=True,
                           text=True, timeout=600, env=env)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
-def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path, backend: str) -> None:
-    res = _demo(tmp_path, "--world-size", "2", "--backend", backend, "--steps", "60", "--inject-step", "50", "--json")
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed"])
+def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path, backend: str,
+                                                                request: pytest.FixtureRequest) -> None:
+    extra: tuple[str, ...] = ()
+    if backend == "deepspeed":
+        request.getfixturevalue("ds_shm_op")  # built once into .torch_extensions (skips without deepspeed)
+        extra = ("--zero-stage", "3")
+    res = _demo(tmp_path, "--world-size", "2", "--backend", backend, "--steps", "60", "--inject-step", "50", "--json",
+                *extra)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     (planted,) = doc["planted"]
@@ -39,6 +47,7 @@ def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path,
 def test_bad_combinations_are_refused_before_any_rank_starts(tmp_path: Path) -> None:
     for args, words in ((("--backend", "ddp"), "world_size >= 2"),
                         (("--backend", "ddp", "--world-size", "2", "--rl"), "--rl runs on one process"),
-                        (("--backend", "ddp", "--world-size", "2", "--rank", "1"), "--backend starts every rank")):
+                        (("--backend", "ddp", "--world-size", "2", "--rank", "1"), "--backend starts every rank"),
+                        (("--backend", "ddp", "--world-size", "2", "--zero-stage", "1"), "needs --backend deepspeed")):
         res = _demo(tmp_path, *args)
         assert res.returncode == 2 and words in res.stderr, (args, res.stderr)
