@@ -38,7 +38,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # DeepSpeed (the deepspeed extra; tests/distributed/test_deepspeed_*): an sdist whose setup.py imports
   # torch, so it builds against the venv's pinned torch (no build isolation: an isolated build would
   # pull an unpinned CUDA torch) with no compiled ops (DS_BUILD_OPS=0; the one op it needs on CPU, the
-  # shm comm op, is JIT-built by the tests into .torch_extensions/, once).
+  # shm comm op, is JIT-built into .torch_extensions/ by the step below, once).
   if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
     .venv/bin/python -m pip install --quiet setuptools wheel
     DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation -c constraints.txt -e ".[deepspeed]"
