@@ -23,11 +23,15 @@ import hashlib
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, ContextManager
 
+import torch
 from torch import nn
 
 from gradloc.adapters.dist import JobComm
+from gradloc.collector.job import JobView
+from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, UnsupportedModelError
+from gradloc.records import StepRecord
 
 
 @dataclass(frozen=True)
@@ -102,3 +106,36 @@ def _is_fsdp2(model: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
     return isinstance(model, FSDPModule)
+
+
+def as_judged(record: StepRecord, job: JobView | None) -> StepRecord:
+    """What the detector sees: in a multi-rank job the job's loss and top-token share, so that every
+    rank's detector gets the same inputs and every rank takes the same path at a spike."""
+    if job is None:
+        return record
+    tokens = replace(record.tokens, top_share=job.top_share) if record.tokens is not None else None
+    return replace(record, loss=job.loss, tokens=tokens)
+
+
+def layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: str) -> LayerStatsCollector:
+    if kind != "deepspeed":
+        return LayerStatsCollector(watched, cfg.layer_grouping)
+    if cfg.remedy is not None:
+        raise ConfigError(f"remedy={cfg.remedy!r} is not supported under DeepSpeed (the gradient lives in ZeRO's "
+                          "buffers); leave remedy=None")
+    from gradloc.adapters.deepspeed.stats import DeepSpeedLayerStats
+
+    return DeepSpeedLayerStats(model, cfg.layer_grouping)
+
+
+def check_model(model: nn.Module, cfg: WatchConfig) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"gradloc.watch expects a torch.nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UnsupportedModelError("the model has no trainable parameters")
+    if cfg.token_stats and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise UnsupportedModelError(
+            "per-token hooks do not run inside a torch.compile graph: watch the model before compiling "
+            "with WatchConfig(token_stats=False) for per-layer statistics, or watch model._orig_mod "
+            "and run it uncompiled")
+    return model

@@ -29,14 +29,13 @@ from gradloc.adapters.dist_spike import DistSpikePath
 from gradloc.adapters.spike import SpikeInputs, SpikePath, scaler_state
 from gradloc.collector import rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
-from gradloc.collector.job import JobView
-from gradloc.collector.layer_stats import LayerStatsCollector, module_layer_map
+from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
-from gradloc.collector.update_ratio import UpdateRatioTracker, Window
-from gradloc.config import MEMORY_BUDGET_FRACTION, MEMORY_RESERVE, MIN_MEMORY_BUDGET, WatchConfig
+from gradloc.collector.update_ratio import UpdateRatioTracker, Window, window_bytes
+from gradloc.config import WatchConfig
 from gradloc.detector import INCIDENT, SpikeDetector
 from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
 from gradloc.localizer import Localizer, ProbeFn
@@ -58,12 +57,12 @@ class Monitor:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: WatchConfig | None = None, decode: Callable[[list[int]], str] | Any = None,
                  sinks: Sequence[Sink] = ()) -> None:
-        self.model, self.optimizer = _check_model(model, config or WatchConfig()), optimizer
+        self.model, self.optimizer = job_setup.check_model(model, config or WatchConfig()), optimizer
         job = job_setup.resolve(model, config or WatchConfig())
         self.config = cfg = job.config
         self.comm, self.job_kind = job.comm, job.kind  # a DDP/FSDP2 job: one collective per step, spikes together
         watched = job.model  # DDP, DeepSpeed: the inner module (the same parameters, no "module." prefix)
-        self.layer_stats = _layer_stats(model, watched, cfg, job.kind)
+        self.layer_stats = job_setup.layer_stats(model, watched, cfg, job.kind)
         if job.kind == "deepspeed":
             self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
@@ -81,7 +80,7 @@ class Monitor:
             self._params_of.setdefault(o, []).append(i)
         self.meter = OverheadMeter(cfg.max_overhead, cuda=self.layer_stats.device.type == "cuda")
         self.update_ratios = UpdateRatioTracker(self.layer_stats.params, self.layer_stats.group_of,
-                                                self.layer_stats.n_layers, self._window_bytes(),
+                                                self.layer_stats.n_layers, window_bytes(self.config, self.layer_stats),
                                                 self.layer_stats.device)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         self.counters: Counter[str] = Counter()
@@ -103,21 +102,6 @@ class Monitor:
         self._update: tuple[int, Window, torch.Tensor] | None = None  # (record step, window, device sums)
         self._opt_handles: list[Any] = []
         self.attached = False
-
-    def _window_bytes(self) -> int | None:
-        """Bytes of the update-ratio window: None (everything) for "full", else the memory budget
-        less gradloc's other persistent device tensors and a reserve for its other state."""
-        mode = self.config.update_ratio
-        if mode == "full":
-            return None
-        if mode == "off":
-            return 0
-        budget = self.config.memory_budget_bytes
-        if budget is None:
-            budget = max(int(MEMORY_BUDGET_FRACTION * self.layer_stats.param_bytes()), MIN_MEMORY_BUDGET)
-        reserve = min(MEMORY_RESERVE, budget // 4)
-        n_params = len(self.layer_stats.params)
-        return max(budget - reserve - self.layer_stats.persistent_bytes() - 64 * n_params, 0)  # 64: alignment per piece
 
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> "Monitor":
@@ -259,7 +243,8 @@ class Monitor:
         upd = self._update if self._update and self._pending and self._update[0] == self._pending.record.step else None
         self._update = None
         unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
-        rl, rl_pack = self._rl_step([m for m, _ in parts], scores)
+        given_rl, self._rl = self._rl, {}
+        rl, rl_pack = rl_fields.step_fields([m for m, _ in parts], given_rl, scores, self.layer_stats.device)
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
                        upd[2] if upd else None, unscored, rl_pack, self.comm)
@@ -276,7 +261,7 @@ class Monitor:
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None)
         self._pending = replace(assembled, record=record)
-        spike = self.detector.observe(_as_judged(record, assembled.job))
+        spike = self.detector.observe(job_setup.as_judged(record, assembled.job))
         self.meter.end(t1)
         incident = None
         if INCIDENT.intersection(spike.kinds):
@@ -313,23 +298,6 @@ class Monitor:
         spikes = self.spikes
         self.spikes = SpikePath(spikes.model, spikes.params, spikes.token_layers, spikes.localizer, spikes.cfg,
                                 spikes.pause_hooks, spikes.counters)
-
-    def _rl_step(self, metas: list[MicroBatchMeta], scores: StepScores | None
-                 ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
-        """The step's RL fields over its positions (device) and their distributions pack."""
-        given_rl, self._rl = self._rl, {}
-        if not given_rl or not metas:
-            return None, None
-        dev = self.layer_stats.device
-        fields = rl_fields.stack(metas, given_rl, dev)
-        if scores is not None:
-            eligible = scores.eligible
-        else:
-            eligible = torch.cat([torch.ones(m.n_tokens, dtype=torch.bool, device=dev) if m.loss_mask is None
-                                  else m.loss_mask.reshape(-1).to(dev) for m in metas])  # (B, T) -> (B·T,)
-        given = {f for r in given_rl.values() for f in rl_fields.FIELDS if getattr(r, f) is not None}
-        fields["eligible"] = eligible
-        return fields, rl_fields.rl_pack(fields, eligible, given)
 
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
         if not parts or self.hooks is None:
@@ -386,39 +354,6 @@ class Monitor:
         except Exception:
             self.counters["sink_errors"] += 1
             log.warning("gradloc: %s failed", getattr(fn, "__qualname__", fn), exc_info=True)
-
-
-def _as_judged(record: StepRecord, job: JobView | None) -> StepRecord:
-    """What the detector sees: in a multi-rank job the job's loss and top-token share, so that every
-    rank's detector gets the same inputs and every rank takes the same path at a spike."""
-    if job is None:
-        return record
-    tokens = replace(record.tokens, top_share=job.top_share) if record.tokens is not None else None
-    return replace(record, loss=job.loss, tokens=tokens)
-
-
-def _layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: str) -> LayerStatsCollector:
-    if kind != "deepspeed":
-        return LayerStatsCollector(watched, cfg.layer_grouping)
-    if cfg.remedy is not None:
-        raise ConfigError(f"remedy={cfg.remedy!r} is not supported under DeepSpeed (the gradient lives in ZeRO's "
-                          "buffers); leave remedy=None")
-    from gradloc.adapters.deepspeed.stats import DeepSpeedLayerStats
-
-    return DeepSpeedLayerStats(model, cfg.layer_grouping)
-
-
-def _check_model(model: nn.Module, cfg: WatchConfig) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise UnsupportedModelError(f"gradloc.watch expects a torch.nn.Module, got {type(model).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise UnsupportedModelError("the model has no trainable parameters")
-    if cfg.token_stats and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        raise UnsupportedModelError(
-            "per-token hooks do not run inside a torch.compile graph: watch the model before compiling "
-            "with WatchConfig(token_stats=False) for per-layer statistics, or watch model._orig_mod "
-            "and run it uncompiled")
-    return model
 
 
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

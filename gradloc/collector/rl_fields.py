@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ import torch
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.errors import BatchMetadataError
 from gradloc.records import RL_ADVANTAGE_BUCKETS, RL_LOG_RATIO_BUCKETS, RLStats
+
+if TYPE_CHECKING:
+    from gradloc.collector.token_summary import StepScores
 
 MISMATCH_LOG_RATIO = math.log(2.0)  # |log π_old − log π_rollout| above this counts as a mismatched token
 
@@ -163,3 +166,20 @@ def unpack_rl(host: np.ndarray) -> RLStats:
         max_abs_advantage=float(adv_max) if has_adv else None,
         entropy_mean=frac(ent, present["entropy"]),
     )
+
+
+def step_fields(metas: Sequence[MicroBatchMeta], given_rl: Mapping[int, RLTensors], scores: "StepScores | None",
+                device: torch.device) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+    """The step's RL fields over its positions (device) and their distributions pack (None, None
+    when no micro-batch handed any)."""
+    if not given_rl or not metas:
+        return None, None
+    out = stack(metas, given_rl, device)
+    if scores is not None:
+        eligible = scores.eligible
+    else:
+        eligible = torch.cat([torch.ones(m.n_tokens, dtype=torch.bool, device=device) if m.loss_mask is None
+                              else m.loss_mask.reshape(-1).to(device) for m in metas])  # (B, T) -> (B·T,)
+    given = {f for r in given_rl.values() for f in FIELDS if getattr(r, f) is not None}
+    out["eligible"] = eligible
+    return out, rl_pack(out, eligible, given)

@@ -20,12 +20,16 @@ returns per-layer sums that travel with the next step's packed host transfer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from gradloc.collector.layer_stats import foreach_norms, local
+
+if TYPE_CHECKING:
+    from gradloc.collector.layer_stats import LayerStatsCollector
+    from gradloc.config import WatchConfig
 
 _ALIGN = 64  # bytes: every piece's copy starts at a multiple of this inside the buffer
 _MAX_PLANS = 64
@@ -211,3 +215,21 @@ class UpdateRatioTracker:
         self._buffers.clear()
         self._layer_index.clear()
         self._live = None
+
+
+def window_bytes(config: "WatchConfig", layer_stats: "LayerStatsCollector") -> int | None:
+    """Bytes of the update-ratio window: None (everything) for "full", else the memory budget less
+    gradloc's other persistent device tensors and a reserve for its other state."""
+    from gradloc.config import MEMORY_BUDGET_FRACTION, MEMORY_RESERVE, MIN_MEMORY_BUDGET
+
+    mode = config.update_ratio
+    if mode == "full":
+        return None
+    if mode == "off":
+        return 0
+    budget = config.memory_budget_bytes
+    if budget is None:
+        budget = max(int(MEMORY_BUDGET_FRACTION * layer_stats.param_bytes()), MIN_MEMORY_BUDGET)
+    reserve = min(MEMORY_RESERVE, budget // 4)
+    n_params = len(layer_stats.params)
+    return max(budget - reserve - layer_stats.persistent_bytes() - 64 * n_params, 0)  # 64: alignment per piece
