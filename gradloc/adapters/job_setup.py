@@ -117,7 +117,8 @@ def as_judged(record: StepRecord, job: JobView | None) -> StepRecord:
     return replace(record, loss=job.loss, tokens=tokens)
 
 
-def layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: str) -> LayerStatsCollector:
+def layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: str,
+                comm: JobComm | None = None) -> LayerStatsCollector:
     if kind != "deepspeed":
         return LayerStatsCollector(watched, cfg.layer_grouping)
     if cfg.remedy is not None:
@@ -125,7 +126,7 @@ def layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: st
                           "buffers); leave remedy=None")
     from gradloc.adapters.deepspeed.stats import DeepSpeedLayerStats
 
-    return DeepSpeedLayerStats(model, cfg.layer_grouping)
+    return DeepSpeedLayerStats(model, cfg.layer_grouping, comm)
 
 
 def check_model(model: nn.Module, cfg: WatchConfig) -> nn.Module:

@@ -62,7 +62,7 @@ class Monitor:
         self.config = cfg = job.config
         self.comm, self.job_kind = job.comm, job.kind  # a DDP/FSDP2 job: one collective per step, spikes together
         watched = job.model  # DDP, DeepSpeed: the inner module (the same parameters, no "module." prefix)
-        self.layer_stats = job_setup.layer_stats(model, watched, cfg, job.kind)
+        self.layer_stats = job_setup.layer_stats(model, watched, cfg, job.kind, job.comm)
         if job.kind == "deepspeed":
             self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None

@@ -60,8 +60,9 @@ def test_a_culprit_on_rank_1_is_one_located_job_incident(ds_shm_op, stage):
         assert [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits] == [plant]
         assert loc.explained_share > 0.9, loc.explained_share
     assert all(repr(r["reports"][SPIKE][3]) == repr(res[0]["reports"][SPIKE][3]) for r in res)
-    for r in res:  # per micro-step: none off the boundary, the one step gather at a healthy boundary
-        assert r["collectives"][:2 * SPIKE] == [0, 1] * SPIKE, r["collectives"]
+    per_boundary = 1 if stage == 0 else 2  # the step gather (+ the partitions' pack gather, stages 1-3)
+    for r in res:  # per micro-step: none off the boundary
+        assert r["collectives"][:2 * SPIKE] == [0, per_boundary] * SPIKE, r["collectives"]
     for s in range(SPIKE):  # healthy steps: no incident, the same verdict on every rank
         assert all(r["reports"][s][3] is None for r in res)
         assert len({r["reports"][s][0] for r in res}) == 1
@@ -95,3 +96,41 @@ def test_one_process_zero3_and_bf16_zero2(ds_shm_op):
         assert loc.status == "located" and [(c.rank, c.position) for c in loc.culprits] == [(1, 5)]
         assert loc.explained_share > 0.8  # bf16 probes and gradients: ~1e-2 rounding
         assert r[2]["same_params"]
+
+
+def _dies(rank: int, world: int) -> dict:
+    """Rank 1 exits before step 3's boundary; rank 0's end_step must come back (deadline 5 s), not hang."""
+    import os
+    import time
+
+    import torch
+
+    import gradloc
+    from gradloc.demo.model import token_losses
+    from tests.distributed.ds_job import data, engine_for
+
+    engine = engine_for(2)
+    x, y, _ = data(rank, 4)
+    mon = gradloc.watch(engine, store=False, collective_timeout_s=5.0, detector=gradloc.DetectorConfig(warmup=5))
+    for s in range(4):
+        for i in range(2):
+            with mon.micro_batch(y[s, i]):
+                engine.backward(token_losses(engine(x[s, i]), y[s, i]).mean())
+            if s == 3 and i == 1 and rank == 1:
+                os._exit(0)  # dies after the step's last backward (DeepSpeed's own reductions done), before end_step
+            if engine.is_gradient_accumulation_boundary():
+                t0 = time.monotonic()
+                report = mon.end_step(torch.zeros(()))
+                took = time.monotonic() - t0
+                if s == 3:
+                    return {"took": took, "layers": len(report.record.layers), "left": mon.counters["left_job"]}
+            engine.step()
+    return {}
+
+
+def test_a_rank_that_dies_at_the_boundary_does_not_hang_the_other(ds_shm_op):
+    res = run(_dies, 2, timeout_s=240, env=ENV, may_die=(1,))
+    assert res[1] is None
+    got = res[0]
+    assert got["left"] == 1 and got["layers"] == 0, got  # no global stats that step: the job is left, counted
+    assert got["took"] < 60, got  # the 5 s deadline, not DeepSpeed's 30 min

@@ -74,6 +74,7 @@ class DeepSpeedGradAccess:
         self.device = first.ds_tensor.device if hasattr(first, "ds_tensor") else first.device
         self.rank = torch.distributed.get_rank(self.process_group) if self.world > 1 else 0  # in that group
         self._uncovered = [0.0] * len(self.params)
+        self.comm: Any = None  # a gradloc JobComm over the same ranks: its collectives wait with a deadline
         self.off_boundary_calls = 0  # grad_pack calls that returned None: nothing done, nothing sent
         self.failed_reads = 0  # boundaries where this rank could not read its gradient (logged)
 
@@ -197,10 +198,13 @@ class DeepSpeedGradAccess:
     def _combine(self, local: torch.Tensor) -> torch.Tensor:
         """One all_gather of the W local packs, reduced locally: identical on every rank."""
         L = self.n_layers
-        gathered = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
-        gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-        gather(gathered, local, group=self.process_group)
-        packs = gathered.view(self.world, local.numel())  # (W·(4L + 2),) -> (W, 4L + 2)
+        if self.comm is not None:  # raises CollectiveTimeout instead of hanging on a dead peer
+            packs = self.comm.all_gather(local, "gradloc DeepSpeed layer pack")  # (W, 4L + 2)
+        else:
+            gathered = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
+            gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+            gather(gathered, local, group=self.process_group)
+            packs = gathered.view(self.world, local.numel())  # (W·(4L + 2),) -> (W, 4L + 2)
         total = packs.sum(0)
         total[L:2 * L] = packs[:, L:2 * L].amax(0)  # max |g| combines by max
         return total
@@ -214,7 +218,9 @@ class DeepSpeedGradAccess:
             got = self._local_slice(p)
             if got is not None:
                 counts[self.group_of[i]] += (~torch.isfinite(got[0])).sum()
-        if self.collectives_per_boundary:
+        if self.collectives_per_boundary and self.comm is not None:
+            counts = self.comm.all_reduce(counts, what="gradloc DeepSpeed non-finite counts")
+        elif self.collectives_per_boundary:
             torch.distributed.all_reduce(counts, group=self.process_group)
         return [int(c) for c in counts.tolist()]
 

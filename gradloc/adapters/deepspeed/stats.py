@@ -29,10 +29,12 @@ log = logging.getLogger("gradloc")
 
 
 class DeepSpeedLayerStats(LayerStatsCollector):
-    def __init__(self, engine: Any, grouping: LayerGrouping) -> None:
+    def __init__(self, engine: Any, grouping: LayerGrouping, comm: Any = None) -> None:
         super().__init__(engine.module, grouping)
         self.engine = engine
         self.access = DeepSpeedGradAccess(engine, grouping)
+        if comm is not None and comm.world_size == self.access.world:  # the partitions' group is the job
+            self.access.comm = comm
         if self.access.layers != self.layers:  # both group engine.module's parameters: never expected
             raise AssertionError("DeepSpeed layer names differ from the module's")
         self.numel = list(self.access.numel)  # ZeRO-3: ds_numel (the parameters are (0,) outside forward)
@@ -62,6 +64,8 @@ class DeepSpeedLayerStats(LayerStatsCollector):
         not read its gradient. DeepSpeed divides by its own loss scale: ``inv_scale`` (a torch
         GradScaler's) does not apply."""
         L = self.n_layers
+        if self.access.comm is not None and self.access.comm.broken:  # left the job: no collective, no stats
+            return torch.zeros(4 * L + 1, device=self.device)
         if unattributed:  # modules that went unscored this step: their ‖g‖² is unattributed too
             flags = list(self._uncovered)
             for i in unattributed:
@@ -79,6 +83,8 @@ class DeepSpeedLayerStats(LayerStatsCollector):
         return pack[:-1] * ok
 
     def nonfinite_counts(self) -> list[int]:
+        if self.access.comm is not None and self.access.comm.broken:
+            return [0] * self.n_layers
         return self.access.nonfinite_counts()  # a collective when partitioned: every rank comes here together
 
     def grads(self) -> list[torch.Tensor | None]:
