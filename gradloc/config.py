@@ -155,6 +155,7 @@ class WatchConfig:
     history: int = 256  # StepRecords kept in Monitor.history
     distributed: str = "auto"  # "auto": an initialised torch.distributed job of > 1 rank is watched as one; "off"
     collective_timeout_s: float = 60.0  # every gradloc collective is waited on at most this long
+    close_timeout_s: float = 1.0  # Monitor.close() (and interpreter exit) waits at most this long on the agent
     strict: bool = True  # wiring mistakes (shape mismatch) raise BatchMetadataError at block exit
     incident_path: str | None = None  # JSONL incident file (embedded mode)
     world_size: int = 1  # ranks in the job: the agent waits for all of them before closing an incident
@@ -191,6 +192,7 @@ class WatchConfig:
         _check(self.history >= 1, f"history must be >= 1, got {self.history}")
         _check(self.distributed in ("auto", "off"), f"distributed must be 'auto' or 'off', got {self.distributed!r}")
         _check(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        _check(self.close_timeout_s > 0, f"close_timeout_s must be > 0, got {self.close_timeout_s}")
         _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")
         _check(isinstance(self.localizer, LocalizerConfig), "localizer must be a LocalizerConfig")
 

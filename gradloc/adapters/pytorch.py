@@ -11,6 +11,7 @@ Usage per optimizer step::
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 import weakref
@@ -102,6 +103,9 @@ class Monitor:
         self._update: tuple[int, Window, torch.Tensor] | None = None  # (record step, window, device sums)
         self._opt_handles: list[Any] = []
         self.attached = False
+        self._closed = False
+        self._atexit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._atexit)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> "Monitor":
@@ -137,11 +141,33 @@ class Monitor:
         self.attached = False
 
     def close(self) -> None:
-        """Emit the last record, flush and shut down sinks, detach. Safe to call twice."""
+        """Emit the last record, flush and shut down sinks, detach. Safe to call twice.
+
+        Waits on a ``gradloc-agent`` daemon at most ``WatchConfig.close_timeout_s`` (default 1 s),
+        whether it is down, stalled or slow; what it could not deliver is counted
+        (``counters["undelivered_at_close"]``) and logged. Also runs at interpreter exit."""
+        atexit.unregister(self._atexit)
+        if self._closed:
+            return
+        self._closed = True
         self._emit_pending(self._take_update_host())
+        deadline = time.monotonic() + self.config.close_timeout_s
         for sink in self.sinks:
-            self._safe(sink.force_flush)
-            self._safe(sink.shutdown)
+            bounded = getattr(sink, "close_within", None)
+            if bounded is None:  # local sinks (JSONL file, embedded agent): no network to wait on
+                self._safe(sink.force_flush)
+                self._safe(sink.shutdown)
+                continue
+            try:
+                lost = bounded(max(deadline - time.monotonic(), 0.0))
+            except Exception:
+                self.counters["sink_errors"] += 1
+                log.warning("gradloc: closing %s failed", type(sink).__name__, exc_info=True)
+                continue
+            if lost:
+                self.counters["undelivered_at_close"] += lost
+                log.warning("gradloc: %d record(s) were not delivered to the agent (down, stalled or slow; "
+                            "close_timeout_s=%g)", lost, self.config.close_timeout_s)
         if self.attached:
             self.detach()
 
@@ -354,6 +380,18 @@ class Monitor:
         except Exception:
             self.counters["sink_errors"] += 1
             log.warning("gradloc: %s failed", getattr(fn, "__qualname__", fn), exc_info=True)
+
+
+def _close_at_exit(ref: "weakref.ref[Monitor]") -> Callable[[], None]:
+    """Interpreter exit closes a monitor the script left open (bounded like close())."""
+    def hook() -> None:
+        mon = ref()
+        if mon is not None:
+            try:
+                mon.close()
+            except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+                log.warning("gradloc: closing the monitor at exit failed", exc_info=True)
+    return hook
 
 
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

@@ -35,6 +35,15 @@ class Declare:
 
 
 @dataclass(frozen=True)
+class Journaled:
+    """A rank incident already committed to the store's inbox under ``key`` (gradloc/store/inbox.py):
+    the correlated incident that holds it marks that row done when it is stored."""
+
+    incident: Incident
+    key: tuple[str, int, int]
+
+
+@dataclass(frozen=True)
 class DropReport:
     """Cumulative drop counters a trainer-side client reported."""
 
@@ -67,7 +76,8 @@ class CoreConfig:
 
 class AgentCore:
     def __init__(self, config: CoreConfig | None = None, store: Any = None,
-                 exporters: Iterable[Any] = (), new_trace_id: Callable[[], str] | None = None) -> None:
+                 exporters: Iterable[Any] = (), new_trace_id: Callable[[], str] | None = None,
+                 inbox_owner: str = "daemon") -> None:
         from gradloc.exporters.ids import new_trace_id as default_trace_id
 
         self.config = config or CoreConfig()
@@ -82,13 +92,40 @@ class AgentCore:
         self._steps: list[StepSummary] = []
         self._thread: threading.Thread | None = None
         self._next_retention = 0.0
+        self._inbox_keys: dict[str, tuple[str, int, int]] = {}  # rank incident id -> its inbox row (worker only)
+        self.inbox_owner = inbox_owner  # whose open inbox rows start() correlates again (gradloc/store/inbox.py)
 
     # -- producers ---------------------------------------------------------------------------
     def start(self) -> "AgentCore":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gradloc-agent-core", daemon=True)
             self._thread.start()
+            self._replay_inbox()
         return self
+
+    def _replay_inbox(self) -> None:
+        """Feed the correlator the incidents a previous run acknowledged but never stored (a crash)."""
+        pending = getattr(self.store, "inbox_pending", None)
+        if pending is None:
+            return
+        from gradloc.store.incident_json import incident_from_json
+
+        items: list[Any] = []
+        try:
+            rows = pending(self.inbox_owner)
+        except Exception:  # noqa: BLE001 - counted; the agent still starts
+            log.exception("gradloc agent: reading the inbox failed")
+            self.state.count("export_failures", ("store",))
+            return
+        for key, (job, rank, world), payload in rows:
+            try:
+                items += [Declare(job, rank, world), Journaled(incident_from_json(payload), key)]
+            except ValueError:
+                log.exception("gradloc agent: inbox row %s is not an incident; left in place", key)
+        if items:
+            log.info("gradloc agent: %d acknowledged incident(s) from before a restart are correlated again",
+                     len(items) // 2)
+            self.submit(items, timeout_s=60.0)
 
     def submit(self, items: list[Any], timeout_s: float | None = None) -> bool:
         """Enqueue items (StepSummary, StepRecord, Incident, Declare, DropReport). False when full."""
@@ -171,6 +208,9 @@ class AgentCore:
                 self._guard("exporter", exp.on_step, item)
         elif isinstance(item, Incident):
             self.correlator.on_incident(item)
+        elif isinstance(item, Journaled):
+            self._inbox_keys[item.incident.incident_id] = item.key
+            self.correlator.on_incident(item.incident)
         elif isinstance(item, Declare):
             self.correlator.declare(item.job, item.rank, item.world_size)
         elif isinstance(item, DropReport):
@@ -200,9 +240,16 @@ class AgentCore:
         self.recent.append(inc)
         self.state.observe_incident(inc)
         if self.store is not None:
-            self._guard("store", self.store.put_incident, inc)
+            keys = [self._inbox_keys.pop(f.incident_id) for f in inc.findings if f.incident_id in self._inbox_keys]
+            self._guard("store", self._put_incident, inc, keys)
         for exp in self.exporters:
             self._guard("exporter", exp.on_incident, inc)
+
+    def _put_incident(self, inc: CorrelatedIncident, keys: list[tuple[str, int, int]]) -> None:
+        if keys:
+            self.store.put_incident(inc, inbox_keys=keys)
+        else:
+            self.store.put_incident(inc)
 
     def _close_store(self) -> None:
         if self.store is not None:

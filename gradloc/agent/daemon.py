@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from gradloc.agent.config import AgentConfig
-from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport
+from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport, Journaled
 from gradloc.agent.http import AgentHttpServer
 from gradloc.localizer.correlator import CorrelatorConfig
 
@@ -77,17 +77,36 @@ class Daemon:
         return self
 
     def _ingest(self, batch: Any) -> None:
+        """Take one validated batch. Its incidents are committed to the store's inbox before this
+        returns (and the client gets its acknowledgement); a re-sent batch's are recognised there and
+        not correlated twice. Step summaries are acknowledged once queued (cheaper: a lost one is a
+        gap in a chart, not a lost incident)."""
         c = batch.client
+        incidents = self._journal(batch) if batch.incidents and self.store is not None else list(batch.incidents)
         items: list[Any] = [Declare(c.job, c.rank, c.world_size),
-                            DropReport(c.job, c.rank, tuple(batch.drops.items())), *batch.steps, *batch.incidents]
+                            DropReport(c.job, c.rank, tuple(batch.drops.items())), *batch.steps, *incidents]
         if not self.core.submit(items, timeout_s=1.0):
             from gradloc.transport.server import Overloaded  # UNAVAILABLE: the client backs off, retries
+
+            journaled = [i.key for i in incidents if isinstance(i, Journaled)]
+            if journaled:  # not taken: forget them, or the retry would look like a duplicate and be dropped
+                self.store.inbox_forget(journaled)
 
             raise Overloaded("the agent's queue is full; retry later")  # counted by the server
         if batch.steps:
             self.core.state.count("records", ("step",), len(batch.steps))
         if batch.incidents:
             self.core.state.count("records", ("incident",), len(batch.incidents))
+
+    def _journal(self, batch: Any) -> list[Any]:
+        from gradloc.store.incident_json import incident_to_json
+
+        c = batch.client
+        payloads = [incident_to_json(i) for i in batch.incidents]
+        new = self.store.inbox_put(c.client_id, batch.sequence, (c.job, c.rank, c.world_size), payloads)
+        if len(new) < len(payloads):
+            self.core.state.count("duplicates", ("incident",), len(payloads) - len(new))
+        return [Journaled(batch.incidents[i], (c.client_id, batch.sequence, i)) for i in new]
 
     def _reject(self, reason: str) -> None:
         self.core.state.count("rejected", (reason,))

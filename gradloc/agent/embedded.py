@@ -9,12 +9,31 @@ enqueues: a full queue is a counted drop, never a wait.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import uuid
 
-from gradloc.agent.core import AgentCore, CoreConfig, Declare
+from gradloc.agent.core import AgentCore, CoreConfig, Declare, Journaled
 from gradloc.errors import AttachError
 from gradloc.records import Incident, StepRecord
 
 log = logging.getLogger(__name__)
+EMBEDDED_PREFIX = "embedded:"
+
+
+def _gone(owner: str) -> bool:
+    """Whether the process of an ``embedded:<host>:<pid>:<id>`` owner (on this host) has exited."""
+    try:
+        pid = int(owner.split(":")[2])
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
 
 
 class EmbeddedAgent:
@@ -26,7 +45,12 @@ class EmbeddedAgent:
         from gradloc.store.sqlite import IncidentStore, default_db_path
 
         self.store_path = (store_path or str(default_db_path())) if store else None
-        self.core = AgentCore(core_config, IncidentStore(self.store_path) if self.store_path else None)
+        self.world_size = world_size
+        self.owner = f"{EMBEDDED_PREFIX}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self._seq = 0
+        self.core = AgentCore(core_config, IncidentStore(self.store_path) if self.store_path else None,
+                              inbox_owner=self.owner)
+        self._claim_orphans()
         if otlp_endpoint:
             from gradloc.exporters.otlp import OtlpExporter
 
@@ -48,7 +72,7 @@ class EmbeddedAgent:
     def metrics_url(self) -> str | None:
         return None if self.http is None else "http://%s:%d/metrics" % self.http.address
 
-    def _submit(self, item: StepRecord | Incident) -> None:
+    def _submit(self, item: StepRecord | Incident | Journaled) -> None:
         if not self.core.submit([item]):
             self.dropped += 1
             self.core.state.count("export_dropped", ("embedded_queue",))
@@ -57,7 +81,34 @@ class EmbeddedAgent:
         self._submit(record)
 
     def on_incident(self, incident: Incident) -> None:
-        self._submit(incident)
+        """Commit the incident to the store's inbox before returning (a killed training process
+        loses no incident it reported: the next embedded agent on this host stores it), then queue it."""
+        self._submit(self._journal(incident) if self.core.store is not None else incident)
+
+    def _journal(self, incident: Incident) -> Incident | Journaled:
+        from gradloc.store.incident_json import incident_to_json
+
+        self._seq += 1
+        try:
+            self.core.store.inbox_put(self.owner, self._seq, (incident.job, incident.rank, self.world_size),
+                                      [incident_to_json(incident)], owner=self.owner)
+        except Exception:  # noqa: BLE001 - never raise into training: counted, queued without the journal
+            log.warning("gradloc: could not journal incident %s", incident.incident_id, exc_info=True)
+            self.core.state.count("export_failures", ("store",))
+            return incident
+        return Journaled(incident, (self.owner, self._seq, 0))
+
+    def _claim_orphans(self) -> None:
+        """Take over the open inbox rows of embedded agents on this host whose process is gone."""
+        if self.core.store is None:
+            return
+        try:
+            n = self.core.store.inbox_claim(self.owner, f"{EMBEDDED_PREFIX}{socket.gethostname()}:", _gone)
+        except Exception:  # noqa: BLE001 - the monitor still starts
+            log.warning("gradloc: could not read the incident store's inbox", exc_info=True)
+            return
+        if n:
+            log.warning("gradloc: %d incident(s) a killed training process reported are stored now", n)
 
     def force_flush(self) -> None:
         self.core.flush(10.0)

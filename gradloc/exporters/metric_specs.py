@@ -133,6 +133,8 @@ SPECS: tuple[MetricSpec, ...] = (
     # Self-metrics of the pipeline: nothing is dropped silently.
     _c("records", "gradloc_agent_records", "gradloc.agent.records", "{record}", ("kind",),
        "Records accepted by the agent (kind step|incident)."),
+    _c("duplicates", "gradloc_agent_duplicates", "gradloc.agent.duplicates", "{record}", ("kind",),
+       "Records a client re-sent after a lost acknowledgement, recognised and not stored twice."),
     _c("rejected", "gradloc_agent_rejected", "gradloc.agent.rejected", "{message}", ("reason",),
        "Ingest messages rejected, by reason (malformed, oversized, schema_version, nonfinite, ...)."),
     _c("client_dropped", "gradloc_client_dropped", "gradloc.client.dropped", "{record}", ("job", "rank", "reason"),

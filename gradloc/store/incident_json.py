@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from gradloc.records import to_dict
+from gradloc.records import Incident, to_dict
 from gradloc.reports import CorrelatedIncident
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -135,3 +135,17 @@ def _decode_scalar(tp: Any, value: Any, path: str) -> Any:
             return value
         raise _bad(path, "a string", value)
     raise TypeError(f"{path}: no JSON decoding for {tp!r}")
+
+
+def incident_to_json(inc: Incident) -> str:
+    """One rank's :class:`~gradloc.records.Incident` as JSON text (the store's inbox payload)."""
+    import json
+
+    return json.dumps(to_dict(inc), allow_nan=False, ensure_ascii=False)
+
+
+def incident_from_json(text: str) -> Incident:
+    """The :class:`~gradloc.records.Incident` :func:`incident_to_json` wrote (ValueError if not one)."""
+    import json
+
+    return _decode(Incident, json.loads(text), "$")

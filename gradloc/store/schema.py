@@ -3,7 +3,7 @@
 The schema version lives in ``PRAGMA user_version`` (0 = a fresh file). A database written by a
 newer gradloc is refused rather than read: a newer schema may have moved meaning between columns,
 and a daemon that "mostly works" on it would write rows the newer reader misreads. Older versions
-are upgraded in place by the steps in ``_MIGRATIONS`` (none yet: version 1 is the first).
+are upgraded in place by the steps in ``_MIGRATIONS`` (1 → 2 adds the inbox).
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import os
 import sqlite3
 from collections.abc import Callable
 
+from gradloc.store import inbox
 from gradloc.store.errors import SchemaVersionError, StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the inbox (gradloc/store/inbox.py)
 BUSY_TIMEOUT_MS = 5000
 
 # NULL in a REAL column means "unknown or NaN" (SQLite stores NaN as NULL); the ``json`` column keeps
@@ -66,7 +67,7 @@ CREATE UNIQUE INDEX steps_job_step ON steps (job, step, rank);
 CREATE INDEX steps_time ON steps (time_unix);
 """
 
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {}  # from version v to v + 1
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: inbox.create}  # from version v to v + 1
 
 
 def connect(path: str) -> sqlite3.Connection:
@@ -132,6 +133,7 @@ def _create(conn: sqlite3.Connection, path: str) -> None:
     for statement in _SCHEMA_V1.split(";"):
         if statement.strip():
             conn.execute(statement)
+    inbox.create(conn)
 
 
 def check_path(path: str | os.PathLike[str]) -> str:

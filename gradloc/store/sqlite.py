@@ -22,6 +22,7 @@ from typing import Any, Self
 
 from gradloc.errors import ConfigError
 from gradloc.reports import CorrelatedIncident, StepSummary
+from gradloc.store import inbox as _inbox
 from gradloc.store import retention as _retention
 from gradloc.store.errors import AmbiguousIdError, StoreError
 from gradloc.store.incident_json import correlated_from_dict
@@ -138,14 +139,38 @@ class IncidentStore:
                 raise
             conn.execute("COMMIT")
 
-    def put_incident(self, inc: CorrelatedIncident) -> None:
+    def put_incident(self, inc: CorrelatedIncident, inbox_keys: Sequence[_inbox.Key] = ()) -> None:
         """Store ``inc`` with its spans, replacing an incident with the same id (the correlator
-        re-emits an incident when a straggler rank reports late). All or nothing."""
+        re-emits an incident when a straggler rank reports late), and mark the inbox rows it holds
+        done. All or nothing."""
         params = incident_params(inc)
         with self._transaction() as conn:
             conn.execute("DELETE FROM incidents WHERE incident_id = ?", (inc.incident_id,))
             conn.execute(_INSERT_INCIDENT, params)
             conn.executemany(_INSERT_SPAN, span_params(inc))
+            _inbox.mark_done(conn, inbox_keys)
+
+    def inbox_put(self, client_id: str, sequence: int, who: tuple[str, int, int], payloads: Sequence[str],
+                  owner: str = "daemon") -> list[int]:
+        """Commit a batch's rank incidents (``who``: job, rank, world size) before it is acknowledged;
+        returns the positions that were new (none for a re-sent batch). See gradloc/store/inbox.py."""
+        with self._transaction() as conn:
+            return _inbox.put(conn, (client_id, sequence), who, payloads, time.time(), owner)
+
+    def inbox_pending(self, owner: str = "daemon") -> list[tuple[_inbox.Key, tuple[str, int, int], str]]:
+        """``owner``'s inbox rows no stored incident holds yet (to correlate again after a restart)."""
+        with self._pool.connection() as conn:
+            return _inbox.pending(conn, owner)
+
+    def inbox_forget(self, keys: Sequence[_inbox.Key]) -> None:
+        """Delete inbox rows the agent did not take after all (its queue was full: the client retries)."""
+        with self._transaction() as conn:
+            conn.executemany("DELETE FROM inbox WHERE client_id = ? AND sequence = ? AND idx = ? AND done = 0", keys)
+
+    def inbox_claim(self, me: str, prefix: str, dead: Any) -> int:
+        """Take over the open inbox rows of gone owners starting with ``prefix`` (gradloc/store/inbox.py)."""
+        with self._transaction() as conn:
+            return _inbox.claim(conn, me, prefix, dead)
 
     def put_steps(self, steps: Sequence[StepSummary]) -> int:
         """Store step summaries in one transaction (a step already stored for its (job, rank) is
@@ -158,8 +183,11 @@ class IncidentStore:
     def apply_retention(self, now: float | None = None) -> dict[str, int]:
         """Delete what :class:`RetentionConfig` no longer keeps; returns the counts per rule
         (``incidents_by_age``, ``incidents_by_count``, ``spans``, ``steps_by_age``, ``steps_by_count``)."""
+        now = time.time() if now is None else now
         with self._transaction() as conn:
-            return _retention.apply(conn, self.retention, time.time() if now is None else now)
+            counts = _retention.apply(conn, self.retention, now)
+            counts["inbox"] = _inbox.prune(conn, now)
+            return counts
 
     # -- reading -----------------------------------------------------------------------------
 

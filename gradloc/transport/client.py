@@ -133,17 +133,29 @@ class AgentClient:
                                        self.config.timeout_s if timeout_s is None else timeout_s)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
-        """Flush what can be sent within ``timeout_s``, then stop the worker. Idempotent."""
+        """Flush what can be sent within ``timeout_s``, then stop the worker. Idempotent. Returns
+        within ``timeout_s`` plus a few milliseconds whatever the daemon does (down, stalled, slow):
+        the worker's send deadline is the same instant, and what is left is dropped and counted
+        (``send_failed``)."""
         if self._closed:
             return
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        self._closed = True
-        self.force_flush(timeout)
         with self._cond:
-            self._stop_at = start + timeout
+            self._closed = True
+            self._stop_at = start + timeout  # bounds the worker's in-flight call too
+        self.force_flush(timeout)
         self._wake()
-        self._thread.join(max(0.0, start + timeout - time.monotonic()) + 0.5)
+        self._thread.join(max(0.0, start + timeout - time.monotonic()) + 0.05)
+
+    def close_within(self, timeout_s: float) -> int:
+        """``Monitor.close``'s entry point: flush and stop within ``timeout_s``. Returns how many
+        accepted records were not delivered (dropped, or still in a call the deadline abandoned)."""
+        self.shutdown(timeout_s)
+        with self._cond:
+            c = self._counts
+            undelivered = self._accepted - self._resolved + c["send_failed"] + c["queue_full"] + c["after_shutdown"]
+        return undelivered
 
     # -- worker thread -----------------------------------------------------------------------------
     def _run(self) -> None:

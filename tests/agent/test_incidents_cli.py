@@ -173,7 +173,7 @@ def test_a_missing_database_exits_1_without_creating_it(tmp_path: Path, cmd: lis
 
 def test_a_database_from_a_newer_gradloc_exits_1(db: Path) -> None:
     with sqlite3.connect(db) as conn:
-        conn.execute("PRAGMA user_version = 2")
+        conn.execute("PRAGMA user_version = 99")
     result = run("list", "--db", str(db))
     assert result.exit_code == 1 and "newer gradloc" in result.stderr
 

@@ -86,7 +86,8 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
     state.observe_incident(inc)
     with TracerProvider().get_tracer("caller").start_as_current_span("caller's own span"):
         ex.on_incident(inc)  # the incident must still be a root span with its own trace id
-    for key, labels in (("records", ("step",)), ("rejected", ("malformed",)), ("export_failures", ("store",)),
+    for key, labels in (("records", ("step",)), ("rejected", ("malformed",)), ("duplicates", ("incident",)),
+                        ("export_failures", ("store",)),
                         ("export_dropped", ("store",)), ("series_dropped", ("max_layers",))):
         state.count(key, labels)
     state.set_cumulative("client_dropped", (JOB, "0", "queue_full"), 3)

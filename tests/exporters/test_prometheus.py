@@ -56,6 +56,7 @@ def realistic_state() -> TelemetryState:
                                     remedy=Remedy("drop_culprits", True, 42.0, 1.5)))
     state.count("records", ("step",), 12)
     state.count("rejected", ("malformed",))
+    state.count("duplicates", ("incident",))
     state.set_cumulative("client_dropped", ("llm-7b", "1", "queue_full"), 3)
     state.count("export_failures", ("otlp_metrics",))
     state.set_pending(2)
