@@ -29,6 +29,7 @@ from gradloc.demo.spawn import free_port
 from gradloc.store.sqlite import IncidentStore
 from gradloc.transport import AgentClient
 from gradloc.transport.wire import pb
+from tests.reliability.daemon import start_daemon
 from tests.transport.factories import incident, step
 
 pytestmark = pytest.mark.integration
@@ -49,24 +50,6 @@ class _RecordingClient(AgentClient):
         return code, details
 
 
-def _start(db: Path, port: int, tmp: Path, i: int) -> subprocess.Popen[bytes]:
-    ready = tmp / f"ready-{i}.json"
-    log = open(tmp / f"agent-{i}.log", "wb")
-    # this checkout's daemon (the console script would run whatever gradloc the venv has installed)
-    proc = subprocess.Popen([sys.executable, "-m", "gradloc.agent.cli", "serve", "--ingest", f"127.0.0.1:{port}",
-                             "--http", "127.0.0.1:0", "--db", str(db), "--ready-file", str(ready),
-                             "--straggler-deadline-s", "0.5"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"daemon {i} did not start:\n{(tmp / f'agent-{i}.log').read_text()}")
-        time.sleep(0.02)
-    return proc
-
-
 def _stored(db: Path) -> list[str]:
     with IncidentStore(db, create=False) as store:
         return [f.incident_id for inc in store.iter_incidents() for f in inc.findings]
@@ -75,7 +58,7 @@ def _stored(db: Path) -> list[str]:
 def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> None:
     db, port = tmp_path / "agent.db", free_port()
     rng = random.Random(11)
-    proc = _start(db, port, tmp_path, 0)
+    proc = start_daemon(db, port, tmp_path, 0)
     client = _RecordingClient(f"127.0.0.1:{port}", job="kill9", rank=0, world_size=1, backoff_initial_s=0.02,
                               backoff_max_s=0.2, timeout_s=2.0, flush_interval_s=0.02)
     client.acked = set()
@@ -100,7 +83,7 @@ def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> 
             time.sleep(rng.uniform(0.1, 0.6))
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
-            proc = _start(db, port, tmp_path, i)
+            proc = start_daemon(db, port, tmp_path, i)
         stop.set()
         feeder.join(10)
         client.shutdown(timeout_s=60)

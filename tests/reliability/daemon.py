@@ -1,0 +1,42 @@
+"""Start this checkout's ``gradloc-agent serve`` on a fixed port (the reliability tests restart it there).
+
+The console script would run whatever gradloc the venv has installed; ``python -m gradloc.agent.cli``
+with this checkout on PYTHONPATH runs the code under test.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_daemon(db: Path, port: int, tmp: Path, i: int, *flags: str) -> subprocess.Popen[bytes]:
+    """Start daemon number ``i`` (its log: ``tmp/agent-<i>.log``) and wait until it is ready."""
+    ready = tmp / f"ready-{i}.json"
+    log = open(tmp / f"agent-{i}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "gradloc.agent.cli", "serve", "--ingest", f"127.0.0.1:{port}",
+                             "--http", "127.0.0.1:0", "--db", str(db), "--ready-file", str(ready),
+                             "--straggler-deadline-s", "0.5", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"daemon {i} did not start:\n{(tmp / f'agent-{i}.log').read_text()}")
+        time.sleep(0.02)
+    return proc
+
+
+def metrics_text(tmp: Path, i: int) -> str:
+    """Daemon ``i``'s /metrics (its HTTP address is in its ready file)."""
+    import json
+    import urllib.request
+
+    http = json.loads((tmp / f"ready-{i}.json").read_text())["http"]
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:
+        return resp.read().decode()
