@@ -160,6 +160,8 @@ class WatchConfig:
     incident_path: str | None = None  # JSONL incident file (embedded mode)
     world_size: int = 1  # ranks in the job: the agent waits for all of them before closing an incident
     agent: str | None = None  # "host:port" of a gradloc-agent daemon: ship records there
+    agent_token: str | None = field(default=None, repr=False)  # its bearer token (else $GRADLOC_AGENT_AUTH_TOKEN)
+    agent_tls_ca: str | None = None  # TLS to the agent, trusting this PEM CA / certificate
     embedded: bool = True  # without an agent: run the store and exporters in-process
     store_path: str | None = None  # embedded SQLite store (None: $GRADLOC_DB or the per-user default)
     store: bool = True  # embedded mode keeps incidents in the SQLite store

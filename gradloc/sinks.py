@@ -42,9 +42,13 @@ def default_sinks(cfg: "WatchConfig", embedded_store: bool = True) -> list[Any]:
 
             sinks.append(JsonlSink(cfg.incident_path))
         if cfg.agent:
+            import os
+
             from gradloc.transport.client import AgentClient
 
-            sinks.append(AgentClient(cfg.agent, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size))
+            token = cfg.agent_token or os.environ.get("GRADLOC_AGENT_AUTH_TOKEN") or None
+            sinks.append(AgentClient(cfg.agent, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, token=token,
+                                     tls_ca=cfg.agent_tls_ca))
         elif cfg.embedded:
             from gradloc.agent.embedded import EmbeddedAgent
 

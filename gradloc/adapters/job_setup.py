@@ -66,8 +66,8 @@ def resolve(model: nn.Module, cfg: WatchConfig) -> JobSetup:
 
 def check_consistent(comm: JobComm, cfg: WatchConfig, layers: list[str], token_layers: list[str]) -> None:
     """Every rank must watch the same layers with the same settings (one collective, at attach)."""
-    settings = {f.name: repr(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in ("rank", "store_path",
-                                                                                        "metrics_address")}
+    settings = {f.name: repr(getattr(cfg, f.name)) for f in fields(cfg)
+                if f.repr and f.name not in ("rank", "store_path", "metrics_address")}  # no secrets travel
     mine = hashlib.sha256(repr((layers, token_layers, sorted(settings.items()))).encode()).hexdigest()
     every = comm.all_gather_object((mine, len(layers), len(token_layers), settings), "gradloc attach check")
     bad = [r for r, (h, *_) in enumerate(every) if h != every[0][0]]

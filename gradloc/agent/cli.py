@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from typing import Any, Callable
 
 import click
 
+from gradloc.agent.escape import json_text
 from gradloc.agent.incidents_cli import incidents
 from gradloc.agent.serve_cli import serve
 from gradloc.demo.spawn import SpawnError
@@ -84,7 +84,7 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
             raise click.ClickException(str(exc)) from exc
     planted = [dataclasses.asdict(p) for p in result.planted]
     if as_json:
-        click.echo(json.dumps(demo_json(planted, result.incidents), ensure_ascii=False))
+        click.echo(json_text(demo_json(planted, result.incidents)))
         return
     _print_demo(cfg, planted, result)
     if cfg.agent:

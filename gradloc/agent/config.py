@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from gradloc.agent.security import Security, check_exposure, read_token
 from gradloc.errors import ConfigError
 
 ENV_PREFIX = "GRADLOC_AGENT_"
@@ -32,6 +33,12 @@ class AgentConfig:
     retention_incidents: int = 10_000
     retention_step_rows: int = 1_000_000  # per job
     log_level: str = "info"
+    auth_token: str = field(default="", repr=False)  # GRADLOC_AGENT_AUTH_TOKEN / TOML; never a flag
+    auth_token_file: str = ""  # or read the token from this file
+    insecure: bool = False  # allow a non-loopback binding without a token (a trusted network)
+    metrics_open: bool = False  # /metrics without the token (a Prometheus that cannot send one)
+    tls_cert: str = ""  # PEM certificate (chain): TLS for gRPC ingest and HTTP
+    tls_key: str = ""  # its PEM private key
 
     def __post_init__(self) -> None:
         for name in ("ingest", "http"):
@@ -45,6 +52,24 @@ class AgentConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together (PEM files)")
+        for name in ("tls_cert", "tls_key"):
+            if getattr(self, name) and not os.path.isfile(getattr(self, name)):
+                raise ConfigError(f"{name}: no such file {getattr(self, name)!r}")
+        if self.auth_token and self.auth_token_file:
+            raise ConfigError("give auth_token or auth_token_file, not both")
+        check_exposure({"ingest": self.ingest, "http": self.http}, self.token, self.insecure)
+
+    @property
+    def token(self) -> str | None:
+        """The auth token (read from ``auth_token_file`` when that is set); None when there is none."""
+        if self.auth_token_file:
+            return read_token(self.auth_token_file)
+        return self.auth_token or None
+
+    def security(self) -> Security:
+        return Security(self.token, self.tls_cert or None, self.tls_key or None, self.metrics_open)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}

@@ -37,6 +37,10 @@ def _open_store(cfg: AgentConfig) -> Any:
     return IncidentStore(cfg.db or default_db_path(), retention=retention)
 
 
+def _grpc_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals go in brackets
+
+
 class Daemon:
     def __init__(self, config: AgentConfig) -> None:
         self.config = cfg = config
@@ -68,10 +72,12 @@ class Daemon:
         gc.set_threshold(50_000, 20, 20)
         host, port = parse_address(self.config.ingest)
         decoder = BatchDecoder(max_message_bytes=self.config.max_message_bytes, keep_top_tokens=False)
-        self._grpc, bound = start_ingest_server(self._ingest, self._reject, address=f"{host}:{port}",
-                                                max_message_bytes=self.config.max_message_bytes, decoder=decoder)
+        security = self.config.security()
+        self._grpc, bound = start_ingest_server(self._ingest, self._reject, address=_grpc_address(host, port),
+                                                max_message_bytes=self.config.max_message_bytes, decoder=decoder,
+                                                security=security)
         self.ingest_address = (host, bound)
-        self._http = AgentHttpServer(self.core, self.config.http).start()
+        self._http = AgentHttpServer(self.core, self.config.http, security).start()
         self.http_address = self._http.address
         log.info("gradloc-agent: ingest on %s:%d, http on %s:%d", *self.ingest_address, *self.http_address)
         return self

@@ -5,8 +5,9 @@ the API). Binds 127.0.0.1 unless told otherwise: incidents carry training text.
 """
 from __future__ import annotations
 
-import json
 import logging
+import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +15,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from gradloc.agent.core import AgentCore
+from gradloc.agent.escape import json_text
+from gradloc.agent.security import Security
 from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.records import to_dict
@@ -40,12 +43,22 @@ def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, i
 class _Handler(BaseHTTPRequestHandler):
     server: "_Server"
     protocol_version = "HTTP/1.1"
+    timeout = 30  # seconds a connection may idle (and a TLS handshake may take)
+
+    def setup(self) -> None:
+        super().setup()
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()  # a failure ends this request only (handle_error logs it)
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
         log.debug("http %s", fmt % args)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         url = urlsplit(self.path)
+        if not self._authorized(url.path):
+            self.close_connection = True
+            return self._json(401, {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                              {"WWW-Authenticate": 'Bearer realm="gradloc-agent"'})
         try:
             if url.path == "/metrics":
                 body, ctype = render(self.server.registry, self.headers.get("Accept"))
@@ -64,11 +77,19 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("gradloc agent: %s failed", url.path)
             self._json(500, {"error": "internal error (see the agent's log)"})
 
-    def _json(self, code: int, payload: Any) -> None:
-        self._send(code, json.dumps(payload, ensure_ascii=False).encode(), "application/json; charset=utf-8")
+    def _authorized(self, path: str) -> bool:
+        sec = self.server.security
+        if sec is None or not sec.token or path == "/healthz" or (path == "/metrics" and sec.metrics_open):
+            return True
+        return sec.allows(self.headers.get("Authorization"))
 
-    def _send(self, code: int, body: bytes, ctype: str) -> None:
+    def _json(self, code: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        self._send(code, json_text(payload).encode(), "application/json; charset=utf-8", headers)
+
+    def _send(self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -78,9 +99,24 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], core: AgentCore) -> None:
+    def __init__(self, address: tuple[str, int], core: AgentCore, security: Security | None = None) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
         self.core, self.registry, self.started = core, make_registry(core.state), time.time()
+        self.security = security
+        self._tls = security.ssl_context() if security is not None and security.tls else None
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("gradloc agent: http connection from %s failed", client_address, exc_info=True)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """Accept; with TLS, wrap without the handshake: it runs in the request's thread (_Handler.setup),
+        so a client that connects and stalls never holds up the accept loop."""
+        conn, addr = self.socket.accept()
+        if self._tls is not None:
+            conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn, addr
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "uptime_s": round(time.time() - self.started, 3),
@@ -126,8 +162,8 @@ def _float(query: dict[str, list[str]], key: str, default: float | None) -> floa
 class AgentHttpServer:
     """Owns the server thread; ``address`` is the bound (host, port)."""
 
-    def __init__(self, core: AgentCore, address: str = "127.0.0.1:0") -> None:
-        self._server = _Server(parse_address(address), core)
+    def __init__(self, core: AgentCore, address: str = "127.0.0.1:0", security: Security | None = None) -> None:
+        self._server = _Server(parse_address(address), core, security)
         self.address: tuple[str, int] = self._server.server_address[:2]  # type: ignore[assignment]
         self._thread = threading.Thread(target=self._server.serve_forever, name="gradloc-agent-http",
                                         kwargs={"poll_interval": 0.2}, daemon=True)

@@ -8,7 +8,6 @@ it; nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
 import sqlite3
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+
+from gradloc.agent.escape import json_text
 
 if TYPE_CHECKING:
     from gradloc.store import IncidentStore
@@ -103,7 +104,7 @@ def list_cmd(db: Path | None, as_json: bool, job: str | None, limit: int, since:
     with _opened(db) as store:
         rows = store.list_incidents(job=job, limit=limit, since_unix=since)
     if as_json:
-        click.echo(json.dumps([to_dict(r) for r in rows], ensure_ascii=False))
+        click.echo(json_text([to_dict(r) for r in rows]))
     elif rows:
         click.echo(incident_table(rows))
     else:
@@ -125,7 +126,7 @@ def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | Non
         if inc is None:
             raise click.ClickException(f"no incident {incident_id.strip()!r} in {store.path}")
     if as_json:
-        click.echo(json.dumps(correlated_to_dict(inc), ensure_ascii=False))
+        click.echo(json_text(correlated_to_dict(inc)))
         return
     color = sys.stdout.isatty() if color is None else color
     click.echo(correlated_text(inc, color=color), color=color)
@@ -145,7 +146,7 @@ def export_cmd(db: Path | None, as_json: bool, job: str | None, since: float | N
     with _opened(db) as store, _sink(output) as out:
         count = 0
         for inc in store.iter_incidents(job=job, since_unix=since):
-            out.write(json.dumps(correlated_to_dict(inc), ensure_ascii=False, allow_nan=False) + "\n")
+            out.write(json_text(correlated_to_dict(inc), allow_nan=False) + "\n")
             count += 1
     if output is not None:
         click.echo(f"exported {count} incident(s) to {output}", err=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
+from gradloc.agent.escape import terminal, visible
 from gradloc.records import (
     Classification,
     Culprit,
@@ -28,7 +29,7 @@ def _num(x: float | None) -> str:
 
 
 def _visible(text: str | None) -> str:
-    return "?" if text is None else text.replace("\n", "\\n").replace("\t", "\\t")
+    return visible(text)
 
 
 def highlight(span: CulpritSpan, color: bool) -> str:
@@ -40,6 +41,11 @@ def highlight(span: CulpritSpan, color: bool) -> str:
 
 
 def incident_text(inc: Incident, color: bool = True) -> str:
+    """The incident for a terminal; every client-supplied string has its control characters escaped."""
+    return terminal(_incident_text(inc, color))
+
+
+def _incident_text(inc: Incident, color: bool) -> str:
     b = (lambda s: f"{_BOLD}{s}{_OFF}") if color else (lambda s: s)
     sp = inc.spike
     who = f"all ranks (emitted by rank {inc.rank})" if inc.scope == "job" else f"rank {inc.rank}"
@@ -124,12 +130,12 @@ def incident_line(inc: Incident) -> str:
     loc = inc.localization
     head = f"step {inc.step} · {', '.join(inc.spike.kinds)} · ‖∇‖ {_num(inc.spike.global_norm)} (z {_num(inc.spike.z)})"
     if loc is None:
-        return head + " · not localized"
+        return terminal(head + " · not localized")
     job = inc.scope == "job"
     tops = ", ".join(f"{_visible(c.text)!r} {f'r {c.rank}/' if job and c.rank is not None else ''}mb {c.micro_batch}/s {c.sample}/p {c.position} {_pct(c.share)}"
                      for c in loc.culprits[:3])
     more = f" +{len(loc.culprits) - 3} more" if len(loc.culprits) > 3 else ""
-    return f"{head} · {loc.status} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}"
+    return terminal(f"{head} · {loc.status} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}")
 
 
 def culprit_json(c: Culprit, rank: int = 0) -> dict[str, Any]:

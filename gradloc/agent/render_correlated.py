@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from datetime import datetime
 
+from gradloc.agent.escape import terminal
 from gradloc.agent.render import _BOLD, _OFF, _num, _pct, highlight, incident_text
 from gradloc.records import CulpritSpan
 from gradloc.reports import CorrelatedIncident, RankShare
@@ -58,7 +59,7 @@ def incident_table(rows: Sequence[IncidentRow]) -> str:
     cells = [(r.incident_id[:12], local_time(r.time_unix), r.job, str(r.step), r.status, ",".join(r.kinds),
               _num(r.global_norm), _pct(r.explained_share), ranks_text(r.ranks_missing) if r.ranks_missing else "-")
              for r in rows]
-    return "\n".join(table(_LIST_HEADER, cells, right=frozenset({3, 6, 7})))
+    return terminal("\n".join(table(_LIST_HEADER, cells, right=frozenset({3, 6, 7}))))
 
 
 def correlated_text(inc: CorrelatedIncident, color: bool = True) -> str:
@@ -72,7 +73,7 @@ def correlated_text(inc: CorrelatedIncident, color: bool = True) -> str:
     lines += ["", b(f"findings of the {len(inc.findings)} reporting rank(s)")]
     for finding in sorted(inc.findings, key=lambda f: f.rank):
         lines += [incident_text(finding, color=color), ""]
-    return "\n".join(lines).rstrip("\n")
+    return terminal("\n".join(lines).rstrip("\n"))
 
 
 def _header(inc: CorrelatedIncident, b) -> list[str]:

@@ -35,6 +35,14 @@ _D = AgentConfig()
 @click.option("--retention-incidents", type=int, default=None, help=f"Keep at most this many incidents [{_D.retention_incidents}].")
 @click.option("--retention-step-rows", type=int, default=None,
               help=f"Keep at most this many step summaries per job [{_D.retention_step_rows}].")
+@click.option("--auth-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Require this bearer token (the file's content) on ingest and HTTP. Or $GRADLOC_AGENT_AUTH_TOKEN.")
+@click.option("--insecure", is_flag=True, default=None,
+              help="Allow binding beyond loopback without a token (a trusted network only).")
+@click.option("--metrics-open", is_flag=True, default=None, help="Serve /metrics without the token (for Prometheus).")
+@click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="PEM certificate: TLS for gRPC ingest and HTTP (with --tls-key).")
+@click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), default=None, help="PEM private key of --tls-cert.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Once serving, write {\"ingest\": \"host:port\", \"http\": \"host:port\"} here "

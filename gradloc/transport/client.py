@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 _RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _REJECTED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       grpc.StatusCode.FAILED_PRECONDITION})
+                       grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED})
 _WAKE = object()  # queued by force_flush/shutdown to wake the worker (never counted)
 COUNTERS = ("sent_steps", "sent_incidents", "queue_full", "send_failed", "encode_failed", "rejected",
             "reconnects", "after_shutdown")
@@ -87,6 +87,7 @@ class AgentClient:
         self._attempt, self._retry_at, self._reconnect = 0, 0.0, False
         self._warned: Counter[str] = Counter()
         self._channel = self._call = None
+        self._metadata = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else None
         self._connect()
         self._thread = threading.Thread(target=self._run, name="gradloc-agent-client", daemon=True)
         self._thread.start()
@@ -279,7 +280,7 @@ class AgentClient:
         if self._stop_at is not None:
             timeout = max(0.05, min(timeout, self._stop_at - time.monotonic()))
         try:
-            self._call(data, timeout=timeout)
+            self._call(data, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = (exc.details() if hasattr(exc, "details") else None) or ""
@@ -294,8 +295,12 @@ class AgentClient:
         if self._channel is not None:
             self._channel.close()
             self._add("reconnects")
-        self._channel = grpc.insecure_channel(self.config.address, options=[
-            ("grpc.max_send_message_length", 64 * 1024 * 1024)])
+        options = [("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        if self.config.tls or self.config.tls_ca:
+            ca = open(self.config.tls_ca, "rb").read() if self.config.tls_ca else None
+            self._channel = grpc.secure_channel(self.config.address, grpc.ssl_channel_credentials(ca), options)
+        else:
+            self._channel = grpc.insecure_channel(self.config.address, options=options)
         self._call = self._channel.unary_unary(INGEST_METHOD, request_serializer=None,
                                                response_deserializer=pb.IngestReply.FromString)
         self._sent_tables.clear()  # a new connection may be a new daemon

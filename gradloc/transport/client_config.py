@@ -2,7 +2,8 @@
 (a wiring mistake raises :class:`~gradloc.errors.ConfigError` at setup, never later on the hot path)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from gradloc.errors import ConfigError
 
@@ -20,6 +21,9 @@ class ClientConfig:
     timeout_s: float = 5.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 10.0
+    token: str | None = field(default=None, repr=False)  # the daemon's bearer token (never logged)
+    tls: bool = False  # TLS to the daemon (implied by tls_ca)
+    tls_ca: str | None = None  # PEM file of the CA (or self-signed certificate) to trust; None: the system's
 
     def __post_init__(self) -> None:
         checks = [
@@ -35,6 +39,7 @@ class ClientConfig:
             (0 < self.backoff_initial_s <= self.backoff_max_s,
              f"need 0 < backoff_initial_s <= backoff_max_s, got {self.backoff_initial_s}, {self.backoff_max_s}"),
         ]
+        checks.append((self.tls_ca is None or os.path.isfile(self.tls_ca), f"tls_ca: no such file {self.tls_ca!r}"))
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(f"AgentClient: {msg}")

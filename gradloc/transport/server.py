@@ -11,6 +11,8 @@ rejection with a status code the client acts on:
   of the cache): the client resends the batch with its tables;
 * ``UNAVAILABLE`` — the handler raised :class:`Overloaded` (reason ``"overloaded"``): the
   client keeps the batch and retries after its backoff (backpressure instead of loss);
+* ``UNAUTHENTICATED`` — the daemon has an auth token and the call's ``authorization`` metadata does
+  not carry it (reason ``"unauthenticated"``; the client drops the batch and counts ``rejected``);
 * ``INTERNAL`` — the handler raised anything else (reason ``"internal"``); the server keeps serving.
 
 Every rejection calls ``on_reject(reason)`` first, so the daemon can count it by reason
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 import grpc
 
@@ -29,7 +31,7 @@ from gradloc.transport.validate import REASONS, RejectedBatch
 from gradloc.transport.wire import MAX_MESSAGE_BYTES, SERVICE, pb
 
 log = logging.getLogger(__name__)
-ON_REJECT_REASONS = REASONS | {"overloaded", "internal"}
+ON_REJECT_REASONS = REASONS | {"overloaded", "internal", "unauthenticated"}
 
 
 class Overloaded(Exception):
@@ -43,14 +45,15 @@ _GRPC_HEADROOM = 2  # grpc's own receive limit = this × ours (+1 MiB): our chec
 
 def start_ingest_server(handler: Callable[[DecodedBatch], None], on_reject: Callable[[str], None] | None = None, *,
                         address: str = "127.0.0.1:0", max_message_bytes: int = MAX_MESSAGE_BYTES,
-                        workers: int = 4, decoder: BatchDecoder | None = None) -> tuple[grpc.Server, int]:
+                        workers: int = 4, decoder: BatchDecoder | None = None,
+                        security: Any = None) -> tuple[grpc.Server, int]:
     """Start serving ``gradloc.v1.IngestService`` on ``address``; returns (server, bound port).
 
     ``handler`` receives each accepted batch (it runs on one of ``workers`` threads, so it must be
     thread-safe); stop with ``server.stop(grace)``.
     """
     decoder = decoder if decoder is not None else BatchDecoder(max_message_bytes=max_message_bytes)
-    ingest = _IngestMethod(decoder, handler, on_reject or (lambda reason: None))
+    ingest = _IngestMethod(decoder, handler, on_reject or (lambda reason: None), security)
     limit = _GRPC_HEADROOM * max_message_bytes + (1 << 20)
     server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradloc-ingest"),
                          options=[("grpc.max_receive_message_length", limit),
@@ -58,7 +61,10 @@ def start_ingest_server(handler: Callable[[DecodedBatch], None], on_reject: Call
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         "Ingest": grpc.unary_unary_rpc_method_handler(ingest),  # no (de)serializers: raw bytes
     }),))
-    port = server.add_insecure_port(address)
+    if security is not None and security.tls:
+        port = server.add_secure_port(address, security.grpc_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"gradloc ingest server could not bind {address!r}")
     server.start()
@@ -67,10 +73,15 @@ def start_ingest_server(handler: Callable[[DecodedBatch], None], on_reject: Call
 
 class _IngestMethod:
     def __init__(self, decoder: BatchDecoder, handler: Callable[[DecodedBatch], None],
-                 on_reject: Callable[[str], None]) -> None:
-        self.decoder, self.handler, self.on_reject = decoder, handler, on_reject
+                 on_reject: Callable[[str], None], security: Any = None) -> None:
+        self.decoder, self.handler, self.on_reject, self.security = decoder, handler, on_reject, security
 
     def __call__(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        if self.security is not None and self.security.token:
+            given = dict(context.invocation_metadata()).get("authorization")
+            if not self.security.allows(given):
+                self._abort(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong bearer token (authorization metadata)")
         try:
             batch = self.decoder.decode(request)
         except RejectedBatch as exc:

@@ -1,0 +1,42 @@
+"""Client text rendered by the agent cannot act on a terminal or a JSON reader (gradloc/agent/escape.py)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from gradloc.agent.escape import COLOURS, json_text, terminal
+from gradloc.agent.render import incident_line, incident_text
+from tests.transport.factories import incident
+
+EVIL = "\x1b]0;pwned\x07\x1b[2J\u202etxt\x9b31m\x00\x7f\u200b\n\tend"
+RAW = ("\x1b", "\x07", "\u202e", "\x9b", "\x00", "\x7f", "\u200b")
+
+
+def _evil_incident():
+    inc = incident(3)
+    loc = inc.localization
+    span = replace(loc.spans[0], text=EVIL, context_before=EVIL, context_after=EVIL, sample_id=EVIL)
+    cul = replace(loc.culprits[0], text=EVIL, sample_id=EVIL)
+    return replace(inc, job="job" + EVIL, localization=replace(loc, spans=(span,), culprits=(cul,), note=EVIL))
+
+
+def test_terminal_output_has_no_raw_control_characters() -> None:
+    for color in (True, False):
+        text = incident_text(_evil_incident(), color=color)
+        stripped = text
+        for code in COLOURS:
+            stripped = stripped.replace(code, "")
+        assert not any(ch in stripped for ch in RAW), repr(stripped)
+        assert "\\x1b]0;pwned\\x07" in text and "\\u202e" in text and "\\x9b" in text
+    line = incident_line(_evil_incident())
+    assert not any(ch in line for ch in RAW)
+
+
+def test_terminal_keeps_only_gradlocs_own_colours() -> None:
+    assert terminal("\x1b[1mok\x1b[0m\x1b[31m") == "\x1b[1mok\x1b[0m\\x1b[31m"
+
+
+def test_json_is_valid_and_escapes_c1_and_bidi() -> None:
+    text = json_text({"t": EVIL})
+    assert json.loads(text) == {"t": EVIL}
+    assert not any(ch in text for ch in RAW)
