@@ -33,6 +33,10 @@ class AgentConfig:
     retention_incidents: int = 10_000
     retention_step_rows: int = 1_000_000  # per job
     log_level: str = "info"
+    max_incidents_per_minute: int = 600  # per job; beyond: dropped, counted (gradloc/agent/limits.py)
+    max_culprits: int = 256  # per incident; beyond: cut, counted
+    max_layers: int = 1024  # layer series per rank in /metrics and OTLP; beyond: counted series_dropped
+    max_series: int = 4096  # (job, rank) pairs tracked with live series; beyond: counted series_dropped
     auth_token: str = field(default="", repr=False)  # GRADLOC_AGENT_AUTH_TOKEN / TOML; never a flag
     auth_token_file: str = ""  # or read the token from this file
     insecure: bool = False  # allow a non-loopback binding without a token (a trusted network)
@@ -46,7 +50,8 @@ class AgentConfig:
             if not port.isdigit() or int(port) > 65535:
                 raise ConfigError(f"{name}: expected host:port, got {getattr(self, name)!r}")
         positive = ("otlp_interval_s", "straggler_deadline_s", "max_message_bytes", "queue_size",
-                    "retention_days", "retention_incidents", "retention_step_rows")
+                    "retention_days", "retention_incidents", "retention_step_rows", "max_incidents_per_minute",
+                    "max_culprits", "max_layers", "max_series")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -21,6 +21,8 @@ from typing import Any
 from gradloc.agent.config import AgentConfig
 from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport, Journaled
 from gradloc.agent.http import AgentHttpServer
+from gradloc.agent.limits import IncidentLimits
+from gradloc.exporters.state import StateConfig
 from gradloc.localizer.correlator import CorrelatorConfig
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,8 @@ def _grpc_address(host: str, port: int) -> str:
 class Daemon:
     def __init__(self, config: AgentConfig) -> None:
         self.config = cfg = config
-        core_cfg = CoreConfig(queue_size=cfg.queue_size,
+        core_cfg = CoreConfig(queue_size=cfg.queue_size, state=StateConfig(max_series=cfg.max_series,
+                                                                           max_layers=cfg.max_layers),
                               correlator=CorrelatorConfig(straggler_deadline_s=cfg.straggler_deadline_s))
         self.store = _open_store(cfg)
         self.core = AgentCore(core_cfg, self.store)
@@ -53,6 +56,8 @@ class Daemon:
 
             self.core.exporters.append(OtlpExporter(self.core.state, OtlpConfig(
                 endpoint=cfg.otlp_endpoint, export_interval_s=cfg.otlp_interval_s, insecure=cfg.otlp_insecure)))
+        self.limits = IncidentLimits(cfg.max_incidents_per_minute, cfg.max_culprits,
+                                     lambda limit, n: self.core.state.count("limited", (limit,), n))
         self._grpc: Any = None
         self._http: AgentHttpServer | None = None
         self.ingest_address: tuple[str, int] | None = None
@@ -88,7 +93,8 @@ class Daemon:
         not correlated twice. Step summaries are acknowledged once queued (cheaper: a lost one is a
         gap in a chart, not a lost incident)."""
         c = batch.client
-        incidents = self._journal(batch) if batch.incidents and self.store is not None else list(batch.incidents)
+        kept = self.limits.admit(batch.incidents) if batch.incidents else []
+        incidents = self._journal(batch, kept) if kept and self.store is not None else [inc for _, inc in kept]
         items: list[Any] = [Declare(c.job, c.rank, c.world_size),
                             DropReport(c.job, c.rank, tuple(batch.drops.items())), *batch.steps, *incidents]
         if not self.core.submit(items, timeout_s=1.0):
@@ -104,15 +110,16 @@ class Daemon:
         if batch.incidents:
             self.core.state.count("records", ("incident",), len(batch.incidents))
 
-    def _journal(self, batch: Any) -> list[Any]:
+    def _journal(self, batch: Any, kept: list[tuple[int, Any]]) -> list[Any]:
         from gradloc.store.incident_json import incident_to_json
 
         c = batch.client
-        payloads = [incident_to_json(i) for i in batch.incidents]
-        new = self.store.inbox_put(c.client_id, batch.sequence, (c.job, c.rank, c.world_size), payloads)
-        if len(new) < len(payloads):
-            self.core.state.count("duplicates", ("incident",), len(payloads) - len(new))
-        return [Journaled(batch.incidents[i], (c.client_id, batch.sequence, i)) for i in new]
+        new = self.store.inbox_put(c.client_id, batch.sequence, (c.job, c.rank, c.world_size),
+                                   [(i, incident_to_json(inc)) for i, inc in kept])
+        if len(new) < len(kept):
+            self.core.state.count("duplicates", ("incident",), len(kept) - len(new))
+        by_pos = dict(kept)
+        return [Journaled(by_pos[i], (c.client_id, batch.sequence, i)) for i in new]
 
     def _reject(self, reason: str) -> None:
         self.core.state.count("rejected", (reason,))

@@ -91,7 +91,7 @@ class EmbeddedAgent:
         self._seq += 1
         try:
             self.core.store.inbox_put(self.owner, self._seq, (incident.job, incident.rank, self.world_size),
-                                      [incident_to_json(incident)], owner=self.owner)
+                                      [(0, incident_to_json(incident))], owner=self.owner)
         except Exception:  # noqa: BLE001 - never raise into training: counted, queued without the journal
             log.warning("gradloc: could not journal incident %s", incident.incident_id, exc_info=True)
             self.core.state.count("export_failures", ("store",))

@@ -35,6 +35,11 @@ _D = AgentConfig()
 @click.option("--retention-incidents", type=int, default=None, help=f"Keep at most this many incidents [{_D.retention_incidents}].")
 @click.option("--retention-step-rows", type=int, default=None,
               help=f"Keep at most this many step summaries per job [{_D.retention_step_rows}].")
+@click.option("--max-incidents-per-minute", type=int, default=None,
+              help=f"Per job; more are dropped and counted [{_D.max_incidents_per_minute}].")
+@click.option("--max-culprits", type=int, default=None, help=f"Per incident; more are cut and counted [{_D.max_culprits}].")
+@click.option("--max-layers", type=int, default=None, help=f"Layer series per rank [{_D.max_layers}].")
+@click.option("--max-series", type=int, default=None, help=f"(job, rank) pairs with live series [{_D.max_series}].")
 @click.option("--auth-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Require this bearer token (the file's content) on ingest and HTTP. Or $GRADLOC_AGENT_AUTH_TOKEN.")
 @click.option("--insecure", is_flag=True, default=None,

@@ -133,6 +133,8 @@ SPECS: tuple[MetricSpec, ...] = (
     # Self-metrics of the pipeline: nothing is dropped silently.
     _c("records", "gradloc_agent_records", "gradloc.agent.records", "{record}", ("kind",),
        "Records accepted by the agent (kind step|incident)."),
+    _c("limited", "gradloc_agent_limited", "gradloc.agent.limited", "{record}", ("limit",),
+       "Incidents dropped (incident_rate) or cut (culprits) by a configured per-job limit."),
     _c("duplicates", "gradloc_agent_duplicates", "gradloc.agent.duplicates", "{record}", ("kind",),
        "Records a client re-sent after a lost acknowledgement, recognised and not stored twice."),
     _c("rejected", "gradloc_agent_rejected", "gradloc.agent.rejected", "{message}", ("reason",),

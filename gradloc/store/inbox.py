@@ -55,13 +55,14 @@ def create(conn: sqlite3.Connection) -> None:
             conn.execute(statement)
 
 
-def put(conn: sqlite3.Connection, key: tuple[str, int], who: tuple[str, int, int], payloads: Sequence[str],
-        now: float, owner: str) -> list[int]:
-    """Insert the batch's incidents; the positions that were new (a re-sent batch: none)."""
+def put(conn: sqlite3.Connection, key: tuple[str, int], who: tuple[str, int, int],
+        payloads: Sequence[tuple[int, str]], now: float, owner: str) -> list[int]:
+    """Insert the batch's incidents, (position in the batch, payload) each; the positions that were
+    new (a re-sent batch: none)."""
     client_id, sequence = key
     job, rank, world = who
     new = []
-    for i, text in enumerate(payloads):
+    for i, text in payloads:
         cur = conn.execute("INSERT OR IGNORE INTO inbox (client_id, sequence, idx, job, rank, world_size, "
                            "received_unix, payload, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (client_id, sequence, i, job, rank, world, now, text, owner))

@@ -150,10 +150,11 @@ class IncidentStore:
             conn.executemany(_INSERT_SPAN, span_params(inc))
             _inbox.mark_done(conn, inbox_keys)
 
-    def inbox_put(self, client_id: str, sequence: int, who: tuple[str, int, int], payloads: Sequence[str],
-                  owner: str = "daemon") -> list[int]:
-        """Commit a batch's rank incidents (``who``: job, rank, world size) before it is acknowledged;
-        returns the positions that were new (none for a re-sent batch). See gradloc/store/inbox.py."""
+    def inbox_put(self, client_id: str, sequence: int, who: tuple[str, int, int],
+                  payloads: Sequence[tuple[int, str]], owner: str = "daemon") -> list[int]:
+        """Commit a batch's rank incidents ((position in the batch, JSON) each; ``who``: job, rank, world
+        size) before it is acknowledged; returns the positions that were new (none for a re-sent
+        batch). See gradloc/store/inbox.py."""
         with self._transaction() as conn:
             return _inbox.put(conn, (client_id, sequence), who, payloads, time.time(), owner)
 

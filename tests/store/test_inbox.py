@@ -19,27 +19,27 @@ WHO = ("job-a", 0, 1)
 
 def test_put_is_idempotent_per_client_and_sequence(tmp_path: Path) -> None:
     with IncidentStore(tmp_path / "s.db") as store:
-        assert store.inbox_put("c1", 7, WHO, ["{}", "{}"]) == [0, 1]
-        assert store.inbox_put("c1", 7, WHO, ["{}", "{}"]) == []  # the same batch re-sent
-        assert store.inbox_put("c2", 7, WHO, ["{}"]) == [0]  # another client's sequence 7
-        assert store.inbox_put("c1", 8, WHO, ["{}"]) == [0]
+        assert store.inbox_put("c1", 7, WHO, [(0, "{}"), (1, "{}")]) == [0, 1]
+        assert store.inbox_put("c1", 7, WHO, [(0, "{}"), (1, "{}")]) == []  # the same batch re-sent
+        assert store.inbox_put("c2", 7, WHO, [(0, "{}")]) == [0]  # another client's sequence 7
+        assert store.inbox_put("c1", 8, WHO, [(0, "{}")]) == [0]
         assert len(store.inbox_pending()) == 4
 
 
 def test_done_commits_with_the_incident_and_pending_shrinks(tmp_path: Path) -> None:
     rank_inc = finding(0, 1200, BELL, incident_id=INCIDENT_ID, time_unix=T0)
     with IncidentStore(tmp_path / "s.db") as store:
-        store.inbox_put("c1", 1, WHO, [incident_to_json(rank_inc)])
+        store.inbox_put("c1", 1, WHO, [(0, incident_to_json(rank_inc))])
         (key, who, payload), = store.inbox_pending()
         assert key == ("c1", 1, 0) and who == WHO and incident_from_json(payload) == rank_inc
         store.put_incident(make_incident(), inbox_keys=[key])
         assert store.inbox_pending() == []
-        assert store.inbox_put("c1", 1, WHO, [incident_to_json(rank_inc)]) == []  # a late re-send: still known
+        assert store.inbox_put("c1", 1, WHO, [(0, incident_to_json(rank_inc))]) == []  # a late re-send: still known
 
 
 def test_retention_prunes_only_old_done_rows(tmp_path: Path) -> None:
     with IncidentStore(tmp_path / "s.db") as store:
-        store.inbox_put("c1", 1, WHO, ["{}", "{}"])
+        store.inbox_put("c1", 1, WHO, [(0, "{}"), (1, "{}")])
         store.put_incident(make_incident(), inbox_keys=[("c1", 1, 0)])
         later = time.time() + inbox.KEEP_DONE_S + 60
         assert store.apply_retention(now=later)["inbox"] == 1
@@ -55,7 +55,7 @@ def test_a_version_1_file_is_upgraded_in_place(tmp_path: Path) -> None:
     conn.close()
     with IncidentStore(path) as store:
         assert store.step_summaries("j")[0].step == 1  # the old rows are still there
-        assert store.inbox_put("c1", 1, WHO, ["{}"]) == [0]
+        assert store.inbox_put("c1", 1, WHO, [(0, "{}")]) == [0]
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
