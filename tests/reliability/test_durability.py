@@ -35,6 +35,7 @@ from tests.transport.factories import incident, step
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CYCLES = 20
+UNLIMITED = ("--max-incidents-per-minute", "100000000")  # the stream is far above the default per-job rate limit
 
 
 class _RecordingClient(AgentClient):
@@ -58,7 +59,7 @@ def _stored(db: Path) -> list[str]:
 def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> None:
     db, port = tmp_path / "agent.db", free_port()
     rng = random.Random(11)
-    proc = start_daemon(db, port, tmp_path, 0)
+    proc = start_daemon(db, port, tmp_path, 0, *UNLIMITED)
     client = _RecordingClient(f"127.0.0.1:{port}", job="kill9", rank=0, world_size=1, backoff_initial_s=0.02,
                               backoff_max_s=0.2, timeout_s=2.0, flush_interval_s=0.02)
     client.acked = set()
@@ -83,7 +84,7 @@ def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> 
             time.sleep(rng.uniform(0.1, 0.6))
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
-            proc = start_daemon(db, port, tmp_path, i)
+            proc = start_daemon(db, port, tmp_path, i, *UNLIMITED)
         stop.set()
         feeder.join(10)
         client.shutdown(timeout_s=60)
