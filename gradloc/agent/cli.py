@@ -9,6 +9,7 @@ from typing import Any, Callable
 import click
 
 from gradloc.agent.escape import json_text
+from gradloc.agent.grafana_cli import grafana
 from gradloc.agent.incidents_cli import incidents
 from gradloc.agent.serve_cli import serve
 from gradloc.demo.spawn import SpawnError
@@ -162,6 +163,7 @@ def _plant_detail(cfg) -> str:
 
 
 main.add_command(incidents)
+main.add_command(grafana)
 main.add_command(serve)
 
 if __name__ == "__main__":  # pragma: no cover

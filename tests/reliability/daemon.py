@@ -5,10 +5,14 @@ with this checkout on PYTHONPATH runs the code under test.
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,3 +44,27 @@ def metrics_text(tmp: Path, i: int) -> str:
     http = json.loads((tmp / f"ready-{i}.json").read_text())["http"]
     with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:
         return resp.read().decode()
+
+
+@contextmanager
+def serving(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """This checkout's daemon with ``flags`` (no store unless given, debug log); yields its ready-file
+    addresses plus "log" (the log file), and requires a clean exit on SIGTERM."""
+    ready, log = tmp / "ready.json", tmp / "agent.log"
+    ready.unlink(missing_ok=True)
+    store = () if "--db" in flags else ("--db", "none")
+    cmd = [sys.executable, "-m", "gradloc.agent.cli", "serve", *store, "--ready-file", str(ready),
+           "--log-level", "debug", *flags]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield {**json.loads(ready.read_text()), "log": str(log)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0, log.read_text()

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from gradloc.transport import AgentClient
-from tests.reliability.test_security import _serve
+from tests.reliability.daemon import serving
 from tests.transport.factories import incident
 
 pytestmark = pytest.mark.integration
 
 
 def test_incident_rate_and_culprit_limits(tmp_path: Path) -> None:
-    with _serve(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--max-incidents-per-minute", "2",
+    with serving(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--max-incidents-per-minute", "2",
                 "--max-culprits", "1") as agent:
         client = AgentClient(agent["ingest"], job="lim", rank=1, world_size=4, timeout_s=5.0)
         for n in range(5):

@@ -3,18 +3,14 @@ secret in any log. Real daemon processes (this checkout's code), a real AgentCli
 self-signed certificate made by the ``openssl`` binary for the test."""
 from __future__ import annotations
 
-import json
 import os
-import signal
 import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -22,32 +18,11 @@ from gradloc.agent.config import AgentConfig
 from gradloc.config import WatchConfig
 from gradloc.errors import ConfigError
 from gradloc.transport import AgentClient
-from tests.reliability.daemon import ROOT
+from tests.reliability.daemon import ROOT, serving
 from tests.transport.factories import step
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cret-T0KEN-do-not-log"
-
-
-@contextmanager
-def _serve(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
-    ready, log = tmp / "ready.json", tmp / "agent.log"
-    ready.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "gradloc.agent.cli", "serve", "--db", "none", "--ready-file", str(ready),
-           "--log-level", "debug", *flags]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        yield {**json.loads(ready.read_text()), "log": str(log)}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    assert proc.returncode == 0, log.read_text()
 
 
 def _get(url: str, token: str | None = None, ctx: ssl.SSLContext | None = None) -> int:
@@ -82,7 +57,7 @@ def test_non_loopback_needs_a_token_or_insecure(tmp_path: Path) -> None:
 
 
 def test_token_on_grpc_and_http(tmp_path: Path) -> None:
-    with _serve(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0",
+    with serving(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0",
                 env={"GRADLOC_AGENT_AUTH_TOKEN": TOKEN}) as agent:
         refused = _send(agent["ingest"])
         wrong = _send(agent["ingest"], token="nope")
@@ -101,7 +76,7 @@ def test_token_on_grpc_and_http(tmp_path: Path) -> None:
 
 
 def test_metrics_open_for_prometheus(tmp_path: Path) -> None:
-    with _serve(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--metrics-open",
+    with serving(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--metrics-open",
                 env={"GRADLOC_AGENT_AUTH_TOKEN": TOKEN}) as agent:
         base = f"http://{agent['http']}"
         assert _get(base + "/metrics") == 200 and _get(base + "/api/incidents") == 401
@@ -115,7 +90,7 @@ def test_tls_on_grpc_and_http_with_a_self_signed_certificate(tmp_path: Path) -> 
                    check=True, capture_output=True, timeout=60)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    with _serve(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--tls-cert", str(cert),
+    with serving(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--tls-cert", str(cert),
                 "--tls-key", str(key), "--auth-token-file", str(token_file)) as agent:
         ok = _send(agent["ingest"], token=TOKEN, tls_ca=str(cert))
         plain = _send(agent["ingest"], token=TOKEN)  # no TLS against a TLS port: not delivered, never hangs
@@ -129,7 +104,7 @@ def test_tls_on_grpc_and_http_with_a_self_signed_certificate(tmp_path: Path) -> 
 
 
 def test_ipv6_loopback(tmp_path: Path) -> None:
-    with _serve(tmp_path, "--ingest", "[::1]:0", "--http", "[::1]:0") as agent:
+    with serving(tmp_path, "--ingest", "[::1]:0", "--http", "[::1]:0") as agent:
         port = agent["ingest"].rsplit(":", 1)[1]
         http_port = agent["http"].rsplit(":", 1)[1]
         sent = _send(f"[::1]:{port}")

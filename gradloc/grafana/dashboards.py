@@ -1,0 +1,150 @@
+"""gradloc's five Grafana dashboards, as code (see panels.py). ``DASHBOARDS``: uid -> builder.
+
+- **Training overview**: loss, the global gradient norm with a healthy band, incidents as annotations.
+- **Layers**: per-layer norm heatmap, top layers, each layer's share of ‖∇‖² and its z-score, update ratios.
+- **Tokens & incidents**: incident rate, explained share, probes per incident, top-token share, a table
+  of recent incidents linking to the agent's incident page.
+- **RL**: the RL distributions (panels show "No data" for a job without RL fields, never an error).
+- **Agent health**: ingest, rejections, limits, client drops, queue, export failures, gradloc's overhead.
+
+The overview's band is PromQL over the scraped norm (1 h mean ± 3σ), not the detector's own EMA
+state (which is not exported): close to it on a steady run, wider right after a spike.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from gradloc.grafana.panels import Panel, dashboard, q
+
+S = '{job=~"$job", rank=~"$rank"}'
+SL = '{job=~"$job", rank=~"$rank", layer=~"$layer"}'
+J = '{job=~"$job"}'
+INCIDENT_LINK = [{"title": "incidents of ${__field.labels.job}",
+                  "url": "${agent_url}/incidents?job=${__field.labels.job}", "targetBlank": True}]
+
+
+def overview() -> dict[str, Any]:
+    band = f"gradloc_grad_global_norm{S}"
+    panels = [
+        Panel("Loss", [q(f"gradloc_loss{S}", "{{job}} r{{rank}}")], "none"),
+        Panel("Global gradient norm and healthy band", [
+            q(band, "{{job}} r{{rank}}"),
+            q(f"avg_over_time({band}[1h]) + 3 * stddev_over_time({band}[1h])", "band high {{rank}}"),
+            q(f"clamp_min(avg_over_time({band}[1h]) - 3 * stddev_over_time({band}[1h]), 0)", "band low {{rank}}")],
+            "none", description="Band: 1 h mean ± 3σ of the scraped norm (PromQL), an approximation of the "
+                                "detector's EMA band."),
+        Panel("Steps per second", [q(f"sum by (job) (rate(gradloc_steps_total{S}[$__rate_interval]))", "{{job}}")],
+              "ops", width=8),
+        Panel("Spikes by kind", [q(f"sum by (job, kind) (increase(gradloc_spikes_total{S}[$__rate_interval]))",
+                                   "{{job}} {{kind}}")], "short", width=8),
+        Panel("Skipped and non-finite steps", [
+            q(f"sum by (job) (increase(gradloc_skipped_steps_total{S}[$__rate_interval]))", "skipped {{job}}"),
+            q(f"sum by (job) (increase(gradloc_nonfinite_steps_total{S}[$__rate_interval]))", "non-finite {{job}}")],
+            "short", width=8),
+    ]
+    annotations = [{"name": "incidents", "enable": True, "iconColor": "red", "datasource": {"type": "prometheus",
+                    "uid": "${datasource}"}, "expr": f"sum by (job, status) (changes(gradloc_incidents_total{J}[1m])) > 0",
+                    "titleFormat": "incident ({{status}})", "textFormat": "job {{job}}", "step": "30s",
+                    "useValueForTime": False}]
+    return dashboard("gradloc-overview", "gradloc · Training overview", panels,
+                     "Loss, gradient norm with its healthy band, incidents as annotations.", annotations)
+
+
+def layers() -> dict[str, Any]:
+    sq = f"gradloc_grad_norm{SL} ^ 2"
+    panels = [
+        Panel("Per-layer gradient norm", [q(f"gradloc_grad_norm{SL}", "{{layer}}")], "none", kind="heatmap",
+              width=24, height=10),
+        Panel("Top 10 layers by gradient norm", [q(f"topk(10, gradloc_grad_norm{SL})", "{{layer}} r{{rank}}")], "none"),
+        Panel("Share of ‖∇‖² per layer", [q(f"{sq} / on (job, rank) group_left sum by (job, rank) "
+                                            f"(gradloc_grad_norm{S} ^ 2)", "{{layer}}")], "percentunit"),
+        Panel("Layer z-score (against its own last hour)", [
+            q(f"(gradloc_grad_norm{SL} - avg_over_time(gradloc_grad_norm{SL}[1h])) / "
+              f"stddev_over_time(gradloc_grad_norm{SL}[1h])", "{{layer}}")], "none"),
+        Panel("Update-to-weight ratio ‖Δθ‖/‖θ‖", [q(f"gradloc_update_ratio{SL}", "{{layer}}")], "none"),
+        Panel("Largest |g| per layer", [q(f"gradloc_grad_max_abs{SL}", "{{layer}}")], "none", width=24),
+    ]
+    return dashboard("gradloc-layers", "gradloc · Layers", panels,
+                     "Which layers carry the gradient: heatmap, top layers, shares, z-scores, update ratios.")
+
+
+def tokens() -> dict[str, Any]:
+    panels = [
+        Panel("Incidents per hour by status", [q(f"sum by (job, status) (rate(gradloc_incidents_total{J}[$__rate_interval])) * 3600",
+                                                 "{{job}} {{status}}")], "short", width=8),
+        Panel("Explained share (median, p10)", [
+            q(f"histogram_quantile(0.5, sum by (job, le) (rate(gradloc_localization_explained_ratio_bucket{J}[1h])))",
+              "median {{job}}"),
+            q(f"histogram_quantile(0.1, sum by (job, le) (rate(gradloc_localization_explained_ratio_bucket{J}[1h])))",
+              "p10 {{job}}")], "percentunit", width=8),
+        Panel("Probes per incident (mean)", [
+            q(f"sum by (job) (rate(gradloc_localization_probes_sum{J}[1h])) / "
+              f"sum by (job) (rate(gradloc_localization_probes_count{J}[1h]))", "{{job}}")], "short", width=8),
+        Panel("Top token's share of the token score", [q(f"gradloc_token_top_share_ratio{S}", "{{job}} r{{rank}}")],
+              "percentunit"),
+        Panel("Unattributed share", [q(f"gradloc_token_unattributed_ratio{S}", "{{job}} r{{rank}}")], "percentunit"),
+        Panel("Localizations by outcome", [q(f"sum by (job, status) (increase(gradloc_localizations_total{J}[$__range]))",
+                                             "{{status}}", instant=True)], "short", kind="bargauge", width=8),
+        Panel("Incident classes", [q(f"sum by (job, class) (increase(gradloc_incident_classes_total{J}[$__range]))",
+                                     "{{class}}", instant=True)], "short", kind="bargauge", width=8),
+        Panel("Recent incidents (open the incident page)", [
+            q(f"sum by (job, status) (increase(gradloc_incidents_total{J}[$__range])) > 0", "", instant=True)],
+            "short", kind="table", width=8, links=INCIDENT_LINK,
+            description="Per job and status; the link opens the agent's incident pages. Each incident's trace id "
+                        "is an exemplar on gradloc_step_grad_norm (OpenMetrics)."),
+    ]
+    return dashboard("gradloc-tokens", "gradloc · Tokens & incidents", panels,
+                     "Incident rate, how well spikes are explained, and links to the incidents.")
+
+
+def rl() -> dict[str, Any]:
+    panels = [
+        Panel("Max |log π_old − log π_rollout|", [q(f"gradloc_rl_max_abs_log_ratio{S}", "{{rank}} {{reference}}")],
+              "none"),
+        Panel("Mismatch share of tokens", [q(f"gradloc_rl_mismatch_ratio{S}", "{{job}} r{{rank}}")], "percentunit"),
+        Panel("Clipped share of tokens", [q(f"gradloc_rl_clipped_ratio{S}", "{{job}} r{{rank}}")], "percentunit"),
+        Panel("Entropy", [q(f"gradloc_rl_entropy{S}", "{{job}} r{{rank}}")], "none"),
+        Panel("Log ratio distribution (p99 |.|)", [
+            q(f"histogram_quantile(0.99, sum by (job, le) (rate(gradloc_rl_log_ratio_bucket{J}[$__rate_interval])))",
+              "p99 {{job}}")], "none"),
+        Panel("Advantage distribution (p1, p99)", [
+            q(f"histogram_quantile(0.01, sum by (job, le) (rate(gradloc_rl_advantage_bucket{J}[$__rate_interval])))", "p1"),
+            q(f"histogram_quantile(0.99, sum by (job, le) (rate(gradloc_rl_advantage_bucket{J}[$__rate_interval])))", "p99")],
+            "none"),
+    ]
+    return dashboard("gradloc-rl", "gradloc · RL", panels,
+                     "Training–inference mismatch, clipping, entropy and advantages (jobs that hand over RL fields).")
+
+
+def agent() -> dict[str, Any]:
+    panels = [
+        Panel("Records ingested per second", [q("sum by (kind) (rate(gradloc_agent_records_total[$__rate_interval]))",
+                                                "{{kind}}")], "ops", width=8),
+        Panel("Rejected messages", [q("sum by (reason) (increase(gradloc_agent_rejected_total[$__rate_interval]))",
+                                      "{{reason}}")], "short", width=8),
+        Panel("Limited, duplicates", [
+            q("sum by (limit) (increase(gradloc_agent_limited_total[$__rate_interval]))", "limited {{limit}}"),
+            q("sum by (kind) (increase(gradloc_agent_duplicates_total[$__rate_interval]))", "duplicate {{kind}}")],
+            "short", width=8),
+        Panel("Client drops", [q(f"sum by (job, rank, reason) (increase(gradloc_client_dropped_total{S}[$__rate_interval]))",
+                                 "{{job}} r{{rank}} {{reason}}")], "short", width=8),
+        Panel("Incidents waiting for stragglers", [q("gradloc_agent_pending_correlations", "pending")], "short", width=8),
+        Panel("Export failures and drops", [
+            q("sum by (exporter) (increase(gradloc_export_failures_total[$__rate_interval]))", "failed {{exporter}}"),
+            q("sum by (exporter) (increase(gradloc_export_dropped_total[$__rate_interval]))", "dropped {{exporter}}"),
+            q("sum by (reason) (increase(gradloc_agent_series_dropped_total[$__rate_interval]))", "series {{reason}}")],
+            "short", width=8),
+        Panel("Ingest lag (p99)", [q("histogram_quantile(0.99, sum by (le) (rate(gradloc_agent_ingest_lag_seconds_bucket"
+                                     "[$__rate_interval])))", "p99")], "s"),
+        Panel("Time since a job's last record", [q(f"time() - gradloc_last_record_timestamp_seconds{S}",
+                                                   "{{job}} r{{rank}}")], "s"),
+        Panel("gradloc's own overhead (share of step time)", [q(f"gradloc_overhead_ratio{S}", "{{job}} r{{rank}}")],
+              "percentunit"),
+        Panel("Features shed to stay within budget", [q(f"gradloc_shed{S}", "{{feature}} r{{rank}}")], "none"),
+    ]
+    return dashboard("gradloc-agent", "gradloc · Agent health", panels,
+                     "Is the agent keeping up, and is gradloc within its overhead budget?")
+
+
+DASHBOARDS: dict[str, Callable[[], dict[str, Any]]] = {
+    "overview": overview, "layers": layers, "tokens": tokens, "rl": rl, "agent": agent}

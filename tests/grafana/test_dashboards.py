@@ -1,0 +1,113 @@
+"""The bundled dashboards and rules, checked without Grafana (none is installable here): structure,
+metric names against ``metric_specs``, every query parsed by the real ``promtool``, the rules
+checked and unit-tested by ``promtool``, and the provisioning output. Queries are executed against
+a real Prometheus in tests/integration/test_dashboards_prometheus.py."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gradloc.agent.cli import main
+from gradloc.exporters.metric_specs import SPECS
+from gradloc.grafana.dashboards import DASHBOARDS
+from gradloc.grafana.provision import rules_text
+from tests.grafana.promql import as_rule_file, metric_names, queries
+
+HERE = Path(__file__).resolve().parent
+SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: run scripts/setup.sh (Debian's prometheus package)", pytrace=False)
+    return path
+
+
+def test_structure_of_every_dashboard() -> None:
+    uids = [b()["uid"] for b in DASHBOARDS.values()]
+    assert len(set(uids)) == len(uids) == 5
+    for build in DASHBOARDS.values():
+        dash = build()
+        names = [v["name"] for v in dash["templating"]["list"]]
+        assert {"datasource", "job", "rank", "layer"} <= set(names), names
+        ids = [p["id"] for p in dash["panels"]]
+        assert len(set(ids)) == len(ids)
+        cells: set[tuple[int, int]] = set()
+        for p in dash["panels"]:
+            g = p["gridPos"]
+            assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, (dash["uid"], p["title"])
+            mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+            assert not cells & mine, f"{dash['uid']}: {p['title']!r} overlaps another panel"
+            cells |= mine
+            assert p["fieldConfig"]["defaults"]["unit"], f"{p['title']!r} has no unit"
+            refs = [t["refId"] for t in p["targets"]]
+            assert refs and len(set(refs)) == len(refs)
+            assert all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+            assert p["datasource"]["uid"] == "${datasource}"
+
+
+def test_every_metric_a_panel_uses_is_in_metric_specs() -> None:
+    known = {s.prom for s in SPECS}
+    for uid, title, expr in queries():
+        for name in metric_names(expr):
+            base = next((name[: -len(s)] for s in SUFFIXES if name.endswith(s) and name[: -len(s)] in known), name)
+            assert base in known, f"{uid} / {title}: {name} is not a gradloc metric"
+
+
+def test_every_query_parses_with_promtool(tmp_path: Path) -> None:
+    exprs = [e for _, _, e in queries()]
+    path = tmp_path / "queries.yml"
+    path.write_text(json.dumps(as_rule_file(exprs)))  # JSON is YAML
+    res = subprocess.run([_promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in res.stdout
+
+
+def test_rules_check_and_unit_tests_pass(tmp_path: Path) -> None:
+    rules = tmp_path / "gradloc-rules.yml"
+    rules.write_text(rules_text())
+    res = subprocess.run([_promtool(), "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    test = tmp_path / "rules_test.yml"
+    test.write_text((HERE / "rules_test.yml").read_text())
+    res = subprocess.run([_promtool(), "test", "rules", str(test)], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SUCCESS" in res.stdout
+
+
+def test_a_wrong_expectation_fails_promtool(tmp_path: Path) -> None:
+    """The rule tests can fail: the same file with one expected alert removed is refused."""
+    (tmp_path / "gradloc-rules.yml").write_text(rules_text())
+    text = (HERE / "rules_test.yml").read_text().replace("alertname: GradlocNonfiniteGradients",
+                                                         "alertname: GradlocNonfiniteGradientsX")
+    (tmp_path / "rules_test.yml").write_text(text)
+    res = subprocess.run([_promtool(), "test", "rules", "rules_test.yml"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert res.returncode == 1 and "FAILED" in res.stdout + res.stderr
+
+
+def test_provision_and_export_cli(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["grafana", "provision", str(tmp_path), "--prometheus-url", "http://prom:9090",
+                                    "--agent-url", "http://agent:9917"])
+    assert res.exit_code == 0, res.output
+    dashes = sorted((tmp_path / "dashboards").glob("*.json"))
+    assert len(dashes) == 5
+    for path in dashes:
+        dash = json.loads(path.read_text())
+        agent = next(v for v in dash["templating"]["list"] if v["name"] == "agent_url")
+        assert agent["query"] == "http://agent:9917"
+    ds = (tmp_path / "provisioning/datasources/gradloc.yaml").read_text()
+    assert ds.startswith("apiVersion: 1\n") and '"http://prom:9090"' in ds and "type: prometheus" in ds
+    assert (tmp_path / "provisioning/dashboards/gradloc.yaml").read_text().startswith("apiVersion: 1\n")
+    assert (tmp_path / "prometheus/gradloc-rules.yml").read_text() == rules_text()
+    out = CliRunner().invoke(main, ["grafana", "export", "layers"])
+    assert out.exit_code == 0 and json.loads(out.output)["uid"] == "gradloc-layers"
+    bad = CliRunner().invoke(main, ["grafana", "export", "nope"])
+    assert bad.exit_code == 2
