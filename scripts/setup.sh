@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 
 # Debian packages the integration tests use. Only the binaries are used; no service is started.
 #   prometheus: Prometheus 2.42 and promtool (real scrapes, rule checks)
+#   chromium: the incident page's browser test (driven by Playwright; /usr/lib/chromium/chromium)
 apt_packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || apt_packages+=(prometheus)
+[ -x /usr/lib/chromium/chromium ] || apt_packages+=(chromium)
 if [ ${#apt_packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
   if [ "$SUDO" != none ] && command -v apt-get >/dev/null; then

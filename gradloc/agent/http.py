@@ -1,4 +1,5 @@
-"""The agent's HTTP side: ``/metrics``, ``/healthz``, ``/api/incidents`` and ``/api/incidents/<id>``.
+"""The agent's HTTP side: ``/metrics``, ``/healthz``, ``/api/incidents`` and ``/api/incidents/<id>``,
+and the incident pages ``/incidents`` and ``/incidents/<id>`` (HTML, gradloc/agent/incident_page.py).
 
 A standard-library threading HTTP server (one thread per request, so a slow scrape never holds up
 the API). Binds 127.0.0.1 unless told otherwise: incidents carry training text.
@@ -16,14 +17,17 @@ from urllib.parse import parse_qs, urlsplit
 
 from gradloc.agent.core import AgentCore
 from gradloc.agent.escape import json_text
+from gradloc.agent.incident_page import incident_html, index_html
 from gradloc.agent.security import Security
 from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.records import to_dict
+from gradloc.reports import CorrelatedIncident
 from gradloc.store.incident_json import correlated_to_dict
 from gradloc.store.rows import IncidentRow
 
 log = logging.getLogger(__name__)
+CSP = "default-src 'none'; style-src 'unsafe-inline'"  # the pages need nothing else: no script runs
 
 
 def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -65,6 +69,12 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, body, ctype)
             if url.path == "/healthz":
                 return self._json(200, self.server.health())
+            if url.path.rstrip("/") == "/incidents":
+                return self._html(200, index_html(self.server.incident_rows(parse_qs(url.query))))
+            if url.path.startswith("/incidents/"):
+                inc = self.server.incident(url.path.rsplit("/", 1)[1])
+                return self._html(200, incident_html(inc)) if inc is not None else \
+                    self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such incident</h1>"))
             if url.path.rstrip("/") == "/api/incidents":
                 return self._json(200, self.server.list_incidents(parse_qs(url.query)))
             if url.path.startswith("/api/incidents/"):
@@ -76,6 +86,10 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:  # noqa: BLE001 - a request never takes the server down
             log.exception("gradloc agent: %s failed", url.path)
             self._json(500, {"error": "internal error (see the agent's log)"})
+
+    def _html(self, code: int, page: str) -> None:
+        self._send(code, page.encode(), "text/html; charset=utf-8", {"Content-Security-Policy": CSP,
+                                                                       "X-Content-Type-Options": "nosniff"})
 
     def _authorized(self, path: str) -> bool:
         sec = self.server.security
@@ -123,22 +137,26 @@ class _Server(ThreadingHTTPServer):
                 "pending_incidents": self.core.correlator.pending, "queued": self.core.queued,
                 "store": self.core.store is not None}
 
-    def list_incidents(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
+    def incident_rows(self, query: dict[str, list[str]]) -> list[IncidentRow]:
         job = query.get("job", [None])[-1]
         limit = _int(query, "limit", 50)
         since = _float(query, "since", None)
         if self.core.store is not None:
-            rows = self.core.store.list_incidents(job=job, limit=limit, since_unix=since)
-            return [to_dict(r) for r in rows]
+            return self.core.store.list_incidents(job=job, limit=limit, since_unix=since)
         recent = [i for i in reversed(self.core.recent)
                   if (job is None or i.job == job) and (since is None or i.time_unix >= since)]
-        return [to_dict(IncidentRow.of(i)) for i in recent[:limit]]
+        return [IncidentRow.of(i) for i in recent[:limit]]
+
+    def list_incidents(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
+        return [to_dict(r) for r in self.incident_rows(query)]
+
+    def incident(self, incident_id: str) -> CorrelatedIncident | None:
+        if self.core.store is not None:
+            return self.core.store.get_incident(incident_id)
+        return next((i for i in self.core.recent if i.incident_id.startswith(incident_id)), None)
 
     def get_incident(self, incident_id: str) -> dict[str, Any] | None:
-        if self.core.store is not None:
-            inc = self.core.store.get_incident(incident_id)
-        else:
-            inc = next((i for i in self.core.recent if i.incident_id.startswith(incident_id)), None)
+        inc = self.incident(incident_id)
         return None if inc is None else correlated_to_dict(inc)
 
 

@@ -116,7 +116,9 @@ def list_cmd(db: Path | None, as_json: bool, job: str | None, limit: int, since:
 @_db_option
 @_json_option
 @click.option("--color/--no-color", default=None, help="Highlight culprit tokens [default: when stdout is a terminal].")
-def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | None) -> None:
+@click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the incident page (one self-contained HTML file) here.")
+def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | None, html_file: Path | None) -> None:
     """One incident (full id or a unique prefix): ranks, shares, culprit spans, each rank's finding."""
     from gradloc.agent.render_correlated import correlated_text
     from gradloc.store import correlated_to_dict
@@ -125,6 +127,11 @@ def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | Non
         inc = store.get_incident(incident_id)
         if inc is None:
             raise click.ClickException(f"no incident {incident_id.strip()!r} in {store.path}")
+    if html_file is not None:
+        from gradloc.agent.incident_page import incident_html
+
+        html_file.write_text(incident_html(inc), encoding="utf-8")
+        click.echo(f"wrote {html_file}", err=True)
     if as_json:
         click.echo(json_text(correlated_to_dict(inc)))
         return
