@@ -85,16 +85,8 @@ class LayerStatsCollector:
     """
 
     def __init__(self, model: nn.Module, grouping: LayerGrouping) -> None:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        groups = [group_name(n, grouping) for n in self.names]
-        self.layers: list[str] = list(dict.fromkeys(groups))
-        index = {g: i for i, g in enumerate(self.layers)}
-        self.group_of = [index[g] for g in groups]
-        self.numel = [0] * len(self.layers)
-        for p, g in zip(self.params, self.group_of):
-            self.numel[g] += p.numel()
+        g = ParamGroups.of(model, grouping)
+        self.names, self.params, self.layers, self.group_of, self.numel = g.names, g.params, g.layers, g.group_of, g.numel
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # FSDP2: parameters and gradients are DTensors; statistics are of this rank's shards, summed
         # over ranks by one collective per step (adapters/dist_step.py)
@@ -203,6 +195,30 @@ class LayerStatsCollector:
             out.append(LayerStats(name, float(grad_sq) ** 0.5, float(gmax), nonfinite[i] if nonfinite else 0,
                                   float(psq) ** 0.5, self.numel[i]))
         return tuple(out)
+
+
+@dataclass(frozen=True)
+class ParamGroups:
+    """A model's trainable parameters and the layer group of each (the reporting unit of every statistic)."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    layers: list[str]  # group names, first-seen order
+    group_of: list[int]  # parameter i -> its layer's index
+    numel: list[int]  # elements per layer (DeepSpeed ZeRO-3: ``ds_numel``, the parameters being (0,) outside forward)
+
+    @staticmethod
+    def of(model: nn.Module, grouping: LayerGrouping) -> "ParamGroups":
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        names = [n for n, _ in named]
+        groups = [group_name(n, grouping) for n in names]
+        layers = list(dict.fromkeys(groups))
+        index = {g: i for i, g in enumerate(layers)}
+        group_of = [index[g] for g in groups]
+        numel = [0] * len(layers)
+        for (_, p), g in zip(named, group_of):
+            numel[g] += int(getattr(p, "ds_numel", p.numel()))
+        return ParamGroups(names, [p for _, p in named], layers, group_of, numel)
 
 
 def module_layer_map(model: nn.Module, grouping: LayerGrouping) -> dict[str, str]:

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from gradloc.collector.layer_stats import foreach_norms, group_name, max_abs
+from gradloc.collector.layer_stats import ParamGroups, foreach_norms, max_abs
 from gradloc.config import LayerGrouping
 from gradloc.errors import UnsupportedModelError
 from gradloc.records import LayerStats
@@ -56,18 +56,10 @@ class DeepSpeedGradAccess:
     def __init__(self, engine: Any, grouping: LayerGrouping = "module") -> None:
         _check_engine(engine)
         self.engine = engine
-        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        if not named:
+        g = ParamGroups.of(engine.module, grouping)
+        if not g.params:
             raise UnsupportedModelError("the DeepSpeed engine's module has no trainable parameters")
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        groups = [group_name(n, grouping) for n in self.names]
-        self.layers: list[str] = list(dict.fromkeys(groups))
-        index = {g: i for i, g in enumerate(self.layers)}
-        self.group_of = [index[g] for g in groups]
-        self.numel = [0] * len(self.layers)
-        for p, g in zip(self.params, self.group_of):
-            self.numel[g] += int(getattr(p, "ds_numel", p.numel()))
+        self.names, self.params, self.layers, self.group_of, self.numel = g.names, g.params, g.layers, g.group_of, g.numel
         self.mode = _mode(engine, self.names, self.params)
         self.process_group, self.world = _process_group(self.mode, self.params)
         first = self.params[0]

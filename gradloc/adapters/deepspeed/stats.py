@@ -37,7 +37,6 @@ class DeepSpeedLayerStats(LayerStatsCollector):
             self.access.comm = comm
         if self.access.layers != self.layers:  # both group engine.module's parameters: never expected
             raise AssertionError("DeepSpeed layer names differ from the module's")
-        self.numel = list(self.access.numel)  # ZeRO-3: ds_numel (the parameters are (0,) outside forward)
         self.device = self.access.device
         self.sharded = False  # the access combined the partitions: the pack is the job's already
         self._uncovered = [False] * len(self.params)
