@@ -92,7 +92,11 @@ class AgentCore:
         self._steps: list[StepSummary] = []
         self._thread: threading.Thread | None = None
         self._next_retention = 0.0
-        self._inbox_keys: dict[str, tuple[str, int, int]] = {}  # rank incident id -> its inbox row (worker only)
+        # (job, step, rank) -> the inbox rows of the incidents fed to the correlator for it since its last
+        # close (worker only). The correlator keeps one incident per rank and step (a later one replaces
+        # an earlier); the replaced one's row is settled with the incident that replaced it, or every
+        # restart would correlate it again and store it once more.
+        self._inbox_keys: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}
         self.inbox_owner = inbox_owner  # whose open inbox rows start() correlates again (gradloc/store/inbox.py)
 
     # -- producers ---------------------------------------------------------------------------
@@ -209,8 +213,9 @@ class AgentCore:
         elif isinstance(item, Incident):
             self.correlator.on_incident(item)
         elif isinstance(item, Journaled):
-            self._inbox_keys[item.incident.incident_id] = item.key
-            self.correlator.on_incident(item.incident)
+            inc = item.incident
+            self._inbox_keys.setdefault((inc.job, inc.step, inc.rank), []).append(item.key)
+            self.correlator.on_incident(inc)
         elif isinstance(item, Declare):
             self.correlator.declare(item.job, item.rank, item.world_size)
         elif isinstance(item, DropReport):
@@ -240,7 +245,7 @@ class AgentCore:
         self.recent.append(inc)
         self.state.observe_incident(inc)
         if self.store is not None:
-            keys = [self._inbox_keys.pop(f.incident_id) for f in inc.findings if f.incident_id in self._inbox_keys]
+            keys = [k for f in inc.findings for k in self._inbox_keys.pop((f.job, f.step, f.rank), ())]
             self._guard("store", self._put_incident, inc, keys)
         for exp in self.exporters:
             self._guard("exporter", exp.on_incident, inc)

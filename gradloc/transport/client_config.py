@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from gradloc.errors import ConfigError
+from gradloc.transport.validate import MAX_WORLD_SIZE
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class ClientConfig:
         checks = [
             (bool(self.address) and ":" in self.address, f"address must be host:port, got {self.address!r}"),
             (bool(self.job), "job must be a non-empty string"),
-            (self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"),
+            (1 <= self.world_size <= MAX_WORLD_SIZE,
+             f"world_size must be in 1..{MAX_WORLD_SIZE} (what the daemon accepts), got {self.world_size}"),
             (0 <= self.rank < self.world_size, f"rank must be in [0, world_size={self.world_size}), got {self.rank}"),
             (self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}"),
             (self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}"),

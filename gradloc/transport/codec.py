@@ -126,6 +126,8 @@ class BatchDecoder:
             raise v.reject("schema_version", f"schema_version {msg.schema_version} is not supported; this daemon "
                                              f"speaks {list(SUPPORTED_SCHEMA_VERSIONS)}")
         client = _client(msg)
+        if msg.sequence > v.MAX_INT64:  # the store keys its inbox by it (SQLite INTEGER: 64-bit signed)
+            raise v.reject("invalid_value", f"sequence is {msg.sequence} (must be < 2**63)")
         new = _tables(msg)
         ids = {m.layer_table_id for m in msg.steps}
         known = {**self.cache.lookup(ids - new.keys()), **new}
@@ -142,8 +144,8 @@ def _client(msg: pb.IngestBatch) -> ClientInfo:
     if not msg.HasField("client"):
         raise v.reject("invalid_value", "client is missing")
     c = msg.client
-    if c.world_size < 1:
-        raise v.reject("invalid_value", f"client.world_size is {c.world_size} (must be >= 1)")
+    if not 1 <= c.world_size <= v.MAX_WORLD_SIZE:
+        raise v.reject("invalid_value", f"client.world_size is {c.world_size} (must be in 1..{v.MAX_WORLD_SIZE})")
     return ClientInfo(v.text(c.job, "client.job", required=True), v.rank(c.rank, c.world_size, "client.rank"),
                       c.world_size, v.text(c.client_id, "client.client_id", required=True),
                       v.text(c.hostname, "client.hostname"), v.count(c.pid, "client.pid"),

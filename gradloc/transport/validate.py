@@ -22,6 +22,11 @@ REASONS = frozenset({"malformed", "oversized", "schema_version", "nonfinite", "l
 MAX_LAYERS = 65_536  # layer groups per table
 MAX_NAME = 1_024  # characters in an identifier: job, layer, kind, sample id, hostname …
 MAX_TEXT = 65_536  # characters in free text: decoded token text, notes, details
+# Ranks in a job. The correlator expects range(world_size) for every incident of the job and lists
+# the missing ones in it, so an unbounded world size (any int64 passed before) made the daemon's
+# worker allocate without bound (MemoryError, or the host's memory) and lose the job's incidents.
+MAX_WORLD_SIZE = 65_536
+MAX_INT64 = 2**63 - 1  # uint64 wire fields stored in SQLite INTEGER columns (the batch sequence)
 
 
 class RejectedBatch(ValueError):

@@ -55,7 +55,7 @@ class Blocker:
 
 
 # -- config --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw", [dict(job=""), dict(rank=4), dict(rank=-1), dict(world_size=0), dict(queue_size=0),
+@pytest.mark.parametrize("kw", [dict(job=""), dict(rank=4), dict(rank=-1), dict(world_size=0), dict(world_size=65_537), dict(queue_size=0),
                                 dict(max_batch=0), dict(flush_interval_s=0), dict(timeout_s=-1),
                                 dict(backoff_initial_s=2.0, backoff_max_s=1.0), dict(address="nohostport")])
 def test_config_is_validated_on_construction(kw):

@@ -241,6 +241,10 @@ STRUCTURE = [  # (what, batch bytes, reason, words in the message)
     ("negative sample index", lambda: to_bytes([], [incident(localization=replace(
         incident().localization, samples=(SampleShare(0, -1, 0.5),)))]), "invalid_value",
      "incidents[0].localization.samples[0].sample is -1"),
+    ("huge world size", lambda: to_bytes([step()], client=client_info(world_size=2**62)), "invalid_value",
+     f"client.world_size is {2**62} (must be in 1..65536)"),
+    ("sequence beyond int64", lambda: _edit(lambda m: setattr(m, "sequence", 2**64 - 1)), "invalid_value",
+     f"sequence is {2**64 - 1} (must be < 2**63)"),
     ("infinite remedy norm", lambda: to_bytes([], [incident(remedy=Remedy("drop_culprits", True, INF))]),
      "nonfinite", "incidents[0].remedy.norm_before"),
 ]
@@ -250,6 +254,16 @@ STRUCTURE = [  # (what, batch bytes, reason, words in the message)
 def test_structural_errors_are_rejected_with_a_message_naming_the_field(what, make, reason, words):
     err = rejected(make())
     assert (err.reason, words in err.message) == (reason, True), err.message
+
+
+def test_largest_world_size_and_sequence_are_accepted():
+    """The bounds found by the daemon fuzz (tests/reliability/test_fuzz.py): a larger world size made
+    the correlator allocate range(world_size) per incident (MemoryError), a sequence >= 2**63 did not
+    fit the inbox's SQLite INTEGER key (OverflowError -> INTERNAL). The bounds themselves pass."""
+    msg, _ = encode([step(rank=65_535)], [incident(rank=65_535)], client=client_info(world_size=65_536, rank=0))
+    msg.sequence = 2**63 - 1
+    got = decode(msg.SerializeToString())
+    assert (got.client.world_size, got.sequence, got.steps[0].rank) == (65_536, 2**63 - 1, 65_535)
 
 
 def test_oversized_is_checked_before_parsing():
