@@ -229,7 +229,9 @@ class AgentCore:
         now = time.monotonic()
         if self.store is not None and now >= self._next_retention and not busy:
             self._next_retention = now + self.config.retention_interval_s
-            self.store.apply_retention()
+            for rule, n in self.store.apply_retention().items():  # the store's limits, counted
+                if n:
+                    self.state.count("retention_deleted", (rule,), n)
 
     def _write_steps(self) -> None:
         steps, self._steps = self._steps, []

@@ -145,6 +145,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "Failed export attempts (otlp_metrics, otlp_traces, store)."),
     _c("export_dropped", "gradloc_export_dropped", "gradloc.export.dropped", "{item}", ("exporter",),
        "Items an exporter dropped (queue full, retries exhausted)."),
+    _c("retention_deleted", "gradloc_agent_retention_deleted", "gradloc.agent.retention_deleted", "{row}", ("rule",),
+       "Store rows the retention limits deleted (incidents_by_age, incidents_by_count, steps_by_age, steps_by_count, spans, inbox)."),
     _c("series_dropped", "gradloc_agent_series_dropped", "gradloc.agent.series_dropped", "{record}", ("reason",),
        "Records whose series were not exported because a cardinality bound was hit."),
     _h("ingest_lag", "gradloc_agent_ingest_lag_seconds", "gradloc.agent.ingest_lag", "s", (),

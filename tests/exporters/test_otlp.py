@@ -87,7 +87,7 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
     with TracerProvider().get_tracer("caller").start_as_current_span("caller's own span"):
         ex.on_incident(inc)  # the incident must still be a root span with its own trace id
     for key, labels in (("records", ("step",)), ("rejected", ("malformed",)), ("duplicates", ("incident",)),
-                        ("limited", ("culprits",)),
+                        ("limited", ("culprits",)), ("retention_deleted", ("inbox",)),
                         ("export_failures", ("store",)),
                         ("export_dropped", ("store",)), ("series_dropped", ("max_layers",))):
         state.count(key, labels)

@@ -58,6 +58,7 @@ def realistic_state() -> TelemetryState:
     state.count("rejected", ("malformed",))
     state.count("duplicates", ("incident",))
     state.count("limited", ("incident_rate",))
+    state.count("retention_deleted", ("steps_by_count",), 5)
     state.set_cumulative("client_dropped", ("llm-7b", "1", "queue_full"), 3)
     state.count("export_failures", ("otlp_metrics",))
     state.set_pending(2)
