@@ -31,6 +31,7 @@ class AgentConfig:
     retention_days: float = 30.0
     retention_incidents: int = 10_000
     retention_step_rows: int = 1_000_000  # per job
+    job_retention_s: float = 3600.0  # a job (rank) silent this long has ended: its series and state are dropped
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -39,7 +40,7 @@ class AgentConfig:
             if not port.isdigit() or int(port) > 65535:
                 raise ConfigError(f"{name}: expected host:port, got {getattr(self, name)!r}")
         positive = ("otlp_interval_s", "straggler_deadline_s", "max_message_bytes", "queue_size",
-                    "retention_days", "retention_incidents", "retention_step_rows")
+                    "retention_days", "retention_incidents", "retention_step_rows", "job_retention_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -40,7 +40,7 @@ def _open_store(cfg: AgentConfig) -> Any:
 class Daemon:
     def __init__(self, config: AgentConfig) -> None:
         self.config = cfg = config
-        core_cfg = CoreConfig(queue_size=cfg.queue_size,
+        core_cfg = CoreConfig(queue_size=cfg.queue_size, job_retention_s=cfg.job_retention_s,
                               correlator=CorrelatorConfig(straggler_deadline_s=cfg.straggler_deadline_s))
         self.store = _open_store(cfg)
         self.core = AgentCore(core_cfg, self.store)

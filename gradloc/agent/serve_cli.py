@@ -35,6 +35,8 @@ _D = AgentConfig()
 @click.option("--retention-incidents", type=int, default=None, help=f"Keep at most this many incidents [{_D.retention_incidents}].")
 @click.option("--retention-step-rows", type=int, default=None,
               help=f"Keep at most this many step summaries per job [{_D.retention_step_rows}].")
+@click.option("--job-retention-s", type=float, default=None,
+              help=f"Forget a job's (rank's) series and state after this long without a record [{_D.job_retention_s}].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Once serving, write {\"ingest\": \"host:port\", \"http\": \"host:port\"} here "
