@@ -5,8 +5,6 @@ The core runs on an injected wall clock, so an hour of silence is one assignment
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -40,14 +38,10 @@ def metrics(core: AgentCore) -> str:
     return render(core.state, None)[0].decode()
 
 
-def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    """The worker forgets between items, on its own thread: wait (bounded) until it has."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+def settle(core: AgentCore) -> None:
+    """Two empty submissions, then flush: the worker forgets between items (housekeeping), so the
+    first one's housekeeping has run by the time the second is processed."""
+    assert core.submit([], timeout_s=5) and core.submit([], timeout_s=5) and core.flush(10)
 
 
 @pytest.fixture()
@@ -72,17 +66,18 @@ def test_an_ended_job_and_a_departed_rank_are_forgotten(core_and_clock) -> None:
     send(core, clock, "running", 0, 2)  # rank 1 of "running" left halfway (elastic), "ended" ended
     clock.t += RETENTION / 2 + 1
     send(core, clock, "running", 0, 3)
-    assert wait_until(lambda: 'job="ended"' not in metrics(core)), "the ended job's series are still exported"
-    assert wait_until(lambda: 'rank="1"' not in metrics(core)), "the departed rank's series are still exported"
-    assert core.flush(10)
+    settle(core)
+    text = metrics(core)
+    assert 'job="ended"' not in text, "the ended job's series are still exported"
+    assert 'rank="1"' not in text, "the departed rank's series are still exported"
     assert core.correlator.jobs == {"running"}
     assert core.activity.jobs == 1 and core.activity.ranks == 1
     text = metrics(core)
     assert 'gradloc_steps_total{job="running",rank="0"} 3.0' in text
 
     clock.t += RETENTION + 1  # then the last rank goes quiet too: the whole job goes
-    assert core.submit([], timeout_s=5)
-    assert wait_until(lambda: 'job="running"' not in metrics(core))
+    settle(core)
+    assert 'job=' not in metrics(core) and core.correlator.jobs == set()
     assert core.activity.jobs == 0 and core.activity.ranks == 0
 
 
@@ -91,8 +86,7 @@ def test_a_silent_rank_is_kept_before_the_retention(core_and_clock) -> None:
     send(core, clock, "j", 0, 1, world=1)
     clock.t += RETENTION - 1
     send(core, clock, "other", 0, 1, world=1)
-    send(core, clock, "other", 0, 2, world=1)  # housekeeping ran after the first of these
-    assert core.flush(10)
+    settle(core)
     assert 'job="j"' in metrics(core) and core.correlator.jobs == {"j", "other"} and core.activity.jobs == 2
 
 
@@ -103,8 +97,7 @@ def test_a_job_with_an_open_incident_is_kept_until_it_closes(core_and_clock) -> 
     assert core.flush(10) and core.correlator.pending == 1
     clock.t += 2 * RETENTION
     send(core, clock, "other", 0, 1, world=1)
-    send(core, clock, "other", 0, 2, world=1)
-    assert core.flush(10)
+    settle(core)
     assert core.correlator.jobs == {"j", "other"} and 'job="j"' in metrics(core)
     assert core.activity.jobs == 2  # still tracked, so it is forgotten once the incident closes
 
