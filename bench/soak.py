@@ -9,7 +9,10 @@ down and starts the next job under a new name, so jobs start and end all through
 daemon must forget the ended ones. Rank 0 of every job reports an incident every
 ``incident_every`` steps (the other ranks' step records close it as complete) and one more at the
 job's end for a step no rank records (closed as partial at the straggler deadline). The clients
-never pace on their queues: a daemon that falls behind shows up as drops.
+never pace on their queues: a daemon that falls behind shows up as drops. The ranks pace on the
+clock like trainers: a rank whose process did not get the CPU skips the steps it missed
+(``generator_skipped``) rather than sending them in a burst, so ``rate_achieved`` below ``rate``
+with few skipped steps means the daemon was slow, with many that the load generator was.
 
 Every ``sample_s`` the daemon's RSS, ``/metrics`` (series, accepted records, pending correlations,
 rejections) and ``/healthz`` (jobs and ranks tracked) are sampled. After the load, the run waits
@@ -50,6 +53,7 @@ class SoakConfig:
     job_retention_s: float = 15.0  # the daemon's --job-retention-s for the run
     straggler_deadline_s: float = 2.0
     incident_every: int = 1000  # steps of a job between two of its incidents
+    max_backlog_s: float = 0.1  # a rank's steps more than this late are skipped (counted), not sent in a burst
     sample_s: float = 10.0
     warmup_frac: float = 0.2  # RSS is compared from here on
     daemon_cpu: int = 0
@@ -80,27 +84,36 @@ def _incident(job: str, rank: int, step: int) -> Incident:
 class _Job:
     """One job of ``ranks`` AgentClients in a slot; sends on the clock, ``per_rank`` records/s each."""
 
-    def __init__(self, address: str, name: str, cfg: SoakConfig, per_rank: float, started: float, ends: float) -> None:
+    def __init__(self, address: str, name: str, cfg: SoakConfig, per_rank: float) -> None:
         from gradloc.transport.client import AgentClient
 
-        self.name, self.cfg, self.per_rank, self.started, self.ends = name, cfg, per_rank, started, ends
+        self.name, self.cfg, self.per_rank = name, cfg, per_rank
+        self.started = self.ends = 0.0  # set by the slot once the clients are up
         self.clients = [AgentClient(address, job=name, rank=r, world_size=cfg.ranks) for r in range(cfg.ranks)]
         self.base = [replace(template(cfg.layers, cfg.top_k, r), job=name) for r in range(cfg.ranks)]
-        self.sent = [0] * cfg.ranks
-        self.incidents = 0
+        self.sent = [0] * cfg.ranks  # records (= steps) sent by each rank
+        self.slots = [0] * cfg.ranks  # send slots passed (sent or skipped) of each rank
+        self.incidents = self.skipped = 0
 
     def pump(self, now: float) -> int:
-        """Send what is due by ``now``; returns how many records."""
+        """Send what is due by ``now``; returns how many records. Like a trainer, a rank that fell
+        behind (this process did not get the CPU) does not send its missed steps in a burst: beyond
+        ``max_backlog_s`` of them they are skipped, and counted."""
         due = int((now - self.started) * self.per_rank)
         n = 0
         for r, client in enumerate(self.clients):
-            while self.sent[r] < due:
+            behind = due - self.slots[r] - max(1, int(self.per_rank * self.cfg.max_backlog_s))
+            if behind > 0:
+                self.slots[r] += behind
+                self.skipped += behind
+            while self.slots[r] < due:
                 step = self.sent[r]
                 client.on_step(replace(self.base[r], step=step, time_unix=time.time()))
                 if r == 0 and step % self.cfg.incident_every == self.cfg.incident_every // 2:
                     client.on_incident(_incident(self.name, 0, step))
                     self.incidents += 1
                 self.sent[r] += 1
+                self.slots[r] += 1
                 n += 1
         return n
 
@@ -108,7 +121,7 @@ class _Job:
         """End the job: one last incident for a step no rank records (partial), then shut the clients down."""
         self.clients[0].on_incident(_incident(self.name, 0, max(self.sent) + 1))
         self.incidents += 1
-        counts: Counter[str] = Counter({"offered_steps": sum(self.sent)})
+        counts: Counter[str] = Counter({"offered_steps": sum(self.sent), "skipped_slots": self.skipped})
         for client in self.clients:
             client.shutdown(30)
             counts.update(client.counters)
@@ -128,19 +141,22 @@ def _load_proc(address: str, cfg: SoakConfig, idx: int, start: Any, out: Any, re
     counts: Counter[str] = Counter()
     gen = [0] * cfg.jobs_per_proc
 
-    def new_job(s: int, started: float, length: float) -> _Job:
-        gen[s] += 1  # the clock starts where the last job's stopped: setting a job up costs no records
-        return _Job(address, f"soak-p{idx}-s{s}-g{gen[s]}", cfg, per_rank, started, min(end, started + length))
+    def new_job(s: int, length: float) -> _Job:
+        gen[s] += 1
+        job = _Job(address, f"soak-p{idx}-s{s}-g{gen[s]}", cfg, per_rank)
+        job.started = time.monotonic()  # once its clients are up, like a trainer's first step
+        job.ends = min(end, job.started + length)
+        return job
 
     # staggered first jobs: the slots' jobs end at different times, not all at once
-    slots = [new_job(s, t0, cfg.job_s * (idx * cfg.jobs_per_proc + s + 1) / n_slots) for s in range(cfg.jobs_per_proc)]
+    slots = [new_job(s, cfg.job_s * (idx * cfg.jobs_per_proc + s + 1) / n_slots) for s in range(cfg.jobs_per_proc)]
     while True:
         now = min(time.monotonic(), end)
         for s, job in enumerate(slots):
             if now >= job.ends and job.ends < end:  # ended before the run did: the slot's next job starts
                 job.pump(job.ends)
                 counts.update(job.finish())
-                slots[s] = new_job(s, job.ends, cfg.job_s)
+                slots[s] = new_job(s, cfg.job_s)
         sent = sum(job.pump(now) for job in slots)
         if now >= end:
             break
@@ -160,6 +176,12 @@ class _Sampler:
         self.base = f"http://{addr['http']}"
         self.proc = psutil.Process(pid)
         self.samples: list[dict[str, Any]] = []
+        self.rss: list[tuple[float, float]] = []  # (t_s, MB) every second: medians over windows of them
+
+    def rss_mb(self, t: float) -> float:
+        mb = round(self.proc.memory_info().rss / 2**20, 1)
+        self.rss.append((round(t, 1), mb))
+        return mb
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.base + path, timeout=60) as resp:
@@ -172,14 +194,17 @@ class _Sampler:
         health = json.loads(self.get("/healthz"))
         lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
         row = {
-            "t_s": round(t, 1), "rss_mb": round(self.proc.memory_info().rss / 2**20, 1), "series": len(lines),
+            "t_s": round(t, 1), "rss_mb": self.rss_mb(t), "series": len(lines),
             "soak_series": sum('job="soak-' in ln for ln in lines),
             "records": int(_metric(text, "gradloc_agent_records_total", 'kind="step"')),
             "incident_records": int(_metric(text, "gradloc_agent_records_total", 'kind="incident"')),
             "pending": int(_unlabelled(text, "gradloc_agent_pending_correlations")),
             "jobs": health["jobs"], "ranks": health["ranks"], "scrape_s": round(t_scrape, 3),
-            "daemon_drops": int(sum(float(v) for v in re.findall(
-                r"^gradloc_(?:agent_rejected|export_dropped)_total\{[^}]*\} (\S+)$", text, re.M))),
+            # lost on the daemon: rejected batches and export drops; "overloaded" is backpressure (the client retries)
+            "daemon_drops": int(sum(float(v) for reason, v in re.findall(
+                r'^gradloc_(?:agent_rejected|export_dropped)_total\{\w+="(\w+)"\} (\S+)$', text, re.M)
+                if reason != "overloaded")),
+            "overloaded": int(_metric(text, "gradloc_agent_rejected_total", 'reason="overloaded"')),
         }
         self.samples.append(row)
         return row
@@ -221,7 +246,11 @@ def _soak(cfg: SoakConfig, ctx: Any, pid: int, addr: dict[str, str],
     start.set()
     n = int(cfg.duration_s // cfg.sample_s)
     for i in range(1, n + 1):
-        time.sleep(max(0.0, t0 + i * cfg.sample_s - time.monotonic()))
+        due = t0 + i * cfg.sample_s
+        while (now := time.monotonic()) < due - 1.0:
+            time.sleep(min(1.0, due - 1.0 - now))
+            sampler.rss_mb(time.monotonic() - t0)
+        time.sleep(max(0.0, due - time.monotonic()))
         row = sampler.sample(time.monotonic() - t0)
         if progress:
             progress(i - 1, n, row)
@@ -234,7 +263,7 @@ def _soak(cfg: SoakConfig, ctx: Any, pid: int, addr: dict[str, str],
     busy = (sum(sampler.proc.cpu_times()[:2]) - cpu0) / t_load
     load.append(os.getloadavg()[0])
     drained = _drain(cfg, sampler, t0, t_load, counts)
-    return _result(cfg, sampler.samples[1:n + 1], idle, drained, counts, t_load, busy, load)
+    return _result(cfg, sampler.samples[1:n + 1], sampler.rss, idle, drained, counts, t_load, busy, load)
 
 
 def _drain(cfg: SoakConfig, sampler: _Sampler, t0: float, t_load: float, counts: Counter[str]) -> dict[str, Any]:
@@ -250,35 +279,37 @@ def _drain(cfg: SoakConfig, sampler: _Sampler, t0: float, t_load: float, counts:
         time.sleep(min(1.0, cfg.job_retention_s / 4))
 
 
-def _window(rows: list[dict[str, Any]], lo: float, hi: float, key: str) -> float:
-    vals = [r[key] for r in rows if lo <= r["t_s"] <= hi]
+def _median_rss(rss: list[tuple[float, float]], lo: float, hi: float) -> float:
+    vals = [mb for t, mb in rss if lo <= t <= hi]
     return round(statistics.median(vals), 1) if vals else float("nan")
 
 
-def _result(cfg: SoakConfig, during: list[dict[str, Any]], idle: dict[str, Any], drained: dict[str, Any],
-            counts: Counter[str], t_load: float, busy: float, load: list[float]) -> dict[str, Any]:
-    """``during``: the samples taken while the load ran."""
+def _result(cfg: SoakConfig, during: list[dict[str, Any]], rss: list[tuple[float, float]], idle: dict[str, Any],
+            drained: dict[str, Any], counts: Counter[str], t_load: float, busy: float,
+            load: list[float]) -> dict[str, Any]:
+    """``during``: the full samples taken while the load ran; ``rss``: every second's RSS."""
     dur = cfg.duration_s
     warm = dur * cfg.warmup_frac
-    span = max(cfg.sample_s, 0.1 * dur)  # a window of samples, not one: RSS moves with the batches in flight
-    rss_warm = _window(during, warm, warm + span, "rss_mb")
-    rss_end = _window(during, dur - span, dur + cfg.sample_s, "rss_mb")
+    span = 0.1 * dur  # medians over a window, not one value: RSS moves with batches in flight and scrapes
+    rss_warm = _median_rss(rss, warm, warm + span)
+    rss_end = _median_rss(rss, dur - span, dur)
     client_drops = sum(counts[k] for k in DROPS)
     after = [r for r in during if r["t_s"] >= warm]
     return {
         "minutes": cfg.minutes, "target_rate": cfg.rate, "layers": cfg.layers,
         "concurrent_jobs": cfg.procs * cfg.jobs_per_proc, "ranks_per_job": cfg.ranks, "job_s": cfg.job_s,
         "job_retention_s": cfg.job_retention_s, "straggler_deadline_s": cfg.straggler_deadline_s,
-        "records_offered": counts["offered_steps"], "records_sent": counts["sent_steps"],
+        "records_offered": counts["offered_steps"], "generator_skipped": counts["skipped_slots"],
+        "records_sent": counts["sent_steps"],
         "records_accepted": drained["records"],
         "rate_achieved": round(during[-1]["records"] / during[-1]["t_s"], 1), "load_s": round(t_load, 1),
         "incidents_sent": counts["incidents"], "incident_records_accepted": drained["incident_records"],
         "jobs_run": counts["jobs"],
         "client_drops": client_drops, "client_drop_counts": {k: counts[k] for k in DROPS if counts[k]},
-        "daemon_drops": drained["daemon_drops"],
+        "daemon_drops": drained["daemon_drops"], "overloaded_answers": drained["overloaded"],
         "rss_mb_idle": idle["rss_mb"], "rss_mb_after_warmup": rss_warm, "rss_mb_end": rss_end,
         "rss_growth_pct": round(100 * (rss_end - rss_warm) / rss_warm, 1),
-        "rss_mb_max": max(r["rss_mb"] for r in during), "warmup_s": warm,
+        "rss_mb_max": max(mb for t, mb in rss if t <= dur), "rss_windows_s": [[warm, warm + span], [dur - span, dur]],
         "pending_max": max(r["pending"] for r in during), "scrape_s_max": max(r["scrape_s"] for r in during),
         "series_idle": idle["series"], "series_max": max(r["series"] for r in during),
         "series_min_after_warmup": min((r["series"] for r in after), default=None),
