@@ -1,4 +1,4 @@
-"""``python -m bench overhead|localization|agent [--json] [--quick] [...]``.
+"""``python -m bench overhead|localization|agent|soak [--json] [--quick] [...]``.
 
 ``overhead`` runs TinyGPT and an HF Llama side by side (``--model``); ``--memory``, ``--peers`` and
 ``--profile`` are its other modes.
@@ -73,7 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="client: the real AgentClient (default); raw: batches encoded up front with the real "
                          "codec and sent as fast as the daemon takes them (its capacity, not the clients')")
 
-    for p in (ov, lo, ag):
+    so = sub.add_parser("soak", help="daemon soak: jobs starting and ending at the target rate; RSS, drops, "
+                                     "series and correlator state over time")
+    so.add_argument("--minutes", type=float, default=None, help="load duration (default 10; 1/3 with --quick)")
+    so.add_argument("--rate", type=float, default=None, help="step records per second, all clients (default 5000)")
+
+    for p in (ov, lo, ag, so):
         p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
         p.add_argument("--quick", action="store_true", help="a small, fast version (smoke tests)")
         p.add_argument("--verbose", action="store_true", help="progress on stderr")
@@ -93,6 +98,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "mode": args.mode}
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
         res = run_agent_bench(cfg, _progress(args.verbose))
+        print(json.dumps(res) if args.json else format_table(res))
+        return 0
+
+    if args.name == "soak":
+        from dataclasses import replace
+
+        from bench.soak import SoakConfig, format_table, run_soak
+
+        soak = SoakConfig.quick() if args.quick else SoakConfig()
+        overrides = {"minutes": args.minutes, "rate": args.rate}
+        try:
+            soak = replace(soak, **{k: v for k, v in overrides.items() if v is not None})
+        except ValueError as e:
+            parser.error(str(e))
+        res = run_soak(soak, _progress(args.verbose))
         print(json.dumps(res) if args.json else format_table(res))
         return 0
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Self
 
 from gradloc.records import LayerShare, LayerStats, StepRecord, TokenScore, TokenStats
 
-AGENT = str(Path(sys.executable).with_name("gradloc-agent"))
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose daemon the benchmarks start
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def _raw_proc(address: str, cfg: AgentBenchConfig, rank: int, start: Any, out: A
     out.put({"send_failed": failed})
 
 
-def _off_daemon_cpu(cfg: AgentBenchConfig) -> None:
+def _off_daemon_cpu(cfg: Any) -> None:
+    """Keep this process off the daemon's core (``cfg.daemon_cpu``)."""
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {cfg.daemon_cpu})
 
@@ -142,11 +143,13 @@ def _metric(text: str, name: str, labels: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _start_daemon(tmp: Path, cpu: int) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+def _start_daemon(tmp: Path, cpu: int, *flags: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """``gradloc-agent serve`` of this checkout (PYTHONPATH), pinned to ``cpu``, store in ``tmp``."""
     ready = tmp / "ready.json"
-    cmd = [AGENT, "serve", "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(tmp / "bench.db"),
-           "--ready-file", str(ready), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stderr=open(tmp / "agent.log", "wb"),
+    cmd = [sys.executable, "-m", "gradloc.agent.cli", "serve", "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0",
+           "--db", str(tmp / "bench.db"), "--ready-file", str(ready), "--log-level", "warning", *flags]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.Popen(cmd, stderr=open(tmp / "agent.log", "wb"), env=env,
                             preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
     deadline = time.monotonic() + 60
     while not ready.exists():

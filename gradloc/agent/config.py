@@ -32,6 +32,7 @@ class AgentConfig:
     retention_days: float = 30.0
     retention_incidents: int = 10_000
     retention_step_rows: int = 1_000_000  # per job
+    job_retention_s: float = 3600.0  # a job (rank) silent this long has ended: its series and state are dropped
     log_level: str = "info"
     max_incidents_per_minute: int = 600  # per job; beyond: dropped, counted (gradloc/agent/limits.py)
     max_culprits: int = 256  # per incident; beyond: cut, counted
@@ -51,7 +52,7 @@ class AgentConfig:
                 raise ConfigError(f"{name}: expected host:port, got {getattr(self, name)!r}")
         positive = ("otlp_interval_s", "straggler_deadline_s", "max_message_bytes", "queue_size",
                     "retention_days", "retention_incidents", "retention_step_rows", "max_incidents_per_minute",
-                    "max_culprits", "max_layers", "max_series")
+                    "max_culprits", "max_layers", "max_series", "job_retention_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
+from gradloc.agent.activity import Activity
 from gradloc.errors import ConfigError
 from gradloc.exporters.state import StateConfig, TelemetryState
 from gradloc.localizer.correlator import Correlator, CorrelatorConfig
@@ -52,6 +53,9 @@ class DropReport:
     counts: tuple[tuple[str, int], ...]
 
 
+_ITEMS = (StepSummary, Incident, Journaled, Declare, DropReport)  # what submit takes (StepRecord: summarized)
+
+
 class IncidentSink(Protocol):
     def on_step(self, summary: StepSummary) -> None: ...
 
@@ -64,23 +68,27 @@ class CoreConfig:
     store_batch: int = 512  # step summaries per store transaction at most (each holds its layer columns)
     retention_interval_s: float = 300.0
     recent_incidents: int = 256  # kept in memory for the API when there is no store
+    job_retention_s: float = 3600.0  # a (job, rank) silent this long has ended: its state is forgotten
     correlator: CorrelatorConfig = field(default_factory=CorrelatorConfig)
     state: StateConfig = field(default_factory=StateConfig)
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.store_batch < 1 or self.recent_incidents < 0:
             raise ConfigError("queue_size and store_batch must be >= 1, recent_incidents >= 0")
-        if not self.retention_interval_s > 0:
-            raise ConfigError("retention_interval_s must be > 0")
+        if not self.retention_interval_s > 0 or not self.job_retention_s > 0:
+            raise ConfigError("retention_interval_s and job_retention_s must be > 0")
 
 
 class AgentCore:
     def __init__(self, config: CoreConfig | None = None, store: Any = None,
                  exporters: Iterable[Any] = (), new_trace_id: Callable[[], str] | None = None,
-                 inbox_owner: str = "daemon") -> None:
+                 inbox_owner: str = "daemon", clock: Callable[[], float] = time.time) -> None:
         from gradloc.exporters.ids import new_trace_id as default_trace_id
 
         self.config = config or CoreConfig()
+        self._clock = clock  # wall time: when items arrive, and when a silent job is forgotten
+        self.activity = Activity()
+        self._next_forget = 0.0
         self.state = TelemetryState(self.config.state)
         self.store, self.exporters = store, list(exporters)
         self.correlator = Correlator(self._on_correlated, self.config.correlator,
@@ -136,7 +144,7 @@ class AgentCore:
         with self._idle:
             self._unfinished += 1
         try:
-            entry = (time.time(), items)
+            entry = (self._clock(), items)
             self._q.put(entry, block=timeout_s is not None and timeout_s > 0, timeout=timeout_s or None)
             return True
         except queue.Full:
@@ -204,6 +212,10 @@ class AgentCore:
     def _item(self, item: Any, received: float) -> None:
         if isinstance(item, StepRecord):
             item = summarize(item)
+        if not isinstance(item, _ITEMS):
+            raise TypeError(f"unknown item {type(item).__name__}")
+        who = item.incident if isinstance(item, Journaled) else item
+        self.activity.touch(who.job, who.rank, received)
         if isinstance(item, StepSummary):
             self.state.observe_step(item, received)
             self.correlator.on_step(item)
@@ -218,20 +230,31 @@ class AgentCore:
             self.correlator.on_incident(inc)
         elif isinstance(item, Declare):
             self.correlator.declare(item.job, item.rank, item.world_size)
-        elif isinstance(item, DropReport):
+        else:  # DropReport
             for reason, n in item.counts:
                 self.state.set_cumulative("client_dropped", (item.job, str(item.rank), reason), n)
-        else:
-            raise TypeError(f"unknown item {type(item).__name__}")
 
     def _housekeeping(self, busy: bool) -> None:
         self.state.set_pending(self.correlator.poll())
+        now_unix = self._clock()
+        if now_unix >= self._next_forget:
+            self._next_forget = now_unix + min(self.config.job_retention_s / 10, 60.0)
+            self._forget(now_unix)
         now = time.monotonic()
         if self.store is not None and now >= self._next_retention and not busy:
             self._next_retention = now + self.config.retention_interval_s
             for rule, n in self.store.apply_retention().items():  # the store's limits, counted
                 if n:
                     self.state.count("retention_deleted", (rule,), n)
+
+    def _forget(self, now: float) -> None:
+        """Forget the ranks and jobs silent for ``job_retention_s`` (not while an incident is open)."""
+        ranks, jobs = self.activity.expire(now - self.config.job_retention_s, self.correlator.pending_jobs())
+        if ranks or jobs:
+            self.correlator.forget(ranks, jobs)
+            self.state.forget([(job, str(rank)) for job, rank in ranks], jobs)
+            log.debug("gradloc agent: forgot %d rank(s) and %d job(s) silent for %.0f s",
+                      len(ranks), len(jobs), self.config.job_retention_s)
 
     def _write_steps(self) -> None:
         steps, self._steps = self._steps, []

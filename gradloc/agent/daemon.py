@@ -46,8 +46,8 @@ def _grpc_address(host: str, port: int) -> str:
 class Daemon:
     def __init__(self, config: AgentConfig) -> None:
         self.config = cfg = config
-        core_cfg = CoreConfig(queue_size=cfg.queue_size, state=StateConfig(max_series=cfg.max_series,
-                                                                           max_layers=cfg.max_layers),
+        core_cfg = CoreConfig(queue_size=cfg.queue_size, job_retention_s=cfg.job_retention_s,
+                              state=StateConfig(max_series=cfg.max_series, max_layers=cfg.max_layers),
                               correlator=CorrelatorConfig(straggler_deadline_s=cfg.straggler_deadline_s))
         self.store = _open_store(cfg)
         self.core = AgentCore(core_cfg, self.store)

@@ -135,6 +135,7 @@ class _Server(ThreadingHTTPServer):
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "uptime_s": round(time.time() - self.started, 3),
                 "pending_incidents": self.core.correlator.pending, "queued": self.core.queued,
+                "jobs": self.core.activity.jobs, "ranks": self.core.activity.ranks,
                 "store": self.core.store is not None}
 
     def incident_rows(self, query: dict[str, list[str]]) -> list[IncidentRow]:

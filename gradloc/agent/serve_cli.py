@@ -48,6 +48,8 @@ _D = AgentConfig()
 @click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True), default=None,
               help="PEM certificate: TLS for gRPC ingest and HTTP (with --tls-key).")
 @click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), default=None, help="PEM private key of --tls-cert.")
+@click.option("--job-retention-s", type=float, default=None,
+              help=f"Forget a job's (rank's) series and state after this long without a record [{_D.job_retention_s}].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Once serving, write {\"ingest\": \"host:port\", \"http\": \"host:port\"} here "

@@ -7,7 +7,8 @@ of rendering 256 layers × N ranks is paid once per scrape, not once per record.
 Cardinality is bounded: at most ``max_series`` (job, rank) pairs and ``max_layers`` layer labels
 per rank; records beyond a bound still count in the counters but their series are dropped and
 counted (``gradloc_agent_series_dropped_total``). Ranks silent for ``stale_after_s`` leave the
-gauges (a finished job must not report its last norm forever); counters stay.
+gauges (a finished job must not report its last norm forever); counters stay until the agent
+forgets the rank or its job (:meth:`TelemetryState.forget`, after the agent's ``job_retention_s``).
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from gradloc.errors import ConfigError
-from gradloc.exporters.metric_specs import BY_KEY, MetricSpec
+from gradloc.exporters.metric_specs import BY_KEY, SPECS, MetricSpec
 from gradloc.records import SHED_FEATURES
 from gradloc.reports import CorrelatedIncident, StepSummary
 
@@ -131,6 +132,11 @@ class RankPoint:
     def own(self) -> bool:
         """Whether the rank's own series (shed, RL ratios) come from this point."""
         return self.scope != "job"
+
+
+# The keys whose series belong to one job (first label ``job``), and to one rank of it (``job``, ``rank``).
+JOB_KEYS = frozenset(s.key for s in SPECS if s.labels[:1] == ("job",))
+RANK_KEYS = frozenset(s.key for s in SPECS if s.labels[:2] == ("job", "rank"))
 
 
 def norm_hist_labels(s: StepSummary) -> Labels | None:
@@ -311,6 +317,32 @@ class TelemetryState:
         if h is None:
             h = self._hists[(key, labels)] = _Hist(BY_KEY[key].buckets)
         return h
+
+    def forget(self, ranks: Iterable[tuple[str, str]] = (), jobs: Iterable[str] = ()) -> int:
+        """Drop every series of these (job, rank label) pairs and of these whole jobs: gauges,
+        counters, histograms and their exemplars. For ranks and jobs that ended (the agent calls it
+        after ``job_retention_s`` of silence); a rank that comes back starts its counters from 0,
+        which Prometheus reads as a counter reset. Returns how many counters and histograms went."""
+        ranks, jobs = set(ranks), set(jobs)
+        if not ranks and not jobs:
+            return 0
+
+        def gone(key: str, labels: Labels) -> bool:
+            base = key.partition("#")[0]  # "client_dropped#last" is client_dropped's bookkeeping
+            if base in JOB_KEYS and labels[0] in jobs:
+                return True
+            return base in RANK_KEYS and (labels[0], labels[1]) in ranks
+
+        n = 0
+        with self._lock:
+            for d in (self._counters, self._hists, self._exemplars):
+                doomed = [k for k in d if gone(*k)]
+                for k in doomed:
+                    del d[k]
+                n += len(doomed) if d is not self._exemplars else 0
+            for k in [k for k in self._ranks if k in ranks or k[0] in jobs]:
+                del self._ranks[k]
+        return n
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.config.stale_after_s

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from gradloc.errors import ConfigError
 from gradloc.localizer.merge import RankView, merge_incident
@@ -67,6 +67,11 @@ class Correlator:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def jobs(self) -> set[str]:
+        """The jobs anything is kept for (world size, ranks seen, recent steps)."""
+        return set(self._world) | set(self._seen) | {job for job, _ in self._recent}
+
     def declare(self, job: str, rank: int, world_size: int) -> None:
         """A client said which job/rank it is and how many ranks the job has."""
         self._world[job] = max(self._world.get(job, 0), world_size)
@@ -97,6 +102,26 @@ class Correlator:
         for key in [k for k, p in self._pending.items() if p.deadline <= now]:
             self._close(key, "")
         return len(self._pending)
+
+    def pending_jobs(self) -> set[str]:
+        """The jobs with an incident still open (their state must not be forgotten yet)."""
+        return {p.job for p in self._pending.values()}
+
+    def forget(self, ranks: Iterable[tuple[str, int]] = (), jobs: Iterable[str] = ()) -> None:
+        """Drop what is kept for these (job, rank) pairs and whole jobs: they ended (the agent's
+        ``job_retention_s``). A job with an open incident keeps everything until it closes."""
+        busy = self.pending_jobs()
+        for job, rank in ranks:
+            if job not in busy:
+                self._recent.pop((job, rank), None)
+                self._seen.get(job, set()).discard(rank)
+        gone = set(jobs) - busy
+        if gone:
+            for job in gone:
+                self._world.pop(job, None)
+                self._seen.pop(job, None)
+            for key in [k for k in self._recent if k[0] in gone]:
+                del self._recent[key]
 
     def close_all(self, note: str = "the agent shut down before every rank reported") -> None:
         for key in list(self._pending):

@@ -138,3 +138,20 @@ def test_human_table(name):
                           check=False, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "gradloc" in proc.stdout or "per_token" in proc.stdout
+
+
+def test_soak_quick_json():
+    """20 s of jobs starting and ending against a real daemon (retention 2 s): nothing dropped, every
+    record accepted, and the ended jobs forgotten — during the run (fewer ranks tracked than ever
+    ran) and after it (none of the soak's series left on /metrics, no job or rank tracked)."""
+    res = run_bench("soak", "--quick", "--json", timeout=240)
+    assert res["client_drops"] == 0 and res["daemon_drops"] == 0, res["client_drop_counts"]
+    assert res["records_sent"] == res["records_offered"] > 0
+    assert res["records_accepted"] >= res["records_sent"]  # more only if a batch was re-sent after a lost reply
+    assert res["incident_records_accepted"] >= res["incidents_sent"] > 0
+    assert res["jobs_run"] > res["concurrent_jobs"]  # jobs ended and were replaced during the run
+    assert res["ranks_tracked_max"] < res["jobs_run"] * res["ranks_per_job"]  # ended jobs forgotten while it ran
+    assert res["drained"] and res["soak_series_after_drain"] == 0 and res["jobs_tracked_after_drain"] == 0
+    assert res["series_max"] > 10 * res["series_after_drain"]  # the per-job series were there, then went
+    assert 0 < res["rss_mb_after_warmup"] and 0 < res["rss_mb_end"]
+    assert len(res["timeline"]) == 20

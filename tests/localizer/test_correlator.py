@@ -172,3 +172,40 @@ def test_a_job_scope_finding_heard_by_one_rank_only_closes_at_once_without_rank_
     c.on_incident(finding("j", 0, 5))
     c.on_step(summary("j", 0, 5))
     assert len(out) == 1 and c.pending == 1
+
+
+def test_forgotten_ranks_and_jobs_leave_nothing_behind() -> None:
+    """What the agent calls for ranks and jobs silent for ``job_retention_s``."""
+    c, out, _ = make()
+    for job in ("ended", "running"):
+        for r in range(3):
+            c.declare(job, r, 3)
+            c.on_step(summary(job, r, 1))
+    c.forget(ranks=[("running", 2)])
+    assert ("running", 2) not in c._recent and c._seen["running"] == {0, 1}
+    assert c._world["running"] == 3  # its declared world still names rank 2 as expected
+    c.forget(jobs=["ended"])
+    assert c.jobs == {"running"} and not [k for k in c._recent if k[0] == "ended"]
+    # a job that comes back (a restart under the same name) starts afresh and still correlates
+    c.declare("ended", 0, 1)
+    c.on_incident(finding("ended", 0, 2))
+    c.on_step(summary("ended", 0, 2))
+    assert [(i.job, i.status, i.ranks_expected) for i in out] == [("ended", "complete", (0,))]
+
+
+def test_a_job_with_an_open_incident_is_not_forgotten() -> None:
+    c, out, clock = make(deadline=5.0)
+    for r in range(2):
+        c.declare("j", r, 2)
+    c.on_step(summary("j", 0, 3))
+    c.on_incident(finding("j", 0, 3))
+    assert c.pending_jobs() == {"j"}
+    c.forget(ranks=[("j", 0)], jobs=["j"])
+    assert c.jobs == {"j"} and 3 in c._recent[("j", 0)]
+    clock.t += 5.1
+    c.poll()
+    (inc,) = out  # closed with rank 0's step record, which forgetting would have lost
+    assert inc.ranks_reported == (0,) and inc.ranks_missing == (1,)
+    assert c.pending_jobs() == set()
+    c.forget(jobs=["j"])
+    assert c.jobs == set()
