@@ -37,8 +37,8 @@ def test_an_incident_replaced_in_the_correlator_has_its_inbox_row_settled(tmp_pa
     db = tmp_path / "agent.db"
     first, again = _inc(0, 1200, "a" * 32), _inc(0, 1200, "b" * 32)  # the same rank and step, reported twice
     with IncidentStore(db) as store:
-        assert store.inbox_put("c1", 1, WHO, [incident_to_json(first), incident_to_json(again)]) == [0, 1]
-        assert store.inbox_put("c1", 2, WHO, [incident_to_json(first)]) == [0]  # re-sent under a new sequence
+        assert store.inbox_put("c1", 1, WHO, [(0, incident_to_json(first)), (1, incident_to_json(again))]) == [0, 1]
+        assert store.inbox_put("c1", 2, WHO, [(0, incident_to_json(first))]) == [0]  # re-sent under a new sequence
     _run_core(db, [Journaled(first, ("c1", 1, 0)), Journaled(again, ("c1", 1, 1)), Journaled(first, ("c1", 2, 0))])
     assert _stored(db) == ["a" * 32]  # the correlator keeps the rank's latest incident (first, re-sent), once
     with IncidentStore(db) as store:
@@ -51,7 +51,7 @@ def test_incidents_of_other_ranks_and_steps_keep_their_own_rows(tmp_path: Path) 
     db = tmp_path / "agent.db"
     ours, other_rank, later = _inc(0, 1200, "a" * 32), _inc(1, 1200, "b" * 32), _inc(0, 1300, "c" * 32)
     with IncidentStore(db) as store:
-        store.inbox_put("c1", 1, WHO, [incident_to_json(i) for i in (ours, other_rank, later)])
+        store.inbox_put("c1", 1, WHO, list(enumerate(incident_to_json(i) for i in (ours, other_rank, later))))
     _run_core(db, [Journaled(i, ("c1", 1, k)) for k, i in enumerate((ours, other_rank, later))])
     assert sorted(_stored(db)) == ["a" * 32, "b" * 32, "c" * 32]
     with IncidentStore(db) as store:
