@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, replace
 from typing import Union
 
+from gradloc.transport.codec import _varint  # the encoder's own
+
 Value = Union[int, bytes, list["Field"]]
 
 
@@ -24,13 +26,8 @@ class Field:
 
 
 def varint(n: int) -> bytes:
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
+    """The protobuf varint of ``n`` as uint64 (a negative int64 wraps, as protobuf encodes it)."""
+    return _varint(n & ((1 << 64) - 1))
 
 
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
