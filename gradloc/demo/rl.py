@@ -35,7 +35,7 @@ from gradloc.config import DetectorConfig, WatchConfig
 from gradloc.demo.arith import MAX_ANSWER, PAD, PROMPT_TOKENS, VOCAB, problems, to_text
 from gradloc.demo.model import GPTConfig, TinyGPT
 from gradloc.demo.rl_parts import Part, grpo_advantages, make_parts, plant_mismatch, warm_start
-from gradloc.demo.run import DemoResult, Planted, torch_threads
+from gradloc.demo.run import DemoResult, Planted, store_path, torch_threads
 from gradloc.demo.sampler import sample
 from gradloc.errors import ConfigError
 from gradloc.records import StepRecord
@@ -134,7 +134,7 @@ def _run(cfg: RLDemoConfig, on_step: Callable[[int, StepRecord], None] | None) -
             records.append(report.record)
             if on_step is not None:
                 on_step(step, report.record)
-    store = next((getattr(s, "store_path", None) for s in mon.sinks if getattr(s, "store_path", None)), None)
+    store = store_path(mon)
     return RLDemoResult(planted, list(mon.incidents), records, to_text, store, rewards)
 
 

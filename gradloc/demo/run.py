@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -178,8 +178,13 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
             records.append(report.record)
             if on_step is not None:
                 on_step(step, report.record)
-    store = next((getattr(s, "store_path", None) for s in mon.sinks if getattr(s, "store_path", None)), None)
+    store = store_path(mon)
     return DemoResult(planted, list(mon.incidents), records, corpus.to_text, store)
+
+
+def store_path(mon: Any) -> str | None:
+    """Where the monitor's embedded agent stores incidents (None without one)."""
+    return next((getattr(s, "store_path", None) for s in mon.sinks if getattr(s, "store_path", None)), None)
 
 
 def _plant(cfg: DemoConfig, model: nn.Module, batches: list, weights: torch.Tensor,

@@ -56,3 +56,13 @@ def describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor {tuple(x.shape)}" + (" (nested)" if x.is_nested else "")
     return type(x).__name__
+
+
+def micro_batch_kwargs(batch: Any) -> dict[str, Any]:
+    """``mon.micro_batch(**...)`` arguments of a framework batch (verl's or OpenRLHF's layout): ids, loss
+    mask, sample ids and infos, and ``cu_seqlens`` when the rows are packed."""
+    kw = {"token_ids": batch.token_ids, "loss_mask": batch.loss_mask, "sample_ids": batch.sample_ids,
+          "sample_infos": batch.infos}
+    if batch.packed:
+        kw["cu_seqlens"] = batch.cu_seqlens
+    return kw

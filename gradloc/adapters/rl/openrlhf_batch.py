@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from gradloc.adapters.rl.jagged import describe
+from gradloc.adapters.rl.jagged import describe, micro_batch_kwargs
 from gradloc.errors import BatchMetadataError
 from gradloc.records import SampleInfo
 
@@ -38,11 +38,7 @@ class ExperienceLayout:
 
     def micro_batch_kwargs(self) -> dict[str, Any]:
         """What ``mon.micro_batch(**...)`` takes for this experience."""
-        kw = {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "sample_ids": self.sample_ids,
-              "sample_infos": self.infos}
-        if self.packed:
-            kw["cu_seqlens"] = self.cu_seqlens
-        return kw
+        return micro_batch_kwargs(self)
 
     def to_positions(self, per_action: torch.Tensor, name: str = "field", fill: float = float("nan")) -> torch.Tensor:
         """A (B, A) per-action tensor → the layout's shape, at the positions the action mask keeps."""

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from gradloc.adapters.rl.jagged import describe, nest, non_tensor, to_rows, values_of, where_values
+from gradloc.adapters.rl.jagged import describe, micro_batch_kwargs, nest, non_tensor, to_rows, values_of, where_values
 from gradloc.errors import BatchMetadataError
 from gradloc.records import SampleInfo
 
@@ -56,11 +56,7 @@ class VerlLayout:
 
     def micro_batch_kwargs(self) -> dict[str, Any]:
         """What ``mon.micro_batch(**...)`` takes for this micro-batch."""
-        kw = {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "sample_ids": self.sample_ids,
-              "sample_infos": self.infos}
-        if self.packed:
-            kw["cu_seqlens"] = self.cu_seqlens
-        return kw
+        return micro_batch_kwargs(self)
 
     def response_token(self, sample: int, position: int) -> int | None:
         """A culprit's (sample, position within the sample) → its response token index k (None in the prompt)."""
