@@ -28,14 +28,13 @@ import statistics
 import tempfile
 import time
 import urllib.request
-import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Self
 
-from bench.agent import _metric, _off_daemon_cpu, _start_daemon, template
-from gradloc.records import CulpritSpan, Incident, Localization, SpikeEvent
+from bench.agent import _metric, _start_daemon
+from bench.soak_load import load_proc
 
 DROPS = ("queue_full", "send_failed", "encode_failed", "rejected", "after_shutdown")
 
@@ -57,12 +56,15 @@ class SoakConfig:
     sample_s: float = 10.0
     warmup_frac: float = 0.2  # RSS is compared from here on
     daemon_cpu: int = 0
+    encode: str = "replay"  # "replay": each rank's record encoded once, restamped; "client": encoded per record (bench/soak_load.py)
 
     def __post_init__(self) -> None:
         if not (self.minutes > 0 and self.rate > 0 and self.job_s > 0 and self.sample_s > 0):
             raise ValueError("minutes, rate, job_s and sample_s must be > 0")
         if min(self.procs, self.jobs_per_proc, self.ranks, self.incident_every) < 1:
             raise ValueError("procs, jobs_per_proc, ranks and incident_every must be >= 1")
+        if self.encode not in ("replay", "client"):
+            raise ValueError(f"encode must be 'replay' or 'client', got {self.encode!r}")
 
     @property
     def duration_s(self) -> float:
@@ -72,99 +74,6 @@ class SoakConfig:
     def quick(cls) -> Self:
         return cls(minutes=1 / 3, rate=400.0, layers=32, procs=2, jobs_per_proc=2, ranks=2, job_s=5.0,
                    job_retention_s=2.0, straggler_deadline_s=1.0, incident_every=100, sample_s=1.0)
-
-
-def _incident(job: str, rank: int, step: int) -> Incident:
-    spike = SpikeEvent(step, ("grad_spike",), 50.0, 12.0, 1.0, 0.3, layers=("model.layers.0.mlp.proj0",))
-    span = CulpritSpan(0, 1, 7, 9, 0.8, (42, 43), " bad", "before", "after", f"{job}-{step}")
-    loc = Localization(step, "attribution", "located", 2, 0.8, 50.0, 40.0, 10.0, (), (span,))
-    return Incident(uuid.uuid4().hex, job, rank, step, time.time(), spike, loc)
-
-
-class _Job:
-    """One job of ``ranks`` AgentClients in a slot; sends on the clock, ``per_rank`` records/s each."""
-
-    def __init__(self, address: str, name: str, cfg: SoakConfig, per_rank: float) -> None:
-        from gradloc.transport.client import AgentClient
-
-        self.name, self.cfg, self.per_rank = name, cfg, per_rank
-        self.started = self.ends = 0.0  # set by the slot once the clients are up
-        self.clients = [AgentClient(address, job=name, rank=r, world_size=cfg.ranks) for r in range(cfg.ranks)]
-        self.base = [replace(template(cfg.layers, cfg.top_k, r), job=name) for r in range(cfg.ranks)]
-        self.sent = [0] * cfg.ranks  # records (= steps) sent by each rank
-        self.slots = [0] * cfg.ranks  # send slots passed (sent or skipped) of each rank
-        self.incidents = self.skipped = 0
-
-    def pump(self, now: float) -> int:
-        """Send what is due by ``now``; returns how many records. Like a trainer, a rank that fell
-        behind (this process did not get the CPU) does not send its missed steps in a burst: beyond
-        ``max_backlog_s`` of them they are skipped, and counted."""
-        due = int((now - self.started) * self.per_rank)
-        n = 0
-        for r, client in enumerate(self.clients):
-            behind = due - self.slots[r] - max(1, int(self.per_rank * self.cfg.max_backlog_s))
-            if behind > 0:
-                self.slots[r] += behind
-                self.skipped += behind
-            while self.slots[r] < due:
-                step = self.sent[r]
-                client.on_step(replace(self.base[r], step=step, time_unix=time.time()))
-                if r == 0 and step % self.cfg.incident_every == self.cfg.incident_every // 2:
-                    client.on_incident(_incident(self.name, 0, step))
-                    self.incidents += 1
-                self.sent[r] += 1
-                self.slots[r] += 1
-                n += 1
-        return n
-
-    def finish(self) -> Counter[str]:
-        """End the job: one last incident for a step no rank records (partial), then shut the clients down."""
-        self.clients[0].on_incident(_incident(self.name, 0, max(self.sent) + 1))
-        self.incidents += 1
-        counts: Counter[str] = Counter({"offered_steps": sum(self.sent), "skipped_slots": self.skipped})
-        for client in self.clients:
-            client.shutdown(30)
-            counts.update(client.counters)
-        counts["jobs"] += 1
-        counts["incidents"] += self.incidents
-        return counts
-
-
-def _load_proc(address: str, cfg: SoakConfig, idx: int, start: Any, out: Any, ready: Any) -> None:
-    _off_daemon_cpu(cfg)
-    per_rank = cfg.rate / (cfg.procs * cfg.jobs_per_proc * cfg.ranks)
-    n_slots = cfg.procs * cfg.jobs_per_proc
-    ready.put(idx)
-    start.wait()
-    t0 = time.monotonic()
-    end = t0 + cfg.duration_s
-    counts: Counter[str] = Counter()
-    gen = [0] * cfg.jobs_per_proc
-
-    def new_job(s: int, length: float) -> _Job:
-        gen[s] += 1
-        job = _Job(address, f"soak-p{idx}-s{s}-g{gen[s]}", cfg, per_rank)
-        job.started = time.monotonic()  # once its clients are up, like a trainer's first step
-        job.ends = min(end, job.started + length)
-        return job
-
-    # staggered first jobs: the slots' jobs end at different times, not all at once
-    slots = [new_job(s, cfg.job_s * (idx * cfg.jobs_per_proc + s + 1) / n_slots) for s in range(cfg.jobs_per_proc)]
-    while True:
-        now = min(time.monotonic(), end)
-        for s, job in enumerate(slots):
-            if now >= job.ends and job.ends < end:  # ended before the run did: the slot's next job starts
-                job.pump(job.ends)
-                counts.update(job.finish())
-                slots[s] = new_job(s, cfg.job_s)
-        sent = sum(job.pump(now) for job in slots)
-        if now >= end:
-            break
-        if not sent:
-            time.sleep(0.002)
-    for job in slots:
-        counts.update(job.finish())
-    out.put(dict(counts))
 
 
 class _Sampler:
@@ -233,7 +142,7 @@ def _soak(cfg: SoakConfig, ctx: Any, pid: int, addr: dict[str, str],
           progress: Callable[[int, int, Any], None] | None) -> dict[str, Any]:
     sampler = _Sampler(addr, pid)
     start, out, ready = ctx.Event(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_load_proc, args=(addr["ingest"], cfg, i, start, out, ready))
+    procs = [ctx.Process(target=load_proc, args=(addr["ingest"], cfg, i, start, out, ready))
              for i in range(cfg.procs)]
     for p in procs:
         p.start()
@@ -296,7 +205,7 @@ def _result(cfg: SoakConfig, during: list[dict[str, Any]], rss: list[tuple[float
     client_drops = sum(counts[k] for k in DROPS)
     after = [r for r in during if r["t_s"] >= warm]
     return {
-        "minutes": cfg.minutes, "target_rate": cfg.rate, "layers": cfg.layers,
+        "minutes": cfg.minutes, "target_rate": cfg.rate, "encode": cfg.encode, "layers": cfg.layers,
         "concurrent_jobs": cfg.procs * cfg.jobs_per_proc, "ranks_per_job": cfg.ranks, "job_s": cfg.job_s,
         "job_retention_s": cfg.job_retention_s, "straggler_deadline_s": cfg.straggler_deadline_s,
         "records_offered": counts["offered_steps"], "generator_skipped": counts["skipped_slots"],

@@ -140,11 +140,14 @@ def test_human_table(name):
     assert "gradloc" in proc.stdout or "per_token" in proc.stdout
 
 
-def test_soak_quick_json():
+@pytest.mark.parametrize("encode", ["replay", "client"])
+def test_soak_quick_json(encode):
     """20 s of jobs starting and ending against a real daemon (retention 2 s): nothing dropped, every
     record accepted, and the ended jobs forgotten — during the run (fewer ranks tracked than ever
-    ran) and after it (none of the soak's series left on /metrics, no job or rank tracked)."""
-    res = run_bench("soak", "--quick", "--json", timeout=240)
+    ran) and after it (none of the soak's series left on /metrics, no job or rank tracked). Both
+    load generators: records restamped by the replay client, or each encoded by the AgentClient."""
+    res = run_bench("soak", "--quick", "--json", "--encode", encode, timeout=240)
+    assert res["encode"] == encode
     assert res["client_drops"] == 0 and res["daemon_drops"] == 0, res["client_drop_counts"]
     assert res["records_sent"] == res["records_offered"] > 0
     assert res["records_accepted"] >= res["records_sent"]  # more only if a batch was re-sent after a lost reply
