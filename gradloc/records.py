@@ -129,6 +129,10 @@ class StepRecord:
     shed: tuple[str, ...] = ()  # optional work shed to stay within WatchConfig.max_overhead
     rl: RLStats | None = None  # per-token RL fields' distributions (Monitor.rl_fields), when given
     layers_global: bool = False  # the per-layer statistics are the job's (DDP, FSDP2, ZeRO): the same on every rank
+    # the detector's healthy band this step was judged against (None during its warm-up): the EMA
+    # mean of the global norm, and the grad_spike line (mean + z_threshold * std) a norm must cross
+    norm_mean: float | None = None
+    norm_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,9 @@ class Culprit:
     rank: int | None = None  # the rank whose micro-batch holds it (an in-job incident; None: the incident's rank)
 
 
+MAX_SPAN_WINDOW = 1024  # tokens of CulpritSpan.window_* (the daemon refuses more)
+
+
 @dataclass(frozen=True)
 class CulpritSpan:
     """Adjacent culprit tokens of one sample, with decoded text and surrounding context."""
@@ -256,6 +263,12 @@ class CulpritSpan:
     sample_id: str | None = None
     sample_info: SampleInfo | None = None
     rank: int | None = None
+    # The tokens of the sample around and in the span, from position ``window_start``: each one's
+    # decoded text and its share of the step's per-token attribution score (what the incident page
+    # colours). Empty without token ids or a tokenizer.
+    window_start: int = 0
+    window_tokens: tuple[str, ...] = ()
+    window_scores: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,8 @@ class StepSummary:
     shed: tuple[str, ...] = ()
     rl: RLStats | None = None
     layers_global: bool = False  # the layer columns are the job's: exported once per job, not per rank
+    norm_mean: float | None = None  # the detector's healthy band (see StepRecord)
+    norm_threshold: float | None = None
 
 
 def summarize(record: StepRecord) -> StepSummary:
@@ -97,7 +99,7 @@ def summarize(record: StepRecord) -> StepSummary:
     return StepSummary(record.job, record.rank, record.step, record.time_unix, record.global_norm,
                        record.loss, record.micro_batches, cols, record.tokens, record.nonfinite,
                        record.grad_scale, record.skipped, record.overhead_s, record.step_s, record.overhead,
-                       record.shed, record.rl, record.layers_global)
+                       record.shed, record.rl, record.layers_global, record.norm_mean, record.norm_threshold)
 
 
 @dataclass(frozen=True)

@@ -286,8 +286,8 @@ class Monitor:
         self._emit_pending(ratios)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None)
-        self._pending = replace(assembled, record=record)
         spike = self.detector.observe(job_setup.as_judged(record, assembled.job))
+        self._pending = replace(assembled, record=replace(record, **self.detector.band(spike)))
         self.meter.end(t1)
         incident = None
         if INCIDENT.intersection(spike.kinds):

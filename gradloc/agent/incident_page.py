@@ -2,9 +2,10 @@
 it works offline and from a file), and the index of incidents.
 
 Served by the daemon and embedded mode at ``/incidents/<id>`` and ``/incidents``, written by
-``gradloc-agent incidents show ID --html FILE``. Shows each culprit sample's text with every culprit
-token coloured by its share of ‖∇‖² (the per-token values the incident carries; context tokens carry
-no score in the incident and stay uncoloured), the spans marked, the localization path, explained
+``gradloc-agent incidents show ID --html FILE``. Shows each culprit sample's text around the span with
+every token coloured by its share of the step's per-token attribution score (``CulpritSpan.window_*``;
+an incident from a client without them colours the culprit tokens by their measured share of ‖∇‖²
+and shows the context uncoloured), the culprit spans outlined, the localization path, explained
 share and probes, per-layer contribution bars, the detector's view of the norm, RL fields and the
 trace id. Every client string goes through :func:`gradloc.agent.escape.visible` then ``html.escape``.
 """
@@ -22,7 +23,7 @@ from gradloc.store.rows import IncidentRow
 _CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222}
 h1{font-size:1.4em}table{border-collapse:collapse}td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:left}
 .text{font-family:ui-monospace,monospace;white-space:pre-wrap;background:#fafafa;padding:.6em;border:1px solid #ddd}
-.tok{border-radius:2px;outline:1px solid #c0392b}.ctx{color:#777}.bar{background:#e67e22;height:.8em;display:inline-block}
+.tok{border-radius:2px;outline:1px solid #c0392b}.w{border-radius:2px}.ctx{color:#777}.bar{background:#e67e22;height:.8em;display:inline-block}
 .muted{color:#777}.kv td:first-child{color:#555}"""
 
 
@@ -86,15 +87,36 @@ def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001
     where = (f"{'rank ' + str(span.rank) + ' · ' if span.rank is not None else ''}micro-batch {span.micro_batch} · "
              f"sample {span.sample}" + (f" (id {_e(span.sample_id)})" if span.sample_id else "")
              + f" · positions {span.start}–{span.end - 1} · share {_pct(span.share)}")
-    toks = "".join(f'<span class="tok" style="background:rgba(231,76,60,{_alpha(c.share, top):.2f})" '
-                   f'title="position {c.position} · share {_pct(c.share)}">{_e(c.text)}</span>' for c in culprits)
-    text = f'<div class="text"><span class="ctx">…{_e(span.context_before)}</span>{toks}<span class="ctx">' \
-           f'{_e(span.context_after)}…</span></div>'
+    text = _window(span, culprits) if span.window_tokens else _culprits_only(span, culprits, top)
     first = culprits[0] if culprits else None
     bars = "".join(f"<tr><td>{_e(s.layer)}</td><td><span class=\"bar\" style=\"width:{max(1, round(200 * s.share))}px\">"
                    f"</span> {_pct(s.share)}</td></tr>" for s in (first.layers if first else ()))
     rl = _rl(first) if first is not None and first.rl is not None else ""
     return f"<h3>{where}</h3>{text}" + (f"<table>{bars}</table>" if bars else "") + rl
+
+
+def _culprits_only(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001 - CulpritSpan
+    toks = "".join(f'<span class="tok" style="background:rgba(231,76,60,{_alpha(c.share, top):.2f})" '
+                   f'title="position {c.position} · share {_pct(c.share)}">{_e(c.text)}</span>' for c in culprits)
+    return (f'<div class="text"><span class="ctx">…{_e(span.context_before)}</span>{toks}<span class="ctx">'
+            f'{_e(span.context_after)}…</span></div>')
+
+
+def _window(span, culprits: Sequence[Culprit]) -> str:  # noqa: ANN001 - CulpritSpan
+    """Every window token coloured by its score share (relative to the window's largest); culprits outlined."""
+    measured = {c.position: c.share for c in culprits}
+    top = max((x for x in span.window_scores if math.isfinite(x)), default=0.0)
+    out = []
+    for i, (text, score) in enumerate(zip(span.window_tokens, span.window_scores)):
+        pos = span.window_start + i
+        alpha = 0.85 * score / top if top > 0 and math.isfinite(score) else 0.0
+        culprit = span.start <= pos < span.end
+        title = f"position {pos} · score share {_pct(score)}" + (
+            f" · culprit, share of ‖∇‖² {_pct(measured.get(pos))}" if culprit else "")
+        out.append(f'<span class="{"tok" if culprit else "w"}" style="background:rgba(231,76,60,'
+                   f'{max(alpha, 0.15) if culprit else alpha:.2f})" title="{title}">{_e(text)}</span>')
+    after = "" if span.context_after == "" else "…"  # "": the sample ends inside the window
+    return f'<div class="text">{"…" if span.window_start > 0 else ""}{"".join(out)}{after}</div>'
 
 
 def _alpha(share: float, top: float) -> float:

@@ -50,6 +50,13 @@ class SpikeDetector:
         """EMA mean of the global norm (None during warm-up): the localizer's noise reference."""
         return float(self._global.mean[0]) if self._global.ready[0] else None
 
+    def band(self, spike: SpikeEvent) -> dict[str, float | None]:
+        """The healthy band ``spike``'s step was judged against, as StepRecord fields: the EMA mean
+        and the grad_spike line mean + z_threshold * std (both None during the warm-up)."""
+        if spike.mean is None or spike.std is None:
+            return {"norm_mean": None, "norm_threshold": None}
+        return {"norm_mean": spike.mean, "norm_threshold": spike.mean + self.config.z_threshold * spike.std}
+
     def z_of(self, global_norm: float) -> float | None:
         z = float(self._global.z(np.array([global_norm]))[0])
         return z if math.isfinite(z) else None

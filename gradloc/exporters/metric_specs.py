@@ -66,6 +66,12 @@ SPECS: tuple[MetricSpec, ...] = (
     # Latest step of each rank (gauges read from the newest record at scrape/export time).
     _g("global_norm", "gradloc_grad_global_norm", "gradloc.grad.global_norm", "1", JR,
        "L2 norm of all (unscaled) gradients at the optimizer boundary, latest step."),
+    _g("norm_mean", "gradloc_detector_norm_mean", "gradloc.detector.norm_mean", "1", JR,
+       "The detector's healthy level of the global norm (EMA mean) the latest step was judged against; absent during "
+       "its warm-up."),
+    _g("norm_threshold", "gradloc_detector_norm_threshold", "gradloc.detector.norm_threshold", "1", JR,
+       "The detector's grad_spike line for the latest step: healthy mean + z_threshold × std. A global norm above it "
+       "is a spike."),
     _g("layer_norm", "gradloc_grad_norm", "gradloc.grad.norm", "1", JRL,
        "L2 norm of one layer group's gradient, latest step."),
     _g("layer_max_abs", "gradloc_grad_max_abs", "gradloc.grad.max_abs", "1", JRL,

@@ -41,12 +41,14 @@ RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
     "rl_mismatch": lambda s: None if s.rl is None else s.rl.mismatch_fraction,
     "rl_clipped": lambda s: None if s.rl is None else s.rl.clip_fraction,
     "rl_entropy": lambda s: None if s.rl is None else s.rl.entropy_mean,
+    "norm_mean": lambda s: s.norm_mean,
+    "norm_threshold": lambda s: s.norm_threshold,
 }
 
 
 # Where a step's layer columns are the job's (DDP, FSDP2, ZeRO: ``StepSummary.layers_global``), these
 # and the layer series are the same on every rank: exported once, from rank 0, with rank="job".
-JOB_GAUGES = frozenset({"global_norm", "nonfinite"})
+JOB_GAUGES = frozenset({"global_norm", "nonfinite", "norm_mean", "norm_threshold"})
 JOB_RANK = "job"
 
 

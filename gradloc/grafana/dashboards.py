@@ -7,14 +7,14 @@
 - **RL**: the RL distributions (panels show "No data" for a job without RL fields, never an error).
 - **Agent health**: ingest, rejections, limits, client drops, queue, export failures, gradloc's overhead.
 
-The overview's band is PromQL over the scraped norm (1 h mean ± 3σ), not the detector's own EMA
-state (which is not exported): close to it on a steady run, wider right after a spike.
+The overview's band is the detector's own: the healthy EMA mean each step was judged against and
+its grad_spike line (mean + z_threshold × std), exported by the trainer with every step record.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from gradloc.grafana.panels import Panel, dashboard, q
+from gradloc.grafana.panels import Panel, dashboard, dashed, q
 
 S = '{job=~"$job", rank=~"$rank"}'
 SL = '{job=~"$job", rank=~"$rank", layer=~"$layer"}'
@@ -24,15 +24,16 @@ INCIDENT_LINK = [{"title": "incidents of ${__field.labels.job}",
 
 
 def overview() -> dict[str, Any]:
-    band = f"gradloc_grad_global_norm{S}"
     panels = [
         Panel("Loss", [q(f"gradloc_loss{S}", "{{job}} r{{rank}}")], "none"),
-        Panel("Global gradient norm and healthy band", [
-            q(band, "{{job}} r{{rank}}"),
-            q(f"avg_over_time({band}[1h]) + 3 * stddev_over_time({band}[1h])", "band high {{rank}}"),
-            q(f"clamp_min(avg_over_time({band}[1h]) - 3 * stddev_over_time({band}[1h]), 0)", "band low {{rank}}")],
-            "none", description="Band: 1 h mean ± 3σ of the scraped norm (PromQL), an approximation of the "
-                                "detector's EMA band."),
+        Panel("Global gradient norm and the detector's band", [
+            q(f"gradloc_grad_global_norm{S}", "{{job}} r{{rank}}"),
+            q(f"gradloc_detector_norm_threshold{S}", "spike line {{job}} r{{rank}}"),
+            q(f"gradloc_detector_norm_mean{S}", "healthy mean {{job}} r{{rank}}")],
+            "none", overrides=[dashed("B", "red"), dashed("C", "green")],
+            description="The detector's view of each step: its healthy EMA mean of the norm and its grad_spike "
+                        "line (mean + z_threshold × std); a norm above the line is a spike. No band during the "
+                        "detector's warm-up."),
         Panel("Steps per second", [q(f"sum by (job) (rate(gradloc_steps_total{S}[$__rate_interval]))", "{{job}}")],
               "ops", width=8),
         Panel("Spikes by kind", [q(f"sum by (job, kind) (increase(gradloc_spikes_total{S}[$__rate_interval]))",

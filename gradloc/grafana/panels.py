@@ -32,10 +32,18 @@ class Panel:
     description: str = ""
     links: list[dict[str, str]] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
+    overrides: list[dict[str, Any]] = field(default_factory=list)  # Grafana fieldConfig.overrides
 
 
 def q(expr: str, legend: str = "", instant: bool = False) -> Query:
     return Query(expr, legend, instant)
+
+
+def dashed(ref_id: str, color: str) -> dict[str, Any]:
+    """An override drawing query ``ref_id``'s series as a dashed line of one ``color``."""
+    return {"matcher": {"id": "byFrameRefID", "options": ref_id},
+            "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                           {"id": "color", "value": {"mode": "fixed", "fixedColor": color}}]}
 
 
 def variables() -> list[dict[str, Any]]:
@@ -74,7 +82,7 @@ def _panel_json(p: Panel, pid: int, grid: dict[str, int]) -> dict[str, Any]:
                for i, t in enumerate(p.queries)]
     panel: dict[str, Any] = {"id": pid, "type": p.kind, "title": p.title, "description": p.description,
                              "datasource": DS, "gridPos": grid, "targets": targets,
-                             "fieldConfig": {"defaults": {"unit": p.unit, "links": p.links}, "overrides": []},
+                             "fieldConfig": {"defaults": {"unit": p.unit, "links": p.links}, "overrides": p.overrides},
                              "options": p.options}
     if p.kind == "heatmap":
         panel["options"] = {"calculate": False, "yAxis": {"unit": "none"}, "cellGap": 1,

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from gradloc.localizer.token_view import TokenView
-from gradloc.records import Culprit, CulpritSpan, LayerShare
+from gradloc.records import MAX_SPAN_WINDOW, Culprit, CulpritSpan, LayerShare
 
 Decode = Callable[[list[int]], str]
 log = logging.getLogger("gradloc")
@@ -58,7 +58,7 @@ def build_spans(view: TokenView, culprits: Sequence[Culprit], decode: Decode | N
     by_sample: dict[tuple[int, int], list[Culprit]] = {}
     for c in culprits:
         by_sample.setdefault((c.micro_batch, c.sample), []).append(c)
-    metas = {m.index: m for m in view.metas}
+    where = {m.index: i for i, m in enumerate(view.metas)}  # micro-batch index -> its position in the view
     spans = []
     for (mb, b), cs in by_sample.items():
         cs.sort(key=lambda c: c.position)
@@ -67,18 +67,47 @@ def build_spans(view: TokenView, culprits: Sequence[Culprit], decode: Decode | N
             if c is not None and c.position == run[-1].position + 1:
                 run.append(c)
                 continue
-            spans.append(_span(metas[mb], b, run, decode, context))
+            spans.append(_span(view, where[mb], b, run, decode, context))
             run = [c] if c is not None else []
     return tuple(sorted(spans, key=lambda s: -s.share))
 
 
-def _span(meta, b: int, run: list[Culprit], decode: Decode | None, context: int) -> CulpritSpan:
+def _span(view: TokenView, m: int, b: int, run: list[Culprit], decode: Decode | None, context: int) -> CulpritSpan:
+    meta = view.metas[m]
     start, end = run[0].position, run[-1].position + 1
     ids = meta.sample_tokens(b)  # this sample's tokens only: context never crosses into a packed neighbour
+    lo, hi = max(0, start - context), min(len(ids), end + context)
+    if hi - lo > MAX_SPAN_WINDOW:  # a huge context_tokens: the window keeps the span and what fits around it
+        lo = max(lo, min(start, hi - MAX_SPAN_WINDOW))
+        hi = min(hi, lo + MAX_SPAN_WINDOW)
     return CulpritSpan(
         micro_batch=meta.index, sample=b, start=start, end=end, share=sum(c.share for c in run),
         token_ids=tuple(ids[start:end]), text=safe_decode(decode, ids[start:end]) if ids else None,
         context_before=safe_decode(decode, ids[max(0, start - context):start]) if ids else None,
         context_after=safe_decode(decode, ids[end:end + context]) if ids else None,
         sample_id=meta.sample_id(b), sample_info=meta.sample_info(b),
+        **_window(view, m, b, ids, lo, hi, decode),
     )
+
+
+def _token_text(decode: Decode, ids: list[int], i: int) -> str:
+    """Token i's text as it reads after token i - 1 (SentencePiece and byte-level BPE drop or
+    split a token's leading space when it is decoded alone): decode(prev, t) minus decode(prev)."""
+    alone = safe_decode(decode, ids[i:i + 1]) or ""
+    if i == 0:
+        return alone
+    prev, both = safe_decode(decode, ids[i - 1:i]), safe_decode(decode, ids[i - 1:i + 1])
+    return both[len(prev):] if prev is not None and both is not None and both.startswith(prev) else alone
+
+
+def _window(view: TokenView, m: int, b: int, ids: list[int], lo: int, hi: int,
+            decode: Decode | None) -> dict[str, object]:
+    """Positions [lo, hi) of sample b of view position m: each token's text and score share."""
+    if decode is None or not ids or hi <= lo:
+        return {}
+    first = view.offsets[m] + view.metas[m].bounds(b)[0]  # flat index of the sample's position 0
+    total = float(view.scores.sum())
+    scores = view.scores[first + lo:first + hi]  # (hi - lo,)
+    shares = scores / total if np.isfinite(total) and total > 0 else np.full(hi - lo, np.nan)
+    texts = tuple(_token_text(decode, ids, i) for i in range(lo, hi))
+    return {"window_start": lo, "window_tokens": texts, "window_scores": tuple(float(x) for x in shares)}

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from gradloc.records import (
     INCIDENT_SCHEMA_VERSION,
+    MAX_SPAN_WINDOW,
     Classification,
     Culprit,
     CulpritSpan,
@@ -99,7 +100,8 @@ def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
             cm.sample_info.CopyFrom(_encode_info(c.sample_info))
     for s in loc.spans:
         sm = m.spans.add(micro_batch=s.micro_batch, sample=s.sample, start=s.start, end=s.end, share=s.share,
-                         token_ids=s.token_ids)
+                         token_ids=s.token_ids, window_start=s.window_start, window_tokens=s.window_tokens,
+                         window_scores=s.window_scores)
         _set_optional(sm, s, ("text", "context_before", "context_after", "sample_id", "rank"))
         if s.sample_info is not None:
             sm.sample_info.CopyFrom(_encode_info(s.sample_info))
@@ -274,7 +276,19 @@ def _decode_span(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> CulpritSpan:
                          for f in ("text", "context_before", "context_after")),
                        _get_optional(m, "sample_id", c.name, where),
                        _decode_info(m.sample_info, c, f"{where}.sample_info") if m.HasField("sample_info") else None,
-                       _opt_rank(m, where))
+                       _opt_rank(m, where), *_decode_window(m, c, where))
+
+
+def _decode_window(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> tuple[int, tuple[str, ...], tuple[float, ...]]:
+    n = len(m.window_tokens)
+    if n != len(m.window_scores):
+        raise v.reject("length_mismatch", f"{where}.window_scores has {len(m.window_scores)} values but "
+                                          f"window_tokens has {n}")
+    if n > MAX_SPAN_WINDOW:
+        raise v.reject("invalid_value", f"{where}.window_tokens has {n} tokens (at most {MAX_SPAN_WINDOW})")
+    return (v.count(m.window_start, f"{where}.window_start"),
+            tuple(c.free_text(t, f"{where}.window_tokens[{i}]") for i, t in enumerate(m.window_tokens)),
+            tuple(c.derived(x, f"{where}.window_scores[{i}]") for i, x in enumerate(m.window_scores)))
 
 
 def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Localization:

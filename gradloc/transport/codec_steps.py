@@ -64,6 +64,8 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
     if rec.rl is not None:
         _encode_rl(rec.rl, m.rl)
     m.layers_global = rec.layers_global
+    if rec.norm_mean is not None and rec.norm_threshold is not None:
+        m.norm_mean, m.norm_threshold = rec.norm_mean, rec.norm_threshold
     return m
 
 
@@ -143,7 +145,21 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
         m.skipped, *(v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
                      for f in ("overhead_seconds", "step_seconds", "overhead")),
-        _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None, m.layers_global)
+        _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None, m.layers_global,
+        *_band(m, where))
+
+
+def _band(m: pb.Step, where: str) -> tuple[float | None, float | None]:
+    """The detector's healthy band: both or neither, finite, 0 <= mean <= threshold."""
+    if not (m.HasField("norm_mean") or m.HasField("norm_threshold")):
+        return None, None
+    if not (m.HasField("norm_mean") and m.HasField("norm_threshold")):
+        raise v.reject("invalid_value", f"{where}: norm_mean and norm_threshold come together (the detector's band)")
+    mean = v.nonneg(m.norm_mean, f"{where}.norm_mean")
+    threshold = v.nonneg(m.norm_threshold, f"{where}.norm_threshold")
+    if threshold < mean:
+        raise v.reject("invalid_value", f"{where}.norm_threshold {threshold!r} is below norm_mean {mean!r}")
+    return mean, threshold
 
 
 def _shed(m: pb.Step, where: str) -> tuple[str, ...]:

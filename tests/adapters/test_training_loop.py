@@ -284,3 +284,30 @@ def test_a_micro_batch_block_that_raises_is_left_out_of_the_step():
     assert len(report.record.tokens.micro_batch_shares) == 1
     assert mon.counters["failed_micro_batches"] == 1
     mon.close()
+
+
+# -- the detector's band on the emitted records -----------------------------------------------------
+def test_emitted_records_carry_the_band_each_step_was_judged_against():
+    """What the overview dashboard draws: the healthy mean and grad_spike line of the step's own
+    verdict (none during the warm-up), on the record the sinks receive."""
+    steps = 10
+    model = tiny_gpt(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = make_data(steps, 2)
+    mon = gradloc.watch(model, opt, detector=DET)
+    verdicts = []
+    for s in range(steps):
+        total = backward_step(model, data, s, mon)
+        verdicts.append(mon.end_step(total, probe=data.probe(model, s)).spike)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert [r.step for r in mon.history] == list(range(steps))
+    for rec, spike in zip(mon.history, verdicts):
+        if spike.mean is None:
+            assert rec.norm_mean is None and rec.norm_threshold is None
+        else:
+            assert rec.norm_mean == spike.mean
+            assert rec.norm_threshold == pytest.approx(spike.mean + DET.z_threshold * spike.std, rel=1e-12)
+            assert rec.norm_threshold >= rec.norm_mean > 0
+    assert sum(r.norm_mean is not None for r in mon.history) >= steps - DET.warmup - 1

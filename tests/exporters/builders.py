@@ -53,7 +53,7 @@ def columns(norms: Sequence[float], names: Sequence[str] | None = None,
 def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float, global_norm: float | None = None,
          loss: float | None = 2.5, grad_scale: float | None = None, tokens: bool = True,
          skipped: bool = False, overhead: float | None = 0.03, shed: tuple[str, ...] = (),
-         rl: RLStats | None = None) -> StepSummary:
+         rl: RLStats | None = None, band: tuple[float, float] | None = (1.2, 2.0)) -> StepSummary:
     """One rank's step ``n``; the global norm defaults to the L2 norm of the finite layer norms."""
     if global_norm is None:
         finite = layers.grad_norm[np.isfinite(layers.grad_norm)]
@@ -64,7 +64,7 @@ def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float,
     return StepSummary(job, rank, n, time_unix, global_norm=global_norm, loss=loss, micro_batches=2,
                        layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped,
                        overhead_s=None if overhead is None else 0.01, step_s=None if overhead is None else 0.34,
-                       overhead=overhead, shed=shed, rl=rl)
+                       overhead=overhead, shed=shed, rl=rl, norm_mean=band and band[0], norm_threshold=band and band[1])
 
 
 def incident(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: float = 42.0,

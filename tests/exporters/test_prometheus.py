@@ -385,6 +385,9 @@ def test_global_layer_series_are_exported_once_per_job_with_rank_job():
     assert len(norms) == layers and {lab["rank"] for lab, _ in norms} == {"job"}
     assert {lab["rank"] for lab, _ in samples(text, "gradloc_update_ratio")} == {"job"}
     assert [lab["rank"] for lab, _ in samples(text, "gradloc_grad_global_norm")] == ["job"]
+    # every rank judged the job's norm: the detector's band is the job's too
+    assert samples(text, "gradloc_detector_norm_mean") == [({"job": "ddp", "rank": "job"}, 1.2)]
+    assert samples(text, "gradloc_detector_norm_threshold") == [({"job": "ddp", "rank": "job"}, 2.0)]
     assert {lab["rank"]: v for lab, v in samples(text, "gradloc_loss")} == {str(r): 2.0 + r for r in range(world)}
     assert {lab["rank"] for lab, _ in samples(text, "gradloc_overhead_ratio")} == {str(r) for r in range(world)}
     assert {lab["rank"] for lab, _ in samples(text, "gradloc_shed")} == {str(r) for r in range(world)}

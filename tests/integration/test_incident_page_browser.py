@@ -4,7 +4,8 @@ An incident whose client-supplied strings (token text, context, sample id, job, 
 payloads is stored; this checkout's daemon serves ``/incidents`` and ``/incidents/<id>``, and
 ``gradloc-agent incidents show --html`` writes the same page to a file. In both, Chromium renders the
 culprit tokens as text, no payload runs (``window.pwned`` stays undefined, no dialog opens), the
-page requests nothing but itself, and the culprit tokens are coloured by their share. A screenshot
+page requests nothing but itself, the culprit tokens stand out and the window's context tokens are
+coloured by their score share (zero-score ones left uncoloured). A screenshot
 is saved (docs/img/incident-page.png is one of these, committed).
 """
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _evil():
     findings = []
     for f in inc.findings:
         loc = f.localization
-        spans = tuple(replace(s, text=XSS, context_before=XSS, context_after=XSS, sample_id=XSS) for s in loc.spans)
+        spans = tuple(replace(s, text=XSS, context_before=XSS, context_after=XSS, sample_id=XSS,
+                              window_tokens=tuple(XSS + str(i) for i in range(len(s.window_tokens))))
+                      for s in loc.spans)
         culprits = tuple(replace(c, text=XSS + str(i), sample_id=XSS) for i, c in enumerate(loc.culprits))
         findings.append(replace(f, job="job" + XSS, localization=replace(loc, spans=spans, culprits=culprits,
                                                                          note=XSS)))
@@ -53,10 +56,10 @@ def _browse(url: str, shot: Path) -> dict:
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.goto(url, timeout=30_000)
             page.screenshot(path=str(shot), full_page=True)
-            toks = page.eval_on_selector_all(".tok", "els => els.map(e => [e.textContent, "
-                                                       "getComputedStyle(e).backgroundColor])")
+            styles = "els => els.map(e => [e.textContent, getComputedStyle(e).backgroundColor])"
             return {"pwned": page.evaluate("typeof window.pwned"), "requests": requests, "dialogs": dialogs,
-                    "tokens": toks, "scripts": page.eval_on_selector_all("script", "els => els.length"),
+                    "tokens": page.eval_on_selector_all(".tok", styles),
+                    "window": page.eval_on_selector_all(".w", styles), "scripts": page.eval_on_selector_all("script", "els => els.length"),
                     "text": page.inner_text("body")}
         finally:
             browser.close()
@@ -68,6 +71,18 @@ def _check(got: dict, url: str) -> None:
     texts = [t for t, _ in got["tokens"]]
     assert texts and all(t.startswith("<script>window.pwned=1</script>") for t in texts), texts
     assert "\\x1b]0;t\\x07" in got["text"]  # the escape sequence shown, not acted on
+    # rank 0's span has a window: its context tokens are coloured by their score share (BELL's
+    # fixture: 0.001, 0, 0.02, [culprit 0.81], 0.05, 0 -> alphas 0, 0, .02, .05, 0 against the top)
+    alphas = [_alpha(bg) for _, bg in got["window"]]
+    assert len(alphas) == 5 and alphas[3] > alphas[2] > 0 and alphas[1] == alphas[4] == 0, got["window"]
+    assert all(t.startswith("<script>window.pwned=1</script>") for t, _ in got["window"])
+    assert all(_alpha(bg) >= 0.15 for _, bg in got["tokens"]), got["tokens"]  # culprits stand out
+
+
+def _alpha(css: str) -> float:
+    """The alpha of a computed background colour: rgba(r, g, b, a), or rgb(...) = 1."""
+    parts = css[css.index("(") + 1:-1].split(",")
+    return float(parts[3]) if len(parts) == 4 else 1.0
 
 
 def test_incident_page_served_and_written_is_inert_and_offline(tmp_path: Path) -> None:

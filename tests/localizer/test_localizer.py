@@ -79,6 +79,9 @@ def test_located_by_attribution_with_exact_shares_norms_and_losses(scale: float)
     assert set(spans) == {(10, 0, 1, 3), (12, 1, 3, 4)}
     s = spans[(10, 0, 1, 3)]
     assert (s.text, s.context_before, s.context_after) == ("<101><102>", "<100>", "<103>")
+    # the window the incident page colours: the sample's tokens around the span with their score shares
+    assert (s.window_start, s.window_tokens) == (0, ("<100>", "<101>", "<102>", "<103>"))
+    assert s.window_scores == pytest.approx(tuple(scores[0:4] / scores.sum()), rel=1e-12)
     assert s.share == pytest.approx(by_key[(10, 0, 1)].share + by_key[(10, 0, 2)].share, rel=1e-12)
     mb = [scores[a:a + 8].sum() / scores.sum() for a in (0, 8, 16)]
     assert loc.micro_batch_shares == pytest.approx(mb, rel=1e-12)

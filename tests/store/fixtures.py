@@ -31,7 +31,9 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 BELL = CulpritSpan(micro_batch=3, sample=1, start=41, end=42, share=0.9, token_ids=(66,), text=" bell",
                    context_before=" climb the hill behind the school before the",
-                   context_after=" rings. The old clock", sample_id="s1200-3-1")
+                   context_after=" rings. The old clock", sample_id="s1200-3-1", window_start=38,
+                   window_tokens=(" school", " before", " the", " bell", " rings", "."),
+                   window_scores=(0.001, 0.0, 0.02, 0.81, 0.05, 0.0))
 ZEBRA = CulpritSpan(micro_batch=0, sample=2, start=7, end=9, share=0.5, token_ids=(901, 77), text="zebra\tqu",
                     context_before="the quick brown", context_after="ick fox", sample_id=None)
 

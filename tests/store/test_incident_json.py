@@ -40,7 +40,9 @@ def test_json_shape_is_the_documented_one() -> None:
     assert d["spans"][0] == {"rank": 0, "share": pytest.approx(0.648), "span": {
         "micro_batch": 3, "sample": 1, "start": 41, "end": 42, "share": 0.9, "token_ids": [66], "text": " bell",
         "context_before": " climb the hill behind the school before the", "context_after": " rings. The old clock",
-        "sample_id": "s1200-3-1", "sample_info": None, "rank": None}}
+        "sample_id": "s1200-3-1", "sample_info": None, "rank": None, "window_start": 38,
+        "window_tokens": [" school", " before", " the", " bell", " rings", "."],
+        "window_scores": [0.001, 0.0, 0.02, 0.81, 0.05, 0.0]}}
     assert d["rank_shares"][1] == {"rank": 1, "share": 0.28, "global_norm": 3.5, "loss": 2.7, "flagged": True,
                                    "status": "unverified", "probes": 0}
     assert d["findings"][0]["localization"]["culprits"][0]["layers"][0] == {"layer": "head", "share": 0.29}

@@ -113,6 +113,11 @@ def rl_stats(draw: st.DrawFn) -> RLStats:
 infos = st.builds(SampleInfo, opt_text, opt(small_int), small_int, small_int, small_int, opt_text)
 
 
+# the detector's band: (None, None) during warm-up, else 0 <= mean <= threshold
+bands = st.none().map(lambda _: (None, None)) | st.tuples(nonneg, nonneg).map(lambda p: (p[0], p[0] + p[1])).filter(
+    lambda p: p[1] < float("inf"))
+
+
 @st.composite
 def step_records(draw: st.DrawFn) -> StepRecord:
     names = draw(st.lists(name, max_size=8, unique=True))
@@ -125,7 +130,7 @@ def step_records(draw: st.DrawFn) -> StepRecord:
                       draw(st.integers(0, 64)), layers, tokens, nonfinite, draw(st.none() | finite),
                       draw(st.booleans()), *(draw(opt(nonneg)) for _ in range(3)),
                       tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2, unique=True))),
-                      draw(opt(rl_stats())), draw(st.booleans()))
+                      draw(opt(rl_stats())), draw(st.booleans()), *draw(bands))
 
 
 @st.composite
@@ -144,10 +149,12 @@ def incidents(draw: st.DrawFn) -> Incident:
                                   opt_text, opt_text, shares, opt(token_rl), opt(classes), opt(infos),
                                   opt(st.integers(0, WORLD - 1))),
                         max_size=3).map(tuple)
-    spans = st.lists(st.builds(lambda mb, s, a, d, sh, ids, *t: CulpritSpan(mb, s, a, a + d, sh, ids, *t),
+    spans = st.lists(st.builds(lambda mb, s, a, d, sh, ids, t, ws, win: CulpritSpan(
+        mb, s, a, a + d, sh, ids, *t, ws, tuple(x for x, _ in win), tuple(y for _, y in win)),
                                small_int, small_int, small_int, st.integers(0, 5), derived,
-                               st.lists(small_int, max_size=3).map(tuple), opt_text, opt_text, opt_text, opt_text,
-                               opt(infos), opt(st.integers(0, WORLD - 1))),
+                               st.lists(small_int, max_size=3).map(tuple),
+                               st.tuples(opt_text, opt_text, opt_text, opt_text, opt(infos), opt(st.integers(0, WORLD - 1))),
+                               small_int, st.lists(st.tuples(st.text(max_size=8), derived), max_size=4)),
                      max_size=2).map(tuple)
     samples = st.lists(st.builds(SampleShare, small_int, small_int, derived, opt(derived), opt_text, small_int,
                                  opt(st.integers(0, WORLD - 1))), max_size=3).map(tuple)
@@ -203,7 +210,8 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
         assert getattr(got, field) == getattr(want, field), field
     assert got.shed == want.shed
     assert to_dict(got)["rl"] == to_dict(want)["rl"] and got.layers_global == want.layers_global
-    for field in ("time_unix", "global_norm", "loss", "grad_scale", "overhead_s", "step_s", "overhead"):
+    for field in ("time_unix", "global_norm", "loss", "grad_scale", "overhead_s", "step_s", "overhead", "norm_mean",
+                  "norm_threshold"):
         a, b = getattr(got, field), getattr(want, field)
         assert (a is None) == (b is None) and (a is None or a == b or (math.isnan(a) and math.isnan(b))), field
     assert got.layers.names == want.layers.names

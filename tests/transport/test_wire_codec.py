@@ -161,6 +161,8 @@ BAD_FLOATS = [  # (what, record factory, field named in the message)
     ("grad scale", lambda: step(grad_scale=NAN), "steps[0].grad_scale"),
     ("overhead", lambda: step(overhead=INF), "steps[0].overhead"),
     ("step seconds", lambda: step(step_s=NAN), "steps[0].step_seconds"),
+    ("band mean", lambda: step(norm_mean=NAN, norm_threshold=2.0), "steps[0].norm_mean"),
+    ("band threshold", lambda: step(norm_mean=1.0, norm_threshold=INF), "steps[0].norm_threshold"),
     ("token share", lambda: step(tokens=TokenStats(8, 1.0, (), 0.5, (0.5, NAN), 0.0)),
      "steps[0].tokens.micro_batch_shares[1]"),
     ("token layer share", lambda: step(tokens=TokenStats(8, 1.0, (TokenScore(0, 0, 0, 1.0, 1.0, None, None, (
@@ -244,6 +246,12 @@ STRUCTURE = [  # (what, batch bytes, reason, words in the message)
      f"client.world_size is {2**62} (must be in 1..65536)"),
     ("sequence beyond int64", lambda: _edit(lambda m: setattr(m, "sequence", 2**64 - 1)), "invalid_value",
      f"sequence is {2**64 - 1} (must be < 2**63)"),
+    ("half a band", lambda: _edit(lambda m: setattr(m.steps[0], "norm_mean", 1.0)), "invalid_value",
+     "norm_mean and norm_threshold come together"),
+    ("band line below its mean", lambda: to_bytes([step(norm_mean=2.0, norm_threshold=1.5)]), "invalid_value",
+     "steps[0].norm_threshold 1.5 is below norm_mean 2.0"),
+    ("negative band mean", lambda: to_bytes([step(norm_mean=-1.0, norm_threshold=1.0)]), "invalid_value",
+     "steps[0].norm_mean is -1.0"),
     ("infinite remedy norm", lambda: to_bytes([], [incident(remedy=Remedy("drop_culprits", True, INF))]),
      "nonfinite", "incidents[0].remedy.norm_before"),
 ]
