@@ -1,5 +1,7 @@
 """The agent's HTTP side: ``/metrics``, ``/healthz``, ``/api/incidents`` and ``/api/incidents/<id>``,
-and the incident pages ``/incidents`` and ``/incidents/<id>`` (HTML, gradloc/agent/incident_page.py).
+and the incident pages ``/incidents`` and ``/incidents/<id>`` (HTML, gradloc/agent/incident_page.py);
+``/incidents/trace/<trace id>`` redirects to the page of the incident with that trace id (the
+Grafana datasource's exemplar link: exemplars carry trace ids).
 
 A standard-library threading HTTP server (one thread per request, so a slow scrape never holds up
 the API). Binds 127.0.0.1 unless told otherwise: incidents carry training text.
@@ -7,6 +9,7 @@ the API). Binds 127.0.0.1 unless told otherwise: incidents carry training text.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -27,6 +30,7 @@ from gradloc.store.incident_json import correlated_to_dict
 from gradloc.store.rows import IncidentRow
 
 log = logging.getLogger(__name__)
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
 CSP = "default-src 'none'; style-src 'unsafe-inline'"  # the pages need nothing else: no script runs
 
 
@@ -71,6 +75,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, self.server.health())
             if url.path.rstrip("/") == "/incidents":
                 return self._html(200, index_html(self.server.incident_rows(parse_qs(url.query))))
+            if url.path.startswith("/incidents/trace/"):  # an exemplar's trace id -> its incident's page
+                found = self.server.incident_id_of_trace(url.path.rsplit("/", 1)[1])
+                if found is None:
+                    return self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such trace</h1>"))
+                return self._send(302, b"", "text/plain", {"Location": f"/incidents/{found}"})
             if url.path.startswith("/incidents/"):
                 inc = self.server.incident(url.path.rsplit("/", 1)[1])
                 return self._html(200, incident_html(inc)) if inc is not None else \
@@ -155,6 +164,13 @@ class _Server(ThreadingHTTPServer):
         if self.core.store is not None:
             return self.core.store.get_incident(incident_id)
         return next((i for i in self.core.recent if i.incident_id.startswith(incident_id)), None)
+
+    def incident_id_of_trace(self, trace_id: str) -> str | None:
+        if not _TRACE_ID.fullmatch(trace_id):
+            raise ValueError("a trace id is 32 lowercase hex digits")
+        if self.core.store is not None:
+            return self.core.store.incident_id_of_trace(trace_id)
+        return next((i.incident_id for i in self.core.recent if i.trace_id == trace_id), None)
 
     def get_incident(self, incident_id: str) -> dict[str, Any] | None:
         inc = self.incident(incident_id)

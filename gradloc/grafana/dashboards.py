@@ -91,8 +91,9 @@ def tokens() -> dict[str, Any]:
         Panel("Recent incidents (open the incident page)", [
             q(f"sum by (job, status) (increase(gradloc_incidents_total{J}[$__range])) > 0", "", instant=True)],
             "short", kind="table", width=8, links=INCIDENT_LINK,
-            description="Per job and status; the link opens the agent's incident pages. Each incident's trace id "
-                        "is an exemplar on gradloc_step_grad_norm (OpenMetrics)."),
+            description="Per job and status (Prometheus cannot list incidents: an id as a label would be unbounded); "
+                        "the link opens the agent's list of the job's incidents. One incident at a time: the "
+                        "exemplar dots on 'Incidents per hour by status' carry its trace id and link to its page."),
     ]
     return dashboard("gradloc-tokens", "gradloc · Tokens & incidents", panels,
                      "Incident rate, how well spikes are explained, and links to the incidents.")

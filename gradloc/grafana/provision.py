@@ -57,7 +57,11 @@ def provision(out: Path, prometheus_url: str = "http://localhost:9090", agent_ur
     put("provisioning/datasources/gradloc.yaml",
         "apiVersion: 1\ndatasources:\n"
         f"  - name: gradloc Prometheus\n    uid: {DATASOURCE_UID}\n    type: prometheus\n    access: proxy\n"
-        f"    url: {json.dumps(prometheus_url)}\n    isDefault: false\n    editable: true\n")
+        f"    url: {json.dumps(prometheus_url)}\n    isDefault: false\n    editable: true\n"
+        # an exemplar (a dot on a panel; the incident counter and norm histogram carry them) links to its incident
+        "    jsonData:\n      exemplarTraceIdDestinations:\n        - name: trace_id\n"
+        f"          url: {json.dumps(agent_url.rstrip('/') + '/incidents/trace/${__value.raw}')}\n"
+        "          urlDisplayLabel: gradloc incident page\n")
     put("provisioning/dashboards/gradloc.yaml",
         "apiVersion: 1\nproviders:\n"
         "  - name: gradloc\n    folder: gradloc\n    type: file\n    disableDeletion: false\n"

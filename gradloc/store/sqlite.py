@@ -222,6 +222,12 @@ class IncidentStore:
                 return None
             return conn.execute("SELECT json FROM incidents WHERE incident_id = ?", ids).fetchone()[0]
 
+    def incident_id_of_trace(self, trace_id: str) -> str | None:
+        """The id of the incident whose trace id is ``trace_id`` (what exemplars carry), or None."""
+        with self._pool.connection() as conn:
+            row = conn.execute("SELECT incident_id FROM incidents WHERE trace_id = ? LIMIT 1", (trace_id,)).fetchone()
+        return None if row is None else row[0]
+
     def get_incident(self, id_or_prefix: str) -> CorrelatedIncident | None:
         """One incident by full id or unique prefix (see :meth:`get_incident_json`)."""
         text = self.get_incident_json(id_or_prefix)

@@ -45,6 +45,22 @@ def test_incidents_without_a_store_come_from_memory(served) -> None:
     assert [r["job"] for r in json.loads(_get(base + "/api/incidents?limit=1")[1])] == ["k"]
 
 
+def test_a_trace_id_redirects_to_its_incident_page(served) -> None:
+    """The Grafana datasource's exemplar link: /incidents/trace/<trace id> -> /incidents/<incident id>."""
+    core, base = served
+    core.submit([Declare("j", 0, 1), finding("j", 0, 3), summary("j", 0, 3)])
+    assert core.flush(10)
+    row = json.loads(_get(base + "/api/incidents")[1])[0]
+    with urllib.request.urlopen(base + f"/incidents/trace/{row['trace_id']}", timeout=10) as resp:  # follows the 302
+        assert resp.status == 200 and resp.url == base + f"/incidents/{row['incident_id']}"
+        assert row["incident_id"][:12] in resp.read().decode()
+    assert _get(base + "/incidents/trace/" + "0" * 32)[0] == 404
+    code, body = _get(base + "/incidents/trace/../../etc")
+    assert code in (400, 404) and b"Traceback" not in body
+    code, body = _get(base + "/incidents/trace/XYZ")
+    assert code == 400 and "32 lowercase hex" in json.loads(body)["error"]
+
+
 @pytest.mark.parametrize("path,code,needle", [
     ("/api/incidents?limit=0", 400, "limit must be in 1..10000"),
     ("/api/incidents?limit=x", 400, "limit must be an integer"),

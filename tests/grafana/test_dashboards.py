@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from gradloc.agent.cli import main
@@ -105,6 +106,10 @@ def test_provision_and_export_cli(tmp_path: Path) -> None:
         assert agent["query"] == "http://agent:9917"
     ds = (tmp_path / "provisioning/datasources/gradloc.yaml").read_text()
     assert ds.startswith("apiVersion: 1\n") and '"http://prom:9090"' in ds and "type: prometheus" in ds
+    source = yaml.safe_load(ds)["datasources"][0]  # exemplars (trace ids) link to the agent's incident page
+    assert source["jsonData"]["exemplarTraceIdDestinations"] == [
+        {"name": "trace_id", "url": "http://agent:9917/incidents/trace/${__value.raw}",
+         "urlDisplayLabel": "gradloc incident page"}]
     assert (tmp_path / "provisioning/dashboards/gradloc.yaml").read_text().startswith("apiVersion: 1\n")
     assert (tmp_path / "prometheus/gradloc-rules.yml").read_text() == rules_text()
     out = CliRunner().invoke(main, ["grafana", "export", "layers"])

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -60,5 +61,13 @@ def test_every_panel_query_runs_against_prometheus(tmp_path: Path) -> None:
                 if data["result"]:
                     continue
                 (empty if metric_names(expr) <= set(NEEDS_EVENT) else failed).append((uid, title, expr))
+            # the datasource's exemplar link: a trace id Prometheus stored leads to the incident's page
+            series = prom.exemplars('gradloc_incidents_total{job="dash"}', start, end)
+            trace_ids = {e["labels"]["trace_id"] for x in series for e in x["exemplars"]}
+            assert trace_ids, series
+            for trace_id in trace_ids:
+                with urllib.request.urlopen(f"http://{agent['http']}/incidents/trace/{trace_id}", timeout=30) as resp:
+                    page = resp.read().decode()
+                assert resp.status == 200 and "/incidents/" in resp.url and trace_id in page
     assert not failed, "queries with no data:\n" + "\n".join(f"{u} / {t}: {e}" for u, t, e in failed)
     print(f"{sum(1 for _ in queries())} queries, {len(empty)} empty as listed: {sorted({t for _, t, _ in empty})}")

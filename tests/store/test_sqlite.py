@@ -373,3 +373,10 @@ def test_default_db_path_follows_env_then_xdg_then_home(monkeypatch, tmp_path: P
     assert default_db_path() == tmp_path / "home" / ".local" / "state" / "gradloc" / "incidents.db"
     monkeypatch.delenv("XDG_STATE_HOME")
     assert default_db_path() == tmp_path / "home" / ".local" / "state" / "gradloc" / "incidents.db"
+
+
+def test_an_incident_is_found_by_its_trace_id(store: IncidentStore) -> None:
+    """What an exemplar carries leads back to the incident (the agent's /incidents/trace/<id>)."""
+    store.put_incident(make_incident())
+    assert store.incident_id_of_trace(TRACE_ID) == INCIDENT_ID
+    assert store.incident_id_of_trace("0" * 32) is None
