@@ -235,7 +235,7 @@ class AgentCore:
                 self.state.set_cumulative("client_dropped", (item.job, str(item.rank), reason), n)
 
     def _housekeeping(self, busy: bool) -> None:
-        self.state.set_pending(self.correlator.poll())
+        self.state.set_pending(self.correlator.poll(), self._q.qsize())
         now_unix = self._clock()
         if now_unix >= self._next_forget:
             self._next_forget = now_unix + min(self.config.job_retention_s / 10, 60.0)

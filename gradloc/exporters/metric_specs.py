@@ -159,6 +159,9 @@ SPECS: tuple[MetricSpec, ...] = (
        "Time from a record's production on the trainer to its ingestion by the agent.", LAG_BUCKETS),
     _g("pending", "gradloc_agent_pending_correlations", "gradloc.agent.pending", "{incident}", (),
        "Incidents waiting for straggler ranks."),
+    _g("queued", "gradloc_agent_queue_depth", "gradloc.agent.queue_depth", "{batch}", (),
+       "Ingest batches waiting for the agent's pipeline (at most queue_size; beyond it clients are told to back off)."),
 )
+AGENT_GAUGES = ("pending", "queued")  # the agent's own unlabelled gauges (TelemetrySnapshot fields)
 
 BY_KEY: dict[str, MetricSpec] = {s.key: s for s in SPECS}

@@ -49,7 +49,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
-from gradloc.exporters.metric_specs import SPECS, MetricSpec
+from gradloc.exporters.metric_specs import AGENT_GAUGES, SPECS, MetricSpec
 from gradloc.exporters.state import (
     RANK_GAUGES,
     CounterPoint,
@@ -216,8 +216,8 @@ class MetricInstruments:
                                  for k, v in p.gauges() if k == spec.key and math.isfinite(v)]
         if spec.key in _LAYER_GAUGES:
             return lambda snap: _layer_observations(snap, _LAYER_GAUGES[spec.key])
-        if spec.key == "pending":
-            return lambda snap: [Observation(snap.pending)]
+        if spec.key in AGENT_GAUGES:
+            return lambda snap: [Observation(getattr(snap, spec.key))]
         log.warning("no OTLP source for gauge %s: it is not exported", spec.otel)
         return lambda snap: []
 

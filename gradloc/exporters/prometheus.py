@@ -31,7 +31,7 @@ from prometheus_client.samples import Exemplar as PromExemplar
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from gradloc.exporters.metric_specs import BY_KEY, SPECS, MetricSpec
+from gradloc.exporters.metric_specs import AGENT_GAUGES, BY_KEY, SPECS, MetricSpec
 from gradloc.exporters.state import (
     CounterPoint,
     Exemplar,
@@ -211,8 +211,8 @@ def families(snap: TelemetrySnapshot) -> list[Metric]:
     _add_all(fams, _point_rows, snap.ranks)
     _add_all(fams, _counter_rows, snap.counters)
     _add_all(fams, _histogram_rows, snap.histograms)
-    pending = BY_KEY["pending"]
-    fams["pending"].samples.append(Sample(pending.prom, {}, float(snap.pending)))
+    for key in AGENT_GAUGES:
+        fams[key].samples.append(Sample(BY_KEY[key].prom, {}, float(getattr(snap, key))))
     return [fams[spec.key] for spec in SPECS]
 
 

@@ -156,6 +156,7 @@ class TelemetrySnapshot:
     counters: tuple[CounterPoint, ...]
     histograms: tuple[HistogramPoint, ...]
     pending: int = 0
+    queued: int = 0  # ingest batches waiting for the agent's pipeline
 
 
 class _Hist:
@@ -205,7 +206,7 @@ class TelemetryState:
         self._counters: dict[tuple[str, Labels], float] = {}
         self._exemplars: dict[tuple[str, Labels], Exemplar] = {}
         self._hists: dict[tuple[str, Labels], _Hist] = {}
-        self._pending = 0
+        self._pending = self._queued = 0
 
     # -- ingest side -------------------------------------------------------------------------
     def observe_step(self, s: StepSummary, received_unix: float | None = None) -> None:
@@ -301,9 +302,12 @@ class TelemetryState:
             self._counters[(key + "#last", labels)] = value
             self._counters[k] = base + value
 
-    def set_pending(self, n: int) -> None:
+    def set_pending(self, n: int, queued: int | None = None) -> None:
+        """The agent's own gauges: incidents waiting for stragglers, and batches queued for the pipeline."""
         with self._lock:
             self._pending = n
+            if queued is not None:
+                self._queued = queued
 
     def _bump(self, key: str, labels: Labels, n: float = 1, exemplar: Exemplar | None = None) -> None:
         want = len(_spec(key).labels)
@@ -361,5 +365,5 @@ class TelemetryState:
                              for (key, labels), v in self._counters.items() if "#" not in key)
             hists = tuple(HistogramPoint(key, labels, tuple(h.counts), h.sum, h.count, tuple(h.exemplars))
                           for (key, labels), h in self._hists.items())
-            pending = self._pending
-        return TelemetrySnapshot(now, ranks, counters, hists, pending)
+            pending, queued = self._pending, self._queued
+        return TelemetrySnapshot(now, ranks, counters, hists, pending, queued)

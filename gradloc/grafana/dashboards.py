@@ -130,7 +130,11 @@ def agent() -> dict[str, Any]:
             "short", width=8),
         Panel("Client drops", [q(f"sum by (job, rank, reason) (increase(gradloc_client_dropped_total{S}[$__rate_interval]))",
                                  "{{job}} r{{rank}} {{reason}}")], "short", width=8),
-        Panel("Incidents waiting for stragglers", [q("gradloc_agent_pending_correlations", "pending")], "short", width=8),
+        Panel("Queue depth and incidents waiting for stragglers", [
+            q("gradloc_agent_queue_depth", "ingest batches queued"),
+            q("gradloc_agent_pending_correlations", "incidents waiting")], "short", width=8,
+            description="Batches queued for the pipeline (clients are told to back off at queue_size) and incidents "
+                        "waiting for straggler ranks."),
         Panel("Export failures and drops", [
             q("sum by (exporter) (increase(gradloc_export_failures_total[$__rate_interval]))", "failed {{exporter}}"),
             q("sum by (exporter) (increase(gradloc_export_dropped_total[$__rate_interval]))", "dropped {{exporter}}"),

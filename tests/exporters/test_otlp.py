@@ -92,7 +92,7 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
                         ("export_dropped", ("store",)), ("series_dropped", ("max_layers",))):
         state.count(key, labels)
     state.set_cumulative("client_dropped", (JOB, "0", "queue_full"), 3)
-    state.set_pending(2)
+    state.set_pending(2, queued=3)
     return inc
 
 
@@ -236,6 +236,8 @@ def test_counters_come_from_the_state_and_incidents_are_not_double_counted(expor
     assert spikes == {(r, k): 1 for r in ("0", "1") for k in ("grad_spike", "loss_spike")}
     pending = _points(exported.metrics["gradloc.agent.pending"])
     assert [p.as_int or p.as_double for p in pending.values()] == [2]
+    queued = _points(exported.metrics["gradloc.agent.queue_depth"])
+    assert [p.as_int or p.as_double for p in queued.values()] == [3]
 
 
 def test_histograms_use_the_specs_explicit_buckets(exported):

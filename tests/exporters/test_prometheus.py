@@ -61,7 +61,7 @@ def realistic_state() -> TelemetryState:
     state.count("retention_deleted", ("steps_by_count",), 5)
     state.set_cumulative("client_dropped", ("llm-7b", "1", "queue_full"), 3)
     state.count("export_failures", ("otlp_metrics",))
-    state.set_pending(2)
+    state.set_pending(2, queued=3)
     return state
 
 
@@ -149,6 +149,7 @@ def test_per_rank_and_per_layer_values():
     assert samples(text, "gradloc_client_dropped_total") == [
         ({"job": "llm-7b", "rank": "1", "reason": "queue_full"}, 3.0)]
     assert samples(text, "gradloc_agent_pending_correlations") == [({}, 2.0)]
+    assert samples(text, "gradloc_agent_queue_depth") == [({}, 3.0)]
     assert samples(text, "gradloc_token_top_share_ratio")[0][1] == 0.25
 
 
@@ -239,7 +240,8 @@ def test_empty_state_renders_in_both_formats():
     state = TelemetryState()
     text, om = text_of(state), om_of(state)
     assert samples(text, "gradloc_agent_pending_correlations") == [({}, 0.0)]
-    assert len([s for fam in parse_text(text) for s in fam.samples]) == 1
+    assert samples(text, "gradloc_agent_queue_depth") == [({}, 0.0)]
+    assert len([s for fam in parse_text(text) for s in fam.samples]) == 2  # the agent's own two gauges
     assert om.endswith("# EOF\n") and len(list(parse_openmetrics(om))) == len(SPECS)
 
 
