@@ -50,12 +50,20 @@ class IncidentLimits:
         return ok
 
     def _cut(self, inc: Incident) -> Incident:
-        loc = inc.localization
-        if loc is None or (len(loc.culprits) <= self.max_culprits and len(loc.spans) <= self.max_culprits):
-            return inc
-        self.count("culprits", 1)
-        note = f"{loc.note}; " if loc.note else ""
-        cut = replace(loc, culprits=loc.culprits[:self.max_culprits], spans=loc.spans[:self.max_culprits],
-                      note=f"{note}the agent kept the first {self.max_culprits} of {len(loc.culprits)} culprits "
-                           "(max_culprits)")
-        return replace(inc, localization=cut)
+        out = cut_culprits(inc, self.max_culprits)
+        if out is not inc:
+            self.count("culprits", 1)
+        return out
+
+
+def cut_culprits(inc: Incident, max_culprits: int) -> Incident:
+    """``inc`` with at most ``max_culprits`` culprits and spans (the first: they arrive sorted by
+    share) and a note saying what was cut; ``inc`` itself when nothing was."""
+    loc = inc.localization
+    if loc is None or (len(loc.culprits) <= max_culprits and len(loc.spans) <= max_culprits):
+        return inc
+    note = f"{loc.note}; " if loc.note else ""
+    cut = replace(loc, culprits=loc.culprits[:max_culprits], spans=loc.spans[:max_culprits],
+                  note=f"{note}the agent kept the first {max_culprits} of {len(loc.culprits)} culprits and of "
+                       f"{len(loc.spans)} spans (max_culprits)")
+    return replace(inc, localization=cut)

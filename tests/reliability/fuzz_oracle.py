@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from gradloc.agent.limits import cut_culprits
 from gradloc.records import to_dict
 from gradloc.store.incident_json import correlated_from_dict
 from gradloc.store.rows import INCIDENT_COLUMNS, IncidentRow, incident_row, span_params, step_params
@@ -26,18 +28,22 @@ from gradloc.transport.validate import RejectedBatch
 from gradloc.transport.wire import pb
 
 OK = grpc.StatusCode.OK
+MAX_CULPRITS = 256  # the daemon's --max-culprits in the fuzz test (its default)
 _STEP_COLUMNS = "job, rank, step, time_unix, global_norm, loss, top_share, unattributed_share, nonfinite, skipped"
 
 
 def expected_codes(bases: list[pb.IngestBatch], messages: list[bytes], max_message_bytes: int,
-                   ) -> list[tuple[grpc.StatusCode, DecodedBatch | None]]:
+                   max_culprits: int = MAX_CULPRITS) -> list[tuple[grpc.StatusCode, DecodedBatch | None]]:
+    """The code the daemon must answer each message with, and for an accepted one the batch as
+    the daemon keeps it (incidents cut to ``max_culprits`` culprits and spans, as its limits do)."""
     decoder = BatchDecoder(max_message_bytes=max_message_bytes, keep_top_tokens=False)
     for b in bases:
         decoder.decode(b.SerializeToString())
     out: list[tuple[grpc.StatusCode, DecodedBatch | None]] = []
     for data in messages:
         try:
-            out.append((OK, decoder.decode(data)))
+            batch = decoder.decode(data)
+            out.append((OK, replace(batch, incidents=tuple(cut_culprits(i, max_culprits) for i in batch.incidents))))
         except RejectedBatch as exc:
             out.append((_CODES.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT), None))
     return out
@@ -104,7 +110,9 @@ def _check_findings(conn: sqlite3.Connection, stored: list[Any], acked: list[Dec
         by_id.setdefault(inc.incident_id, []).append(to_dict(inc))
     findings = [f for inc in stored for f in inc.findings]
     for f in findings:
-        assert to_dict(f) in by_id.get(f.incident_id, []), f"stored incident nobody acknowledged: {f.incident_id}"
+        assert to_dict(f) in by_id.get(f.incident_id, []), (
+            f"stored incident nobody acknowledged: {f.incident_id}; first differences from the acknowledged "
+            f"ones with its id: {[_first_diff(to_dict(f), d) for d in by_id.get(f.incident_id, [])]}")
     batches = Counter((b.client.client_id, b.sequence) for b in [*acked, *unavailable])
     ids = Counter(inc.incident_id for _, _, inc in sent)
     ranks = Counter((inc.job, inc.step, inc.rank) for _, _, inc in sent)
@@ -120,3 +128,18 @@ def _check_findings(conn: sqlite3.Connection, stored: list[Any], acked: list[Dec
     assert not open_rows, f"{len(open_rows)} inbox rows left open, e.g. {open_rows[:5]}"
     return {"incidents": len(stored), "findings": len(findings), "acked_incidents": len(sent),
             "unambiguous_incidents": len(clear)}
+
+
+def _first_diff(a: Any, b: Any, path: str = "") -> str | None:
+    """The path of the first difference between two to_dict trees (None when equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in a.keys() | b.keys():
+            d = _first_diff(a.get(k), b.get(k), f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_diff(x, y, f"{path}[{i}]"))), None)
+    if isinstance(a, list) and isinstance(b, list):
+        return f"{path}: {len(a)} items != {len(b)}"
+    return None if a == b else f"{path}: {a!r:.80} != {b!r:.80}"

@@ -42,7 +42,7 @@ import pytest
 from gradloc.transport.wire import INGEST_METHOD, pb
 from tests.reliability.fuzz_http import Requests, raw_get
 from tests.reliability.fuzz_messages import Mutator, base_batches, numbered
-from tests.reliability.fuzz_oracle import OK, check_store, expected_codes
+from tests.reliability.fuzz_oracle import MAX_CULPRITS, OK, check_store, expected_codes
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,8 @@ class Daemon:
                 [sys.executable, "-m", "gradloc.agent.cli", "serve", "--ingest", "127.0.0.1:0", "--http",
                  "127.0.0.1:0", "--db", str(self.db), "--ready-file", str(ready), "--straggler-deadline-s", "0.5",
                  "--max-message-bytes", str(MAX_BYTES), "--retention-days", str(RETENTION_DAYS),
-                 "--retention-incidents", "100000000", "--retention-step-rows", "100000000"],
+                 "--retention-incidents", "100000000", "--retention-step-rows", "100000000",
+                 "--max-culprits", str(MAX_CULPRITS)],
                 stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_limit_memory,
                 env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + 60
