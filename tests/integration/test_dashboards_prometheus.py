@@ -3,14 +3,16 @@
 This checkout's daemon receives a core demo with a planted spike (incidents, localizations,
 per-layer series) and an RL demo (RL fields) from real trainer processes, plus one malformed ingest
 message (a rejection); it runs with ``--max-culprits 1`` and ``--max-layers 4`` so the limit and
-series-drop counters have events. Prometheus scrapes its /metrics every second. Each panel query
-(variables substituted as "All") then runs as a range query over the runs: it must return at least
-one series, except the queries over NEEDS_EVENT metrics only, which count events these runs do not
-produce (Prometheus must still accept them: an error fails the test).
+series-drop counters have events. Prometheus scrapes its /metrics every second. The events a healthy demo never
+produces come from a batch sent with the trainer's codec (a skipped step, non-finite gradients, a
+shed feature, client drops, a re-sent batch: see ``_events``) and from an OTLP endpoint where nothing
+listens (export failures and drops). Each panel query (variables substituted as "All") then runs as a
+range query over the runs: every one must return at least one series.
 """
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -20,19 +22,32 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.grafana.promql import metric_names, queries
+from tests.grafana.promql import queries
 from tests.integration.prom import running_prometheus
 from tests.reliability.daemon import ROOT, serving
+from tests.transport.factories import client_info, encode, incident, layer, step
 
-NEEDS_EVENT = {  # metric: the event none of these runs produces (its queries must be empty, not errors)
-    "gradloc_skipped_steps_total": "a GradScaler-skipped step",
-    "gradloc_nonfinite_steps_total": "a non-finite gradient",
-    "gradloc_client_dropped_total": "a trainer-side client dropping records",
-    "gradloc_export_failures_total": "a failing OTLP or store export",
-    "gradloc_export_dropped_total": "an exporter dropping items",
-    "gradloc_shed": "gradloc shedding a feature to stay within max_overhead",
-    "gradloc_agent_duplicates_total": "a batch re-sent after a lost acknowledgement",
-}
+EVENT_JOB = "dash-ev"
+
+
+def _events(ingest: str) -> None:
+    """The events a healthy demo never produces, sent with the trainer's own codec over gRPC: a
+    GradScaler-skipped step, a step with non-finite gradients, a step that shed a feature, a client
+    reporting drops, and a batch with an incident sent twice (a re-send after a lost acknowledgement).
+    The OTLP exporters' failures and drops come from the daemon's --otlp-endpoint, where nothing listens."""
+    now = time.time()
+    bad = layer("head", float("inf"), nonfinite=2)
+    steps = [step(0, job=EVENT_JOB, time_unix=now, skipped=True),
+             step(1, job=EVENT_JOB, time_unix=now, layers=(layer("embed"), bad), nonfinite=2,
+                  global_norm=float("inf")),
+             step(2, job=EVENT_JOB, time_unix=now, shed=("update_ratio",))]
+    msg, _ = encode(steps, [incident(3, job=EVENT_JOB, time_unix=now)],
+                    client=client_info(job=EVENT_JOB, rank=1, world_size=2, client_id="dash-events"))
+    msg.drops.queue_full = 3
+    with grpc.insecure_channel(ingest) as ch:
+        call = ch.unary_unary("/gradloc.v1.IngestService/Ingest")
+        for _ in range(2):  # the same (client id, sequence) twice: the incident is stored once
+            call(msg.SerializeToString(), timeout=30)
 
 
 def _demo(ingest: str, *args: str) -> None:
@@ -44,23 +59,24 @@ def _demo(ingest: str, *args: str) -> None:
 
 def test_every_panel_query_runs_against_prometheus(tmp_path: Path) -> None:
     with serving(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(tmp_path / "a.db"),
-                 "--straggler-deadline-s", "1", "--max-culprits", "1", "--max-layers", "4") as agent:
+                 "--straggler-deadline-s", "1", "--max-culprits", "1", "--max-layers", "4",
+                 "--otlp-endpoint", f"127.0.0.1:{_closed_port()}", "--otlp-interval-s", "1") as agent:
         with running_prometheus([agent["http"]]) as prom:
             start = time.time()
             with grpc.insecure_channel(agent["ingest"]) as ch:  # one rejection for the agent-health panels
                 with pytest.raises(grpc.RpcError):
                     ch.unary_unary("/gradloc.v1.IngestService/Ingest")(b"\xff\xff not a batch", timeout=10)
+            _events(agent["ingest"])
             _demo(agent["ingest"], "--steps", "60", "--inject-step", "50", "--job", "dash")
             _demo(agent["ingest"], "--rl", "--steps", "80", "--inject-step", "60", "--job", "dash-rl")
             prom.wait_for('gradloc_incidents_total{job="dash"}', timeout=30)
+            prom.wait_for("gradloc_export_failures_total", timeout=120)  # the OTLP exports to nowhere
             time.sleep(3)  # a few more scrapes after the runs
             end = time.time()
-            empty, failed = [], []
+            failed = []
             for uid, title, expr in queries():
-                data = prom.api("query_range", query=expr, start=start, end=end, step=2)
-                if data["result"]:
-                    continue
-                (empty if metric_names(expr) <= set(NEEDS_EVENT) else failed).append((uid, title, expr))
+                if not prom.api("query_range", query=expr, start=start, end=end, step=2)["result"]:
+                    failed.append((uid, title, expr))
             # the datasource's exemplar link: a trace id Prometheus stored leads to the incident's page
             series = prom.exemplars('gradloc_incidents_total{job="dash"}', start, end)
             trace_ids = {e["labels"]["trace_id"] for x in series for e in x["exemplars"]}
@@ -70,4 +86,10 @@ def test_every_panel_query_runs_against_prometheus(tmp_path: Path) -> None:
                     page = resp.read().decode()
                 assert resp.status == 200 and "/incidents/" in resp.url and trace_id in page
     assert not failed, "queries with no data:\n" + "\n".join(f"{u} / {t}: {e}" for u, t, e in failed)
-    print(f"{sum(1 for _ in queries())} queries, {len(empty)} empty as listed: {sorted({t for _, t, _ in empty})}")
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
