@@ -90,14 +90,17 @@ def _span(view: TokenView, m: int, b: int, run: list[Culprit], decode: Decode | 
     )
 
 
-def _token_text(decode: Decode, ids: list[int], i: int) -> str:
-    """Token i's text as it reads after token i - 1 (SentencePiece and byte-level BPE drop or
-    split a token's leading space when it is decoded alone): decode(prev, t) minus decode(prev)."""
-    alone = safe_decode(decode, ids[i:i + 1]) or ""
-    if i == 0:
-        return alone
-    prev, both = safe_decode(decode, ids[i - 1:i]), safe_decode(decode, ids[i - 1:i + 1])
-    return both[len(prev):] if prev is not None and both is not None and both.startswith(prev) else alone
+def _token_texts(decode: Decode, ids: list[int], lo: int, hi: int) -> tuple[str, ...]:
+    """Tokens lo..hi-1 as each reads after its predecessor (SentencePiece and byte-level BPE drop or
+    split a token's leading space when it is decoded alone): decode(prev, t) minus decode(prev).
+    Two decode calls per token."""
+    alone = [safe_decode(decode, ids[i:i + 1]) for i in range(max(0, lo - 1), hi)]  # (hi - lo [+ 1],)
+    out = []
+    for i in range(lo, hi):
+        mine, prev = alone[i - max(0, lo - 1)], alone[i - 1 - max(0, lo - 1)] if i > 0 else None
+        both = safe_decode(decode, ids[i - 1:i + 1]) if prev is not None else None
+        out.append(both[len(prev):] if both is not None and prev is not None and both.startswith(prev) else mine or "")
+    return tuple(out)
 
 
 def _window(view: TokenView, m: int, b: int, ids: list[int], lo: int, hi: int,
@@ -109,5 +112,5 @@ def _window(view: TokenView, m: int, b: int, ids: list[int], lo: int, hi: int,
     total = float(view.scores.sum())
     scores = view.scores[first + lo:first + hi]  # (hi - lo,)
     shares = scores / total if np.isfinite(total) and total > 0 else np.full(hi - lo, np.nan)
-    texts = tuple(_token_text(decode, ids, i) for i in range(lo, hi))
+    texts = _token_texts(decode, ids, lo, hi)
     return {"window_start": lo, "window_tokens": texts, "window_scores": tuple(float(x) for x in shares)}
