@@ -64,8 +64,9 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
     if rec.rl is not None:
         _encode_rl(rec.rl, m.rl)
     m.layers_global = rec.layers_global
-    if rec.norm_mean is not None and rec.norm_threshold is not None:
-        m.norm_mean, m.norm_threshold = rec.norm_mean, rec.norm_threshold
+    band = (rec.norm_mean, rec.norm_threshold)
+    if all(x is not None and math.isfinite(x) for x in band):  # an overflowed band is left out, not the step
+        m.norm_mean, m.norm_threshold = band
     return m
 
 

@@ -161,8 +161,6 @@ BAD_FLOATS = [  # (what, record factory, field named in the message)
     ("grad scale", lambda: step(grad_scale=NAN), "steps[0].grad_scale"),
     ("overhead", lambda: step(overhead=INF), "steps[0].overhead"),
     ("step seconds", lambda: step(step_s=NAN), "steps[0].step_seconds"),
-    ("band mean", lambda: step(norm_mean=NAN, norm_threshold=2.0), "steps[0].norm_mean"),
-    ("band threshold", lambda: step(norm_mean=1.0, norm_threshold=INF), "steps[0].norm_threshold"),
     ("token share", lambda: step(tokens=TokenStats(8, 1.0, (), 0.5, (0.5, NAN), 0.0)),
      "steps[0].tokens.micro_batch_shares[1]"),
     ("token layer share", lambda: step(tokens=TokenStats(8, 1.0, (TokenScore(0, 0, 0, 1.0, 1.0, None, None, (
@@ -202,6 +200,10 @@ def test_nan_culprit_shares_mean_not_measurable_and_are_accepted():
 
 
 # -- structural validation ---------------------------------------------------------------------------
+def _band(m, mean: float, threshold: float) -> None:
+    m.norm_mean, m.norm_threshold = mean, threshold
+
+
 def _edit(edit, recs=None, incs=(), **kw) -> bytes:
     msg, _ = encode(recs if recs is not None else [step(0)], list(incs), **kw)
     edit(msg)
@@ -246,6 +248,10 @@ STRUCTURE = [  # (what, batch bytes, reason, words in the message)
      f"client.world_size is {2**62} (must be in 1..65536)"),
     ("sequence beyond int64", lambda: _edit(lambda m: setattr(m, "sequence", 2**64 - 1)), "invalid_value",
      f"sequence is {2**64 - 1} (must be < 2**63)"),
+    ("NaN band mean (the encoder never sends one)", lambda: _edit(lambda m: _band(m.steps[0], NAN, 2.0)), "nonfinite",
+     "steps[0].norm_mean is nan"),
+    ("infinite band line (the encoder never sends one)", lambda: _edit(lambda m: _band(m.steps[0], 1.0, INF)),
+     "nonfinite", "steps[0].norm_threshold is inf"),
     ("half a band", lambda: _edit(lambda m: setattr(m.steps[0], "norm_mean", 1.0)), "invalid_value",
      "norm_mean and norm_threshold come together"),
     ("band line below its mean", lambda: to_bytes([step(norm_mean=2.0, norm_threshold=1.5)]), "invalid_value",
@@ -338,3 +344,9 @@ def test_decoding_is_columnar():
         for col in (cols.grad_norm, cols.grad_max_abs, cols.nonfinite, cols.param_norm):
             assert isinstance(col, np.ndarray) and col.shape == (256,)
     assert batch.steps[0].layers.names is batch.steps[-1].layers.names  # one names tuple per layer table
+
+
+def test_an_overflowed_band_is_left_out_not_the_step():
+    """The detector's band is auxiliary: a band that overflowed to inf must not get the step rejected."""
+    got = decode(to_bytes([step(0, norm_mean=1e308, norm_threshold=INF)]))
+    assert got.steps[0].step == 0 and (got.steps[0].norm_mean, got.steps[0].norm_threshold) == (None, None)
