@@ -19,6 +19,10 @@ from gradloc.grafana.panels import Panel, dashboard, dashed, q
 S = '{job=~"$job", rank=~"$rank"}'
 SL = '{job=~"$job", rank=~"$rank", layer=~"$layer"}'
 J = '{job=~"$job"}'
+# An incident in the last minute: the counter grew, or its series is new (a job's first incident
+# appears at 1, which changes() and increase() alone would never see).
+NEW_INCIDENTS = (f"sum by (job, status) ((gradloc_incidents_total{J} - gradloc_incidents_total{J} offset 1m) > 0 "
+                 f"or (gradloc_incidents_total{J} unless gradloc_incidents_total{J} offset 1m))")
 INCIDENT_LINK = [{"title": "incidents of ${__field.labels.job}",
                   "url": "${agent_url}/incidents?job=${__field.labels.job}", "targetBlank": True}]
 
@@ -44,7 +48,7 @@ def overview() -> dict[str, Any]:
             "short", width=8),
     ]
     annotations = [{"name": "incidents", "enable": True, "iconColor": "red", "datasource": {"type": "prometheus",
-                    "uid": "${datasource}"}, "expr": f"sum by (job, status) (changes(gradloc_incidents_total{J}[1m])) > 0",
+                    "uid": "${datasource}"}, "expr": NEW_INCIDENTS,
                     "titleFormat": "incident ({{status}})", "textFormat": "job {{job}}", "step": "30s",
                     "useValueForTime": False}]
     return dashboard("gradloc-overview", "gradloc · Training overview", panels,
@@ -89,9 +93,9 @@ def tokens() -> dict[str, Any]:
         Panel("Incident classes", [q(f"sum by (job, class) (increase(gradloc_incident_classes_total{J}[$__range]))",
                                      "{{class}}", instant=True)], "short", kind="bargauge", width=8),
         Panel("Recent incidents (open the incident page)", [
-            q(f"sum by (job, status) (increase(gradloc_incidents_total{J}[$__range])) > 0", "", instant=True)],
+            q(f"sum by (job, status) (gradloc_incidents_total{J})", "", instant=True)],
             "short", kind="table", width=8, links=INCIDENT_LINK,
-            description="Per job and status (Prometheus cannot list incidents: an id as a label would be unbounded); "
+            description="Incidents per job and status since the agent began tracking the job (Prometheus cannot list incidents: an id as a label would be unbounded); "
                         "the link opens the agent's list of the job's incidents. One incident at a time: the "
                         "exemplar dots on 'Incidents per hour by status' carry its trace id and link to its page."),
     ]
