@@ -116,3 +116,11 @@ def test_provision_and_export_cli(tmp_path: Path) -> None:
     assert out.exit_code == 0 and json.loads(out.output)["uid"] == "gradloc-layers"
     bad = CliRunner().invoke(main, ["grafana", "export", "nope"])
     assert bad.exit_code == 2
+
+
+def test_every_alert_has_a_case_that_fires_and_one_that_does_not() -> None:
+    alerts = {r["alert"] for g in yaml.safe_load(rules_text())["groups"] for r in g["rules"] if "alert" in r}
+    cases = [c for t in yaml.safe_load((HERE / "rules_test.yml").read_text())["tests"] for c in t["alert_rule_test"]]
+    fires = {c["alertname"] for c in cases if c["exp_alerts"]}
+    quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
+    assert len(alerts) == 8 and alerts <= fires and alerts <= quiet, (alerts - fires, alerts - quiet)
