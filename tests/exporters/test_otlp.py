@@ -356,7 +356,7 @@ def test_collector_down_never_blocks_and_failures_are_counted():
         for call, arg in ((ex.on_step, s), (ex.on_incident, fresh_incident())):
             t0 = time.perf_counter()
             call(arg)
-            assert time.perf_counter() - t0 < 0.05
+            assert time.perf_counter() - t0 < 0.25  # a call that waited on the network would take the 0.5 s timeout
         t0 = time.perf_counter()
         flushed = ex.force_flush(0.3)
         assert time.perf_counter() - t0 < 0.3 + 0.15
