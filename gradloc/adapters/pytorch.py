@@ -27,7 +27,9 @@ from torch import nn
 from gradloc.adapters import job_setup
 from gradloc.adapters.dist import CollectiveTimeout
 from gradloc.adapters.dist_spike import DistSpikePath
+from gradloc.adapters.fanout import Fanout
 from gradloc.adapters.spike import SpikeInputs, SpikePath, scaler_state
+from gradloc.adapters.update_hooks import UpdateHooks
 from gradloc.collector import rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
 from gradloc.collector.layer_stats import module_layer_map
@@ -35,7 +37,7 @@ from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
-from gradloc.collector.update_ratio import UpdateRatioTracker, Window, window_bytes
+from gradloc.collector.update_ratio import UpdateRatioTracker, window_bytes
 from gradloc.config import WatchConfig
 from gradloc.detector import INCIDENT, SpikeDetector
 from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
@@ -83,15 +85,18 @@ class Monitor:
         self.update_ratios = UpdateRatioTracker(self.layer_stats.params, self.layer_stats.group_of,
                                                 self.layer_stats.n_layers, window_bytes(self.config, self.layer_stats),
                                                 self.layer_stats.device)
-        self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         self.counters: Counter[str] = Counter()
+        self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,
+                                    lambda: self._pending.record.step if self._pending is not None else None)
+        self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         spike_args = (watched if job.kind == "deepspeed" else model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
                       Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg, self.pause_token_hooks,
                       self.counters)
         self.spikes = SpikePath(*spike_args) if self.comm is None else \
             DistSpikePath(*spike_args, comm=self.comm, kind=self.job_kind, probe_context=job.probe_context,
                           deepspeed=self.layer_stats if job.kind == "deepspeed" else None)
-        self.sinks: list[Sink] = list(sinks) + default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)
+        self._fanout = Fanout([*sinks, *default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)],
+                              self.counters)
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
@@ -100,8 +105,6 @@ class Monitor:
         self._open: MicroBatchMeta | None = None  # the micro-batch block being run
         self._rl: dict[int, rl_fields.RLTensors] = {}  # micro-batch index -> its RL fields
         self._pending: Assembled | None = None
-        self._update: tuple[int, Window, torch.Tensor] | None = None  # (record step, window, device sums)
-        self._opt_handles: list[Any] = []
         self.attached = False
         self._closed = False
         self._atexit = _close_at_exit(weakref.ref(self))
@@ -120,9 +123,7 @@ class Monitor:
                                   f"(call gradloc.watch on every rank): {exc}") from exc
         if self.hooks:
             self.hooks.attach()
-        if self.optimizer is not None and self.update_ratios.enabled:
-            self._opt_handles = [self.optimizer.register_step_pre_hook(self._before_opt_step),
-                                 self.optimizer.register_step_post_hook(self._after_opt_step)]
+        self._updates.attach(self.optimizer)
         _ATTACHED[self.model] = self
         self.attached = True
         return self
@@ -133,10 +134,7 @@ class Monitor:
             raise AttachError("this monitor is not attached")
         if self.hooks:
             self.hooks.detach()
-        for h in self._opt_handles:
-            h.remove()
-        self._opt_handles.clear()
-        self.update_ratios.release()
+        self._updates.detach()
         _ATTACHED.pop(self.model, None)
         self.attached = False
 
@@ -150,26 +148,16 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        self._emit_pending(self._take_update_host())
-        deadline = time.monotonic() + self.config.close_timeout_s
-        for sink in self.sinks:
-            bounded = getattr(sink, "close_within", None)
-            if bounded is None:  # local sinks (JSONL file, embedded agent): no network to wait on
-                self._safe(sink.force_flush)
-                self._safe(sink.shutdown)
-                continue
-            try:
-                lost = bounded(max(deadline - time.monotonic(), 0.0))
-            except Exception:
-                self.counters["sink_errors"] += 1
-                log.warning("gradloc: closing %s failed", type(sink).__name__, exc_info=True)
-                continue
-            if lost:
-                self.counters["undelivered_at_close"] += lost
-                log.warning("gradloc: %d record(s) were not delivered to the agent (down, stalled or slow; "
-                            "close_timeout_s=%g)", lost, self.config.close_timeout_s)
+        step = self._pending.record.step if self._pending is not None else None
+        self._emit_pending(self._updates.host_ratios(step, self.layer_stats.sharded))
+        self._fanout.close(self.config.close_timeout_s)
         if self.attached:
             self.detach()
+
+    @property
+    def sinks(self) -> list[Sink]:
+        """Where the records go: the ``sinks`` given, then those ``watch`` added (JSONL, agent)."""
+        return self._fanout.sinks
 
     def __enter__(self) -> "Monitor":
         return self
@@ -266,14 +254,13 @@ class Monitor:
         parts, self._parts = self._parts, []
         scores = self._stack(parts)
         scale, unscaled = scaler_state(scaler, self.optimizer)
-        upd = self._update if self._update and self._pending and self._update[0] == self._pending.record.step else None
-        self._update = None
+        upd = self._updates.take(self._pending.record.step if self._pending is not None else None)
         unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
         given_rl, self._rl = self._rl, {}
         rl, rl_pack = rl_fields.step_fields([m for m, _ in parts], given_rl, scores, self.layer_stats.device)
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
-                       upd[2] if upd else None, unscored, rl_pack, self.comm)
+                       upd[1] if upd else None, unscored, rl_pack, self.comm)
         try:
             assembled = assemble(self.layer_stats, x)
         except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits
@@ -298,8 +285,7 @@ class Monitor:
             self.meter.exclude(time.perf_counter() - t2)
             self.incidents.append(incident)
             if self.comm is None or self.config.rank == 0:  # a job's incident is emitted once, by rank 0
-                for sink in self.sinks:
-                    self._safe(sink.on_incident, incident)
+                self._fanout.on_incident(incident)
         self.step += 1
         self._ended += 1
         return StepReport(record, spike, incident)
@@ -336,33 +322,6 @@ class Monitor:
         if self.hooks:
             self.hooks.suspended = on
 
-    # -- update-to-weight ratio (optimizer hooks) -------------------------------------------------
-    def _before_opt_step(self, *_: Any) -> None:
-        if self.meter.is_shed("update_ratio"):
-            return
-        t0 = self.meter.begin()
-        self._safe(self.update_ratios.before_step)
-        self.meter.end(t0)
-
-    def _after_opt_step(self, *_: Any) -> None:
-        t0 = self.meter.begin()
-        try:
-            got = self.update_ratios.after_step()
-            if got is not None and self._pending is not None:
-                self._update = (self._pending.record.step, *got)
-        except Exception:
-            self.counters["update_ratio_errors"] += 1
-        self.meter.end(t0)
-
-    def _take_update_host(self) -> np.ndarray | None:
-        if self._update is None or self._pending is None or self._update[0] != self._pending.record.step:
-            return None
-        _, _, sums = self._update
-        self._update = None
-        if self.layer_stats.sharded:
-            return None  # the sums of the other ranks' shards arrive only with a next step's gather
-        return self.update_ratios.ratios(sums.double().cpu().numpy())
-
     def _emit_pending(self, ratios: np.ndarray | None) -> None:
         if self._pending is None:
             return
@@ -371,15 +330,7 @@ class Monitor:
             rec = with_update_ratios(rec, self.layer_stats.layers, ratios)
         self._pending = None
         self.history.append(rec)
-        for sink in self.sinks:
-            self._safe(sink.on_step, rec)
-
-    def _safe(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            self.counters["sink_errors"] += 1
-            log.warning("gradloc: %s failed", getattr(fn, "__qualname__", fn), exc_info=True)
+        self._fanout.on_step(rec)
 
 
 def _close_at_exit(ref: "weakref.ref[Monitor]") -> Callable[[], None]:

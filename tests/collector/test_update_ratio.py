@@ -92,7 +92,8 @@ def test_full_mode_covers_everything_every_step():
 
 
 def _train_ratios(mode, budget=None, steps=6):
-    """(monitor, its step records, the bytes of its parameter copies before close released them)."""
+    """(monitor, its step records, the bytes of its parameter copies before close released them);
+    ``mon.hooks_before_close``: how many optimizer step hooks were registered while training."""
     model = tiny_gpt(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = make_data(steps, 2)
@@ -102,13 +103,16 @@ def _train_ratios(mode, budget=None, steps=6):
         opt.step()
         opt.zero_grad()
     held = mon.update_ratios.buffer_bytes()
+    mon.hooks_before_close = len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
     mon.close()
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks  # detach removes them
     assert mon.update_ratios.buffer_bytes() == 0  # detach releases the copies
     return mon, list(mon.history), held
 
 
 def test_small_models_get_every_ratio_every_step_by_default():
     mon, hist, _ = _train_ratios("lean")
+    assert mon.hooks_before_close == 2  # the pre- and post-step hooks that measure the update
     assert mon.update_ratios.sweep_steps == 1  # the 64 MiB floor is larger than this model
     assert all(s.update_ratio is not None for r in hist for s in r.layers)
 
@@ -149,7 +153,7 @@ def test_a_lean_budget_gives_every_layer_a_ratio_each_sweep_and_the_same_values_
 
 def test_off_registers_no_optimizer_hook_and_keeps_no_copy():
     mon, hist, held = _train_ratios("off")
-    assert not mon._opt_handles and held == 0
+    assert mon.hooks_before_close == 0 and held == 0
     assert all(s.update_ratio is None for r in hist for s in r.layers)
 
 
