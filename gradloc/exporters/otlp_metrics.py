@@ -50,16 +50,16 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
 from gradloc.exporters.metric_specs import AGENT_GAUGES, SPECS, MetricSpec
-from gradloc.exporters.state import (
+from gradloc.exporters.snapshot import (
     RANK_GAUGES,
     CounterPoint,
     RankPoint,
     TelemetrySnapshot,
-    TelemetryState,
     norm_hist_labels,
     rl_ratio_values,
     shed_values,
 )
+from gradloc.exporters.state import TelemetryState
 from gradloc.reports import CorrelatedIncident, LayerColumns, StepSummary
 
 log = logging.getLogger(__name__)

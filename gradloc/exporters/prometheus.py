@@ -32,16 +32,16 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from gradloc.exporters.metric_specs import AGENT_GAUGES, BY_KEY, SPECS, MetricSpec
-from gradloc.exporters.state import (
+from gradloc.exporters.snapshot import (
     CounterPoint,
     Exemplar,
     HistogramPoint,
     RankPoint,
     TelemetrySnapshot,
-    TelemetryState,
     rl_ratio_values,
     shed_values,
 )
+from gradloc.exporters.state import TelemetryState
 
 log = logging.getLogger(__name__)
 _P = TypeVar("_P")

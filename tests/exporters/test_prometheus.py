@@ -25,7 +25,8 @@ from gradloc.exporters.prometheus import (
     prom_unit,
     render,
 )
-from gradloc.exporters.state import RankPoint, StateConfig, TelemetryState
+from gradloc.exporters.snapshot import RankPoint
+from gradloc.exporters.state import StateConfig, TelemetryState
 from gradloc.records import Remedy
 from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, rl_stats, step
 

@@ -8,7 +8,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from gradloc.exporters.prometheus import render
-from gradloc.exporters.state import JOB_KEYS, RANK_KEYS, TelemetryState
+from gradloc.exporters.snapshot import JOB_KEYS, RANK_KEYS
+from gradloc.exporters.state import TelemetryState
 from tests.exporters.builders import columns, incident, rl_stats, step
 
 JOBS, RANKS = ("ended", "running"), 3
