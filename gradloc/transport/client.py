@@ -17,6 +17,11 @@ Failures, by the daemon's status code:
   out of its cache): resend once with every table the batch uses.
 * anything else (e.g. ``INTERNAL``): dropped, counted ``send_failed`` (no retry loop on a poison batch).
 
+The first batch is empty and goes at construction (``watch()`` time): it tells the daemon that this
+rank of the job exists before any of its records do. A job-scope incident (DDP, ZeRO) waits for the
+ranks the daemon has heard from, so a rank whose first records would only come with its first
+flush could otherwise be left out of the incident's rank shares.
+
 Layer tables go in the first batch after every (re)connect and whenever a new one appears. The
 cumulative drop counters go in every batch. Jitter uses its own ``random.Random`` seeded from
 ``os.urandom``: training scripts seed the module-level ``random``, and every rank would otherwise
@@ -81,9 +86,10 @@ class AgentClient:
         self._tables = LayerTables()
         self._pending: deque[_Item] = deque()
         self._pending_since = 0.0
-        self._inflight: tuple[int, list[_Item]] | None = None  # (sequence, items) being (re)sent
         self._sent_tables: set[int] = set()
-        self._seq = 0
+        self._seq = 1
+        # (sequence, items) being (re)sent; first the hello, an empty batch (see the module docstring)
+        self._inflight: tuple[int, list[_Item]] | None = (1, [])
         self._attempt, self._retry_at, self._reconnect = 0, 0.0, False
         self._warned: Counter[str] = Counter()
         self._channel = self._call = None

@@ -71,7 +71,8 @@ def test_token_on_grpc_and_http(tmp_path: Path) -> None:
     assert wrong["rejected"] == 1 and ok["sent_steps"] == 1 and ok["rejected"] == 0
     assert codes["/metrics"] == (401, 401, 200) and codes["/api/incidents"] == (401, 401, 200)
     assert codes["/healthz"] == (200, 200, 200)
-    assert 'gradloc_agent_rejected_total{reason="unauthenticated"} 2.0' in metrics
+    # two refused clients, two calls each: the hello (sent at construction, no records) and the step's batch
+    assert 'gradloc_agent_rejected_total{reason="unauthenticated"} 4.0' in metrics
     assert TOKEN not in Path(agent["log"]).read_text()  # debug logging, every request logged: no token
 
 

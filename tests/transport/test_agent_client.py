@@ -119,6 +119,19 @@ def test_ids_and_jitter_do_not_follow_the_seeded_module_random():
 
 
 # -- delivery ------------------------------------------------------------------------------------------
+def test_the_daemon_hears_of_the_rank_at_construction_before_any_record(receiver):
+    """A job-scope incident waits for the ranks the daemon has heard from: a rank must not stay
+    unheard of until its first flush (a short DDP run sends everything at close)."""
+    c = client(receiver.address, flush_interval_s=60.0)
+    assert wait_for(lambda: len(receiver.batches) == 1)
+    (hello,) = receiver.batches
+    assert (hello.client.job, hello.client.rank, hello.sequence) == (JOB, 1, 1)
+    assert hello.steps == () and hello.incidents == () and c.counters["sent_steps"] == 0
+    c.on_step(step(0))
+    assert c.force_flush(10) and [b.sequence for b in receiver.batches] == [1, 2]
+    c.shutdown(5)
+
+
 def test_a_server_started_later_receives_everything_after_backoff():
     port = free_port()
     c = client(f"127.0.0.1:{port}")
@@ -129,7 +142,9 @@ def test_a_server_started_later_receives_everything_after_backoff():
     try:
         assert c.force_flush(15)
         assert [s.step for s in late.steps] == list(range(10))
-        assert late.batches[0].steps[0].layers.names == ("embed", "blocks.0.mlp", "head")
+        hello, first = late.batches[:2]  # the hello, resent like any batch, then the records
+        assert (hello.sequence, hello.steps, hello.incidents) == (1, (), ())
+        assert first.steps[0].layers.names == ("embed", "blocks.0.mlp", "head")
         counts = c.counters
         assert (counts["sent_steps"], counts["send_failed"], counts["rejected"]) == (10, 0, 0)
         c.shutdown(5)
@@ -173,7 +188,8 @@ def test_an_overloaded_daemon_gets_the_batch_again_later(receiver):
     receiver.fail = None
     assert c.force_flush(10)
     assert [s.step for s in receiver.steps] == [0]
-    assert receiver.batches[0].sequence == 1  # the same batch, resent
+    # each batch accepted once, with the sequence number it was first sent with: the hello, then the step
+    assert [(b.sequence, len(b.steps)) for b in receiver.batches] == [(1, 0), (2, 1)]
     assert (c.counters["sent_steps"], c.counters["reconnects"], c.counters["send_failed"]) == (1, 0, 0)
     c.shutdown(5)
 
