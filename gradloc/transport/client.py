@@ -93,6 +93,7 @@ class AgentClient:
         self._attempt, self._retry_at, self._reconnect = 0, 0.0, False
         self._warned: Counter[str] = Counter()
         self._channel = self._call = None
+        self._future: grpc.Future | None = None  # the call in flight (guarded by _cond): shutdown cancels it
         self._metadata = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else None
         self._connect()
         self._thread = threading.Thread(target=self._run, name="gradloc-agent-client", daemon=True)
@@ -142,8 +143,8 @@ class AgentClient:
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Flush what can be sent within ``timeout_s``, then stop the worker. Idempotent. Returns
         within ``timeout_s`` plus a few milliseconds whatever the daemon does (down, stalled, slow):
-        the worker's send deadline is the same instant, and what is left is dropped and counted
-        (``send_failed``)."""
+        a call begun after shutdown has the same deadline, one begun before it is cancelled there, so
+        the worker ends too; what is left is dropped and counted (``send_failed``)."""
         if self._closed:
             return
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
@@ -153,7 +154,12 @@ class AgentClient:
             self._stop_at = start + timeout  # bounds the worker's in-flight call too
         self.force_flush(timeout)
         self._wake()
-        self._thread.join(max(0.0, start + timeout - time.monotonic()) + 0.05)
+        self._thread.join(max(0.0, start + timeout - time.monotonic()))
+        with self._cond:  # past the deadline: a call still out (one begun before shutdown) is abandoned
+            future = self._future
+        if future is not None:
+            future.cancel()
+        self._thread.join(0.05)
 
     def close_within(self, timeout_s: float) -> int:
         """``Monitor.close``'s entry point: flush and stop within ``timeout_s``. Returns how many
@@ -286,10 +292,21 @@ class AgentClient:
         if self._stop_at is not None:
             timeout = max(0.05, min(timeout, self._stop_at - time.monotonic()))
         try:
-            self._call(data, timeout=timeout, metadata=self._metadata)
+            future = self._call.future(data, timeout=timeout, metadata=self._metadata)
+            with self._cond:
+                self._future = future
+            try:
+                future.result()
+            finally:
+                with self._cond:
+                    self._future = None
+        except grpc.FutureCancelledError:  # by shutdown, at its deadline: dropped and counted, not retried
+            return grpc.StatusCode.CANCELLED, "cancelled at shutdown"
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = (exc.details() if hasattr(exc, "details") else None) or ""
+            if code == grpc.StatusCode.CANCELLED and self._stop_at is not None:
+                return code, "cancelled at shutdown"
             if code not in _RETRY and code != grpc.StatusCode.FAILED_PRECONDITION:
                 self._warn(f"status-{code}", "gradloc: the agent refused a batch of %d records: %s %s", len(items),
                            code, details)

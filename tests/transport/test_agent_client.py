@@ -3,6 +3,7 @@ every dropped record is counted, and records reach a daemon that comes up late o
 from __future__ import annotations
 
 import random
+import socket
 import statistics
 import sys
 import threading
@@ -85,6 +86,24 @@ def test_without_a_server_on_step_is_fast_and_nothing_raises():
     assert time.monotonic() - t0 < 2.0
     counts = c.counters
     assert counts["sent_steps"] == 0 and counts["send_failed"] == 300 and counts["queue_full"] == 0
+
+
+def test_shutdown_abandons_a_call_begun_before_it_and_the_worker_ends():
+    """A stalled daemon (a socket that listens and never answers): the hello is in flight with the
+    full 30 s timeout_s when shutdown begins. Shutdown cancels it at its own deadline, so the worker
+    thread ends too and no call is left for interpreter exit to wait on."""
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(16)
+        c = client(f"127.0.0.1:{stalled.getsockname()[1]}", timeout_s=30.0)
+        c.on_step(step(0))
+        assert wait_for(lambda: c._future is not None)  # the hello's call is out (internal: nothing else shows it)
+        t0 = time.monotonic()
+        c.shutdown(0.3)
+        took = time.monotonic() - t0
+        assert not c._thread.is_alive(), "the worker is still in the call"
+        assert took < 0.3 + 1.0, took  # the budget, plus slack for a loaded machine
+        assert c.counters["send_failed"] == 1 and c.counters["sent_steps"] == 0
 
 
 def test_queue_full_drops_are_counted_exactly_and_reported_to_the_daemon(receiver):
