@@ -54,13 +54,17 @@ class SoakConfig:
     incident_every: int = 1000  # steps of a job between two of its incidents
     max_backlog_s: float = 0.1  # a rank's steps more than this late are skipped (counted), not sent in a burst
     sample_s: float = 10.0
-    warmup_frac: float = 0.2  # RSS is compared from here on
+    # RSS is compared from min(warmup_s, 40% of the run) on: at 5,000/s the daemon's heap fills until
+    # ~200-240 s and then stays flat (docs/BENCHMARKS.md §3.1), so an earlier window measures the fill
+    warmup_s: float = 240.0
     daemon_cpu: int = 0
     encode: str = "replay"  # "replay": each rank's record encoded once, restamped; "client": encoded per record (bench/soak_load.py)
 
     def __post_init__(self) -> None:
         if not (self.minutes > 0 and self.rate > 0 and self.job_s > 0 and self.sample_s > 0):
             raise ValueError("minutes, rate, job_s and sample_s must be > 0")
+        if self.warmup_s < 0:
+            raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s}")
         if min(self.procs, self.jobs_per_proc, self.ranks, self.incident_every) < 1:
             raise ValueError("procs, jobs_per_proc, ranks and incident_every must be >= 1")
         if self.encode not in ("replay", "client"):
@@ -69,6 +73,11 @@ class SoakConfig:
     @property
     def duration_s(self) -> float:
         return self.minutes * 60.0
+
+    @property
+    def warmup_end_s(self) -> float:
+        """Where the first RSS window starts; it and the last (each 10% of the run) never overlap."""
+        return min(self.warmup_s, 0.4 * self.duration_s)
 
     @classmethod
     def quick(cls) -> Self:
@@ -198,7 +207,7 @@ def _result(cfg: SoakConfig, during: list[dict[str, Any]], rss: list[tuple[float
             load: list[float]) -> dict[str, Any]:
     """``during``: the full samples taken while the load ran; ``rss``: every second's RSS."""
     dur = cfg.duration_s
-    warm = dur * cfg.warmup_frac
+    warm = cfg.warmup_end_s
     span = 0.1 * dur  # medians over a window, not one value: RSS moves with batches in flight and scrapes
     rss_warm = _median_rss(rss, warm, warm + span)
     rss_end = _median_rss(rss, dur - span, dur)

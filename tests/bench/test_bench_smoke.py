@@ -157,4 +157,5 @@ def test_soak_quick_json(encode):
     assert res["drained"] and res["soak_series_after_drain"] == 0 and res["jobs_tracked_after_drain"] == 0
     assert res["series_max"] > 10 * res["series_after_drain"]  # the per-job series were there, then went
     assert 0 < res["rss_mb_after_warmup"] and 0 < res["rss_mb_end"]
+    assert res["rss_windows_s"] == [[8.0, 10.0], [18.0, 20.0]]  # 40% of the 20 s run, then its last 10%
     assert len(res["timeline"]) == 20
