@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 INCIDENT_SCHEMA_VERSION = 1
@@ -289,7 +290,38 @@ class SampleShare:
     rank: int | None = None
 
 
-@dataclass(frozen=True)
+class Status(StrEnum):
+    """``Localization.status``: how far localization got."""
+
+    LOCATED = "located"  # a verified culprit set (or the positions of a non-finite gradient)
+    DIFFUSE = "diffuse"  # no token, span, sample or micro-batch carries the spike; top shares reported
+    UNVERIFIED = "unverified"  # candidates without probes (no probe closure): attribution shares only
+    UNAVAILABLE = "unavailable"  # no per-token statistics, or localization failed (the note says why)
+
+
+class Method(StrEnum):
+    """``Localization.method``: how the culprits were found."""
+
+    ATTRIBUTION = "attribution"  # one-pass attribution, verified by probes (and the decomposition probe)
+    BISECTION = "bisection"  # GradLoc-style probe bisection
+    NONE = "none"
+
+
+class Level(StrEnum):
+    """``Localization.level``: the level at which the data went wrong (docs/DESIGN-NOTES.md, "Levels").
+
+    ``token``: single tokens; ``span``: contiguous tokens of one sample; ``sample``: a whole sample
+    (its gradient coherent across its tokens, no shorter span carries it); ``micro_batch``: a
+    micro-batch and no sample of it alone. Empty when nothing was located."""
+
+    TOKEN = "token"
+    SPAN = "span"
+    SAMPLE = "sample"
+    MICRO_BATCH = "micro_batch"
+    NONE = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Localization:
     """Where a spike came from, and how sure we are.
 
@@ -301,21 +333,28 @@ class Localization:
     """
 
     step: int
-    method: str  # "attribution" | "bisection" | "none"
-    status: str  # "located" | "diffuse" | "unverified" | "unavailable"
+    method: Method
+    status: Status
     probes: int
-    explained_share: float | None
     global_norm: float
-    culprit_norm: float | None
-    norm_without_culprits: float | None
-    culprits: tuple[Culprit, ...]
-    spans: tuple[CulpritSpan, ...]
+    explained_share: float | None = None
+    culprit_norm: float | None = None
+    norm_without_culprits: float | None = None
+    culprits: tuple[Culprit, ...] = ()
+    spans: tuple[CulpritSpan, ...] = ()
+    level: Level = Level.NONE
     micro_batch_shares: tuple[float, ...] = ()
     unattributed_share: float = 0.0
     loss_share: float | None = None
     loss_without_culprits: float | None = None
     note: str = ""
     samples: tuple[SampleShare, ...] = ()  # the samples carrying most of the attribution score
+    passes: int = 0  # forward-only passes beside the probes (the decomposition probe's two)
+
+    def __post_init__(self) -> None:  # plain strings from a decoder or a test become the typed values
+        object.__setattr__(self, "method", Method(self.method))
+        object.__setattr__(self, "status", Status(self.status))
+        object.__setattr__(self, "level", Level(self.level))
 
 
 @dataclass(frozen=True)
@@ -350,3 +389,5 @@ class Incident:
     # "rank": this rank's own finding; "job": localized across the ranks of a DDP/FSDP2/ZeRO job and
     # emitted once (by rank 0): culprits, spans and samples name their rank, shares are the job's
     scope: str = "rank"
+
+

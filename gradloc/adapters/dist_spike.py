@@ -38,9 +38,10 @@ from gradloc.localizer import ProbeSession, SpikeContext, StoredGradient
 from gradloc.localizer.diffuse import describe
 from gradloc.localizer.localizer import MAX_UNATTRIBUTED, LocalizeResult
 from gradloc.localizer.probes import Grads, distance, dot, grad_norm
-from gradloc.localizer.spans import build_culprits, build_spans
+from gradloc.localizer.levels import pick_samples
+from gradloc.localizer.spans import build_culprits, build_spans, range_span
 from gradloc.localizer.token_view import TokenView
-from gradloc.records import Localization, SampleShare
+from gradloc.records import Level, Localization, Method, SampleShare, Status
 
 
 class ProbeFailed(RuntimeError):
@@ -74,8 +75,8 @@ class DistSpikePath(SpikePath):
                                                        f"{type(exc).__name__}: {exc}"))
 
     def _unavailable(self, x: SpikeInputs, note: str) -> Localization:
-        return Localization(x.record.step, "none", "unavailable", 0, None, x.record.global_norm, None, None, (), (),
-                            note=note)
+        return Localization(step=x.record.step, method=Method.NONE, status=Status.UNAVAILABLE, probes=0,
+                            global_norm=x.record.global_norm, note=note)
 
     # -- 1. candidates --------------------------------------------------------------------------
     def _job_localize(self, x: SpikeInputs) -> LocalizeResult:
@@ -116,7 +117,7 @@ class DistSpikePath(SpikePath):
             else:
                 why = "no token stands out in any rank's attribution scores"
             del g_c
-            return LocalizeResult(self._diffuse(x, view, stored, session, rounds, why, job_total))
+            return LocalizeResult(self._diffuse(x, view, stored, session, rounds, why, job_total, ctx))
 
     def _session(self, x: SpikeInputs) -> Any:
         if self.deepspeed is not None:
@@ -193,10 +194,13 @@ class DistSpikePath(SpikePath):
         all_c = sorted((c for e in every for c in e[0]), key=lambda c: -c.share if math.isfinite(c.share) else 0.0)
         all_s = sorted((s for e in every for s in e[1]), key=lambda s: -s.share if math.isfinite(s.share) else 0.0)
         loss_share = loss_c / ctx.loss if ctx.loss else None
-        return Localization(x.record.step, "attribution", "located", rounds, explained, x.record.global_norm, c_norm,
-                            without, tuple(all_c), tuple(all_s), (), view.unattributed_share, loss_share,
-                            (ctx.loss - loss_c) if ctx.loss is not None else None, note,
-                            _merge_samples([e[2] for e in every], job_total))
+        return Localization(step=x.record.step, method=Method.ATTRIBUTION, status=Status.LOCATED,
+                            level=Level.SPAN if any(s.end - s.start > 1 for s in all_s) else Level.TOKEN,
+                            probes=rounds, explained_share=explained, global_norm=x.record.global_norm,
+                            culprit_norm=c_norm, norm_without_culprits=without, culprits=tuple(all_c),
+                            spans=tuple(all_s), unattributed_share=view.unattributed_share, loss_share=loss_share,
+                            loss_without_culprits=(ctx.loss - loss_c) if ctx.loss is not None else None, note=note,
+                            samples=_merge_samples([e[2] for e in every], job_total))
 
     def _nonfinite(self, x: SpikeInputs, view: TokenView, rows: np.ndarray) -> LocalizeResult:
         bad = np.flatnonzero(view.eligible & ~(np.isfinite(view.scores) & np.isfinite(view.rank_scores)))
@@ -204,9 +208,10 @@ class DistSpikePath(SpikePath):
         culprits = [replace(c, rank=self.comm.rank) for c in build_culprits(view, [int(b) for b in bad],
                                                                             [math.nan] * bad.size, self.localizer.decode)]
         every = self.comm.all_gather_object(culprits, "gradloc non-finite records")
-        loc = Localization(x.record.step, "attribution", "located", 0, None, x.record.global_norm, None, None,
-                           tuple(c for e in every for c in e), (), note="non-finite gradient: culprits are the "
-                           "positions where it appears, on the ranks where it appears")
+        loc = Localization(step=x.record.step, method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.TOKEN,
+                           probes=0, global_norm=x.record.global_norm, culprits=tuple(c for e in every for c in e),
+                           note="non-finite gradient: culprits are the positions where it appears, on the ranks "
+                                "where it appears")
         return LocalizeResult(loc)
 
     def _unverified(self, x: SpikeInputs, view: TokenView, cands: list, mine: list, job_total: float) -> Localization:
@@ -216,14 +221,15 @@ class DistSpikePath(SpikePath):
         spans = [replace(s, rank=self.comm.rank) for s in build_spans(view, culprits, self.localizer.decode,
                                                                    self.localizer.cfg.context_tokens)]
         every = self.comm.all_gather_object((culprits, spans, _top_samples(view)), "gradloc culprit records")
-        return Localization(x.record.step, "attribution", "unverified" if cands else "diffuse", 0, None,
-                            x.record.global_norm, None, None, tuple(c for e in every for c in e[0]),
-                            tuple(s for e in every for s in e[1]), (), view.unattributed_share, None, None,
-                            "a rank gave no probe closure: shares are attribution scores",
-                            _merge_samples([e[2] for e in every], job_total))
+        return Localization(step=x.record.step, method=Method.ATTRIBUTION,
+                            status=Status.UNVERIFIED if cands else Status.DIFFUSE, probes=0,
+                            global_norm=x.record.global_norm, culprits=tuple(c for e in every for c in e[0]),
+                            spans=tuple(s for e in every for s in e[1]), unattributed_share=view.unattributed_share,
+                            note="a rank gave no probe closure: shares are attribution scores",
+                            samples=_merge_samples([e[2] for e in every], job_total))
 
     def _diffuse(self, x: SpikeInputs, view: TokenView, stored: StoredGradient, session: ProbeSession, used: int,
-                 why: str, job_total: float) -> Localization:
+                 why: str, job_total: float, ctx: SpikeContext) -> Localization:
         every = self.comm.all_gather_object(_top_samples(view), "gradloc samples")
         samples = list(_merge_samples(every, job_total))
         left = self.localizer.cfg.max_probes - used
@@ -234,9 +240,44 @@ class DistSpikePath(SpikePath):
             explained = self._combine(stored, g, loss)[0]
             samples[i] = replace(s, share=explained)
         n = int(self.comm.all_reduce(torch.tensor([sum(m.n_samples for m in view.metas)], dtype=torch.float64)))
-        return Localization(x.record.step, "attribution", "diffuse", used + min(max(left, 0), len(samples)), None,
-                            x.record.global_norm, None, None, (), (), (), view.unattributed_share, None, None,
-                            f"{why}; {describe(tuple(samples), n)}", tuple(samples))
+        probes = used + min(max(left, 0), len(samples))
+        promoted = _promote(samples, lambda share: self.localizer._verified(share, stored.norm, 0.0, ctx), n)
+        if promoted is not None:  # a measured sample carries it: name it (sample level; no decomposition across ranks)
+            share, spans = promoted
+            spans = self._sample_spans(view, spans)
+            return Localization(step=x.record.step, method=Method.ATTRIBUTION, status=Status.LOCATED,
+                                level=Level.SAMPLE, probes=probes, explained_share=share,
+                                global_norm=x.record.global_norm, spans=spans,
+                                unattributed_share=view.unattributed_share, samples=tuple(samples),
+                                note=f"{why}; {len(spans)} sample(s) measured by probes carry {share:.0%} of ‖∇‖² "
+                                     "(sample level; the decomposition probe does not run across ranks yet)")
+        return Localization(step=x.record.step, method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=probes,
+                            global_norm=x.record.global_norm, unattributed_share=view.unattributed_share,
+                            note=f"{why}; {describe(tuple(samples), n)}", samples=tuple(samples))
+
+
+    def _sample_spans(self, view: TokenView, samples: list[SampleShare]) -> tuple:
+        """Each culprit sample's loss tokens as one span, built by the rank that holds it, gathered."""
+        mine = []
+        for s in samples:
+            if s.rank != self.comm.rank:
+                continue
+            m = _meta_pos(view, s.micro_batch)
+            pos = view.sample_flats(m, s.sample) - view.offsets[m] - view.metas[m].bounds(s.sample)[0]
+            span = range_span(view, m, s.sample, int(pos[0]), int(pos[-1]) + 1, float(s.share),
+                              self.localizer.decode, self.localizer.cfg.context_tokens)
+            mine.append(replace(span, rank=self.comm.rank))
+        every = self.comm.all_gather_object(mine, "gradloc culprit samples")
+        return tuple(sorted((sp for e in every for sp in e), key=lambda sp: -sp.share))
+
+
+def _promote(samples: list[SampleShare], passes: Callable[[float], bool],
+             n_samples: int) -> tuple[float, list[SampleShare]] | None:
+    """(their share, the samples) of the smallest verified union of the measured samples, or None."""
+    ranked = sorted((s for s in samples if s.share is not None and math.isfinite(s.share) and s.tokens > 0),
+                    key=lambda s: -s.share)
+    verdict = pick_samples([(i, s.share, s.tokens) for i, s in enumerate(ranked)], passes, n_samples)
+    return (verdict.explained, [ranked[i] for i in verdict.culprits]) if verdict.culprits else None
 
 
 class _Session:

@@ -28,7 +28,7 @@ from gradloc.adapters import job_setup
 from gradloc.adapters.dist import CollectiveTimeout
 from gradloc.adapters.dist_spike import DistSpikePath
 from gradloc.adapters.fanout import Fanout
-from gradloc.adapters.spike import SpikeInputs, SpikePath, scaler_state
+from gradloc.adapters.spike import SpikeInputs, SpikePath, heads_of, scaler_state
 from gradloc.adapters.update_hooks import UpdateHooks
 from gradloc.collector import rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
@@ -92,8 +92,9 @@ class Monitor:
         spike_args = (watched if job.kind == "deepspeed" else model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
                       Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg, self.pause_token_hooks,
                       self.counters)
-        self.spikes = SpikePath(*spike_args) if self.comm is None else \
-            DistSpikePath(*spike_args, comm=self.comm, kind=self.job_kind, probe_context=job.probe_context,
+        heads = heads_of(self.hooks.watched) if self.hooks else {}
+        self.spikes = SpikePath(*spike_args, heads=heads) if self.comm is None else \
+            DistSpikePath(*spike_args, heads=heads, comm=self.comm, kind=self.job_kind, probe_context=job.probe_context,
                           deepspeed=self.layer_stats if job.kind == "deepspeed" else None)
         self._fanout = Fanout([*sinks, *default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)],
                               self.counters)
@@ -309,7 +310,7 @@ class Monitor:
         self.comm = None
         spikes = self.spikes
         self.spikes = SpikePath(spikes.model, spikes.params, spikes.token_layers, spikes.localizer, spikes.cfg,
-                                spikes.pause_hooks, spikes.counters)
+                                spikes.pause_hooks, spikes.counters, heads=spikes.heads)
 
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
         if not parts or self.hooks is None:

@@ -21,7 +21,7 @@ from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, St
 from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.remedy import apply_remedy
-from gradloc.records import Incident, Localization, SpikeEvent, StepRecord
+from gradloc.records import Incident, Localization, Method, SpikeEvent, Status, StepRecord
 
 log = logging.getLogger("gradloc")
 
@@ -44,9 +44,14 @@ class SpikePath:
 
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], token_layers: Sequence[str],
                  localizer: Localizer, cfg: WatchConfig, pause_hooks: Callable[[bool], None],
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], heads: dict[int, nn.Module] | None = None) -> None:
         self.model, self.params, self.token_layers = model, list(params), list(token_layers)
         self.localizer, self.cfg, self.pause_hooks, self.counters = localizer, cfg, pause_hooks, counters
+        self.heads = dict(heads or {})  # token-layer index -> its one module (for the decomposition probe)
+
+    def head_for(self, view: TokenView | None) -> nn.Module | None:
+        """The module of the view's exact (loss-head) layer, when that layer is one module."""
+        return self.heads.get(view.exact_layer) if view is not None and view.exact_layer is not None else None
 
     def incident(self, x: SpikeInputs) -> Incident:
         result = None
@@ -87,12 +92,21 @@ class SpikePath:
             s = x.spike
             ctx = SpikeContext(s.mean, rec.loss, s.loss_mean, s.std, self.cfg.detector.z_threshold)
             return self.localizer.localize(rec.step, view, stored, opener, ctx,
-                                           keep_grad=self.cfg.remedy == "drop_culprits")
+                                           keep_grad=self.cfg.remedy == "drop_culprits", head=self.head_for(view))
         except Exception as exc:  # never raise into the training loop
             self.counters["localize_errors"] += 1
             log.warning("gradloc: localization of step %d failed: %s", rec.step, exc, exc_info=True)
-            return LocalizeResult(Localization(rec.step, "none", "unavailable", 0, None, rec.global_norm, None,
-                                               None, (), (), note=f"localization failed: {type(exc).__name__}: {exc}"))
+            return LocalizeResult(Localization(step=rec.step, method=Method.NONE, status=Status.UNAVAILABLE, probes=0,
+                                               global_norm=rec.global_norm,
+                                               note=f"localization failed: {type(exc).__name__}: {exc}"))
+
+
+def heads_of(watched: Sequence[object]) -> dict[int, nn.Module]:
+    """Token-layer index -> its module, for the layers that are exactly one module (``TokenHooks.watched``)."""
+    by: dict[int, list[nn.Module]] = {}
+    for w in watched:
+        by.setdefault(w.layer, []).append(w.module)  # type: ignore[attr-defined]
+    return {layer: ms[0] for layer, ms in by.items() if len(ms) == 1}
 
 
 def token_view(scores: StepScores | None, layers: Sequence[str], scale: float,

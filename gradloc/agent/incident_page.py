@@ -68,7 +68,9 @@ def _finding(f: Incident) -> str:
             f"{_num(sp.loss_mean)}); kinds {_e(', '.join(sp.kinds))}</p>")
     if loc is None:
         return head + "<p>not localized (a trend, not a token event)</p>"
-    out = [head, f"<p>localized by {_e(loc.method)} with {loc.probes} probe(s): <b>{_e(loc.status)}</b>; culprits "
+    level = f" at the {_e(loc.level.replace('_', '-'))} level" if loc.level else ""
+    passes = f" (+{loc.passes} forward passes)" if loc.passes else ""
+    out = [head, f"<p>localized by {_e(loc.method)} with {loc.probes} probe(s){passes}: <b>{_e(loc.status)}</b>{level}; culprits "
                  f"carry {_pct(loc.explained_share)} of ‖∇‖²; without them ‖∇‖ would be "
                  f"{_num(loc.norm_without_culprits)}</p>"]
     if f.classification is not None:

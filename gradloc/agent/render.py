@@ -63,7 +63,7 @@ def _incident_text(inc: Incident, color: bool) -> str:
     if loc.note:
         lines.append(f"  note: {loc.note}")
     lines += _remedy_lines(inc.remedy)
-    if not loc.spans and loc.samples:
+    if loc.samples and (not loc.spans or any(x.share is not None for x in loc.samples)):  # measured: always shown
         lines += ["  samples carrying the norm:", *(_sample_line(x, inc.scope == "job") for x in loc.samples)]
     by_span = {(c.micro_batch, c.sample, c.position): c for c in loc.culprits}
     for span in loc.spans:
@@ -87,7 +87,9 @@ def _incident_text(inc: Incident, color: bool) -> str:
 
 
 def _outcome(loc: Localization) -> str:
-    head = f"  localized by {loc.method} with {loc.probes} probe(s): {loc.status}"
+    passes = f" (+{loc.passes} forward pass(es))" if loc.passes else ""
+    level = f" at the {loc.level.replace('_', '-')} level" if loc.level else ""
+    head = f"  localized by {loc.method} with {loc.probes} probe(s){passes}: {loc.status}{level}"
     if loc.status == "located" or loc.explained_share is not None:
         return (f"{head}; culprits carry {_pct(loc.explained_share)} of ‖∇‖² and {_pct(loc.loss_share)} of the "
                 f"loss; without them ‖∇‖ would be {_num(loc.norm_without_culprits)}")
@@ -135,7 +137,11 @@ def incident_line(inc: Incident) -> str:
     tops = ", ".join(f"{_visible(c.text)!r} {f'r {c.rank}/' if job and c.rank is not None else ''}mb {c.micro_batch}/s {c.sample}/p {c.position} {_pct(c.share)}"
                      for c in loc.culprits[:3])
     more = f" +{len(loc.culprits) - 3} more" if len(loc.culprits) > 3 else ""
-    return terminal(f"{head} · {loc.status} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}")
+    level = f" ({loc.level.replace('_', '-')})" if loc.level else ""
+    if not tops and loc.spans:  # a sample or span level: the spans are the culprits
+        tops = ", ".join(f"{f'r {s.rank}/' if job and s.rank is not None else ''}mb {s.micro_batch}/s {s.sample}/"
+                         f"p {s.start}-{s.end - 1} {_pct(s.share)}" for s in loc.spans[:3])
+    return terminal(f"{head} · {loc.status}{level} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}")
 
 
 def culprit_json(c: Culprit, rank: int = 0) -> dict[str, Any]:
@@ -163,6 +169,11 @@ def _sample_json(x: SampleShare, rank: int) -> dict[str, Any]:
             "score_share": x.score_share, "share": x.share}
 
 
+def _span_json(x: Any, rank: int) -> dict[str, Any]:
+    return {"rank": x.rank if x.rank is not None else rank, "micro_batch": x.micro_batch, "sample": x.sample,
+            "sample_id": x.sample_id, "start": x.start, "end": x.end, "share": x.share, "text": x.text}
+
+
 def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
               extra: Callable[[Incident], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The demo's ``--json`` object: ``planted`` and ``incidents`` (documented in docs/incident-json.md)."""
@@ -173,9 +184,11 @@ def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
             "incident_id": inc.incident_id, "step": inc.step, "rank": inc.rank, "scope": inc.scope,
             "kinds": list(inc.spike.kinds),
             "method": loc.method if loc else None, "status": loc.status if loc else None,
-            "probes": loc.probes if loc else 0,
+            "level": loc.level if loc else "", "probes": loc.probes if loc else 0,
+            "passes": loc.passes if loc else 0,
             "explained_share": loc.explained_share if loc else None,
             "culprits": [culprit_json(c, inc.rank) for c in loc.culprits] if loc else [],
+            "spans": [_span_json(x, inc.rank) for x in loc.spans] if loc else [],
             "samples": [_sample_json(x, inc.rank) for x in loc.samples] if loc else [],
             "classification": None if inc.classification is None else _class_json(inc.classification),
             "remedy": None if inc.remedy is None else {

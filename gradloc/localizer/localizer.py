@@ -9,10 +9,13 @@ or of its excess over the healthy loss. The loss criteria matter for a corrupted
 cross-entropy gradient is bounded, so its share of ‖∇‖² can be modest while it carries most of
 the loss.
 
-Outcomes (``Localization.status``): ``located`` (a verified token set), ``diffuse`` (no small
-token set explains the spike: the rest of the probe budget measures the top samples, see
-``diffuse.py``; no token is listed), ``unverified`` (candidates without a probe closure),
-``unavailable`` (no per-token statistics). Bisection runs per ``LocalizerConfig.bisection``.
+Outcomes (``Localization.status``): ``located`` (a verified culprit set, at the ``Localization.level``
+where the data went wrong: token, span, sample or micro-batch), ``diffuse`` (nothing at any level
+carries the spike; the measured sample shares are reported), ``unverified`` (candidates without a
+probe closure), ``unavailable`` (no per-token statistics). When the token candidates fail, the
+rest of the budget goes below the tokens (``below.py``): the decomposition probe (``decompose.py``)
+measures every sample's and token's exact share of one micro-batch at once. The token phase grows
+its candidate set only while one probe stays for that. Bisection runs per ``LocalizerConfig.bisection``.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch import nn
 
 from gradloc.config import LocalizerConfig
 from gradloc.localizer.bisection import bisect, sqrt_threshold
@@ -30,7 +34,7 @@ from gradloc.localizer.diffuse import describe, sample_shares
 from gradloc.localizer.probes import Grads, ProbeSession, distance, dot, grad_norm
 from gradloc.localizer.spans import Decode, build_culprits, build_spans
 from gradloc.localizer.token_view import TokenView
-from gradloc.records import Localization
+from gradloc.records import Level, Localization, Method, Status
 
 MAX_UNATTRIBUTED = 0.5  # above this share of ‖∇‖² outside per-token rules, attribution is not trusted
 
@@ -76,7 +80,8 @@ class Localizer:
 
     def localize(self, step: int, view: TokenView | None, stored: StoredGradient,
                  open_probes: Callable[[], ProbeSession] | None, ctx: SpikeContext,
-                 keep_grad: bool = False) -> LocalizeResult:
+                 keep_grad: bool = False, head: "nn.Module | None" = None) -> LocalizeResult:
+        """``head``: the module of the view's exact layer (the loss head), for the decomposition probe."""
         if view is None or view.scores.size == 0:
             return LocalizeResult(self._unavailable(step, view, stored, "no per-token statistics for this step"))
         # Non-finite positions from every layer's scores, not only the exact layer's that rank candidates
@@ -84,7 +89,7 @@ class Localizer:
         bad = np.flatnonzero(view.eligible & ~(np.isfinite(view.scores) & np.isfinite(view.rank_scores)))
         if bad.size:
             bad = bad[: self.cfg.max_candidates]
-            return LocalizeResult(self._result(step, "attribution", "located", 0, None, stored, view, bad,
+            return LocalizeResult(self._result(step, Method.ATTRIBUTION, Status.LOCATED, 0, None, stored, view, bad,
                                                np.full(bad.size, np.nan), None,
                                                "non-finite gradient: culprits are the positions where it appears"))
         if view.unattributed_share > MAX_UNATTRIBUTED:
@@ -100,9 +105,9 @@ class Localizer:
         with open_probes() as session:
             why = "no token stands out in the attribution scores"
             if cands.size:
-                got = self._verify(view, stored, cands, session, ctx)
+                got = self._verify(view, stored, cands, session, ctx, grow_to=self.cfg.max_probes - 1)
                 if self._verified(got.explained, stored.norm, got.loss, ctx):
-                    loc = self._located(step, "attribution", stored, view, got, session.count, ctx)
+                    loc = self._located(step, Method.ATTRIBUTION, stored, view, got, session.count, ctx)
                     return LocalizeResult(loc, got.grad if keep_grad else None)
                 why = (f"the top {got.cands.size} attributed token(s) explain only {got.explained:.2f} of ‖∇‖² "
                        "and less than half of the spike's excess")
@@ -111,30 +116,34 @@ class Localizer:
                 del got
             if self.cfg.bisection == "on_failure":
                 return self._bisect(step, view, stored, session, ctx, why, keep_grad)
-            return LocalizeResult(self._diffuse(step, view, stored, session, why))
+            from gradloc.localizer.below import Below
+
+            return Below(self, step, view, stored, session, ctx, head).run(why, keep_grad)
 
     # -- attribution + verification -------------------------------------------------------------
     def _verify(self, view: TokenView, stored: StoredGradient, cands: np.ndarray, session: ProbeSession,
-                ctx: SpikeContext) -> _Measured:
+                ctx: SpikeContext, grow_to: int) -> _Measured:
         groups = _by_micro_batch(view, cands)
         kept = sorted(groups, key=lambda m: -float(view.rank_scores[groups[m]].sum()))[: self.cfg.max_probes]
         cands = np.concatenate([groups[m] for m in kept])
         g_c: Grads = [None] * len(stored.grads)
         for m in kept:
             g_c = _probe_into(session, view, g_c, m, groups[m])
-        cands, g_c = self._grow(view, stored, session, ctx, cands, g_c)
+        cands, g_c = self._grow(view, stored, session, ctx, cands, g_c, grow_to)
         return _Measured(cands, g_c, *_explained(stored, g_c), sum(session.losses), len(groups) - len(kept))
 
     def _grow(self, view: TokenView, stored: StoredGradient, session: ProbeSession, ctx: SpikeContext,
-              cands: np.ndarray, g_c: Grads) -> tuple[np.ndarray, Grads]:
-        """While the step would still be a spike without C and probes remain, probe the next
-        outlier tokens (relaxed relative threshold), one micro-batch per probe. ∇ is linear in the
-        token mask, so probing only the new tokens adds exactly their gradient to ∇_C."""
+              cands: np.ndarray, g_c: Grads, grow_to: int) -> tuple[np.ndarray, Grads]:
+        """While the step would still be a spike without C and fewer than ``grow_to`` probes ran (or
+        ``max_probes`` once C is verified already), probe the next outlier tokens (relaxed relative threshold), one micro-batch per probe. ∇ is
+        linear in the token mask, so probing only the new tokens adds exactly their gradient to ∇_C."""
         relaxed = replace(self.cfg, candidate_rel_score=self.cfg.candidate_rel_score / 10)
         while session.count < self.cfg.max_probes:
-            _, _, without = _explained(stored, g_c)
+            explained, _, without = _explained(stored, g_c)
             if not _still_spike(without, ctx):
                 break
+            if session.count >= grow_to and not self._verified(explained, stored.norm, sum(session.losses), ctx):
+                break  # the last probe is kept for the levels below the tokens (below.py)
             taken = np.zeros(view.scores.size, dtype=bool)
             taken[cands] = True
             extra = select_candidates(view.rank_scores, view.eligible & ~taken, relaxed)
@@ -168,28 +177,18 @@ class Localizer:
         shares = got.explained * w / w.sum() if math.isfinite(got.explained) and w.sum() > 0 else w * np.nan
         if got.unprobed:
             note = (note + "; " if note else "") + f"candidates in {got.unprobed} more micro-batches not probed (max_probes)"
-        return self._result(step, method, "located", probes, got.explained, stored, view, got.cands, shares,
+        return self._result(step, method, Status.LOCATED, probes, got.explained, stored, view, got.cands, shares,
                             (got.c_norm, got.without), note, _loss_fields(ctx, got.loss))
 
     def _without_probes(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray) -> Localization:
         if cands.size:
             total = float(view.scores.sum())
-            return self._result(step, "attribution", "unverified", 0, None, stored, view, cands,
+            return self._result(step, Method.ATTRIBUTION, Status.UNVERIFIED, 0, None, stored, view, cands,
                                 view.scores[cands] / total, None, "no probe closure given: shares are attribution scores")
         samples = sample_shares(view, None, 0)
         note = "no token stands out in the attribution scores (no probe closure: nothing measured); " + \
             describe(samples, _n_samples(view))
-        return self._empty(step, "attribution", "diffuse", 0, stored, view, note, samples)
-
-    def _diffuse(self, step: int, view: TokenView, stored: StoredGradient, session: ProbeSession,
-                 why: str) -> Localization:
-        def measure(m: int, flats: np.ndarray) -> float:
-            g = _probe_into(session, view, [None] * len(stored.grads), m, flats)
-            return _explained(stored, g)[0]
-
-        samples = sample_shares(view, measure, self.cfg.max_probes - session.count)
-        return self._empty(step, "attribution", "diffuse", session.count, stored, view,
-                           f"{why}; {describe(samples, _n_samples(view))}", samples)
+        return self._empty(step, Method.ATTRIBUTION, Status.DIFFUSE, 0, stored, view, note, samples)
 
     # -- fallback ---------------------------------------------------------------------------------
     def _bisect(self, step: int, view: TokenView, stored: StoredGradient, session: ProbeSession,
@@ -209,7 +208,7 @@ class Localizer:
         res = bisect(groups, grad_of, threshold, max(self.cfg.bisection_budget - session.count, 1))
         note = f"{why}; bisection" + (" stopped at its probe budget" if res.exhausted else "")
         if res.grad is None:
-            return LocalizeResult(self._empty(step, "bisection", "diffuse", session.count, stored, view,
+            return LocalizeResult(self._empty(step, Method.BISECTION, Status.DIFFUSE, session.count, stored, view,
                                               f"{note}: no token subset above the noise threshold; "
                                               f"{describe(sample_shares(view, None, 0), _n_samples(view))}",
                                               sample_shares(view, None, 0)))
@@ -219,10 +218,10 @@ class Localizer:
         if not self._verified(got.explained, stored.norm, got.loss, ctx):
             samples = sample_shares(view, None, 0)
             return LocalizeResult(self._empty(
-                step, "bisection", "diffuse", session.count, stored, view,
+                step, Method.BISECTION, Status.DIFFUSE, session.count, stored, view,
                 f"{note}: {cands.size} hot token(s) explain only {got.explained:.2f} of ‖∇‖²; "
                 f"{describe(samples, _n_samples(view))}", samples))
-        loc = self._located(step, "bisection", stored, view, got, session.count, ctx,
+        loc = self._located(step, Method.BISECTION, stored, view, got, session.count, ctx,
                             weights=np.asarray(res.norms) ** 2, note=note)
         return LocalizeResult(loc, got.grad if keep_grad else None)
 
@@ -232,21 +231,28 @@ class Localizer:
         culprits = build_culprits(view, [int(c) for c in cands], [float(s) for s in shares], self.decode)
         spans = build_spans(view, culprits, self.decode, self.cfg.context_tokens)
         c_norm, without = norms if norms else (None, None)
-        return Localization(step, method, status, probes, explained, stored.norm, c_norm, without,
-                            culprits, spans, view.micro_batch_shares(), view.unattributed_share,
-                            loss_fields[0], loss_fields[1], note, sample_shares(view, None, 0))
+        level = Level.NONE
+        if status == Status.LOCATED:
+            level = Level.SPAN if any(s.end - s.start > 1 for s in spans) else Level.TOKEN
+        return Localization(step=step, method=method, status=status, level=level, probes=probes,
+                            explained_share=explained, global_norm=stored.norm, culprit_norm=c_norm,
+                            norm_without_culprits=without, culprits=culprits, spans=spans,
+                            micro_batch_shares=view.micro_batch_shares(), unattributed_share=view.unattributed_share,
+                            loss_share=loss_fields[0], loss_without_culprits=loss_fields[1], note=note,
+                            samples=sample_shares(view, None, 0))
 
     @staticmethod
-    def _empty(step: int, method: str, status: str, probes: int, stored: StoredGradient, view: TokenView,
-               note: str, samples: tuple = ()) -> Localization:
-        return Localization(step, method, status, probes, None, stored.norm, None, None, (), (),
-                            view.micro_batch_shares(), view.unattributed_share, None, None, note, samples)
+    def _empty(step: int, method: Method, status: Status, probes: int, stored: StoredGradient, view: TokenView,
+               note: str, samples: tuple = (), passes: int = 0) -> Localization:
+        return Localization(step=step, method=method, status=status, probes=probes, passes=passes,
+                            global_norm=stored.norm, micro_batch_shares=view.micro_batch_shares(),
+                            unattributed_share=view.unattributed_share, note=note, samples=samples)
 
     @staticmethod
     def _unavailable(step: int, view: TokenView | None, stored: StoredGradient, note: str) -> Localization:
-        return Localization(step, "none", "unavailable", 0, None, stored.norm, None, None, (), (),
-                            view.micro_batch_shares() if view else (),
-                            view.unattributed_share if view else 0.0, None, None, note)
+        return Localization(step=step, method=Method.NONE, status=Status.UNAVAILABLE, probes=0, global_norm=stored.norm,
+                            micro_batch_shares=view.micro_batch_shares() if view else (),
+                            unattributed_share=view.unattributed_share if view else 0.0, note=note)
 
 
 def _n_samples(view: TokenView) -> int:

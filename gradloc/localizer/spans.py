@@ -67,21 +67,23 @@ def build_spans(view: TokenView, culprits: Sequence[Culprit], decode: Decode | N
             if c is not None and c.position == run[-1].position + 1:
                 run.append(c)
                 continue
-            spans.append(_span(view, where[mb], b, run, decode, context))
+            spans.append(range_span(view, where[mb], b, run[0].position, run[-1].position + 1,
+                                    sum(c.share for c in run), decode, context))
             run = [c] if c is not None else []
     return tuple(sorted(spans, key=lambda s: -s.share))
 
 
-def _span(view: TokenView, m: int, b: int, run: list[Culprit], decode: Decode | None, context: int) -> CulpritSpan:
+def range_span(view: TokenView, m: int, b: int, start: int, end: int, share: float, decode: Decode | None,
+               context: int) -> CulpritSpan:
+    """The span [start, end) of sample b of view position m, with its text, context and window."""
     meta = view.metas[m]
-    start, end = run[0].position, run[-1].position + 1
     ids = meta.sample_tokens(b)  # this sample's tokens only: context never crosses into a packed neighbour
     lo, hi = max(0, start - context), min(len(ids), end + context)
     if hi - lo > MAX_SPAN_WINDOW:  # a huge context_tokens: the window keeps the span and what fits around it
         lo = max(lo, min(start, hi - MAX_SPAN_WINDOW))
         hi = min(hi, lo + MAX_SPAN_WINDOW)
     return CulpritSpan(
-        micro_batch=meta.index, sample=b, start=start, end=end, share=sum(c.share for c in run),
+        micro_batch=meta.index, sample=b, start=start, end=end, share=share,
         token_ids=tuple(ids[start:end]), text=safe_decode(decode, ids[start:end]) if ids else None,
         context_before=safe_decode(decode, ids[max(0, start - context):start]) if ids else None,
         context_after=safe_decode(decode, ids[end:end + context]) if ids else None,

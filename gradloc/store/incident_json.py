@@ -13,6 +13,7 @@ coerced incident would render wrong numbers later. The shape is documented in
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import types
@@ -134,6 +135,11 @@ def _decode_scalar(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, str):
             return value
         raise _bad(path, "a string", value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # records' StrEnums (Status, Method, Level)
+        try:
+            return tp(value)
+        except ValueError:
+            raise _bad(path, f"one of {[e.value for e in tp]}", value) from None
     raise TypeError(f"{path}: no JSON decoding for {tp!r}")
 
 

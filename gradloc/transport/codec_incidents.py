@@ -21,11 +21,14 @@ from gradloc.records import (
     Incident,
     LayerShare,
     LayerStats,
+    Level,
     Localization,
+    Method,
     Remedy,
     SampleInfo,
     SampleShare,
     SpikeEvent,
+    Status,
     TokenRL,
 )
 from gradloc.transport import validate as v
@@ -82,7 +85,8 @@ def _shares(shares: tuple[LayerShare, ...]) -> list[pb.LayerShareMsg]:
 
 
 def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
-    m = pb.LocalizationMsg(step=loc.step, method=loc.method, status=loc.status, probes=loc.probes,
+    m = pb.LocalizationMsg(step=loc.step, method=loc.method, status=loc.status, level=loc.level,
+                           probes=loc.probes, passes=loc.passes,
                            global_norm=loc.global_norm, micro_batch_shares=loc.micro_batch_shares,
                            unattributed_share=loc.unattributed_share, note=loc.note)
     _set_optional(m, loc, ("explained_share", "culprit_norm", "norm_without_culprits", "loss_share",
@@ -293,14 +297,26 @@ def _decode_window(m: pb.CulpritSpanMsg, c: _Checks, where: str) -> tuple[int, t
 
 def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Localization:
     return Localization(
-        v.count(m.step, f"{where}.step"), c.name(m.method, f"{where}.method"), c.name(m.status, f"{where}.status"),
-        v.count(m.probes, f"{where}.probes"), _get_optional(m, "explained_share", c.derived, where),
-        c.grad(m.global_norm, f"{where}.global_norm"), _get_optional(m, "culprit_norm", c.derived, where),
-        _get_optional(m, "norm_without_culprits", c.derived, where),
-        tuple(_decode_culprit(x, c, f"{where}.culprits[{i}]") for i, x in enumerate(m.culprits)),
-        tuple(_decode_span(x, c, f"{where}.spans[{i}]") for i, x in enumerate(m.spans)),
-        tuple(c.derived(x, f"{where}.micro_batch_shares[{i}]") for i, x in enumerate(m.micro_batch_shares)),
-        c.derived(m.unattributed_share, f"{where}.unattributed_share"),
-        _get_optional(m, "loss_share", c.loss_derived, where),
-        _get_optional(m, "loss_without_culprits", c.loss_derived, where), c.free_text(m.note, f"{where}.note"),
-        tuple(_decode_sample(x, c, f"{where}.samples[{i}]") for i, x in enumerate(m.samples)))
+        step=v.count(m.step, f"{where}.step"), method=_enum(Method, m.method, f"{where}.method"),
+        status=_enum(Status, m.status, f"{where}.status"), level=_enum(Level, m.level, f"{where}.level"),
+        probes=v.count(m.probes, f"{where}.probes"), passes=v.count(m.passes, f"{where}.passes"),
+        explained_share=_get_optional(m, "explained_share", c.derived, where),
+        global_norm=c.grad(m.global_norm, f"{where}.global_norm"),
+        culprit_norm=_get_optional(m, "culprit_norm", c.derived, where),
+        norm_without_culprits=_get_optional(m, "norm_without_culprits", c.derived, where),
+        culprits=tuple(_decode_culprit(x, c, f"{where}.culprits[{i}]") for i, x in enumerate(m.culprits)),
+        spans=tuple(_decode_span(x, c, f"{where}.spans[{i}]") for i, x in enumerate(m.spans)),
+        micro_batch_shares=tuple(c.derived(x, f"{where}.micro_batch_shares[{i}]")
+                                 for i, x in enumerate(m.micro_batch_shares)),
+        unattributed_share=c.derived(m.unattributed_share, f"{where}.unattributed_share"),
+        loss_share=_get_optional(m, "loss_share", c.loss_derived, where),
+        loss_without_culprits=_get_optional(m, "loss_without_culprits", c.loss_derived, where),
+        note=c.free_text(m.note, f"{where}.note"),
+        samples=tuple(_decode_sample(x, c, f"{where}.samples[{i}]") for i, x in enumerate(m.samples)))
+
+
+def _enum(kind: type, x: str, where: str):  # noqa: ANN202 - one of records' StrEnums
+    try:
+        return kind(v.text(x, where) if x else x)
+    except ValueError:
+        raise v.reject("invalid_value", f"{where} is {x!r}; one of {[e.value for e in kind]}") from None

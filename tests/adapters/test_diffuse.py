@@ -30,9 +30,10 @@ def test_a_uniform_spike_is_diffuse_in_three_probes_with_the_samples_measured():
     loc = rep.incident.localization
     assert loc.status == "diffuse" and loc.method == "attribution"
     assert loc.culprits == () and loc.spans == ()  # no unverified token is ever named
-    assert loc.probes == 3 and loc.explained_share is None
+    assert loc.probes == 3 and loc.explained_share is None and loc.level == ""
+    assert loc.passes == 6  # three decomposition probes: each micro-batch's every sample measured at once
     measured = [s for s in loc.samples if s.share is not None]
-    assert len(measured) == 3 and len(loc.samples) == 5
+    assert len(measured) == len(loc.samples) == 5
     assert all(0 < s.share < 0.3 for s in measured)  # 12 samples carry it about evenly
     assert "spread evenly over 12 samples" in loc.note
 

@@ -74,8 +74,9 @@ def incident(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: fl
              remedy: Remedy | None = None, kind: str | None = "train_inference_mismatch") -> CorrelatedIncident:
     """A correlated incident whose every reporting rank has one finding of ``kinds`` (localized with
     ``status`` unless None; ``remedy`` on every finding)."""
-    loc = None if status is None else Localization(step_n, "attribution", status, probes, explained, global_norm,
-                                                   None, None, (), ())
+    loc = None if status is None else Localization(step=step_n, method="attribution", status=status,
+                                                   probes=probes, explained_share=explained,
+                                                   global_norm=global_norm)
     findings = tuple(
         Incident(incident_id=f"{r:02d}{trace_id[2:]}", job=job, rank=r, step=step_n, time_unix=time_unix,
                  spike=SpikeEvent(step=step_n, kinds=kinds, global_norm=global_norm, z=30.0, mean=1.0, std=0.1),

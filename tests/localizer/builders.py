@@ -33,7 +33,9 @@ def summary(job: str, rank: int, step: int, total_score: float | None = 1.0,
 def finding(job: str, rank: int, step: int, share: float = 0.8, text: str = " bad") -> Incident:
     spike = SpikeEvent(step, ("grad_spike",), 5.0, 9.0, 1.0, 0.3, layers=("head",))
     span = CulpritSpan(1, 0, 7, 8, share, (42,), text, "before", "after", f"s{rank}")
-    loc = Localization(step, "attribution", "located", 1, share, 5.0, 4.0, 1.0, (), (span,))
+    loc = Localization(step=step, method="attribution", status="located", level="token", probes=1,
+                       explained_share=share, global_norm=5.0, culprit_norm=4.0, norm_without_culprits=1.0,
+                       spans=(span,))
     return Incident(f"r{rank}", job, rank, step, 1000.0 + step + rank, spike, loc)
 
 

@@ -163,7 +163,8 @@ def test_loss_excess_verifies_when_the_plain_loss_share_fails() -> None:
 
 def test_all_criteria_failing_gives_a_diffuse_step_with_the_rest_of_the_probes_on_samples() -> None:
     toy, c = one_small_culprit(w=basis(D, 0) + basis(D, 1, 2))
-    loc = localize(toy, context=ctx(healthy=20.0, loss=43.0, healthy_loss=1.0)).localization
+    # no healthy norm: a sample passes only by carrying half of ‖∇‖² (the top one carries 27%)
+    loc = localize(toy, context=ctx(loss=43.0, healthy_loss=1.0)).localization
     assert (loc.status, loc.method, loc.culprits, loc.spans) == ("diffuse", "attribution", (), ())
     assert loc.explained_share is None and loc.norm_without_culprits is None
     assert loc.probes == 3  # 1 verification + 2 samples measured
@@ -175,6 +176,16 @@ def test_all_criteria_failing_gives_a_diffuse_step_with_the_rest_of_the_probes_o
     assert s[1].share == pytest.approx(toy.share_of(range(0, 4)), rel=1e-12)  # 4·23/629
     assert [x.share for x in s[2:]] == [None, None, None]
     assert s[0].score_share == pytest.approx(103 / 123, rel=1e-12) and s[0].tokens == 4
+
+
+def test_a_sample_is_named_only_as_an_outlier_among_the_samples() -> None:
+    """The same step against a healthy norm of 20: the culprit's sample carries 169 of the excess
+    629 − 400 (over half), but only 27% of ‖∇‖², under the floor for 6 samples (max(0.1, 2.5/6)):
+    the aligned noise makes every sample look alike, so no sample is named."""
+    toy, c = one_small_culprit(w=basis(D, 0) + basis(D, 1, 2))
+    loc = localize(toy, context=ctx(healthy=20.0, loss=43.0, healthy_loss=1.0)).localization
+    assert (loc.status, loc.level, loc.culprits, loc.spans) == ("diffuse", "", (), ())
+    assert loc.samples[0].share == pytest.approx(169 / 629, rel=1e-12)
 
 
 # -- 3. growing the candidate set while the residual is still a spike --------------------------------
@@ -254,17 +265,20 @@ def test_diffuse_measures_exact_sample_shares() -> None:
     assert all(s.share is None for s in loc.samples[2:])
 
 
-def test_diffuse_names_the_sample_that_carries_the_norm() -> None:
+def test_a_sample_that_carries_the_norm_is_located_at_the_sample_level() -> None:
     """Sample 1 of micro-batch 2 has 4·e_0 at each position (score 16 < 20 × the median 1, so no
-    token stands out) and carries 16·19/404 of ‖∇‖²."""
+    token stands out) and carries 16·19/404 = 75% of ‖∇‖²: a probe measures it, and the sample is
+    named (it was ``diffuse`` with the sample only listed, before the levels)."""
     toy = even_toy()
     toy.V[2, 1] = basis(D, 0, 4)
     loc = localize(toy).localization
-    assert loc.status == "diffuse" and loc.culprits == ()
+    assert (loc.status, loc.level, loc.culprits) == ("located", "sample", ())
+    assert loc.explained_share == pytest.approx(toy.share_of(range(20, 24)), rel=1e-12) and loc.explained_share > 0.5
+    (span,) = loc.spans
+    assert (span.micro_batch, span.sample, span.start, span.end) == (2, 1, 0, 4)
     top = loc.samples[0]
-    assert (top.micro_batch, top.sample) == (2, 1)
-    assert top.share == pytest.approx(toy.share_of(range(20, 24)), rel=1e-12) and top.share > 0.5
-    assert "sample 1 of micro-batch 2 carries the norm (mb 2/sample 1: 75% measured" in loc.note
+    assert (top.micro_batch, top.sample) == (2, 1) and top.share == loc.explained_share
+    assert "1 sample(s) measured by probes carry 75% of ‖∇‖² (sample level" in loc.note
 
 
 # -- 6. without a probe closure -------------------------------------------------------------------------

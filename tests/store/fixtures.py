@@ -52,7 +52,8 @@ def finding(rank: int, step: int, span: CulpritSpan, *, incident_id: str, time_u
                              score_share=0.6, token_id=tok, text=span.text, sample_id=span.sample_id,
                              layers=(LayerShare("head", 0.29), LayerShare("blocks.1.proj", 0.2)))
                      for pos, tok in zip(range(span.start, span.end), span.token_ids))
-    loc = Localization(step=step, method="attribution", status=status, probes=2, explained_share=explained,
+    loc = Localization(step=step, method="attribution", status=status, level="token" if status == "located" else "",
+                       probes=2, explained_share=explained,
                        global_norm=3.5, culprit_norm=3.3, norm_without_culprits=0.9, culprits=culprits,
                        spans=(span,), micro_batch_shares=(0.05, 0.02, 0.03, 0.9), unattributed_share=0.01,
                        loss_share=0.5, loss_without_culprits=2.2, note="",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import typing
@@ -107,6 +108,8 @@ def _strategy(tp: typing.Any) -> st.SearchStrategy:
         hints = typing.get_type_hints(tp)
         return st.builds(tp, **{f.name: _strategy(hints[f.name]) for f in dataclasses.fields(tp)
                                 if f.name != "schema_version"})
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # records' StrEnums
+        return st.sampled_from(list(tp))
     return {float: st.floats(), int: st.integers(-2**63, 2**63), bool: st.booleans(),
             str: st.text(max_size=6)}[tp]
 

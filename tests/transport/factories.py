@@ -25,12 +25,15 @@ from gradloc.records import (
     Incident,
     LayerShare,
     LayerStats,
+    Level,
     Localization,
+    Method,
     Remedy,
     RLStats,
     SampleInfo,
     SampleShare,
     SpikeEvent,
+    Status,
     StepRecord,
     TokenRL,
     TokenScore,
@@ -72,8 +75,10 @@ def incident(n: int = 7, **kw: Any) -> Incident:
     spike = SpikeEvent(n, ("grad_spike",), 40.0, 9.5, 1.0, 0.2, 2.5, 0.1, 2.4, ("head",), "z 9.5")
     cul = Culprit(0, 1, 5, 0.9, 0.8, 42, " x", "uid-1", (LayerShare("head", 0.7), LayerShare("embed", 0.3)))
     span = CulpritSpan(0, 1, 5, 6, 0.9, (42,), " x", "a b", "c d", "uid-1")
-    loc = Localization(n, "attribution", "located", 2, 0.93, 40.0, 38.0, 3.0, (cul,), (span,), (0.95, 0.05), 0.01,
-                       0.4, 1.5, "")
+    loc = Localization(step=n, method="attribution", status="located", level="token", probes=2, passes=2,
+                       explained_share=0.93, global_norm=40.0, culprit_norm=38.0, norm_without_culprits=3.0,
+                       culprits=(cul,), spans=(span,), micro_batch_shares=(0.95, 0.05), unattributed_share=0.01,
+                       loss_share=0.4, loss_without_culprits=1.5, note="")
     args = dict(incident_id="f" * 32, job=JOB, rank=1, step=n, time_unix=1.7e9, spike=spike, localization=loc,
                 top_layers=(layer("head", 39.0),))
     args.update(kw)
@@ -158,9 +163,13 @@ def incidents(draw: st.DrawFn) -> Incident:
                      max_size=2).map(tuple)
     samples = st.lists(st.builds(SampleShare, small_int, small_int, derived, opt(derived), opt_text, small_int,
                                  opt(st.integers(0, WORLD - 1))), max_size=3).map(tuple)
-    loc = draw(opt(st.builds(Localization, small_int, name, name, small_int, opt(derived), g, opt(derived),
-                             opt(derived), culprits, spans, st.lists(derived, max_size=3).map(tuple), derived,
-                             opt(lossy), opt(lossy), st.text(max_size=30), samples)))
+    loc = draw(opt(st.builds(Localization, step=small_int, method=st.sampled_from(list(Method)),
+                             status=st.sampled_from(list(Status)), level=st.sampled_from(list(Level)),
+                             probes=small_int, passes=small_int, explained_share=opt(derived), global_norm=g,
+                             culprit_norm=opt(derived), norm_without_culprits=opt(derived), culprits=culprits,
+                             spans=spans, micro_batch_shares=st.lists(derived, max_size=3).map(tuple),
+                             unattributed_share=derived, loss_share=opt(lossy), loss_without_culprits=opt(lossy),
+                             note=st.text(max_size=30), samples=samples)))
     remedy = draw(opt(st.builds(Remedy, name, st.booleans(), g, opt(derived), st.text(max_size=30))))
     spike = SpikeEvent(draw(small_int), kinds, draw(g), draw(opt(finite)), draw(opt(finite)), draw(opt(finite)),
                        loss, draw(opt(finite)), draw(opt(finite)), tuple(draw(st.lists(name, max_size=3))),

@@ -71,7 +71,7 @@ class LayerTable(_message.Message):
     def __init__(self, id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl", "layers_global", "norm_mean", "norm_threshold")
+    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl", "layers_global", "norm_mean", "norm_threshold", "samples")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Step(_message.Message):
     LAYERS_GLOBAL_FIELD_NUMBER: _ClassVar[int]
     NORM_MEAN_FIELD_NUMBER: _ClassVar[int]
     NORM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
@@ -124,7 +125,60 @@ class Step(_message.Message):
     layers_global: bool
     norm_mean: float
     norm_threshold: float
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ..., norm_mean: _Optional[float] = ..., norm_threshold: _Optional[float] = ...) -> None: ...
+    samples: SampleStatsMsg
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ..., norm_mean: _Optional[float] = ..., norm_threshold: _Optional[float] = ..., samples: _Optional[_Union[SampleStatsMsg, _Mapping]] = ...) -> None: ...
+
+class SampleStatsMsg(_message.Message):
+    __slots__ = ("judged", "unjudged", "nonfinite", "z_counts", "z_sum", "max_z", "baseline", "flagged", "outliers", "rl_mismatch_baseline")
+    JUDGED_FIELD_NUMBER: _ClassVar[int]
+    UNJUDGED_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    Z_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    Z_SUM_FIELD_NUMBER: _ClassVar[int]
+    MAX_Z_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    OUTLIERS_FIELD_NUMBER: _ClassVar[int]
+    RL_MISMATCH_BASELINE_FIELD_NUMBER: _ClassVar[int]
+    judged: int
+    unjudged: int
+    nonfinite: int
+    z_counts: _containers.RepeatedScalarFieldContainer[int]
+    z_sum: float
+    max_z: float
+    baseline: float
+    flagged: int
+    outliers: _containers.RepeatedCompositeFieldContainer[SampleOutlierMsg]
+    rl_mismatch_baseline: float
+    def __init__(self, judged: _Optional[int] = ..., unjudged: _Optional[int] = ..., nonfinite: _Optional[int] = ..., z_counts: _Optional[_Iterable[int]] = ..., z_sum: _Optional[float] = ..., max_z: _Optional[float] = ..., baseline: _Optional[float] = ..., flagged: _Optional[int] = ..., outliers: _Optional[_Iterable[_Union[SampleOutlierMsg, _Mapping]]] = ..., rl_mismatch_baseline: _Optional[float] = ...) -> None: ...
+
+class SampleOutlierMsg(_message.Message):
+    __slots__ = ("kind", "score", "z", "baseline", "micro_batch", "sample", "sample_id", "start", "end", "tokens", "text", "detail")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    score: float
+    z: float
+    baseline: float
+    micro_batch: int
+    sample: int
+    sample_id: str
+    start: int
+    end: int
+    tokens: int
+    text: str
+    detail: str
+    def __init__(self, kind: _Optional[str] = ..., score: _Optional[float] = ..., z: _Optional[float] = ..., baseline: _Optional[float] = ..., micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., sample_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., text: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RLStatsMsg(_message.Message):
     __slots__ = ("tokens", "log_ratio_counts", "log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction", "advantage_counts", "advantage_rms", "max_abs_advantage", "entropy_mean", "advantage_sum")
@@ -365,7 +419,7 @@ class CulpritSpanMsg(_message.Message):
     def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ..., rank: _Optional[int] = ..., window_start: _Optional[int] = ..., window_tokens: _Optional[_Iterable[str]] = ..., window_scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LocalizationMsg(_message.Message):
-    __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note", "samples")
+    __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note", "samples", "level", "passes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +436,8 @@ class LocalizationMsg(_message.Message):
     LOSS_WITHOUT_CULPRITS_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     step: int
     method: str
     status: str
@@ -398,7 +454,9 @@ class LocalizationMsg(_message.Message):
     loss_without_culprits: float
     note: str
     samples: _containers.RepeatedCompositeFieldContainer[SampleShareMsg]
-    def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleShareMsg, _Mapping]]] = ...) -> None: ...
+    level: str
+    passes: int
+    def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleShareMsg, _Mapping]]] = ..., level: _Optional[str] = ..., passes: _Optional[int] = ...) -> None: ...
 
 class SampleShareMsg(_message.Message):
     __slots__ = ("micro_batch", "sample", "score_share", "share", "sample_id", "tokens", "rank")
