@@ -8,8 +8,11 @@ than the 1 ms target on this machine from noise alone). The median time gradloc'
 per step (``micro_batch`` blocks' enter/exit and ``end_step``) differs by < 1 ms; the client
 reconnected and resumed (the last daemon has the job's records); the records the client had to
 drop are counted (a deliberately small client buffer) and exported (``gradloc_client_dropped_total``
-on the last daemon). The parameters after the faulty run are bitwise those of the same seed without
-gradloc. Real daemon processes, real signals, real trainer processes.
+on the last daemon), and its ``Monitor.close`` returns within its budget. The live control delivers
+every record: its client is patient and its close budget generous (``lockstep.py`` says why), so
+that holds however slowly a loaded machine lets the live daemon commit. The parameters after the
+faulty run are bitwise those of the same seed without gradloc. Real daemon processes, real signals,
+real trainer processes.
 """
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ from tests.reliability.lockstep import Child, Trainer
 pytestmark = pytest.mark.integration
 STEPS = 120
 START, KILL, RESTART, STOP, CONT = 20, 50, 70, 90, 105  # the faulty run's schedule (steps)
+# The faulty run's close: its budget (1 s) plus slack. Timed inside the trainer process, beyond the
+# budget close adds a 50 ms join and bookkeeping; the slack is for that process being descheduled on
+# a loaded 2-core machine (five processes of this test share it). The faulty daemon is up again at
+# the end, so this is a sanity bound: tests/reliability/test_close.py tests the budget against a
+# stalled daemon.
+CLOSE_SLACK_S = 3.0
 
 
 def _plain() -> dict[str, torch.Tensor]:
@@ -42,8 +51,8 @@ def test_training_is_unaffected_by_an_absent_killed_stalled_agent(tmp_path: Path
     plain = _plain()
     live_port, port, db = free_port(), free_port(), tmp_path / "faulty.db"
     daemons = {"live": start_daemon(tmp_path / "live.db", live_port, tmp_path, 100)}
-    live = Child(live_port, tmp_path / "live.pt", tmp_path / "live.log")
-    faulty = Child(port, tmp_path / "faulty.pt", tmp_path / "faulty.log")
+    live = Child(live_port, tmp_path / "live.pt", tmp_path / "live.log", "live")
+    faulty = Child(port, tmp_path / "faulty.pt", tmp_path / "faulty.log", "faulty")
 
     def schedule(step: int) -> None:
         if step in (START, RESTART):
@@ -67,8 +76,8 @@ def test_training_is_unaffected_by_an_absent_killed_stalled_agent(tmp_path: Path
             else:
                 faulty_own.append(faulty.step())
                 live_own.append(live.step())
-        _, live_counters = live.close()
-        params, c = faulty.close()
+        _, live_report = live.close()
+        params, report = faulty.close()
         text = metrics_text(tmp_path, RESTART)
     finally:
         live.kill()
@@ -78,13 +87,18 @@ def test_training_is_unaffected_by_an_absent_killed_stalled_agent(tmp_path: Path
                 os.kill(d.pid, signal.SIGCONT)
                 d.send_signal(signal.SIGTERM)
                 d.wait(30)
+    c, live_counters = report["counters"], live_report["counters"]
     added_ms = (statistics.median(faulty_own) - statistics.median(live_own)) * 1e3
     print(f"gradloc per step: live {statistics.median(live_own) * 1e3:.3f} ms, faulty "
-          f"{statistics.median(faulty_own) * 1e3:.3f} ms (added {added_ms:+.3f} ms); client {c}; live {live_counters}")
+          f"{statistics.median(faulty_own) * 1e3:.3f} ms (added {added_ms:+.3f} ms); faulty {report}; live {live_report}")
     assert added_ms < 1.0, added_ms
     for name, p in plain.items():
         assert torch.equal(p, params[name]), f"{name} differs from the run without gradloc"
-    assert live_counters["send_failed"] + live_counters["queue_full"] == 0, live_counters  # the control was live
+    # the control was live: every record delivered (nothing dropped, nothing left at close)
+    assert live_report["undelivered"] == 0, live_report
+    assert live_counters["send_failed"] + live_counters["queue_full"] + live_counters["rejected"] == 0, live_report
+    assert (live_counters["sent_steps"], live_counters["sent_incidents"]) == (STEPS, live_report["incidents"]), live_report
+    assert report["close_s"] < report["close_budget_s"] + CLOSE_SLACK_S, report  # the faulty run's close is bounded
     assert c["reconnects"] >= 1 and c["sent_steps"] > 0
     dropped = c["send_failed"] + c["queue_full"]
     assert dropped > 0, c  # a 16-record buffer over 20-step outages must have dropped some, and said so
