@@ -1,203 +1,240 @@
 """When no small token set explains a spike: find the sample, span or micro-batch that does.
 
-What is left of the ≤ ``max_probes`` budget goes, micro-batch by micro-batch (the one holding the
-top-scoring sample first), to the decomposition probe (``decompose.py``): one probe and two
-forward-only passes measure every sample's and every token's exact share of ‖∇‖² in that
-micro-batch. ``levels.py`` turns the shares into a verdict: a culprit sample (its span(s) when they
-carry it), else the micro-batch, else the next micro-batch. A probe left after a verdict re-measures
-the culprit samples exactly (∇_S itself: ‖∇ − ∇_S‖, ℓ_S, and the gradient the opt-in remedy drops).
+What is left of the ≤ ``max_probes`` budget goes, micro-batch by micro-batch (the job's micro-batch
+holding the top-scoring sample first), to the decomposition probe (``decompose.py``) on the rank that
+holds it: one probe and two forward-only passes measure every sample's and every token's exact share
+of ‖∇‖² in that micro-batch. ``levels.py`` turns the shares into a verdict: a culprit sample (its
+span when one carries it), else the micro-batch, else the next micro-batch. A probe left after a
+verdict re-measures the culprit samples exactly (∇_S itself: ‖∇ − ∇_S‖, ℓ_S, and the gradient the
+opt-in remedy drops).
 
-Without the head module (no single exact layer) or when the decomposition fails, each remaining probe
-measures one top sample instead (``diffuse.sample_shares``), and a verified sample is still named.
-Nothing passes: ``diffuse``, with every measured share reported.
+Without a decomposition (the exact layer is not one module, a scope whose stored gradient is not
+whole on one rank — FSDP2, ZeRO — or a failure), each remaining probe measures one top sample
+instead, and a measured sample that passes is still named (``sample`` level). Nothing passes:
+``diffuse``, with every measured share reported. Every rank takes the same path: the owner's results
+reach the others through ``all_gather_object``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
-from gradloc.localizer.decompose import Decomposition, decompose
-from gradloc.localizer.diffuse import TOP_SAMPLES, describe, sample_shares
-from gradloc.localizer.levels import Region, SampleVerdict, pick_samples, regions_of, sample_measures, top_tokens
-from gradloc.localizer.probes import ProbeSession
+from gradloc.localizer.context import LocalizeResult
+from gradloc.localizer.decompose import decompose
+from gradloc.localizer.diffuse import TOP_SAMPLES, describe
+from gradloc.localizer.levels import pick_samples, regions_of, sample_measures, top_tokens
 from gradloc.localizer.spans import build_culprits, range_span
-from gradloc.localizer.token_view import TokenView
-from gradloc.records import Level, Localization, Method, SampleShare, Status
+from gradloc.records import Level, Method, SampleShare, Status
 
 if TYPE_CHECKING:
-    from gradloc.localizer.localizer import LocalizeResult, Localizer, SpikeContext, StoredGradient
+    from gradloc.localizer.localizer import _Run
 
 MAX_CLOSURE_ERROR = 0.25  # a decomposition whose Σ c_t misses the probe's ⟨∇_mb, ∇⟩ by more is not trusted
 
 
 class Below:
-    def __init__(self, loc: "Localizer", step: int, view: TokenView, stored: "StoredGradient",
-                 session: ProbeSession, ctx: "SpikeContext", head: nn.Module | None) -> None:
-        self.loc, self.step, self.view, self.stored, self.session, self.ctx, self.head = \
-            loc, step, view, stored, session, ctx, head
+    def __init__(self, run: "_Run", why: str) -> None:
+        self.r, self.notes = run, [why]
         self.passes = 0
         self.measured: list[SampleShare] = []
+        self.n = run.n_samples()
 
-    def run(self, why: str, keep_grad: bool) -> "LocalizeResult":
-        from gradloc.localizer.localizer import LocalizeResult
-
-        notes = [why]
-        if self.head is not None:
-            for m in self._micro_batch_order():
-                if self.session.count >= self.loc.cfg.max_probes:
+    def run(self) -> LocalizeResult:
+        r = self.r
+        if r.all_ranks(r.scope.decomposes and r.head is not None):
+            for owner, m in self._micro_batch_order():
+                if r.used >= r.cfg.max_probes:
                     break
-                try:
-                    dec = self._decompose(m)
-                except Exception as exc:  # noqa: BLE001 - an unusual model: fall back to sample probes
-                    notes.append(f"decomposition unavailable ({type(exc).__name__}: {exc})")
+                got = self._decompose(owner, m)
+                if got["error"]:
+                    self.notes.append(f"decomposition unavailable ({got['error']})")
                     break
-                if dec.closure_error > MAX_CLOSURE_ERROR:
-                    notes.append(f"decomposition of micro-batch {self.view.metas[m].index} off by "
-                                 f"{dec.closure_error:.0%} (not trusted)")
+                if got["closure_error"] > MAX_CLOSURE_ERROR:
+                    self.notes.append(f"decomposition of micro-batch {got['index']} off by {got['closure_error']:.0%} "
+                                      "(not trusted)")
                     continue
-                found = self._verdict(m, dec, keep_grad, notes)
+                found = self._verdict(owner, m, got)
                 if found is not None:
                     return found
-            else:
-                notes.append("no sample or micro-batch measured carries it")
-        if not self.measured:  # no decomposition ran: one probe per top sample
-            return self._by_sample_probes(notes, keep_grad)
-        return LocalizeResult(self._diffuse(notes))
+        if not self.measured:
+            return self._by_sample_probes()
+        return LocalizeResult(self._diffuse())
 
-    # -- decomposition ------------------------------------------------------------------------
-    def _micro_batch_order(self) -> list[int]:
-        order: list[int] = []
-        for m, _, _, _ in self.view.sample_totals():
-            if m not in order:
-                order.append(m)
-        return order
+    # -- decomposition --------------------------------------------------------------------------
+    def _micro_batch_order(self) -> list[tuple[int, int]]:
+        """(rank, view position) of the job's micro-batches by their best sample's score, best first."""
+        best: dict[int, float] = {}
+        for m, _, score, _ in self.r.view.sample_totals():
+            best.setdefault(m, score if math.isfinite(score) else 0.0)
+        every = self.r.comm.all_gather_object(sorted(best.items()), "gradloc micro-batch order")
+        merged = [(-score, rank, m) for rank, items in enumerate(every) for m, score in items]
+        return [(rank, m) for _, rank, m in sorted(merged)]
 
-    def _decompose(self, m: int) -> Decomposition:
-        view, st = self.view, self.stored
-        a, b = view.offsets[m], view.offsets[m + 1]
-        mask = torch.from_numpy(view.mask_for(m, np.flatnonzero(view.eligible[a:b]) + a))
-        dec = decompose(self.session, view.metas[m].index, mask, st.grads, st.inv_scale, st.norm ** 2, self.head)
+    def _decompose(self, owner: int, m: int) -> dict:
+        r, payload = self.r, None
+        self._dec = None
+        if owner == r.rank:
+            view, st = r.view, r.stored
+            meta = view.metas[m]
+            a, b = view.offsets[m], view.offsets[m + 1]
+            mask = torch.from_numpy(view.mask_for(m, np.flatnonzero(view.eligible[a:b]) + a))
+            try:
+                dec = decompose(r.session, meta.index, mask, st.grads, st.inv_scale, st.norm ** 2, r.head)
+                k = r.scope.contribution  # DDP: a rank's own gradient enters the job's averaged
+                c = dec.c * k
+                self._dec = (c, dec.grad, dec.loss)  # c as the job sees it; the gradient and loss as probed here
+                measures = [(s, share, n, meta.sample_id(s), _score_share(r, m, s))
+                            for s, share, n in sample_measures(view, m, c)]
+                payload = {"error": "", "closure_error": dec.closure_error, "explained": dec.explained * k,
+                           "loss": dec.loss * k, "measures": measures, "index": meta.index}
+            except Exception as exc:  # noqa: BLE001 - an unusual model: fall back to sample probes
+                payload = {"error": f"{type(exc).__name__}: {exc}"}
+        got = r.comm.all_gather_object(payload, "gradloc decomposition")[owner]
+        r.used += 1
         self.passes += 2
-        return dec
+        return got
 
-    def _verdict(self, m: int, dec: Decomposition, keep_grad: bool, notes: list[str]) -> "LocalizeResult | None":
-        from gradloc.localizer.localizer import LocalizeResult, _loss_fields
-
-        view, loc = self.view, self.loc
-        measures = sample_measures(view, m, dec.c)
-        meta = view.metas[m]
-        self.measured += [SampleShare(micro_batch=meta.index, sample=b, score_share=_score_share(view, m, b),
-                                      share=share, sample_id=meta.sample_id(b), tokens=n)
-                          for b, share, n in measures[:TOP_SAMPLES]]
-        verdict = pick_samples(measures, lambda s: loc._verified(s, self.stored.norm, 0.0, self.ctx), self._n())
+    def _verdict(self, owner: int, m: int, got: dict) -> LocalizeResult | None:
+        r = self.r
+        rank = None if r.solo else owner
+        self.measured += [SampleShare(micro_batch=got["index"], sample=s, score_share=ss, share=share, sample_id=sid,
+                                      tokens=n, rank=rank) for s, share, n, sid, ss in got["measures"][:TOP_SAMPLES]]
+        verdict = pick_samples([(s, share, n) for s, share, n, _, _ in got["measures"]],
+                               lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx), self.n)
         if verdict.culprits:
-            return self._sample_level(m, dec, verdict, keep_grad, notes)
-        if loc._verified(dec.explained, self.stored.norm, dec.loss, self.ctx):
-            from gradloc.localizer.localizer import _explained
-
-            _, c_norm, without = _explained(self.stored, dec.grad)
-            note = "; ".join(notes + [f"micro-batch {meta.index} carries it; no sample of it alone does"])
-            loss_share, loss_without = _loss_fields(self.ctx, dec.loss)
-            out = self._record(Level.MICRO_BATCH, dec.explained, (), (), note, c_norm, without, loss_share,
-                               loss_without)
-            return LocalizeResult(out, dec.grad if keep_grad else None)
-        notes.append(f"micro-batch {meta.index} measured: {dec.explained:.0%} of ‖∇‖², no sample of it passes")
+            return self._sample_level(owner, m, verdict, got["index"])
+        if r.loc._verified(got["explained"], r.stored.norm, got["loss"], r.ctx):
+            mine = self._dec[1] if self._dec is not None else [None] * len(r.stored.grads)
+            explained, loss = r.scope.measure(mine, self._dec[2] if self._dec is not None else 0.0, "")
+            norms = r.scope.norms(mine)
+            self.notes.append(f"micro-batch {got['index']} carries it; no sample of it alone does")
+            loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.MICRO_BATCH, probes=r.used,
+                           passes=self.passes, samples=self._samples(), note="; ".join(self.notes),
+                           explained=explained, norms=norms, loss=loss)
+            return LocalizeResult(loc, mine if r.keep_grad else None)
+        self.notes.append(f"micro-batch {got['index']} measured: {got['explained']:.0%} of ‖∇‖², no sample of it passes")
         return None
 
-    def _sample_level(self, m: int, dec: Decomposition, verdict: SampleVerdict, keep_grad: bool,
-                      notes: list[str]) -> "LocalizeResult":
-        from gradloc.localizer.localizer import LocalizeResult, _explained, _loss_fields, _probe_into
+    def _sample_level(self, owner: int, m: int, verdict, index: int) -> LocalizeResult:  # noqa: ANN001 - SampleVerdict
+        r = self.r
+        explained, norms, loss, grad = verdict.explained, (None, None), None, None
+        if r.used < r.cfg.max_probes:  # measure the culprit samples themselves
+            group = None
+            if owner == r.rank:
+                group = (m, np.concatenate([r.view.sample_flats(m, b) for b in verdict.culprits]))
+            start = len(r.session.losses)
+            acc, err = r.probe_round([None] * len(r.stored.grads), group)
+            exact, loss = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
+            norms = r.scope.norms(acc)
+            r.used += 1
+            self.notes.append(f"the decomposition gave {explained:.0%}, a probe of the sample(s) {exact:.0%}")
+            explained, grad = exact, (acc if r.keep_grad else None)
+        payload = None
+        if owner == r.rank:
+            payload = self._regions(m, verdict)
+        level, culprits, spans = r.comm.all_gather_object(payload, "gradloc culprit samples")[owner]
+        what = ", ".join(f"sample {b}" for b in verdict.culprits)
+        self.notes.append(f"{what} of micro-batch {index} "
+                          f"carr{'ies' if len(verdict.culprits) == 1 else 'y'} {explained:.0%} of ‖∇‖² "
+                          f"({level.value} level)")
+        loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=r.used,
+                       passes=self.passes, culprits=culprits, spans=spans, samples=self._samples(),
+                       note="; ".join(self.notes), explained=explained, norms=norms, loss=loss)
+        return LocalizeResult(loc, grad)
 
-        view, cfg = self.view, self.loc.cfg
+    def _regions(self, m: int, verdict) -> tuple:  # noqa: ANN001 - levels.SampleVerdict
+        """(level, culprits, spans) of the culprit samples, on the rank that holds them."""
+        r, (c, _, _) = self.r, self._dec
         share_of = {b: s for b, s, _ in verdict.samples}
         levels, regions = [], []
         for b in verdict.culprits:
-            level, rs = regions_of(view, m, b, dec.c, share_of[b])
+            level, rs = regions_of(r.view, m, b, c, share_of[b])
             levels.append(level)
             regions += rs
         level = levels[0] if len(set(levels)) == 1 else Level.SPAN
-        del dec.grad[:]  # the micro-batch's gradient is not needed any more
-        explained, c_norm, without, loss_share, loss_without, grad = verdict.explained, None, None, None, None, None
-        if self.session.count < cfg.max_probes:  # measure the culprit samples themselves
-            flats = np.concatenate([view.sample_flats(m, b) for b in verdict.culprits])
-            g = _probe_into(self.session, view, [None] * len(self.stored.grads), m, flats)
-            exact, c_norm, without = _explained(self.stored, g)
-            loss_share, loss_without = _loss_fields(self.ctx, self.session.losses[-1])
-            notes.append(f"the decomposition gave {explained:.0%}, a probe of the sample(s) {exact:.0%}")
-            explained = exact
-            grad = g if keep_grad else None
-        what = ", ".join(f"sample {b}" for b in verdict.culprits)
-        notes.append(f"{what} of micro-batch {view.metas[m].index} carr{'ies' if len(verdict.culprits) == 1 else 'y'} "
-                     f"{explained:.0%} of ‖∇‖² ({level.value} level)")
-        flats = top_tokens(view, regions, dec.c)
-        culprits = build_culprits(view, flats, [float(dec.c[f - view.offsets[m]]) for f in flats], self.loc.decode)
-        spans = tuple(range_span(view, r.m, r.sample, r.start, r.end, r.share, self.loc.decode, cfg.context_tokens)
-                      for r in regions)
-        out = self._record(level, explained, culprits, spans, "; ".join(notes), c_norm, without, loss_share,
-                           loss_without)
-        return LocalizeResult(out, grad)
+        flats = top_tokens(r.view, regions, c)
+        base = r.view.offsets[m]
+        culprits = build_culprits(r.view, flats, [float(c[f - base]) for f in flats], r.loc.decode)
+        spans = tuple(range_span(r.view, x.m, x.sample, x.start, x.end, x.share, r.loc.decode, r.cfg.context_tokens)
+                      for x in regions)
+        if not r.solo:
+            culprits = tuple(replace(x, rank=r.rank) for x in culprits)
+            spans = tuple(replace(x, rank=r.rank) for x in spans)
+        return level, culprits, spans
 
     # -- without a decomposition --------------------------------------------------------------
-    def _by_sample_probes(self, notes: list[str], keep_grad: bool) -> "LocalizeResult":
-        from gradloc.localizer.localizer import LocalizeResult, _explained, _probe_into
-
-        view, loc = self.view, self.loc
-        samples = sample_shares(view, lambda m, f: _explained(self.stored, _probe_into(
-            self.session, view, [None] * len(self.stored.grads), m, f))[0], loc.cfg.max_probes - self.session.count)
-        self.measured = [s for s in samples if s.share is not None]
-        ranked = sorted(self.measured, key=lambda s: -s.share)
-        verdict = pick_samples([(i, s.share, s.tokens) for i, s in enumerate(ranked)],
-                               lambda x: loc._verified(x, self.stored.norm, 0.0, self.ctx), self._n())
+    def _by_sample_probes(self) -> LocalizeResult:
+        r = self.r
+        every = r.comm.all_gather_object([(score, m, b, n, r.view.metas[m].index)
+                                          for m, b, score, n in r.view.sample_totals()[:TOP_SAMPLES]], "gradloc samples")
+        top = sorted(((score, rank, m, b, n, index) for rank, items in enumerate(every) for score, m, b, n, index in items),
+                     key=lambda e: (-e[0] if math.isfinite(e[0]) else 0.0, e[1]))[:TOP_SAMPLES]
+        measured: list[tuple[float, int, int, int, int, int]] = []  # (share, rank, view position, sample, tokens, index)
+        for score, rank, m, b, n, index in top:
+            if r.used >= r.cfg.max_probes:
+                break
+            if n == 0:
+                continue
+            group = (m, r.view.sample_flats(m, b)) if rank == r.rank else None
+            start = len(r.session.losses)
+            acc, err = r.probe_round([None] * len(r.stored.grads), group)
+            share, _ = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
+            del acc
+            r.used += 1
+            measured.append((share, rank, m, b, n, index))
+        ranked = sorted(measured, key=lambda e: -e[0])
+        verdict = pick_samples([(i, e[0], e[4]) for i, e in enumerate(ranked)],
+                               lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx), self.n)
+        shares = {(e[1], e[5], e[3]): e[0] for e in measured}
+        self.measured = [replace(s, share=shares.get((s.rank or 0, s.micro_batch, s.sample), s.share))
+                         for s in self._attributed()]
         if not verdict.culprits:
-            self.measured = list(samples)
-            return LocalizeResult(self._diffuse(notes))
-        regions = []
-        for i in verdict.culprits:
-            s = ranked[i]
-            m = next(j for j, meta in enumerate(view.metas) if meta.index == s.micro_batch)
-            pos = view.sample_flats(m, s.sample) - view.offsets[m] - view.metas[m].bounds(s.sample)[0]
-            regions.append(Region(m=m, sample=s.sample, start=int(pos[0]), end=int(pos[-1]) + 1, share=s.share))
-        spans = tuple(range_span(view, r.m, r.sample, r.start, r.end, r.share, loc.decode, loc.cfg.context_tokens)
-                      for r in regions)
-        notes.append(f"{len(regions)} sample(s) measured by probes carry {verdict.explained:.0%} of ‖∇‖² "
-                     "(sample level; no decomposition, so no span inside them)")
-        self.measured = list(samples)
-        return LocalizeResult(self._record(Level.SAMPLE, verdict.explained, (), spans, "; ".join(notes)))
+            return LocalizeResult(self._diffuse())
+        mine = [ranked[i] for i in verdict.culprits if ranked[i][1] == r.rank]
+        spans = []
+        for share, _, m, b, _, _ in mine:
+            pos = r.view.sample_flats(m, b) - r.view.offsets[m] - r.view.metas[m].bounds(b)[0]
+            span = range_span(r.view, m, b, int(pos[0]), int(pos[-1]) + 1, share, r.loc.decode, r.cfg.context_tokens)
+            spans.append(span if r.solo else replace(span, rank=r.rank))
+        spans = sorted((x for e in r.comm.all_gather_object(spans, "gradloc culprit samples") for x in e),
+                       key=lambda x: -x.share)
+        self.notes.append(f"{len(spans)} sample(s) measured by probes carry {verdict.explained:.0%} of ‖∇‖² "
+                          "(sample level; no decomposition, so no span inside them)")
+        loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.SAMPLE, probes=r.used,
+                       spans=tuple(spans), samples=self._samples(), note="; ".join(self.notes),
+                       explained=verdict.explained)
+        return LocalizeResult(loc)
 
     # -- records ------------------------------------------------------------------------------
-    def _n(self) -> int:
-        return sum(m.n_samples for m in self.view.metas)
+    def _attributed(self) -> tuple[SampleShare, ...]:
+        from gradloc.localizer.picture import merge_samples, top_samples
+
+        every = self.r.comm.all_gather_object(top_samples(self.r.view), "gradloc top samples")
+        return merge_samples(every, self.r.pic.total_score, not self.r.solo)
 
     def _samples(self) -> tuple[SampleShare, ...]:
-        seen = {(s.micro_batch, s.sample) for s in self.measured}
-        rest = [s for s in sample_shares(self.view, None, 0) if (s.micro_batch, s.sample) not in seen]
+        seen = {(s.rank, s.micro_batch, s.sample) for s in self.measured}
+        rest = [s for s in self._attributed() if (s.rank, s.micro_batch, s.sample) not in seen]
         measured = sorted(self.measured, key=lambda s: -(s.share if s.share is not None and math.isfinite(s.share)
                                                          else -math.inf))
         return tuple(measured[:TOP_SAMPLES] + rest)[:TOP_SAMPLES]
 
-    def _diffuse(self, notes: list[str]) -> Localization:
+    def _diffuse(self):  # noqa: ANN202 - Localization
+        r = self.r
         samples = self._samples()
-        return self.loc._empty(self.step, Method.ATTRIBUTION, Status.DIFFUSE, self.session.count, self.stored,
-                               self.view, f"{'; '.join(notes)}; {describe(samples, self._n())}", samples, self.passes)
-
-    def _record(self, level: Level, explained: float, culprits: tuple, spans: tuple, note: str,
-                c_norm: float | None = None, without: float | None = None, loss_share: float | None = None,
-                loss_without: float | None = None) -> Localization:
-        view = self.view
-        return Localization(step=self.step, method=Method.ATTRIBUTION, status=Status.LOCATED, level=level,
-                            probes=self.session.count, passes=self.passes, explained_share=explained,
-                            global_norm=self.stored.norm, culprit_norm=c_norm, norm_without_culprits=without,
-                            culprits=culprits, spans=spans, micro_batch_shares=view.micro_batch_shares(),
-                            unattributed_share=view.unattributed_share, loss_share=loss_share,
-                            loss_without_culprits=loss_without, note=note, samples=self._samples())
+        return r.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=r.used, passes=self.passes,
+                        samples=samples, note=f"{'; '.join(self.notes)}; {describe(samples, self.n)}")
 
 
-def _score_share(view: TokenView, m: int, b: int) -> float:
-    total = float(view.scores.sum())
-    a, e = view.metas[m].bounds(b)
-    base = view.offsets[m]
-    return float(view.scores[base + a:base + e].sum()) / total if math.isfinite(total) and total > 0 else math.nan
+def _score_share(r: "_Run", m: int, b: int) -> float:
+    total = r.pic.total_score
+    a, e = r.view.metas[m].bounds(b)
+    base = r.view.offsets[m]
+    return float(r.view.scores[base + a:base + e].sum()) / total if math.isfinite(total) and total > 0 else math.nan
+
+
+__all__ = ["Below"]

@@ -1,26 +1,28 @@
-"""Spike -> Localization: one-pass attribution, verified by ≤ max_probes probes.
+"""Spike -> Localization: one-pass attribution, verified by ≤ max_probes probes — on one rank or W.
 
-Verification: for the candidate set C (grouped by micro-batch, one probe per micro-batch) we get
-∇_C and the culprits' loss ℓ_C, and compare with the stored training gradient ∇ (never recomputed):
-explained_share = ⟨∇_C, ∇⟩ / ‖∇‖², norm_without_culprits = ‖∇ − ∇_C‖, loss_without = ℓ − ℓ_C.
-C is *verified* when it explains ≥ s = min_explained_share of ‖∇‖², or of the spike's *excess*
-over the healthy level (⟨∇_C, ∇⟩ ≥ s·(‖∇‖² − μ²)), or carries ≥ s of the step's (positive) loss
-or of its excess over the healthy loss. The loss criteria matter for a corrupted label: its
-cross-entropy gradient is bounded, so its share of ‖∇‖² can be modest while it carries most of
-the loss.
+One algorithm for every scope (``scope.py``): a single process is W = 1, whose collectives are the
+identity. Every rank enters together (a spike is judged on the job's step) and takes the same path,
+because every decision comes from gathered values:
 
-Outcomes (``Localization.status``): ``located`` (a verified culprit set, at the ``Localization.level``
-where the data went wrong: token, span, sample or micro-batch), ``diffuse`` (nothing at any level
-carries the spike; the measured sample shares are reported), ``unverified`` (candidates without a
-probe closure), ``unavailable`` (no per-token statistics). When the token candidates fail, the
-rest of the budget goes below the tokens (``below.py``): the decomposition probe (``decompose.py``)
-measures every sample's and token's exact share of one micro-batch at once. The token phase grows
-its candidate set only while one probe stays for that. Bisection runs per ``LocalizerConfig.bisection``.
+1. **Picture** — one ``all_gather`` of each rank's fixed-size summary (``picture.py``): no per-token
+   statistics anywhere → ``unavailable``; non-finite scores → ``located`` at the positions where they
+   appear; more than half of ‖∇‖² outside per-token rules → bisection (one rank only) or
+   ``unavailable``; otherwise the job's token candidates (relative and median thresholds).
+2. **Tokens** — rounds of one probe per rank (each rank probes its next candidate micro-batch; under
+   a lockstep scope the others take part with nothing to probe), then the scope measures the job's
+   ⟨∇_C, ∇⟩ / ‖∇‖² and ℓ_C (``context.verified``). While the step would still be a spike without
+   C, rounds *grow* C with the next outliers (a relaxed relative threshold) — into the last probe
+   only when C is verified already: that probe is kept for the levels below.
+3. **Below the tokens** (``below.py``) — the sample, span or micro-batch that carries it, with the
+   decomposition probe (``decompose.py``), else ``diffuse`` with the measured sample shares.
+4. **Records** — every rank builds its own culprits and spans (its rank named when W > 1) and one
+   ``all_gather_object`` gives every rank the same localization.
+
+``unverified``: some rank gave no probe closure (attribution shares only).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -28,265 +30,302 @@ import torch
 from torch import nn
 
 from gradloc.config import LocalizerConfig
-from gradloc.localizer.bisection import bisect, sqrt_threshold
-from gradloc.localizer.candidates import select_candidates
-from gradloc.localizer.diffuse import describe, sample_shares
-from gradloc.localizer.probes import Grads, ProbeSession, distance, dot, grad_norm
+from gradloc.localizer.context import (
+    MAX_UNATTRIBUTED,
+    LocalizeResult,
+    SpikeContext,
+    StoredGradient,
+    by_micro_batch,
+    loss_fields,
+    probe_into,
+    still_spike,
+    verified,
+)
+from gradloc.localizer.diffuse import describe
+from gradloc.localizer.picture import Picture, merge_samples, summary, top_samples
+from gradloc.localizer.probes import Grads, ProbeSession
+from gradloc.localizer.scope import Scope, SoloComm, SoloScope
 from gradloc.localizer.spans import Decode, build_culprits, build_spans
 from gradloc.localizer.token_view import TokenView
 from gradloc.records import Level, Localization, Method, Status
 
-MAX_UNATTRIBUTED = 0.5  # above this share of ‖∇‖² outside per-token rules, attribution is not trusted
-
-
-@dataclass(frozen=True)
-class SpikeContext:
-    healthy_norm: float | None  # detector's EMA mean of the global norm (also bisection's noise level)
-    loss: float | None  # the step's loss as reported to end_step
-    healthy_loss: float | None  # detector's EMA mean of the loss
-    healthy_std: float | None = None  # detector's EMA std of the global norm
-    z_threshold: float = 2.5  # a residual above healthy_norm + z·std is still a spike
-
-
-@dataclass(frozen=True)
-class StoredGradient:
-    grads: Grads  # the training gradient, as the optimizer will see it (possibly GradScaler-scaled)
-    inv_scale: float
-    norm: float  # unscaled global norm
-
-
-@dataclass(frozen=True)
-class LocalizeResult:
-    localization: Localization
-    culprit_grad: Grads | None = None  # unscaled ∇_C of a verified culprit set, when asked to keep it
-
-
-@dataclass(frozen=True)
-class _Measured:
-    """A probed token set: its gradient, explained share, norms and loss."""
-
-    cands: np.ndarray
-    grad: Grads
-    explained: float
-    c_norm: float
-    without: float
-    loss: float
-    unprobed: int = 0  # micro-batches holding candidates that max_probes left unprobed
+__all__ = ["Localizer", "LocalizeResult", "SpikeContext", "StoredGradient", "MAX_UNATTRIBUTED"]
 
 
 class Localizer:
     def __init__(self, cfg: LocalizerConfig, decode: Decode | None) -> None:
         self.cfg, self.decode = cfg, decode
 
+    def _verified(self, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:
+        return verified(self.cfg.min_explained_share, explained, norm, loss_c, ctx)
+
     def localize(self, step: int, view: TokenView | None, stored: StoredGradient,
-                 open_probes: Callable[[], ProbeSession] | None, ctx: SpikeContext,
-                 keep_grad: bool = False, head: "nn.Module | None" = None) -> LocalizeResult:
-        """``head``: the module of the view's exact layer (the loss head), for the decomposition probe."""
-        if view is None or view.scores.size == 0:
-            return LocalizeResult(self._unavailable(step, view, stored, "no per-token statistics for this step"))
-        # Non-finite positions from every layer's scores, not only the exact layer's that rank candidates
-        # (an overflow in an earlier layer's backward leaves the exact layer finite).
-        bad = np.flatnonzero(view.eligible & ~(np.isfinite(view.scores) & np.isfinite(view.rank_scores)))
-        if bad.size:
-            bad = bad[: self.cfg.max_candidates]
-            return LocalizeResult(self._result(step, Method.ATTRIBUTION, Status.LOCATED, 0, None, stored, view, bad,
-                                               np.full(bad.size, np.nan), None,
-                                               "non-finite gradient: culprits are the positions where it appears"))
-        if view.unattributed_share > MAX_UNATTRIBUTED:
-            why = (f"attribution unavailable: {view.unattributed_share:.0%} of ‖∇‖² is in parameters "
-                   "no per-token rule covers")
-            if open_probes is None or self.cfg.bisection == "off":
-                return LocalizeResult(self._unavailable(step, view, stored, why))
-            with open_probes() as session:
-                return self._bisect(step, view, stored, session, ctx, why, keep_grad)
-        cands = select_candidates(view.rank_scores, view.eligible, self.cfg)
-        if open_probes is None:
-            return LocalizeResult(self._without_probes(step, view, stored, cands))
-        with open_probes() as session:
-            why = "no token stands out in the attribution scores"
-            if cands.size:
-                got = self._verify(view, stored, cands, session, ctx, grow_to=self.cfg.max_probes - 1)
-                if self._verified(got.explained, stored.norm, got.loss, ctx):
-                    loc = self._located(step, Method.ATTRIBUTION, stored, view, got, session.count, ctx)
-                    return LocalizeResult(loc, got.grad if keep_grad else None)
-                why = (f"the top {got.cands.size} attributed token(s) explain only {got.explained:.2f} of ‖∇‖² "
-                       "and less than half of the spike's excess")
-                if got.unprobed:
-                    why += f" (candidates in {got.unprobed} more micro-batches not probed: max_probes)"
-                del got
-            if self.cfg.bisection == "on_failure":
-                return self._bisect(step, view, stored, session, ctx, why, keep_grad)
+                 open_probes: Callable[[], ProbeSession] | None, ctx: SpikeContext, keep_grad: bool = False,
+                 head: nn.Module | None = None, scope: Scope | None = None,
+                 has_probe: bool | None = None) -> LocalizeResult:
+        """``open_probes``: a probe session of this process (None: no probe closure); ``scope``: the
+        job's instead (its ``session()`` opens this rank's probes; ``has_probe``: whether this rank
+        has a probe closure); ``head``: the view's exact-layer module, for the decomposition probe."""
+        if scope is None and open_probes is not None:
+            scope = SoloScope(open_probes, stored.grads, stored.inv_scale, stored.norm)
+        probe = has_probe if has_probe is not None else open_probes is not None
+        return _Run(self, step, view, stored, scope, ctx, head, keep_grad, probe).run()
+
+    # -- records (used by below.py and bisect_step.py too) --------------------------------------
+    def empty(self, step: int, method: Method, status: Status, probes: int, norm: float, view: TokenView | None,
+              note: str, samples: tuple = (), passes: int = 0, solo: bool = True) -> Localization:
+        return Localization(step=step, method=method, status=status, probes=probes, passes=passes, global_norm=norm,
+                            micro_batch_shares=view.micro_batch_shares() if view is not None and solo else (),
+                            unattributed_share=view.unattributed_share if view is not None else 0.0, note=note,
+                            samples=samples)
+
+
+class _Run:
+    """One localization on one rank (the others run theirs in lockstep)."""
+
+    def __init__(self, loc: Localizer, step: int, view: TokenView | None, stored: StoredGradient, scope: Scope | None,
+                 ctx: SpikeContext, head: nn.Module | None, keep_grad: bool, has_probe: bool) -> None:
+        self.loc, self.cfg, self.step, self.view, self.stored, self.scope = loc, loc.cfg, step, view, stored, scope
+        self.ctx, self.head, self.keep_grad = ctx, head, keep_grad
+        self.comm = scope.comm if scope is not None else SoloComm()
+        self.W, self.rank = self.comm.world_size, self.comm.rank
+        self.used = 0  # probe rounds so far (the same on every rank)
+        K = self.cfg.max_candidates
+        self.pic = Picture(rows=self.comm.all_gather(summary(view, K, has_probe), "gradloc candidates").numpy(), K=K)
+
+    @property
+    def solo(self) -> bool:
+        """One process, not a job's rank (a job of one rank still names its rank and never bisects)."""
+        return not getattr(self.scope, "job", False)
+
+    def run(self) -> LocalizeResult:
+        pic, view = self.pic, self.view
+        if not pic.all_have_view:
+            why = "no per-token statistics for this step" if self.solo else \
+                "a rank has no per-token statistics for this step"
+            return LocalizeResult(self.loc.empty(self.step, Method.NONE, Status.UNAVAILABLE, 0, self.stored.norm,
+                                                 view, why, solo=self.solo))
+        if pic.nonfinite:
+            return LocalizeResult(self._nonfinite())
+        if pic.max_unattributed > MAX_UNATTRIBUTED:
+            return self._unattributed()
+        cands = pic.candidates(self.cfg.candidate_rel_score, self.cfg.candidate_outlier_factor)
+        if not pic.all_have_probe or self.scope is None:
+            return LocalizeResult(self._unverified(cands))
+        with self.scope.session() as session:
+            self.session = session
+            why = "no token stands out in the attribution scores" if self.solo else \
+                "no token stands out in any rank's attribution scores"
+            if cands:
+                res = self._tokens(cands)
+                if isinstance(res, LocalizeResult):
+                    return res
+                why = res
+            if self.cfg.bisection == "on_failure" and self.solo:
+                from gradloc.localizer.bisect_step import bisect_step
+
+                return bisect_step(self.loc, self.step, view, self.stored, session, self.ctx, why, self.keep_grad)
             from gradloc.localizer.below import Below
 
-            return Below(self, step, view, stored, session, ctx, head).run(why, keep_grad)
+            return Below(self, why).run()
 
-    # -- attribution + verification -------------------------------------------------------------
-    def _verify(self, view: TokenView, stored: StoredGradient, cands: np.ndarray, session: ProbeSession,
-                ctx: SpikeContext, grow_to: int) -> _Measured:
-        groups = _by_micro_batch(view, cands)
-        kept = sorted(groups, key=lambda m: -float(view.rank_scores[groups[m]].sum()))[: self.cfg.max_probes]
-        cands = np.concatenate([groups[m] for m in kept])
-        g_c: Grads = [None] * len(stored.grads)
-        for m in kept:
-            g_c = _probe_into(session, view, g_c, m, groups[m])
-        cands, g_c = self._grow(view, stored, session, ctx, cands, g_c, grow_to)
-        return _Measured(cands, g_c, *_explained(stored, g_c), sum(session.losses), len(groups) - len(kept))
+    # -- 2. tokens ----------------------------------------------------------------------------
+    def probe_round(self, acc: Grads, group: tuple[int, np.ndarray] | None) -> tuple[Grads, str]:
+        """One round: this rank probes ``group`` (view position, flats) or, in lockstep, nothing."""
+        view, session = self.view, self.session
+        if group is not None:
+            try:
+                return probe_into(session, view, acc, group[0], group[1]), ""
+            except Exception as exc:  # noqa: BLE001 - the other ranks must not wait on this rank
+                if self.solo or self.scope.lockstep:
+                    raise  # one process: nothing waits; lockstep: its collectives fail on every rank
+                return acc, f"the probe on rank {self.rank} failed: {type(exc).__name__}: {exc}"
+        if self.scope.lockstep:  # a collective: take part with nothing to probe
+            meta = view.metas[0]
+            acc = session.add_to(acc, meta.index, torch.zeros(meta.batch, meta.seq, dtype=torch.bool))
+            session.losses.pop()
+        return acc, ""
 
-    def _grow(self, view: TokenView, stored: StoredGradient, session: ProbeSession, ctx: SpikeContext,
-              cands: np.ndarray, g_c: Grads, grow_to: int) -> tuple[np.ndarray, Grads]:
-        """While the step would still be a spike without C and fewer than ``grow_to`` probes ran (or
-        ``max_probes`` once C is verified already), probe the next outlier tokens (relaxed relative threshold), one micro-batch per probe. ∇ is
-        linear in the token mask, so probing only the new tokens adds exactly their gradient to ∇_C."""
-        relaxed = replace(self.cfg, candidate_rel_score=self.cfg.candidate_rel_score / 10)
-        while session.count < self.cfg.max_probes:
-            explained, _, without = _explained(stored, g_c)
-            if not _still_spike(without, ctx):
+    def _tokens(self, cands: list) -> LocalizeResult | str:
+        view, cfg, scope, session = self.view, self.cfg, self.scope, self.session
+        mine = [c for c in cands if c.rank == self.rank]
+        groups = by_micro_batch(view, [c.flat for c in mine])
+        order = sorted(groups, key=lambda m: -float(view.rank_scores[groups[m]].sum()))
+        n_groups = [len({c.m for c in cands if c.rank == r}) for r in range(self.W)]
+        rounds = min(cfg.max_probes, max(n_groups))
+        acc: Grads = [None] * len(self.stored.grads)
+        start, error = len(session.losses), ""
+        self.phase_start = start
+        for i in range(rounds):
+            acc, err = self.probe_round(acc, (order[i], groups[order[i]]) if i < len(order) else None)
+            error = error or err
+        taken = [groups[m] for m in order[:rounds]]
+        explained, loss = scope.measure(acc, float(sum(session.losses[start:])), error)
+        acc, explained, loss, used = self._grow(acc, explained, loss, taken, rounds)
+        c_norm, without = scope.norms(acc)
+        flats = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+        if self.loc._verified(explained, self.stored.norm, loss, self.ctx):
+            note = _note(n_groups, rounds, self.W)
+            loc = self._located(flats, explained, (c_norm, without), loss, used, note)
+            return LocalizeResult(loc, acc if self.keep_grad else None)
+        n = int(self.comm.all_reduce(torch.tensor([float(flats.size)], dtype=torch.float64), what="gradloc count")[0]) \
+            if not self.solo else flats.size
+        on = "" if self.solo else f" on {len({c.rank for c in cands})} rank(s)"
+        why = (f"the top {n} attributed token(s){on} explain only {explained:.2f} of ‖∇‖² "
+               "and less than half of the spike's excess")
+        skipped = sum(max(k - rounds, 0) for k in n_groups)
+        if skipped:
+            why += f" (candidates in {skipped} more micro-batches not probed: max_probes)"
+        del acc
+        self.used = used
+        return why
+
+    def _grow(self, acc: Grads, explained: float, loss: float, taken: list[np.ndarray],
+              used: int) -> tuple[Grads, float, float, int]:
+        """While the step would still be a spike without C, a round probes each rank's next outlier
+        tokens (relative threshold ÷ 10, over the job's untaken tokens), one micro-batch per rank. ∇ is
+        linear in the token mask, so the new tokens' gradient adds exactly to ∇_C."""
+        view, cfg, scope, session = self.view, self.cfg, self.scope, self.session
+        while used < cfg.max_probes:
+            _, without = scope.norms(acc)
+            if not still_spike(without, self.ctx):
                 break
-            if session.count >= grow_to and not self._verified(explained, stored.norm, sum(session.losses), ctx):
+            if used >= cfg.max_probes - 1 and not self.loc._verified(explained, self.stored.norm, loss, self.ctx):
                 break  # the last probe is kept for the levels below the tokens (below.py)
-            taken = np.zeros(view.scores.size, dtype=bool)
-            taken[cands] = True
-            extra = select_candidates(view.rank_scores, view.eligible & ~taken, relaxed)
-            if extra.size == 0:
+            free = view.eligible.copy()
+            for t in taken:
+                free[t] = False
+            extra = self._relaxed(free)
+            if not self.comm.all_reduce(torch.tensor([float(extra.size > 0)]), op="max", what="gradloc grow")[0]:
                 break
-            groups = _by_micro_batch(view, extra)
-            m = view.locate(int(extra[0]))[0]
-            g_c = _probe_into(session, view, g_c, m, groups[m])
-            cands = np.concatenate([cands, groups[m]])
-        return cands, g_c
+            group = None
+            if extra.size:
+                groups = by_micro_batch(view, extra)
+                m = view.locate(int(extra[0]))[0]
+                group = (m, groups[m])
+                taken.append(groups[m])
+            start = len(session.losses)
+            if scope.linear:
+                acc, err = self.probe_round(acc, group)
+                explained, loss = scope.measure(acc, float(sum(session.losses[self.phase_start:])), err)
+            else:
+                new, err = self.probe_round([None] * len(acc), group)
+                d_exp, d_loss = scope.measure(new, float(sum(session.losses[start:])), err)
+                acc = [a if n is None else (n if a is None else a.add_(n)) for a, n in zip(acc, new)]
+                explained, loss = explained + d_exp, loss + d_loss
+            used += 1
+        return acc, explained, loss, used
 
-    def _verified(self, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:
-        need = self.cfg.min_explained_share
-        if not math.isfinite(explained) or explained <= 0:
-            return False  # a set pointing against the gradient cannot be what made it spike
-        if explained >= need:
-            return True
-        mu = ctx.healthy_norm
-        if mu is not None and norm > mu and explained * norm**2 >= need * (norm**2 - mu**2):
-            return True
-        loss, mu_l = ctx.loss, ctx.healthy_loss
-        if loss is None or not math.isfinite(loss) or loss <= 0:
-            return False
-        if loss_c >= need * loss:
-            return True
-        return mu_l is not None and loss > mu_l and loss_c >= need * (loss - mu_l)
+    def _relaxed(self, free: np.ndarray) -> np.ndarray:
+        """This rank's untaken tokens above the job's relaxed floor, best first (≤ max_candidates)."""
+        s = np.where(free, self.view.rank_scores, 0.0)  # (N,)
+        pool = s[free]
+        local = torch.tensor([float(s.max()) if s.size else 0.0, float(np.median(pool)) if pool.size else 0.0],
+                             dtype=torch.float64)
+        rows = self.comm.all_gather(local, "gradloc grow floor").numpy()  # (W, 2)
+        top = float(rows[:, 0].max())
+        if top <= 0:
+            return np.zeros(0, dtype=np.int64)
+        floor = max(self.cfg.candidate_rel_score / 10 * top, self.cfg.candidate_outlier_factor * float(np.median(rows[:, 1])))
+        order = np.argsort(-s, kind="stable")
+        return order[s[order] >= floor][: self.cfg.max_candidates]
 
-    def _located(self, step: int, method: str, stored: StoredGradient, view: TokenView, got: _Measured,
-                 probes: int, ctx: SpikeContext, weights: np.ndarray | None = None, note: str = "") -> Localization:
-        w = view.rank_scores[got.cands] if weights is None else weights
-        shares = got.explained * w / w.sum() if math.isfinite(got.explained) and w.sum() > 0 else w * np.nan
-        if got.unprobed:
-            note = (note + "; " if note else "") + f"candidates in {got.unprobed} more micro-batches not probed (max_probes)"
-        return self._result(step, method, Status.LOCATED, probes, got.explained, stored, view, got.cands, shares,
-                            (got.c_norm, got.without), note, _loss_fields(ctx, got.loss))
+    # -- 1. and 4.: the branches without probes, and the records ------------------------------
+    def gather_records(self, flats: list[int], shares: list[float], with_spans: bool = True) -> tuple:
+        """(culprits, spans, samples) of the job: each rank's own, gathered (rank named when W > 1)."""
+        from dataclasses import replace as _replace
 
-    def _without_probes(self, step: int, view: TokenView, stored: StoredGradient, cands: np.ndarray) -> Localization:
-        if cands.size:
-            total = float(view.scores.sum())
-            return self._result(step, Method.ATTRIBUTION, Status.UNVERIFIED, 0, None, stored, view, cands,
-                                view.scores[cands] / total, None, "no probe closure given: shares are attribution scores")
-        samples = sample_shares(view, None, 0)
+        view, dec = self.view, self.loc.decode
+        culprits = build_culprits(view, flats, shares, dec)
+        spans = build_spans(view, culprits, dec, self.cfg.context_tokens) if with_spans else ()
+        if not self.solo:
+            culprits = tuple(_replace(c, rank=self.rank) for c in culprits)
+            spans = tuple(_replace(x, rank=self.rank) for x in spans)
+        every = self.comm.all_gather_object((culprits, spans, top_samples(view)), "gradloc culprit records")
+        key = lambda x: -x.share if math.isfinite(x.share) else 0.0  # noqa: E731
+        return (tuple(sorted((c for e in every for c in e[0]), key=key)),
+                tuple(sorted((x for e in every for x in e[1]), key=key)),
+                merge_samples([e[2] for e in every], self.pic.total_score, not self.solo))
+
+    def record(self, *, method: Method, status: Status, level: Level = Level.NONE, probes: int, culprits=(),
+               spans=(), samples=(), note: str = "", explained: float | None = None,
+               norms: tuple[float | None, float | None] = (None, None), loss: float | None = None,
+               passes: int = 0) -> Localization:
+        ls, lw = loss_fields(self.ctx, loss) if loss is not None else (None, None)
+        return Localization(step=self.step, method=method, status=status, level=level, probes=probes, passes=passes,
+                            explained_share=explained, global_norm=self.stored.norm, culprit_norm=norms[0],
+                            norm_without_culprits=norms[1], culprits=culprits, spans=spans,
+                            micro_batch_shares=self.view.micro_batch_shares() if self.solo else (),
+                            unattributed_share=self.view.unattributed_share, loss_share=ls,
+                            loss_without_culprits=lw, note=note, samples=samples)
+
+    def _located(self, flats: np.ndarray, explained: float, norms: tuple[float, float], loss: float, probes: int,
+                 note: str) -> Localization:
+        w = self.view.rank_scores[flats]
+        total = float(self.comm.all_reduce(torch.tensor([float(w.sum())], dtype=torch.float64),
+                                           what="gradloc culprit scores")[0]) if not self.solo else float(w.sum())
+        shares = explained * w / total if math.isfinite(explained) and total > 0 else w * np.nan
+        culprits, spans, samples = self.gather_records([int(f) for f in flats], [float(x) for x in shares])
+        level = Level.SPAN if any(x.end - x.start > 1 for x in spans) else Level.TOKEN
+        return self.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=probes,
+                           culprits=culprits, spans=spans, samples=samples, note=note, explained=explained,
+                           norms=norms, loss=loss)
+
+    def _nonfinite(self) -> Localization:
+        view = self.view
+        bad = np.flatnonzero(view.eligible & ~(np.isfinite(view.scores) & np.isfinite(view.rank_scores)))
+        bad = bad[: self.cfg.max_candidates]
+        culprits, spans, samples = self.gather_records([int(b) for b in bad], [math.nan] * bad.size)
+        note = "non-finite gradient: culprits are the positions where it appears" + \
+            ("" if self.solo else ", on the ranks where it appears")
+        level = Level.SPAN if any(x.end - x.start > 1 for x in spans) else Level.TOKEN
+        return self.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=0,
+                           culprits=culprits, spans=spans, samples=samples, note=note)
+
+    def _unattributed(self) -> LocalizeResult:
+        why = (f"attribution unavailable: {self.pic.max_unattributed:.0%} of ‖∇‖² is in parameters "
+               "no per-token rule covers")
+        if not self.solo:
+            why = why.replace("attribution unavailable:", "attribution unavailable on a rank:") + \
+                "; bisection does not run across ranks"
+        if self.scope is None or self.cfg.bisection == "off" or not self.solo:
+            return LocalizeResult(self.loc.empty(self.step, Method.NONE, Status.UNAVAILABLE, 0, self.stored.norm,
+                                                 self.view, why, solo=self.solo))
+        from gradloc.localizer.bisect_step import bisect_step
+
+        with self.scope.session() as session:
+            return bisect_step(self.loc, self.step, self.view, self.stored, session, self.ctx, why, self.keep_grad)
+
+    def _unverified(self, cands: list) -> Localization:
+        mine = [c.flat for c in cands if c.rank == self.rank]
+        total = self.pic.total_score
+        shares = [float(self.view.scores[f]) / total if total > 0 else math.nan for f in mine]
+        culprits, spans, samples = self.gather_records(mine, shares)
+        if cands:
+            why = "no probe closure given: shares are attribution scores" if self.solo else \
+                "a rank gave no probe closure: shares are attribution scores"
+            return self.record(method=Method.ATTRIBUTION, status=Status.UNVERIFIED, probes=0, culprits=culprits,
+                               spans=spans, samples=samples, note=why)
+        n = self.n_samples()
         note = "no token stands out in the attribution scores (no probe closure: nothing measured); " + \
-            describe(samples, _n_samples(view))
-        return self._empty(step, Method.ATTRIBUTION, Status.DIFFUSE, 0, stored, view, note, samples)
+            describe(samples, n)
+        return self.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=0, samples=samples, note=note)
 
-    # -- fallback ---------------------------------------------------------------------------------
-    def _bisect(self, step: int, view: TokenView, stored: StoredGradient, session: ProbeSession,
-                ctx: SpikeContext, why: str, keep_grad: bool) -> LocalizeResult:
-        n_tokens = max(int(view.eligible.sum()), 1)
-        reference = ctx.healthy_norm if ctx.healthy_norm else stored.norm
-        threshold = sqrt_threshold(reference / math.sqrt(n_tokens), self.cfg.bisection_sigma)
-        groups = [np.flatnonzero(view.eligible[a:b]) + a for a, b in zip(view.offsets, view.offsets[1:])]
-        single_loss: dict[int, float] = {}
+    def all_ranks(self, flag: bool) -> bool:
+        """True when ``flag`` holds on every rank (one collective in a job)."""
+        if self.solo:
+            return flag
+        return not self.comm.all_reduce(torch.tensor([0.0 if flag else 1.0]), op="max", what="gradloc agree")[0]
 
-        def grad_of(m: int, flats: np.ndarray) -> Grads:
-            g = _probe_into(session, view, [None] * len(stored.grads), m, flats)
-            if len(flats) == 1:
-                single_loss[int(flats[0])] = session.losses[-1]
-            return g
-
-        res = bisect(groups, grad_of, threshold, max(self.cfg.bisection_budget - session.count, 1))
-        note = f"{why}; bisection" + (" stopped at its probe budget" if res.exhausted else "")
-        if res.grad is None:
-            return LocalizeResult(self._empty(step, Method.BISECTION, Status.DIFFUSE, session.count, stored, view,
-                                              f"{note}: no token subset above the noise threshold; "
-                                              f"{describe(sample_shares(view, None, 0), _n_samples(view))}",
-                                              sample_shares(view, None, 0)))
-        cands = np.asarray(res.culprits, dtype=np.int64)
-        got = _Measured(cands, res.grad, *_explained(stored, res.grad),
-                        sum(single_loss.get(int(c), 0.0) for c in cands))
-        if not self._verified(got.explained, stored.norm, got.loss, ctx):
-            samples = sample_shares(view, None, 0)
-            return LocalizeResult(self._empty(
-                step, Method.BISECTION, Status.DIFFUSE, session.count, stored, view,
-                f"{note}: {cands.size} hot token(s) explain only {got.explained:.2f} of ‖∇‖²; "
-                f"{describe(samples, _n_samples(view))}", samples))
-        loc = self._located(step, Method.BISECTION, stored, view, got, session.count, ctx,
-                            weights=np.asarray(res.norms) ** 2, note=note)
-        return LocalizeResult(loc, got.grad if keep_grad else None)
-
-    # -- records ----------------------------------------------------------------------------------
-    def _result(self, step, method, status, probes, explained, stored, view, cands, shares, norms, note,
-                loss_fields: tuple[float | None, float | None] = (None, None)) -> Localization:
-        culprits = build_culprits(view, [int(c) for c in cands], [float(s) for s in shares], self.decode)
-        spans = build_spans(view, culprits, self.decode, self.cfg.context_tokens)
-        c_norm, without = norms if norms else (None, None)
-        level = Level.NONE
-        if status == Status.LOCATED:
-            level = Level.SPAN if any(s.end - s.start > 1 for s in spans) else Level.TOKEN
-        return Localization(step=step, method=method, status=status, level=level, probes=probes,
-                            explained_share=explained, global_norm=stored.norm, culprit_norm=c_norm,
-                            norm_without_culprits=without, culprits=culprits, spans=spans,
-                            micro_batch_shares=view.micro_batch_shares(), unattributed_share=view.unattributed_share,
-                            loss_share=loss_fields[0], loss_without_culprits=loss_fields[1], note=note,
-                            samples=sample_shares(view, None, 0))
-
-    @staticmethod
-    def _empty(step: int, method: Method, status: Status, probes: int, stored: StoredGradient, view: TokenView,
-               note: str, samples: tuple = (), passes: int = 0) -> Localization:
-        return Localization(step=step, method=method, status=status, probes=probes, passes=passes,
-                            global_norm=stored.norm, micro_batch_shares=view.micro_batch_shares(),
-                            unattributed_share=view.unattributed_share, note=note, samples=samples)
-
-    @staticmethod
-    def _unavailable(step: int, view: TokenView | None, stored: StoredGradient, note: str) -> Localization:
-        return Localization(step=step, method=Method.NONE, status=Status.UNAVAILABLE, probes=0, global_norm=stored.norm,
-                            micro_batch_shares=view.micro_batch_shares() if view else (),
-                            unattributed_share=view.unattributed_share if view else 0.0, note=note)
+    def n_samples(self) -> int:
+        mine = sum(m.n_samples for m in self.view.metas)
+        return mine if self.solo else int(self.comm.all_reduce(torch.tensor([float(mine)], dtype=torch.float64),
+                                                               what="gradloc samples")[0])
 
 
-def _n_samples(view: TokenView) -> int:
-    return sum(m.n_samples for m in view.metas)
-
-
-def _loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float | None]:
-    """(loss_share, loss_without_culprits) when the step's loss is known."""
-    if ctx.loss is None or not math.isfinite(ctx.loss) or ctx.loss == 0:
-        return None, None
-    return loss_c / ctx.loss, ctx.loss - loss_c
-
-
-def _probe_into(session: ProbeSession, view: TokenView, acc: Grads, m: int, flats: np.ndarray) -> Grads:
-    return session.add_to(acc, view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
-
-
-def _still_spike(norm: float, ctx: SpikeContext) -> bool:
-    if ctx.healthy_norm is None or ctx.healthy_std is None or not math.isfinite(norm):
-        return False
-    return norm > ctx.healthy_norm + ctx.z_threshold * ctx.healthy_std
-
-
-def _by_micro_batch(view: TokenView, flats: np.ndarray) -> dict[int, np.ndarray]:
-    groups: dict[int, list[int]] = {}
-    for f in flats:
-        groups.setdefault(view.locate(int(f))[0], []).append(int(f))
-    return {m: np.asarray(v, dtype=np.int64) for m, v in groups.items()}
-
-
-def _explained(stored: StoredGradient, g_c: Grads) -> tuple[float, float, float]:
-    """(⟨∇_C, ∇⟩/‖∇‖², ‖∇_C‖, ‖∇ − ∇_C‖) with ∇ the unscaled stored gradient. ‖∇ − ∇_C‖ is computed
-    directly: from ‖∇‖² − 2⟨∇_C, ∇⟩ + ‖∇_C‖² it would cancel when the culprits dominate."""
-    total_sq = stored.norm ** 2
-    inner = dot(g_c, stored.grads, stored.inv_scale)
-    explained = inner / total_sq if total_sq > 0 else float("nan")
-    return explained, grad_norm(g_c), distance(stored.grads, g_c, stored.inv_scale)
+def _note(n_groups: list[int], rounds: int, world: int) -> str:
+    skipped = sum(max(n - rounds, 0) for n in n_groups)
+    if world == 1:
+        return f"candidates in {skipped} more micro-batches not probed (max_probes)" if skipped else ""
+    note = f"{rounds} probe round(s), each rank probing its own candidates in parallel across {world} ranks"
+    return note + (f"; candidates in {skipped} more micro-batch(es) not probed (max_probes)" if skipped else "")

@@ -134,15 +134,13 @@ def test_context_stops_at_the_sequence_boundary():
     x, y, mask, cu = _packed(seqs)
     meta = make_meta(0, y, mask, None, None, cu_seqlens=cu)
     assert meta.sample_tokens(1) == y[0, 5:14].tolist()
-    from gradloc.localizer.spans import _span
+    from gradloc.localizer.spans import range_span
     from gradloc.localizer.token_view import TokenView
-    from gradloc.records import Culprit
 
     n = meta.n_tokens
     scores = np.arange(1.0, n + 1)  # (N,) one distinct score per flat position
     view = TokenView((), (meta,), (0, n), scores, None, np.ones(n, dtype=bool), 0.0)
-    first = Culprit(0, 1, 0, 1.0, 1.0)  # the first token of sequence 1
-    span = _span(view, 0, 1, [first], lambda ids: " ".join(map(str, ids)), context=8)
+    span = range_span(view, 0, 1, 0, 1, 1.0, lambda ids: " ".join(map(str, ids)), context=8)  # sequence 1's first token
     assert span.context_before == ""  # nothing of sequence 0 leaks in
     assert span.context_after == " ".join(map(str, y[0, 6:14].tolist()))
     # the window: sequence 1's positions 0..8 (flat 5..13), each with its own score share

@@ -1,18 +1,30 @@
-"""select_candidates: outliers by relative and median thresholds, non-finite first, eligible only."""
+"""The job's candidates from one rank's picture (picture.py): outliers by relative and median
+thresholds, best first, eligible only; non-finite scores are flagged (the localizer names their
+positions instead, before any candidate)."""
 from __future__ import annotations
 
 import numpy as np
 
+from gradloc.collector.batch import make_meta
 from gradloc.config import LocalizerConfig
-from gradloc.localizer.candidates import select_candidates
+from gradloc.localizer.picture import Picture, summary
+from gradloc.localizer.token_view import TokenView
 
 CFG = LocalizerConfig()  # candidate_rel_score 0.1, candidate_outlier_factor 20, max_candidates 32
 
 
-def pick(scores, eligible=None, cfg: LocalizerConfig = CFG) -> list[int]:
+def picture(scores, eligible=None, cfg: LocalizerConfig = CFG) -> Picture:
     s = np.asarray(scores, dtype=np.float64)
     e = np.ones(s.size, dtype=bool) if eligible is None else np.asarray(eligible, dtype=bool)
-    return select_candidates(s, e, cfg).tolist()
+    view = TokenView((), (make_meta(0, None, None, None, (1, max(s.size, 1))),), (0, s.size), s, None, e, 0.0)
+    return Picture(rows=summary(view, cfg.max_candidates, True)[None].numpy(), K=cfg.max_candidates)  # (1, 3K + 5)
+
+
+def pick(scores, eligible=None, cfg: LocalizerConfig = CFG) -> list[int]:
+    pic = picture(scores, eligible, cfg)
+    if pic.nonfinite:
+        return ["non-finite"]
+    return [c.flat for c in pic.candidates(cfg.candidate_rel_score, cfg.candidate_outlier_factor)]
 
 
 def test_all_zero_and_empty_scores_give_no_candidates() -> None:
@@ -36,11 +48,11 @@ def test_ties_keep_flat_order() -> None:
     assert pick(s) == [4, 11, 20]
 
 
-def test_non_finite_scores_come_first_and_alone() -> None:
+def test_non_finite_scores_are_flagged_before_any_candidate() -> None:
     s = np.ones(20)
     s[[0, 5, 12]] = [1e9, np.nan, np.inf]
-    assert pick(s) == [5, 12]  # the finite outlier waits for a finite step
-    assert pick(s, cfg=LocalizerConfig(max_candidates=1)) == [5]
+    assert pick(s) == ["non-finite"]  # the finite outlier waits for a finite step
+    assert picture(s).rows[0, 3 * CFG.max_candidates + 1] == 2  # two non-finite positions counted
 
 
 def test_max_candidates_keeps_the_best() -> None:
@@ -61,4 +73,4 @@ def test_ineligible_positions_are_never_chosen_nor_counted_in_the_median() -> No
     assert pick(s2, e2) == [7]
     s2[4] = np.nan
     e2[4] = False
-    assert pick(s2, e2) == [7]  # a non-finite score without a loss term is not a culprit either
+    assert pick(s2, e2) == [7]  # a non-finite score without a loss term is not flagged either
