@@ -318,5 +318,6 @@ def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Local
 def _enum(kind: type, x: str, where: str):  # noqa: ANN202 - one of records' StrEnums
     try:
         return kind(v.text(x, where) if x else x)
-    except ValueError:
-        raise v.reject("invalid_value", f"{where} is {x!r}; one of {[e.value for e in kind]}") from None
+    except ValueError:  # the value is not echoed whole: a status message travels in a size-limited trailer
+        shown = repr(x[:40]) + (f"… ({len(x)} characters)" if len(x) > 40 else "")
+        raise v.reject("invalid_value", f"{where} is {shown}; one of {[e.value for e in kind]}") from None
