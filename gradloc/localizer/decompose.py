@@ -58,7 +58,8 @@ def decompose(session: ProbeSession, micro_batch: int, mask: torch.Tensor, store
     parts: list[torch.Tensor] = []
 
     def take(g: torch.Tensor) -> None:
-        parts.append((g.double() * ydot).sum(-1).reshape(-1))  # (*lead, V) -> (lead numel,)
+        prod = g * ydot.to(g.dtype) if g.dtype == torch.float64 else g.float() * ydot.float()  # (*lead, V)
+        parts.append(prod.sum(-1, dtype=torch.float64).reshape(-1))  # (*lead, V) -> (lead numel,)
 
     def hook(_m: nn.Module, _i: object, out: object) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -79,12 +80,13 @@ def decompose(session: ProbeSession, micro_batch: int, mask: torch.Tensor, store
 
 def _directional(session: ProbeSession, micro_batch: int, mask: torch.Tensor, pairs: list, eps: float,
                  head: nn.Module, inv_scale: float) -> torch.Tensor:
-    """ẏ = (y(θ + ε∇) − y(θ − ε∇)) / 2ε at the head's output, float64, (*lead, V); θ restored bitwise."""
+    """ẏ = (y(θ + ε∇) − y(θ − ε∇)) / 2ε at the head's output, in its dtype, (*lead, V); θ restored bitwise.
+    Memory at a spike: one copy of the parameters and two head outputs of one micro-batch (logits-sized)."""
     outs: list[torch.Tensor] = []
 
     def grab(_m: nn.Module, _i: object, out: object) -> None:
-        if isinstance(out, torch.Tensor):
-            outs.append(out.detach().double())
+        if isinstance(out, torch.Tensor):  # the head's own dtype: y+ − y− of close values is exact in it
+            outs.append(out.detach().clone())
 
     saved = [p.detach().clone() for p, _ in pairs]  # one copy of the parameters, for the bitwise restore
     handle = head.register_forward_hook(grab)
