@@ -26,7 +26,7 @@ import torch
 from gradloc.localizer.context import LocalizeResult
 from gradloc.localizer.decompose import decompose
 from gradloc.localizer.diffuse import TOP_SAMPLES, describe
-from gradloc.localizer.levels import pick_samples, regions_of, sample_measures, top_tokens
+from gradloc.localizer.levels import micro_batch_passes, pick_samples, regions_of, sample_measures, top_tokens
 from gradloc.localizer.spans import build_culprits, range_span
 from gradloc.records import Level, Method, SampleShare, Status
 
@@ -72,6 +72,7 @@ class Below:
             best.setdefault(m, score if math.isfinite(score) else 0.0)
         every = self.r.comm.all_gather_object(sorted(best.items()), "gradloc micro-batch order")
         merged = [(-score, rank, m) for rank, items in enumerate(every) for m, score in items]
+        self.m_total = len(merged)
         return [(rank, m) for _, rank, m in sorted(merged)]
 
     def _decompose(self, owner: int, m: int) -> dict:
@@ -107,7 +108,8 @@ class Below:
                                lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx), self.n)
         if verdict.culprits:
             return self._sample_level(owner, m, verdict, got["index"])
-        if r.loc._verified(got["explained"], r.stored.norm, got["loss"], r.ctx):
+        if micro_batch_passes(got["explained"], self.m_total,
+                              lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx)):
             mine = self._dec[1] if self._dec is not None else [None] * len(r.stored.grads)
             explained, loss = r.scope.measure(mine, self._dec[2] if self._dec is not None else 0.0, "")
             norms = r.scope.norms(mine)

@@ -4,15 +4,17 @@ Input: a :class:`~gradloc.localizer.decompose.Decomposition` of one micro-batch 
 exact share c_t of ‖∇‖², additive over any token set). Decision, in order (docs/DESIGN-NOTES.md,
 "Levels"):
 
-1. **sample** — the samples of the micro-batch by measured share Σ_{t∈b} c_t, best first; the
-   smallest prefix of them (≤ ``MAX_SAMPLES``) whose union passes the verification test is the
-   culprit set, each of them an outlier: carrying ≥ max(``MIN_SAMPLE_SHARE``, min(½,
-   ``OUTLIER_FACTOR`` × its fair share 1/n)) of ‖∇‖² for n samples in the step (so a spike spread
-   evenly over the samples never names the first half of them);
+1. **sample** — the samples of the micro-batch by measured share Σ_{t∈b} c_t, best first; every
+   outlier among them (≤ ``MAX_SAMPLES``: each carrying ≥ max(``MIN_SAMPLE_SHARE``, min(½,
+   ``OUTLIER_FACTOR`` × its fair share 1/n)) of ‖∇‖² for n samples in the step, so a spike spread
+   evenly over the samples never names the first half of them) is the culprit set when their union
+   passes the verification test;
 2. inside each culprit sample, **span** — the shortest contiguous window carrying ≥ ``SPAN_SHARE``
-   of the sample's share; when it covers at most ``SPAN_COVER`` of the sample's loss tokens the level
-   is ``span`` (``token`` for one token), else the whole sample's loss tokens are the span (``sample``);
-3. **micro_batch** — no sample passes, but the micro-batch's measured share does.
+   of the sample's share; when it covers at most ``SPAN_COVER`` of the sample's loss tokens and its
+   tokens carry ≥ ``SPAN_DENSITY`` × the share per token of the sample's other tokens, the level is
+   ``span`` (``token`` for one token), else the whole sample's loss tokens are the span (``sample``);
+3. **micro_batch** — no sample passes, but the micro-batch does, as an outlier among the
+   micro-batches and by the gradient criteria (``micro_batch_passes``).
 
 Otherwise the spike is diffuse at this micro-batch, with every sample's measured share reported.
 """
@@ -30,6 +32,7 @@ MIN_SAMPLE_SHARE = 0.1
 OUTLIER_FACTOR = 2.5
 SPAN_SHARE = 0.8
 SPAN_COVER = 0.8
+SPAN_DENSITY = 2.0
 TOP_TOKENS = 8  # culprit tokens listed per culprit sample (the largest c_t in its spans)
 
 
@@ -61,25 +64,40 @@ def sample_measures(view: TokenView, m: int, c: np.ndarray) -> list[tuple[int, f
     return sorted(out, key=lambda r: -r[1])
 
 
+def outlier_floor(n: int) -> float:
+    """The share of ‖∇‖² one of n samples must carry to be named: max(MIN_SAMPLE_SHARE, min(½, OUTLIER_FACTOR/n))."""
+    return max(MIN_SAMPLE_SHARE, min(0.5, OUTLIER_FACTOR / max(n, 1)))
+
+
 def pick_samples(measures: list[tuple[int, float, int]], passes, n_samples: int) -> SampleVerdict:  # noqa: ANN001
-    """The smallest verified union of the top samples; ``passes(share)`` is the verification test,
-    ``n_samples`` the step's number of samples."""
-    floor = max(MIN_SAMPLE_SHARE, min(0.5, OUTLIER_FACTOR / max(n_samples, 1)))
-    total = 0.0
-    for k, (_, share, n_loss) in enumerate(measures[:MAX_SAMPLES]):
+    """Every outlier among the top samples (≤ ``MAX_SAMPLES``), when their union passes the
+    verification test ``passes(share)``; ``n_samples`` is the step's number of samples. All of them,
+    not the smallest passing prefix: two copies of one bad sample each pass alone, and both are culprits."""
+    floor = outlier_floor(n_samples)
+    named = []
+    for s, share, n_loss in measures[:MAX_SAMPLES]:
         if share < floor or n_loss == 0:
             break
-        total += share
-        if passes(total):
-            return SampleVerdict(samples=tuple(measures), culprits=tuple(s for s, _, _ in measures[:k + 1]),
-                                 explained=total)
+        named.append((s, share))
+    total = sum(share for _, share in named)
+    if named and passes(total):
+        return SampleVerdict(samples=tuple(measures), culprits=tuple(s for s, _ in named), explained=total)
     return SampleVerdict(samples=tuple(measures), culprits=(), explained=0.0)
+
+
+def micro_batch_passes(share: float, n_micro_batches: int, passes) -> bool:  # noqa: ANN001
+    """A micro-batch is named (level ``micro_batch``) only as an outlier among the step's micro-batches
+    (≥ max(MIN_SAMPLE_SHARE, OUTLIER_FACTOR/M) of ‖∇‖² — never with M ≤ 2, where any micro-batch
+    carries a fair half) and by the gradient test: a loss slightly above its healthy level would
+    otherwise let any micro-batch of two pass on the loss criterion."""
+    return share >= max(MIN_SAMPLE_SHARE, OUTLIER_FACTOR / max(n_micro_batches, 1)) and passes(share)
 
 
 def regions_of(view: TokenView, m: int, sample: int, c: np.ndarray, share: float) -> tuple[Level, list[Region]]:
     """The span inside one culprit sample and the level it names (``span``/``token``/``sample``): the
     shortest contiguous window of the sample's loss tokens carrying ≥ ``SPAN_SHARE`` of its measured
-    share (negative c counted as 0 in the search; the span's share is its raw Σ c). When that window
+    share (negative c counted as 0 in the search; the span's share is its raw Σ c), widened by the
+    neighbours carrying at least half its share per token (the rest of a hot run). When that window
     covers more than ``SPAN_COVER`` of the sample's loss tokens, the whole sample is the culprit.
     Two separate hot regions come out as one window over both (or the sample): one span per sample."""
     a, e = view.metas[m].bounds(sample)
@@ -91,7 +109,14 @@ def regions_of(view: TokenView, m: int, sample: int, c: np.ndarray, share: float
     whole = Region(m=m, sample=sample, start=int(loss_pos[0]), end=int(loss_pos[-1]) + 1, share=share)
     ce = np.where(eligible, np.clip(c[a:e], 0.0, None), 0.0)  # (sample length,)
     lo, hi = _shortest_window(ce, SPAN_SHARE * share)
-    if hi <= lo or int(eligible[lo:hi].sum()) > SPAN_COVER * loss_pos.size:
+    if hi > lo:  # take in the run's edges: neighbours at ≥ half the window's share per token
+        edge = 0.5 * float(ce[lo:hi].sum()) / (hi - lo)
+        while lo > 0 and ce[lo - 1] >= edge:
+            lo -= 1
+        while hi < ce.size and ce[hi] >= edge:
+            hi += 1
+    inside = int(eligible[lo:hi].sum())
+    if hi <= lo or inside > SPAN_COVER * loss_pos.size or not _concentrated(ce, lo, hi, inside, loss_pos.size):
         return Level.SAMPLE, [whole]
     span = Region(m=m, sample=sample, start=lo, end=hi, share=float(c[a + lo:a + hi].sum()))
     return (Level.TOKEN if hi - lo == 1 else Level.SPAN), [span]
@@ -109,6 +134,17 @@ def top_tokens(view: TokenView, regions: list[Region], c: np.ndarray) -> list[in
         best = pos[np.argsort(-c[a + pos], kind="stable")][:TOP_TOKENS]
         out += [view.offsets[m] + a + int(p) for p in best if c[a + p] > 0]
     return out
+
+
+def _concentrated(x: np.ndarray, lo: int, hi: int, inside: int, n_loss: int) -> bool:
+    """The window's tokens carry ≥ ``SPAN_DENSITY`` × the share per token of the sample's other loss
+    tokens (a uniformly bad sample: the 80% window covers ~80% of it, at the same density: not a span)."""
+    outside = n_loss - inside
+    if outside <= 0:
+        return False
+    per_in = float(x[lo:hi].sum()) / max(inside, 1)
+    per_out = (float(x.sum()) - float(x[lo:hi].sum())) / outside
+    return per_in >= SPAN_DENSITY * per_out
 
 
 def _shortest_window(x: np.ndarray, target: float) -> tuple[int, int]:
