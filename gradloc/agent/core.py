@@ -170,13 +170,20 @@ class AgentCore:
         """Process what is queued, close open incidents as partial, flush exporters, stop."""
         if self._thread is None:
             return
-        self.flush(timeout_s)
+        deadline = time.monotonic() + timeout_s  # one budget for all of it: a stop never waits twice
+
+        def left() -> float:
+            return max(0.5, deadline - time.monotonic())
+
+        if not self.flush(left()):
+            log.warning("gradloc agent: %d queued batch(es) not processed within the %.0f s close budget",
+                        self._unfinished, timeout_s)
         self._q.put(None)
-        self._thread.join(timeout_s)
+        self._thread.join(left())
         self._thread = None
         self._guard("store", self._close_store)
         for exp in self.exporters:
-            self._guard("exporter", exp.force_flush, timeout_s)
+            self._guard("exporter", exp.force_flush, left())
             self._guard("exporter", exp.shutdown)
 
     # -- worker ------------------------------------------------------------------------------

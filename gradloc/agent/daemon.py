@@ -12,6 +12,7 @@ flushes the store and the OTLP exporter.
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import signal
@@ -129,9 +130,10 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        log.info("gradloc-agent: stopping (in-flight calls get %.0f s, the queue and exporters 10 s)", grace_s)
         if self._grpc is not None:
             self._grpc.stop(grace_s).wait(grace_s + 1)
-        self.core.close(timeout_s=max(grace_s, 10.0))
+        self.core.close(timeout_s=10.0)
         if self._http is not None:
             self._http.stop()
         log.info("gradloc-agent: stopped")
@@ -139,6 +141,8 @@ class Daemon:
     def serve_until_signal(self) -> None:
         """Block until SIGTERM/SIGINT, then shut down gracefully (main thread only)."""
         stop = threading.Event()
+        if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` writes every thread's stack to stderr (a stuck stop)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             while not stop.wait(0.5):

@@ -56,6 +56,8 @@ def running_daemon(tmp: Path, *flags: str, env: dict[str, str] | None = None) ->
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGUSR1)  # the daemon dumps its threads' stacks into the log
+                time.sleep(2)
                 proc.kill()
                 raise AssertionError(f"gradloc-agent ignored SIGTERM:\n{log.read_text()}") from None
     assert proc.returncode == 0, f"gradloc-agent exited with {proc.returncode}:\n{log.read_text()}"
