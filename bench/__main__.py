@@ -1,4 +1,4 @@
-"""``python -m bench overhead|localization|agent|soak [--json] [--quick] [...]``.
+"""``python -m bench overhead|localization|agent|soak|healthy [--json] [--quick] [...]``.
 
 ``overhead`` runs TinyGPT and an HF Llama side by side (``--model``); ``--memory``, ``--peers`` and
 ``--profile`` are its other modes.
@@ -62,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lo.add_argument("--kappa", type=float, default=None, help="bisection baseline's κ (default 4.0)")
     lo.add_argument("--rl", action="store_true",
                     help="the RL scenario set instead: mismatch, low-probability large-advantage, two samples, packed")
+    lo.add_argument("--faults", action="store_true",
+                    help="the real-fault set instead (bench/faults.py): natural-text model, 8 data faults, >= 5 seeds")
     lo.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default 1; 0 = torch's default)")
 
@@ -82,7 +84,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(step, time) in the real AgentClient; client: every record encoded in the client "
                          "(~1,500/s on one core here)")
 
-    for p in (ov, lo, ag, so):
+    he = sub.add_parser("healthy", help="false incidents per 1,000 healthy steps of HF models pre-trained on natural "
+                                        "text, and recall on injected faults, per sensitivity setting")
+    he.add_argument("--families", default=None, help="comma-separated model families of bench/natural.py "
+                                                     "(default qwen2,gptneox)")
+    he.add_argument("--seeds", type=int, default=None, help="seeds per family (default 3)")
+    he.add_argument("--steps", type=int, default=None, help="steps per healthy run (default 2000)")
+    he.add_argument("--fault-steps", type=int, default=None, help="steps per fault run (default 2000; 0: none)")
+    he.add_argument("--traces", default=None, metavar="DIR", help="pickle each run's step records into DIR")
+    he.add_argument("--from-traces", action="store_true", help="replay the runs saved in --traces DIR, no training")
+
+    for p in (ov, lo, ag, so, he):
         p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
         p.add_argument("--quick", action="store_true", help="a small, fast version (smoke tests)")
         p.add_argument("--verbose", action="store_true", help="progress on stderr")
@@ -105,6 +117,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(res) if args.json else format_table(res))
         return 0
 
+    if args.name == "healthy":
+        from dataclasses import replace
+
+        from bench.healthy import HealthyConfig, format_table, run_healthy
+
+        hc = HealthyConfig.quick() if args.quick else HealthyConfig()
+        overrides = {"seeds": args.seeds, "steps": args.steps, "fault_steps": args.fault_steps,
+                     "families": tuple(args.families.split(",")) if args.families else None}
+        hc = replace(hc, **{k: v for k, v in overrides.items() if v is not None})
+        if args.from_traces and not args.traces:
+            parser.error("--from-traces needs --traces DIR")
+        from bench.natural import FAMILIES
+
+        if not set(hc.families) <= set(FAMILIES):
+            parser.error(f"--families: each of {FAMILIES}, got {args.families!r}")
+        res = run_healthy(hc, _progress(args.verbose), traces=args.traces, from_traces=args.from_traces)
+        print(json.dumps(res) if args.json else format_table(res))
+        return 0
+
     if args.name == "soak":
         from dataclasses import replace
 
@@ -121,6 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from dataclasses import replace
+
+    if args.faults:
+        from bench.faults import format_table as faults_table
+        from bench.faults import from_args
+
+        res = from_args(args)
+        print(json.dumps(res) if args.json else faults_table(res))
+        return 0
 
     if args.rl:
         from bench.localization_rl import RLBenchConfig, run_rl_localization

@@ -25,6 +25,7 @@ _LAZY = {
     "SampleInfo": "gradloc.records", "TokenRL": "gradloc.records", "Classification": "gradloc.records",
     "RLStats": "gradloc.records", "SampleShare": "gradloc.records", "Remedy": "gradloc.records",
     "to_dict": "gradloc.records",
+    "SampleConfig": "gradloc.config", "SampleOutlier": "gradloc.records", "SampleStats": "gradloc.records",
 }
 
 __all__ = list(_LAZY)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Union
+from dataclasses import dataclass, field, replace
+from typing import Callable, ClassVar, Union
 
 from gradloc.errors import ConfigError
 
@@ -19,29 +19,75 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """ZClip-style EMA z-score detector (docs/DESIGN-NOTES.md, "Detection"). Detection never changes
-    the update."""
+    """When a step opens an incident (docs/DESIGN-NOTES.md, "Detection"). Detection never changes
+    the update.
 
+    ``sensitivity`` ("low", "default", "high"; "zclip": the plain ZClip rule gradloc used before,
+    every 2.5σ excursion an incident, no episodes) sets the five fields left at None: ``spike_ratio``,
+    ``loss_z_threshold``, ``token_share``, ``episode_steps`` and ``sample_ratio`` (:attr:`PRESETS`; :meth:`resolved`
+    gives the config with them filled in). A field given explicitly wins over the preset.
+    docs/BENCHMARKS.md §5 has the false incidents per 1,000 healthy steps and the recall of each
+    setting.
+    """
+
+    # sensitivity -> (spike_ratio, loss_z_threshold, token_share, episode_steps, sample_ratio)
+    PRESETS: ClassVar[dict[str, tuple[float, float, float, int, float]]] = {
+        "low": (5.0, 6.0, 0.7, 20, 0.0),
+        "default": (2.5, 4.0, 0.5, 20, 1.25),
+        "high": (1.5, 3.5, 0.3, 20, 1.1),
+        "zclip": (1.0, 2.5, 0.0, 0, 0.0),
+    }
+    FIELDS: ClassVar[tuple[str, ...]] = ("spike_ratio", "loss_z_threshold", "token_share", "episode_steps",
+                                         "sample_ratio")
+    SENSITIVITIES: ClassVar[tuple[str, ...]] = ("low", "default", "high", "zclip")
+
+    sensitivity: str = "default"
     warmup: int = 25
     alpha: float = 0.97
-    z_threshold: float = 2.5
+    z_threshold: float = 2.5  # the ZClip band: z of the global norm (also the EMA clamp and the localizer's line)
+    # grad_spike also needs global norm >= spike_ratio × its EMA mean: healthy runs on natural text
+    # have single steps at 2-4× (rare tokens); the old z > 2.5 rule opened 38-52 incidents per 1,000 steps
+    spike_ratio: float | None = None
     layer_z_threshold: float = 6.0
     abs_threshold: float | None = None  # absolute global-norm threshold (GradLoc's τ semantics)
-    loss_z_threshold: float = 2.5  # on log(loss), like ZClip's 2.5 on the norm
+    loss_z_threshold: float | None = None  # z of log(loss)
     token_z_threshold: float = 4.0  # z of log(top token share): one token suddenly dominating
+    token_share: float | None = None  # ... and carrying at least this share of the step's per-token scores
+    token_ratio: float = 1.5  # ... in a step whose global norm is >= this × its EMA mean (unless token_share is 0)
+    # sample_spike: a step out of its band (z > z_threshold), its norm >= this × its EMA mean, with a
+    # per-sample surprise outlier (SampleConfig) among its samples; 0: off. One process only: a job's
+    # ranks judge their own samples, and every rank must take the same path at a spike
+    sample_ratio: float | None = None
+    episode_steps: int | None = None  # flagged steps within this many steps of an episode's last one fold into it (0: off)
     divergence_patience: int = 20  # steps the fast EMA must stay above the slow one
     divergence_margin: float = 0.5  # fast EMA > (1 + margin) × slow EMA counts as rising
     min_std_fraction: float = 0.02  # σ is floored at this fraction of μ (flat warm-ups)
 
     def __post_init__(self) -> None:
+        _check(self.sensitivity in self.SENSITIVITIES,
+               f"sensitivity must be one of {self.SENSITIVITIES}, got {self.sensitivity!r}")
         _check(self.warmup >= 2, f"warmup must be >= 2 steps, got {self.warmup}")
         _check(0.0 < self.alpha < 1.0, f"alpha must be in (0, 1), got {self.alpha}")
         for name in ("z_threshold", "layer_z_threshold", "loss_z_threshold", "token_z_threshold"):
-            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+            v = getattr(self, name)
+            _check(v is None or v > 0, f"{name} must be > 0, got {v}")
+        _check(self.spike_ratio is None or self.spike_ratio >= 1, f"spike_ratio must be >= 1, got {self.spike_ratio}")
+        _check(self.token_ratio >= 1, f"token_ratio must be >= 1, got {self.token_ratio}")
+        _check(self.sample_ratio is None or self.sample_ratio == 0 or self.sample_ratio >= 1,
+               f"sample_ratio must be 0 (off) or >= 1, got {self.sample_ratio}")
+        _check(self.token_share is None or 0 <= self.token_share < 1,
+               f"token_share must be in [0, 1), got {self.token_share}")
+        _check(self.episode_steps is None or (isinstance(self.episode_steps, int) and self.episode_steps >= 0),
+               f"episode_steps must be an int >= 0, got {self.episode_steps!r}")
         _check(self.abs_threshold is None or self.abs_threshold > 0, "abs_threshold must be > 0")
         _check(self.divergence_patience >= 1, "divergence_patience must be >= 1")
         _check(self.divergence_margin > 0, "divergence_margin must be > 0")
         _check(0 <= self.min_std_fraction < 1, "min_std_fraction must be in [0, 1)")
+
+    def resolved(self) -> DetectorConfig:
+        """This config with the fields left at None taken from its ``sensitivity`` preset."""
+        preset = dict(zip(self.FIELDS, self.PRESETS[self.sensitivity]))
+        return replace(self, **{k: v for k, v in preset.items() if getattr(self, k) is None})
 
 
 BISECTION_POLICIES = ("off", "fallback", "on_failure")
@@ -110,6 +156,48 @@ class LocalizerConfig:
         _check(self.context_tokens >= 0, "context_tokens must be >= 0")
 
 
+@dataclass(frozen=True)
+class SampleConfig:
+    """Per-sample outlier findings (docs/DESIGN-NOTES.md, "Per-sample surprise"): no probe, no page.
+
+    Each sample's surprise (mean −log p over its loss tokens, p read off the loss head's output
+    gradient, each token capped at ``token_cap`` nats) and its worst ``window``-token span are judged
+    against the run's own history: the median and MAD of the last ``history`` judged samples, after
+    ``warmup_samples``. z ≥ ``z_threshold`` makes a ``SampleOutlier``. Samples with fewer than
+    ``min_tokens`` loss tokens are not judged. RL: a step whose mismatch share (loss tokens with
+    |log π_trainer − log π_rollout| > log 2) exceeds ``rl_factor`` × the run's baseline +
+    ``rl_margin`` for ``rl_patience`` steps in a row is a ``rl_mismatch`` finding (baseline: the
+    median of the last 256 steps that were not, after ``rl_warmup`` steps). The shipped alert rule
+    GradlocRLMismatchSustained uses the default factor and margin.
+    """
+
+    enabled: bool = True
+    z_threshold: float = 6.0
+    window: int = 32
+    min_tokens: int = 16
+    token_cap: float = 9.21  # nats: −log 1e-4
+    warmup_samples: int = 256
+    history: int = 1024
+    max_outliers: int = 16  # SampleOutlier records per step (all are counted in SampleStats.flagged)
+    excerpt_tokens: int = 48
+    rl_factor: float = 2.0
+    rl_margin: float = 0.05
+    rl_patience: int = 3
+    rl_warmup: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("z_threshold", "token_cap", "rl_factor", "rl_margin"):
+            _check(getattr(self, name) > 0, f"samples.{name} must be > 0, got {getattr(self, name)}")
+        _check(self.window >= 2, f"samples.window must be >= 2 tokens, got {self.window}")
+        _check(self.min_tokens >= 1, f"samples.min_tokens must be >= 1, got {self.min_tokens}")
+        _check(1 <= self.warmup_samples <= self.history,
+               f"samples.warmup_samples must be in [1, history={self.history}], got {self.warmup_samples}")
+        for name in ("max_outliers", "excerpt_tokens", "rl_patience", "rl_warmup"):
+            _check(getattr(self, name) >= 1, f"samples.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.max_outliers <= 255, f"samples.max_outliers must be <= 255 (the agent takes 256 findings "
+                                         f"per step), got {self.max_outliers}")
+
+
 UPDATE_RATIO_MODES = ("lean", "full", "off")
 REMEDIES = ("drop_culprits", "skip_step")
 MIN_MEMORY_BUDGET = 64 * 2**20  # bytes: the persistent-memory floor for small models
@@ -169,6 +257,7 @@ class WatchConfig:
     otlp_endpoint: str | None = None  # embedded mode: export metrics and traces over OTLP/gRPC
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     localizer: LocalizerConfig = field(default_factory=LocalizerConfig)
+    samples: SampleConfig = field(default_factory=SampleConfig)  # per-sample outlier findings
 
     def __post_init__(self) -> None:
         _check(bool(self.job) and isinstance(self.job, str), "job must be a non-empty string")
@@ -197,6 +286,7 @@ class WatchConfig:
         _check(self.close_timeout_s > 0, f"close_timeout_s must be > 0, got {self.close_timeout_s}")
         _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")
         _check(isinstance(self.localizer, LocalizerConfig), "localizer must be a LocalizerConfig")
+        _check(isinstance(self.samples, SampleConfig), "samples must be a SampleConfig")
 
 
 def _is_address(addr: object) -> bool:

@@ -131,9 +131,11 @@ class StepRecord:
     rl: RLStats | None = None  # per-token RL fields' distributions (Monitor.rl_fields), when given
     layers_global: bool = False  # the per-layer statistics are the job's (DDP, FSDP2, ZeRO): the same on every rank
     # the detector's healthy band this step was judged against (None during its warm-up): the EMA
-    # mean of the global norm, and the grad_spike line (mean + z_threshold * std) a norm must cross
+    # mean of the global norm, and the grad_spike line a norm must cross (the larger of
+    # mean + z_threshold * std and spike_ratio * mean, DetectorConfig)
     norm_mean: float | None = None
     norm_threshold: float | None = None
+    samples: "SampleStats | None" = None  # per-sample outlier judgement (SampleConfig), when it ran
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,9 @@ class SpikeEvent:
     loss_mean: float | None = None
     layers: tuple[str, ...] = ()  # layers whose own z-score crossed the layer threshold
     detail: str = ""
+    # the step of the incident whose episode this step belongs to (the run reacting to that spike):
+    # its kinds open no new incident. None on the step that opens an incident and outside episodes.
+    episode: int | None = None
 
     @property
     def is_spike(self) -> bool:
@@ -391,3 +396,57 @@ class Incident:
     scope: str = "rank"
 
 
+# -- per-sample findings (gradloc/collector/surprise.py, gradloc/detector/samples.py) -----------------
+# Buckets of the per-sample surprise z-score distribution (``SampleStats.z_counts``; the last count is
+# above the last bound; z <= 0 falls in the first bucket).
+SAMPLE_Z_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 50.0)
+OUTLIER_KINDS = ("surprise", "rl_mismatch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleOutlier:
+    """A finding, not an incident: no probe ran and nothing pages. One sample whose surprise stands out
+    against the run's own history (``kind="surprise"``), or a step whose training–inference mismatch
+    stayed above the run's baseline (``kind="rl_mismatch"``: no sample fields).
+
+    ``score``: for ``surprise``, the sample's mean surprise in nats per loss token (−log p of the
+    scored token, each token capped at −log 1e-4, p read off the loss head's output gradient), over
+    the span ``[start, end)`` of its positions that stood out most (the whole sample, or its worst
+    window); for ``rl_mismatch``, the step's share of loss tokens whose |log π_trainer −
+    log π_rollout| exceeds log 2. ``baseline``: the run's healthy level it was judged against (the
+    median of recent samples' scores, or of healthy steps' shares); ``z``: (score − baseline) / the
+    history's robust spread."""
+
+    kind: str
+    job: str
+    rank: int
+    step: int
+    time_unix: float
+    score: float
+    z: float
+    baseline: float
+    micro_batch: int | None = None
+    sample: int | None = None
+    sample_id: str | None = None
+    start: int | None = None
+    end: int | None = None  # exclusive
+    tokens: int = 0  # loss tokens judged (rl_mismatch: the step's RL loss tokens)
+    text: str | None = None  # the span's decoded text (at most SampleConfig.excerpt_tokens tokens)
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleStats:
+    """One step's per-sample judgement (``StepRecord.samples``): how many samples were judged, the
+    distribution of their z-scores (``SAMPLE_Z_BUCKETS``; empty during the warm-up), the outliers."""
+
+    judged: int = 0
+    unjudged: int = 0  # samples with too few loss tokens, of RL micro-batches, or without a usable head gradient
+    nonfinite: int = 0  # samples with a non-finite loss gradient at the head (never judged)
+    z_counts: tuple[int, ...] = ()
+    z_sum: float = 0.0
+    max_z: float | None = None
+    baseline: float | None = None  # the run's median surprise (nats per token) the step was judged against
+    flagged: int = 0  # surprise outliers this step (``outliers`` holds at most SampleConfig.max_outliers of them)
+    outliers: tuple[SampleOutlier, ...] = ()
+    rl_mismatch_baseline: float | None = None  # the run's healthy mismatch share (None before its warm-up)

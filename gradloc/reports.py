@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradloc.records import CulpritSpan, Incident, RLStats, StepRecord, TokenStats
+from gradloc.records import CulpritSpan, Incident, RLStats, SampleStats, StepRecord, TokenStats
 
 CORRELATED_SCHEMA_VERSION = 1
 
@@ -86,6 +86,7 @@ class StepSummary:
     layers_global: bool = False  # the layer columns are the job's: exported once per job, not per rank
     norm_mean: float | None = None  # the detector's healthy band (see StepRecord)
     norm_threshold: float | None = None
+    samples: SampleStats | None = None  # per-sample outlier judgement (StepRecord.samples)
 
 
 def summarize(record: StepRecord) -> StepSummary:
@@ -99,7 +100,8 @@ def summarize(record: StepRecord) -> StepSummary:
     return StepSummary(record.job, record.rank, record.step, record.time_unix, record.global_norm,
                        record.loss, record.micro_batches, cols, record.tokens, record.nonfinite,
                        record.grad_scale, record.skipped, record.overhead_s, record.step_s, record.overhead,
-                       record.shed, record.rl, record.layers_global, record.norm_mean, record.norm_threshold)
+                       record.shed, record.rl, record.layers_global, record.norm_mean, record.norm_threshold,
+                       record.samples)
 
 
 @dataclass(frozen=True)

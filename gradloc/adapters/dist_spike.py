@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager
 
 from gradloc.adapters.dist import CollectiveTimeout, JobComm
 from gradloc.adapters.dist_scope import scope_for
-from gradloc.adapters.spike import SpikeInputs, SpikePath, token_view
+from gradloc.adapters.spike import SpikeInputs, SpikePath, outlier_samples, token_view
 from gradloc.localizer import SpikeContext, StoredGradient
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.scope import ProbeFailed
@@ -57,7 +57,8 @@ class DistSpikePath(SpikePath):
         view = token_view(x.scores, self.token_layers, x.scale, rec.tokens.unattributed_share if rec.tokens else 1.0,
                           x.rl)
         stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale, rec.global_norm)
-        ctx = SpikeContext(x.spike.mean, x.job_loss, x.spike.loss_mean, x.spike.std, self.cfg.detector.z_threshold)
+        ctx = SpikeContext(x.spike.mean, x.job_loss, x.spike.loss_mean, x.spike.std, self.cfg.detector.z_threshold,
+                           outliers=outlier_samples(rec))
         kind = "deepspeed" if self.deepspeed is not None else self.kind
         scope = scope_for(kind, comm=self.comm, model=self.model, params=self.params,
                           metas=x.scores.metas if x.scores is not None else (), probe=x.probe,

@@ -114,7 +114,8 @@ def as_judged(record: StepRecord, job: JobView | None) -> StepRecord:
     if job is None:
         return record
     tokens = replace(record.tokens, top_share=job.top_share) if record.tokens is not None else None
-    return replace(record, loss=job.loss, tokens=tokens)
+    # each rank judged only its own samples: sample_spike would split the ranks' paths (DetectorConfig)
+    return replace(record, loss=job.loss, tokens=tokens, samples=None)
 
 
 def layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: str,

@@ -28,6 +28,7 @@ from gradloc.adapters import job_setup
 from gradloc.adapters.dist import CollectiveTimeout
 from gradloc.adapters.dist_spike import DistSpikePath
 from gradloc.adapters.fanout import Fanout
+from gradloc.adapters.samples import SampleWatch
 from gradloc.adapters.spike import SpikeInputs, SpikePath, heads_of, scaler_state
 from gradloc.adapters.update_hooks import UpdateHooks
 from gradloc.collector import rl_fields
@@ -39,7 +40,7 @@ from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.collector.update_ratio import UpdateRatioTracker, window_bytes
 from gradloc.config import WatchConfig
-from gradloc.detector import INCIDENT, SpikeDetector
+from gradloc.detector import SpikeDetector, opens_incident
 from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
 from gradloc.localizer import Localizer, ProbeFn
 from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord
@@ -99,6 +100,7 @@ class Monitor:
         self._fanout = Fanout([*sinks, *default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)],
                               self.counters)
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
+        self.samples = SampleWatch(cfg.samples, getattr(decode, "decode", decode), self.counters)  # outlier findings
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
@@ -187,7 +189,7 @@ class Monitor:
                          sample_infos)
         if self.hooks:
             breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
-            self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown)
+            self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=self.samples.labels(meta))
         self.meter.end(t0)
         self._open = meta
         try:
@@ -261,7 +263,8 @@ class Monitor:
         rl, rl_pack = rl_fields.step_fields([m for m, _ in parts], given_rl, scores, self.layer_stats.device)
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
-                       upd[1] if upd else None, unscored, rl_pack, self.comm)
+                       upd[1] if upd else None, unscored, rl_pack, self.comm,
+                       self.samples.pack(parts, scores.eligible if scores else None, set(given_rl)))
         try:
             assembled = assemble(self.layer_stats, x)
         except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits
@@ -274,11 +277,12 @@ class Monitor:
         self._emit_pending(ratios)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None)
+        record = self.samples.judge_step(record, assembled.samples, [m for m, _ in parts])
         spike = self.detector.observe(job_setup.as_judged(record, assembled.job))
         self._pending = replace(assembled, record=replace(record, **self.detector.band(spike)))
         self.meter.end(t1)
         incident = None
-        if INCIDENT.intersection(spike.kinds):
+        if opens_incident(spike):  # not when the step is the run reacting to an earlier incident
             t2 = time.perf_counter()
             incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
                                                         scale is not None, rl,

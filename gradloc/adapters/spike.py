@@ -90,7 +90,8 @@ class SpikePath:
                 def opener() -> ProbeSession:
                     return ProbeSession(self.model, self.params, scores.metas, probe, self.pause_hooks)
             s = x.spike
-            ctx = SpikeContext(s.mean, rec.loss, s.loss_mean, s.std, self.cfg.detector.z_threshold)
+            ctx = SpikeContext(s.mean, rec.loss, s.loss_mean, s.std, self.cfg.detector.z_threshold,
+                               outliers=outlier_samples(rec))
             return self.localizer.localize(rec.step, view, stored, opener, ctx,
                                            keep_grad=self.cfg.remedy == "drop_culprits", head=self.head_for(view))
         except Exception as exc:  # never raise into the training loop
@@ -140,3 +141,9 @@ def scaler_state(scaler: object, optimizer: object) -> tuple[torch.Tensor | None
         unscaled = state.get("stage") is OptState.UNSCALED
     return scale, unscaled
 
+
+def outlier_samples(record: StepRecord) -> tuple[tuple[int, int], ...]:
+    """(micro-batch, sample) of the step's per-sample surprise outliers (SpikeContext.outliers)."""
+    found = record.samples.outliers if record.samples is not None else ()
+    return tuple((o.micro_batch, o.sample) for o in found
+                 if o.kind == "surprise" and o.micro_batch is not None and o.sample is not None)

@@ -11,6 +11,7 @@ import click
 from gradloc.agent.escape import json_text
 from gradloc.agent.grafana_cli import grafana
 from gradloc.agent.incidents_cli import incidents
+from gradloc.agent.outliers_cli import outliers
 from gradloc.agent.serve_cli import serve
 from gradloc.demo.spawn import SpawnError
 from gradloc.errors import ConfigError
@@ -162,6 +163,7 @@ def _plant_detail(cfg) -> str:
     return f" · its advantage set to {cfg.advantage:g}" if cfg.inject == "advantage" else ""
 
 
+incidents.add_command(outliers)
 main.add_command(incidents)
 main.add_command(grafana)
 main.add_command(serve)

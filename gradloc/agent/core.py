@@ -94,6 +94,7 @@ class AgentCore:
         self.correlator = Correlator(self._on_correlated, self.config.correlator,
                                      new_trace_id or default_trace_id)
         self.recent: deque[CorrelatedIncident] = deque(maxlen=self.config.recent_incidents)
+        self.recent_outliers: deque[Any] = deque(maxlen=self.config.recent_incidents)  # SampleOutlier, for the API without a store
         self._q: queue.Queue[tuple[float, list[Any]] | None] = queue.Queue(self.config.queue_size)
         self._idle = threading.Condition()
         self._unfinished = 0
@@ -225,6 +226,8 @@ class AgentCore:
         self.activity.touch(who.job, who.rank, received)
         if isinstance(item, StepSummary):
             self.state.observe_step(item, received)
+            if item.samples is not None:
+                self.recent_outliers.extend(item.samples.outliers)
             self.correlator.on_step(item)
             self._steps.append(item)
             for exp in self.exporters:

@@ -15,7 +15,7 @@ import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Iterable
 from urllib.parse import parse_qs, urlsplit
 
 from gradloc.agent.core import AgentCore
@@ -26,6 +26,7 @@ from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.records import to_dict
 from gradloc.reports import CorrelatedIncident
+from gradloc.store.errors import AmbiguousIdError
 from gradloc.store.incident_json import correlated_to_dict
 from gradloc.store.rows import IncidentRow
 
@@ -74,7 +75,8 @@ class _Handler(BaseHTTPRequestHandler):
             if url.path == "/healthz":
                 return self._json(200, self.server.health())
             if url.path.rstrip("/") == "/incidents":
-                return self._html(200, index_html(self.server.incident_rows(parse_qs(url.query))))
+                query = parse_qs(url.query)
+                return self._html(200, index_html(self.server.incident_rows(query), outliers=self.server.outlier_rows(query)))
             if url.path.startswith("/incidents/trace/"):  # an exemplar's trace id -> its incident's page
                 found = self.server.incident_id_of_trace(url.path.rsplit("/", 1)[1])
                 if found is None:
@@ -86,6 +88,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such incident</h1>"))
             if url.path.rstrip("/") == "/api/incidents":
                 return self._json(200, self.server.list_incidents(parse_qs(url.query)))
+            if url.path.rstrip("/") == "/api/outliers":  # per-sample findings (SampleOutlier), newest first
+                return self._json(200, [to_dict(o) for o in self.server.outlier_rows(parse_qs(url.query))])
             if url.path.startswith("/api/incidents/"):
                 inc = self.server.get_incident(url.path.rsplit("/", 1)[1])
                 return self._json(200, inc) if inc is not None else self._json(404, {"error": "no such incident"})
@@ -157,13 +161,23 @@ class _Server(ThreadingHTTPServer):
                   if (job is None or i.job == job) and (since is None or i.time_unix >= since)]
         return [IncidentRow.of(i) for i in recent[:limit]]
 
+    def outlier_rows(self, query: dict[str, list[str]]) -> list[Any]:
+        """Per-sample findings (``?job=&kind=&since=&limit=``), newest first."""
+        job, kind = query.get("job", [None])[-1], query.get("kind", [None])[-1]
+        limit, since = _int(query, "limit", 50), _float(query, "since", None)
+        if self.core.store is not None:
+            return self.core.store.list_outliers(job=job, kind=kind, since_unix=since, limit=limit)
+        newest = sorted(self.core.recent_outliers, key=lambda o: (-o.time_unix, -o.step, o.rank))  # the store's order
+        return [o for o in newest if (job is None or o.job == job)
+                and (kind is None or o.kind == kind) and (since is None or o.time_unix >= since)][:limit]
+
     def list_incidents(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
         return [to_dict(r) for r in self.incident_rows(query)]
 
     def incident(self, incident_id: str) -> CorrelatedIncident | None:
         if self.core.store is not None:
             return self.core.store.get_incident(incident_id)
-        return next((i for i in self.core.recent if i.incident_id.startswith(incident_id)), None)
+        return recent_incident(self.core.recent, incident_id)
 
     def incident_id_of_trace(self, trace_id: str) -> str | None:
         if not _TRACE_ID.fullmatch(trace_id):
@@ -175,6 +189,27 @@ class _Server(ThreadingHTTPServer):
     def get_incident(self, incident_id: str) -> dict[str, Any] | None:
         inc = self.incident(incident_id)
         return None if inc is None else correlated_to_dict(inc)
+
+
+def recent_incident(recent: Iterable[CorrelatedIncident], key: str) -> CorrelatedIncident | None:
+    """Without a store, the remembered incident ``key`` names, as the store would answer: the one
+    whose id or one of whose rank findings' ids (what the training process printed) is ``key``,
+    else the one such an id starts with; several: :class:`AmbiguousIdError`."""
+    key = key.strip()
+    if not key:
+        raise ValueError("an incident id (or a prefix of one) is required")
+    incidents = list(recent)  # a snapshot: the agent's worker appends meanwhile
+
+    def ids(inc: CorrelatedIncident) -> tuple[str, ...]:
+        return (inc.incident_id, *(f.incident_id for f in inc.findings))
+
+    exact = [inc for inc in incidents if key in ids(inc)]
+    if exact:
+        return exact[-1]
+    found = {inc.incident_id: inc for inc in incidents if any(i.startswith(key) for i in ids(inc))}
+    if len(found) > 1:
+        raise AmbiguousIdError(key, tuple(sorted(found)))
+    return next(iter(found.values()), None)
 
 
 def _int(query: dict[str, list[str]], key: str, default: int) -> int:

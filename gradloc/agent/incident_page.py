@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 
 from gradloc.agent.escape import visible
-from gradloc.records import Culprit, Incident
+from gradloc.records import Culprit, Incident, SampleOutlier
 from gradloc.reports import CorrelatedIncident
 from gradloc.store.rows import IncidentRow
 
@@ -133,9 +133,29 @@ def _rl(c: Culprit) -> str:
     return f'<table class="kv"><tr><th colspan="2">RL fields of the first culprit</th></tr>{cells}</table>'
 
 
-def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/") -> str:
+def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/", outliers: Sequence[SampleOutlier] = ()) -> str:
     body = "".join(f'<tr><td><a href="{html.escape(base + r.incident_id, quote=True)}">{_e(r.incident_id[:12])}</a>'
                    f"</td><td>{_e(r.job)}</td><td>{r.step}</td><td>{_e(r.status)}</td><td>{_e(', '.join(r.kinds))}</td>"
                    f"<td>{_pct(r.explained_share)}</td><td>{r.probes}</td></tr>" for r in rows)
     head = "<tr><th>incident</th><th>job</th><th>step</th><th>status</th><th>kinds</th><th>explained</th><th>probes</th></tr>"
-    return _page("gradloc incidents", f"<h1>Incidents</h1><table>{head}{body}</table>")
+    return _page("gradloc incidents", f"<h1>Incidents</h1><table>{head}{body}</table>{_outliers(outliers)}")
+
+
+def _outliers(outliers: Sequence[SampleOutlier]) -> str:
+    """Per-sample findings: no probe ran and nothing paged (``/api/outliers``)."""
+    if not outliers:
+        return ""
+    head = ("<tr><th>job</th><th>rank</th><th>step</th><th>kind</th><th>where</th><th>score</th><th>z</th>"
+            "<th>baseline</th><th>text</th></tr>")
+    body = "".join(f"<tr><td>{_e(o.job)}</td><td>{o.rank}</td><td>{o.step}</td><td>{_e(o.kind)}</td><td>{_where(o)}</td>"
+                   f"<td>{_num(o.score)}</td><td>{_num(o.z)}</td><td>{_num(o.baseline)}</td>"
+                   f'<td class="text" title="{_e(o.detail)}">{_e(o.text)}</td></tr>' for o in outliers)
+    return (f"<h2>Sample outliers</h2><p class=\"muted\">Findings, not incidents: samples whose surprise stands out "
+            f"against the run's history, sustained RL mismatch.</p><table>{head}{body}</table>")
+
+
+def _where(o: SampleOutlier) -> str:
+    if o.micro_batch is None:
+        return "the step"
+    span = f" · positions {o.start}–{o.end - 1}" if o.start is not None and o.end is not None and o.end > o.start else ""
+    return _e(f"micro-batch {o.micro_batch} · sample {o.sample}" + (f" (id {o.sample_id})" if o.sample_id else "") + span)

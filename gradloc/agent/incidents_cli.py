@@ -119,7 +119,8 @@ def list_cmd(db: Path | None, as_json: bool, job: str | None, limit: int, since:
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the incident page (one self-contained HTML file) here.")
 def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | None, html_file: Path | None) -> None:
-    """One incident (full id or a unique prefix): ranks, shares, culprit spans, each rank's finding."""
+    """One incident by its id or one of its rank findings' ids (what the training process printed),
+    full or a unique prefix: ranks, shares, culprit spans, each rank's finding."""
     from gradloc.agent.render_correlated import correlated_text
     from gradloc.store import correlated_to_dict
 
@@ -127,6 +128,8 @@ def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | Non
         inc = store.get_incident(incident_id)
         if inc is None:
             raise click.ClickException(f"no incident {incident_id.strip()!r} in {store.path}")
+    if not inc.incident_id.startswith(incident_id.strip()):
+        click.echo(f"{incident_id.strip()} names a rank finding of incident {inc.incident_id}", err=True)
     if html_file is not None:
         from gradloc.agent.incident_page import incident_html
 

@@ -1,7 +1,7 @@
 """Assemble one optimizer step's measurements into a :class:`StepRecord` with one host transfer.
 
 Packed layout (float64): ``[layer pack (4L) | uncovered_sq | scale | loss? | token summary? |
-RL pack? | previous step's update sums (3L)? | every rank's job vector (3W)?]``. In a multi-rank job
+RL pack? | per-sample surprise pack? | previous step's update sums (3L)? | every rank's job vector (3W)?]``. In a multi-rank job
 one collective precedes the transfer (collector/job.py); on one rank there is none.
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ class StepInputs:
     unattributed: tuple[int, ...] = ()  # covered parameters whose module went unscored this step
     rl: torch.Tensor | None = None  # the step's RL distributions pack (collector.rl_fields.rl_pack)
     comm: Gather | None = None  # a multi-rank job: one all_gather per step (collector/job.py)
+    samples: torch.Tensor | None = None  # the per-sample surprise pack (collector/surprise.py)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Assembled:
     previous_update: np.ndarray | None  # (3L,) host copy of StepInputs.previous_update (the job's, when sharded)
     scale: float  # host GradScaler scale (1.0 without a scaler)
     job: JobView | None = None  # a multi-rank job's step, identical on every rank
+    samples: np.ndarray | None = None  # host copy of StepInputs.samples
 
 
 def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
@@ -73,6 +75,8 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
         parts.append(summary)
     if x.rl is not None:
         parts.append(x.rl)
+    if x.samples is not None:
+        parts.append(x.samples)
     if update is not None:
         parts.append(update)
     if rows is not None:
@@ -104,6 +108,10 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
     if x.rl is not None:
         rl = unpack_rl(host[pos:pos + RL_PACK_LENGTH])
         pos += RL_PACK_LENGTH
+    samples = None
+    if x.samples is not None:
+        samples = host[pos:pos + x.samples.numel()].copy()
+        pos += x.samples.numel()
     record = StepRecord(
         job=x.job, rank=x.rank, step=x.step, time_unix=time.time(),
         global_norm=math.sqrt(total_sq) if finite else float("nan"), loss=loss,
@@ -117,7 +125,7 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
         previous = host[pos:pos + 3 * L].copy()
         pos += 3 * L
     job = job_view(host[pos:].reshape(-1, 3)) if x.comm is not None else None  # (3W,) -> (W, 3)
-    return Assembled(record, previous, scale, job)
+    return Assembled(record, previous, scale, job, samples)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

@@ -52,6 +52,13 @@ class MicroBatchScores:
     matched_modules: set[str] = field(default_factory=set)
     lost_modules: set[str] = field(default_factory=set)
     scored_modules: set[str] = field(default_factory=set)
+    # Per-sample surprise (collector/surprise.py): the ids each loss position scores, and at the last
+    # forward call of the last watched module (the LM head) u_p = −g_p[id_p] = w·(1 − p(id_p)) for a
+    # cross-entropy head (B, T); 0 where an id is not a column of the head's output.
+    labels: torch.Tensor | None = None
+    head_u: torch.Tensor | None = None
+    calls: int = 0  # grad-tracking forward calls captured so far (the last one is the head's)
+    last_call: int = 0
 
     @property
     def unscored(self) -> set[str]:
@@ -117,8 +124,9 @@ class TokenHooks:
             h.remove()
         self._handles.clear()
 
-    def begin(self, index: int, batch: int, seq: int, breakdown: bool = True) -> None:
-        self.current = MicroBatchScores(index, batch, seq, len(self.layers), breakdown)
+    def begin(self, index: int, batch: int, seq: int, breakdown: bool = True,
+              labels: torch.Tensor | None = None) -> None:
+        self.current = MicroBatchScores(index, batch, seq, len(self.layers), breakdown, labels=labels)
 
     def end(self) -> MicroBatchScores | None:
         current, self.current = self.current, None
@@ -195,10 +203,16 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
     buf.matched_modules.add(w.name)
     if not recompute:  # reentrant re-runs go in reverse block order: they never name the last layer
         buf.last_layer = w.layer
+        buf.calls += 1
+        buf.last_call = call = buf.calls
+    else:
+        call = 0
 
     def on_grad(g: torch.Tensor) -> None:
         try:
             with torch.no_grad():
+                if call and call == buf.last_call and buf.labels is not None:
+                    buf.head_u = _head_u(g, buf.labels, buf.batch, buf.seq)
                 buf.add(w.layer, w.rule.score(w.module, saved, g))
             buf.scored_modules.add(w.name)
         except Exception:
@@ -206,3 +220,13 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
             log.debug("gradloc: backward hook failed on %s", w.name, exc_info=True)
 
     out.register_hook(on_grad)
+
+
+def _head_u(g: torch.Tensor, labels: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """u_p = −g_p[label_p] (B, T) float32: w·(1 − p(label_p)) when g is a cross-entropy head's
+    gradient w·(softmax − onehot); 0 where the label is not a column of g (e.g. −100)."""
+    V = g.shape[-1]
+    lab = labels.to(g.device, non_blocking=True).reshape(g.shape[:-1])  # (B, T) -> lead
+    ok = (lab >= 0) & (lab < V)
+    u = -g.gather(-1, lab.clamp(0, V - 1).unsqueeze(-1)).squeeze(-1).float()  # (*lead, 1) -> lead
+    return torch.where(ok, u, 0.0).reshape(batch, seq)  # lead -> (B, T)

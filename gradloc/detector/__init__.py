@@ -1,3 +1,3 @@
-from gradloc.detector.detector import INCIDENT, LOCALIZE, SpikeDetector
+from gradloc.detector.detector import INCIDENT, LOCALIZE, SpikeDetector, opens_incident
 
-__all__ = ["INCIDENT", "LOCALIZE", "SpikeDetector"]
+__all__ = ["INCIDENT", "LOCALIZE", "SpikeDetector", "opens_incident"]

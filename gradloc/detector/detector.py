@@ -2,14 +2,28 @@
 
 Kinds a :class:`SpikeEvent` can carry (``INCIDENT`` ones open an incident, ``LOCALIZE`` ones also
 run the localizer; ``layer_spike`` and ``skipped_step`` alone are reported on the step only):
-``grad_spike`` (global-norm z > z_threshold), ``abs_threshold`` (global norm > abs_threshold),
-``layer_spike`` (some layer's own z > layer_z_threshold), ``nonfinite_grad``, ``nonfinite_loss``,
-``loss_spike`` (z of log(loss) > loss_z_threshold: loss spikes are multiplicative, and a falling
-loss inflates a linear σ), ``token_spike`` (z of log(top token's attribution share) >
-token_z_threshold: one token suddenly carries a large part of the gradient, as a corrupted label
-does even when its bounded cross-entropy gradient leaves the global norm unremarkable), ``divergence`` (the fast EMA of the global norm stayed
-above (1 + margin) × the slow EMA for ``divergence_patience`` steps), ``skipped_step`` (GradScaler
-found inf/NaN and will skip the update — normal while the scale calibrates, so not localized).
+``grad_spike`` (global-norm z > z_threshold *and* global norm >= spike_ratio × its EMA mean),
+``sample_spike`` (below that line, z > z_threshold and norm >= sample_ratio × its EMA mean in a
+step with a per-sample surprise outlier: the sample that moved the gradient is known to be odd),
+``abs_threshold`` (global norm > abs_threshold), ``layer_spike`` (some layer's own z >
+layer_z_threshold), ``nonfinite_grad``, ``nonfinite_loss``, ``loss_spike`` (z of log(loss) >
+loss_z_threshold: loss spikes are multiplicative, and a falling loss inflates a linear σ),
+``token_spike`` (z of log(top token's attribution share) > token_z_threshold, and, unless
+token_share is 0, that share >= token_share in a step whose global norm >= token_ratio × its EMA
+mean: one token
+suddenly carries a large part of the gradient, as a corrupted label does even when its bounded
+cross-entropy gradient leaves the global norm below the grad_spike line), ``divergence``
+(the fast EMA of the global norm stayed above (1 + margin) × the slow EMA for
+``divergence_patience`` steps), ``skipped_step`` (GradScaler found inf/NaN and will skip the update
+— normal while the scale calibrates, so not localized).
+
+Episodes: the steps after a spike (the run reacting to it: Adam's moments, the clipped update) are
+one episode with it. A step with incident kinds that comes within ``episode_steps`` steps of the
+episode's last flagged step carries ``SpikeEvent.episode`` (the step of the incident that opened
+it) and opens no incident of its own (:func:`opens_incident`), unless its kinds are non-finite
+(always an incident, at once), include an incident kind the episode's incident did not have (a
+different trouble: a planted token's loss_spike after a natural grad_spike), or its global norm
+is more than ``ESCALATION`` × the episode's largest (a worse spike, not a reaction).
 """
 from __future__ import annotations
 
@@ -21,9 +35,17 @@ from gradloc.config import DetectorConfig
 from gradloc.detector.ema import EmaZ
 from gradloc.records import SpikeEvent, StepRecord
 
-LOCALIZE = frozenset({"grad_spike", "abs_threshold", "nonfinite_grad", "loss_spike", "token_spike"})
+LOCALIZE = frozenset({"grad_spike", "abs_threshold", "nonfinite_grad", "loss_spike", "token_spike", "sample_spike"})
 INCIDENT = LOCALIZE | {"nonfinite_loss", "divergence"}
+NONFINITE = frozenset({"nonfinite_grad", "nonfinite_loss"})
+ESCALATION = 2.0  # inside an episode, a global norm above this × the episode's largest opens a new incident
 _FAST_ALPHA = 0.7
+
+
+def opens_incident(spike: SpikeEvent) -> bool:
+    """Whether ``spike`` opens an incident: it has incident kinds and is not part of an earlier
+    incident's episode."""
+    return spike.episode is None and not INCIDENT.isdisjoint(spike.kinds)
 
 
 def _finite(x: float | None) -> bool:
@@ -32,15 +54,15 @@ def _finite(x: float | None) -> bool:
 
 class SpikeDetector:
     def __init__(self, config: DetectorConfig, layers: list[str]) -> None:
-        self.config = config
+        self.config = c = config.resolved()  # the sensitivity preset's thresholds filled in
         self.layers = list(layers)
-        c = config
         self._global = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
         self._loss = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
         self._layers = EmaZ(len(layers), c.warmup, c.alpha, c.min_std_fraction)
         self._top = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
         self._fast: float | None = None
         self._rising = 0
+        self._episode: _Episode | None = None
 
     def healthy_loss(self) -> float | None:
         """Healthy loss level: exp of the EMA mean of log(loss) (None during warm-up)."""
@@ -52,10 +74,13 @@ class SpikeDetector:
 
     def band(self, spike: SpikeEvent) -> dict[str, float | None]:
         """The healthy band ``spike``'s step was judged against, as StepRecord fields: the EMA mean
-        and the grad_spike line mean + z_threshold * std (both None during the warm-up)."""
+        and the grad_spike line, the larger of mean + z_threshold * std and spike_ratio * mean
+        (both None during the warm-up)."""
         if spike.mean is None or spike.std is None:
             return {"norm_mean": None, "norm_threshold": None}
-        return {"norm_mean": spike.mean, "norm_threshold": spike.mean + self.config.z_threshold * spike.std}
+        c = self.config
+        return {"norm_mean": spike.mean,
+                "norm_threshold": max(spike.mean + c.z_threshold * spike.std, c.spike_ratio * spike.mean)}
 
     def z_of(self, global_norm: float) -> float | None:
         z = float(self._global.z(np.array([global_norm]))[0])
@@ -74,14 +99,16 @@ class SpikeDetector:
         if rec.loss is not None and not math.isfinite(rec.loss):
             kinds.append("nonfinite_loss")
         z = self.z_of(g) if math.isfinite(g) else None
-        if z is not None and z > c.z_threshold:
+        if z is not None and z > c.z_threshold and mean is not None and g >= c.spike_ratio * mean:
             kinds.append("grad_spike")
+        elif z is not None and z > c.z_threshold and self._outlier_sample(rec, mean):
+            kinds.append("sample_spike")
         if c.abs_threshold is not None and math.isfinite(g) and g > c.abs_threshold:
             kinds.append("abs_threshold")
         hot_layers = self._layer_spikes(rec)
         if hot_layers:
             kinds.append("layer_spike")
-        if self._token_spike(rec):
+        if self._token_spike(rec, mean):
             kinds.append("token_spike")
         loss_z = None
         if _finite(rec.loss) and rec.loss > 0:
@@ -95,16 +122,52 @@ class SpikeDetector:
             if self._divergence(g):
                 kinds.append("divergence")
             self._global.update(np.array([g]), c.z_threshold)
-        return SpikeEvent(rec.step, tuple(kinds), g, z, mean, std, rec.loss, loss_z, loss_mean, hot_layers)
+        episode = self._fold(rec.step, kinds, g)
+        return SpikeEvent(rec.step, tuple(kinds), g, z, mean, std, rec.loss, loss_z, loss_mean, hot_layers,
+                          episode=episode)
 
-    def _token_spike(self, rec: StepRecord) -> bool:
+    def _fold(self, step: int, kinds: list[str], g: float) -> int | None:
+        """The episode ``step`` belongs to (None: it opens an incident, or is outside any episode)."""
+        ep, horizon = self._episode, self.config.episode_steps
+        if ep is not None and step - ep.last > horizon:
+            ep = self._episode = None
+        if INCIDENT.isdisjoint(kinds):
+            return ep.start if ep is not None else None
+        norm = g if math.isfinite(g) else math.inf
+        flagged = INCIDENT.intersection(kinds)
+        if (ep is None or not NONFINITE.isdisjoint(kinds) or norm > ESCALATION * ep.peak
+                or not flagged <= ep.kinds):
+            if horizon > 0:
+                self._episode = _Episode(step, step, norm, flagged)
+            return None
+        ep.last, ep.peak = step, max(ep.peak, norm)
+        return ep.start
+
+    def _outlier_sample(self, rec: StepRecord, mean: float | None) -> bool:
+        """The step's norm is >= sample_ratio × its mean and a sample of it is a surprise outlier: a bad
+        sample that moved the gradient, below the grad_spike line (a truncated document, a duplicated
+        garbage sample: 1.3-1.8× on docs/BENCHMARKS.md §6's runs)."""
+        ratio = self.config.sample_ratio
+        if not ratio or rec.samples is None or mean is None or not mean > 0 or rec.global_norm < ratio * mean:
+            return False
+        return any(o.kind == "surprise" for o in rec.samples.outliers)
+
+    def _token_spike(self, rec: StepRecord, mean: float | None) -> bool:
+        c = self.config
         share = rec.tokens.top_share if rec.tokens is not None else 0.0
         if rec.skipped or not (share > 0 and math.isfinite(share)):
             return False
         x = np.array([math.log(share)])
         z = float(self._top.z(x)[0])
-        self._top.update(x, self.config.token_z_threshold)
-        return math.isfinite(z) and z > self.config.token_z_threshold
+        self._top.update(x, c.token_z_threshold)
+        if not (math.isfinite(z) and z > c.token_z_threshold):
+            return False
+        # a token that takes over a step whose norm stayed near its mean is a shift of the gradient
+        # between tokens (rare tokens of natural text), not a spike. The line is a ratio, not the norm's
+        # z: early in a run σ is wide, and a planted token's step at 2× the mean sits at z 1.4 (the
+        # two-rank demo); bench/healthy.py measured the ratio's false incidents (docs/BENCHMARKS.md §5)
+        return c.token_share == 0 or (share >= c.token_share and _finite(mean) and mean > 0
+                                      and rec.global_norm >= c.token_ratio * mean)
 
     def _layer_spikes(self, rec: StepRecord) -> tuple[str, ...]:
         if not self.layers:
@@ -130,3 +193,13 @@ class SpikeDetector:
             self._rising = 0
             return True
         return False
+
+
+class _Episode:
+    """An open episode: the step of its incident, its last flagged step, its largest global norm,
+    the incident kinds of its incident."""
+
+    __slots__ = ("start", "last", "peak", "kinds")
+
+    def __init__(self, start: int, last: int, peak: float, kinds: set[str]) -> None:
+        self.start, self.last, self.peak, self.kinds = start, last, peak, kinds

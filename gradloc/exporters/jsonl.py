@@ -1,4 +1,6 @@
-"""JSONL sink: one incident (and optionally one step record) per line, flushed per write.
+"""JSONL sink: one incident (and optionally one step record) per line, flushed per write; each
+per-sample finding of a step (``StepRecord.samples.outliers``) as a ``sample_outlier`` line
+(``{"kind": "sample_outlier", "outlier": {...}}``).
 
 A :class:`gradloc.sinks.Sink`: it never raises into training (the monitor counts failures).
 """
@@ -31,6 +33,8 @@ class JsonlSink:
     def on_step(self, record: StepRecord) -> None:
         if self.steps:
             self._write("step", to_dict(record))
+        for outlier in record.samples.outliers if record.samples is not None else ():
+            self._write("sample_outlier", {"outlier": to_dict(outlier)})  # its own "kind" stays inside
 
     def on_incident(self, incident: Incident) -> None:
         self._write("incident", to_dict(incident))

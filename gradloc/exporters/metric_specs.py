@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradloc.records import RL_ADVANTAGE_BUCKETS, RL_LOG_RATIO_BUCKETS
+from gradloc.records import RL_ADVANTAGE_BUCKETS, RL_LOG_RATIO_BUCKETS, SAMPLE_Z_BUCKETS
 
 # 1e-8 … 1e4, two boundaries per decade (1, 3.16): 25 buckets plus +Inf.
 NORM_BUCKETS: tuple[float, ...] = tuple(float(f"{x:.3g}") for x in np.logspace(-8, 4, 25))
@@ -70,8 +70,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "The detector's healthy level of the global norm (EMA mean) the latest step was judged against; absent during "
        "its warm-up."),
     _g("norm_threshold", "gradloc_detector_norm_threshold", "gradloc.detector.norm_threshold", "1", JR,
-       "The detector's grad_spike line for the latest step: healthy mean + z_threshold × std. A global norm above it "
-       "is a spike."),
+       "The detector's grad_spike line for the latest step: the larger of healthy mean + z_threshold × std and "
+       "spike_ratio × mean. A global norm above it is a spike."),
     _g("layer_norm", "gradloc_grad_norm", "gradloc.grad.norm", "1", JRL,
        "L2 norm of one layer group's gradient, latest step."),
     _g("layer_max_abs", "gradloc_grad_max_abs", "gradloc.grad.max_abs", "1", JRL,
@@ -101,6 +101,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("rl_clipped", "gradloc_rl_clipped_ratio", "gradloc.rl.clip_fraction", "1", JR,
        "Share of the step's loss tokens whose importance ratio the loss clipped."),
     _g("rl_entropy", "gradloc_rl_entropy", "gradloc.rl.entropy", "1", JR, "Mean policy entropy over the step's loss tokens."),
+    _g("rl_mismatch_baseline", "gradloc_rl_mismatch_baseline_ratio", "gradloc.rl.mismatch_baseline", "1", JR,
+       "The run's own healthy mismatch share (median over recent steps that were not flagged); absent before its "
+       "warm-up. A share above 2 × this + 0.05 for rl_patience steps is an rl_mismatch finding."),
     _g("shed", "gradloc_shed", "gradloc.shed", "1", ("job", "rank", "feature"),
        "1 while gradloc sheds an optional feature (update_ratio, layer_breakdown) to stay within its overhead budget, else 0."),
     # Counters over the whole run.
@@ -120,6 +123,9 @@ SPECS: tuple[MetricSpec, ...] = (
        "layer_concentrated, diffuse, unclassified)."),
     _c("remedies", "gradloc_remedies", "gradloc.remedy.count", "{step}", ("job", "action", "applied"),
        "Spike steps the opt-in remedy acted on (applied=true) or refused (applied=false), by action."),
+    _c("sample_outliers", "gradloc_sample_outliers", "gradloc.sample.outliers", "{finding}", ("job", "rank", "kind"),
+       "Findings (not incidents: no probe, no page) by kind: surprise (a sample whose surprise stands out against the "
+       "run's history), rl_mismatch (a sustained training–inference mismatch)."),
     _c("missing_ranks", "gradloc_incident_missing_ranks", "gradloc.incident.missing_ranks", "{rank}", ("job",),
        "Ranks that never reported a step that became an incident (straggler deadline passed)."),
     # Distributions.
@@ -131,6 +137,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _h("explained", "gradloc_localization_explained_ratio", "gradloc.localization.explained_share", "1",
        ("job",), "Share of ‖∇‖² the located culprits explain.",
        (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)),
+    _h("sample_surprise_z", "gradloc_sample_surprise_z", "gradloc.sample.surprise_z", "1", ("job",),
+       "Per-sample surprise z-score against the run's own history, every judged sample (z <= 0 in the first bucket).",
+       SAMPLE_Z_BUCKETS, preaggregated=True),
     _h("rl_log_ratio", "gradloc_rl_log_ratio", "gradloc.rl.log_ratio", "1", ("job",),
        "Per-token training–inference mismatch log π_old − log π_rollout (log π_train without an old policy), every step's loss tokens.",
        RL_LOG_RATIO_BUCKETS, preaggregated=True),
@@ -152,7 +161,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("export_dropped", "gradloc_export_dropped", "gradloc.export.dropped", "{item}", ("exporter",),
        "Items an exporter dropped (queue full, retries exhausted)."),
     _c("retention_deleted", "gradloc_agent_retention_deleted", "gradloc.agent.retention_deleted", "{row}", ("rule",),
-       "Store rows the retention limits deleted (incidents_by_age, incidents_by_count, steps_by_age, steps_by_count, spans, inbox)."),
+       "Store rows the retention limits deleted (incidents_by_age, incidents_by_count, steps_by_age, steps_by_count, spans, inbox, sample_outliers)."),
     _c("series_dropped", "gradloc_agent_series_dropped", "gradloc.agent.series_dropped", "{record}", ("reason",),
        "Records whose series were not exported because a cardinality bound was hit."),
     _h("ingest_lag", "gradloc_agent_ingest_lag_seconds", "gradloc.agent.ingest_lag", "s", (),

@@ -115,7 +115,20 @@ class TelemetryState:
             self._hist("ingest_lag", ()).observe(max(0.0, now - s.time_unix))
             if s.rl is not None:
                 self._observe_rl(s)
+            if s.samples is not None:
+                self._observe_samples(s)
             self._store_rank(s, now)
+
+    def _observe_samples(self, s: StepSummary) -> None:
+        st = s.samples
+        assert st is not None
+        if st.z_counts:
+            self._hist("sample_surprise_z", (s.job,)).add_counts(st.z_counts, st.z_sum)
+        if st.flagged:
+            self._bump("sample_outliers", (s.job, str(s.rank), "surprise"), n=st.flagged)
+        for o in st.outliers:
+            if o.kind != "surprise":  # surprise outliers are counted by st.flagged (the list is capped)
+                self._bump("sample_outliers", (s.job, str(s.rank), o.kind))
 
     def _observe_rl(self, s: StepSummary) -> None:
         rl, job = s.rl, (s.job,)

@@ -3,12 +3,13 @@
 - **Training overview**: loss, the global gradient norm with a healthy band, incidents as annotations.
 - **Layers**: per-layer norm heatmap, top layers, each layer's share of ‖∇‖² and its z-score, update ratios.
 - **Tokens & incidents**: incident rate, explained share, probes per incident, top-token share, a table
-  of recent incidents linking to the agent's incident page.
+  of recent incidents linking to the agent's incident page, per-sample outlier findings and the
+  distribution of per-sample surprise z-scores.
 - **RL**: the RL distributions (panels show "No data" for a job without RL fields, never an error).
 - **Agent health**: ingest, rejections, limits, client drops, queue, export failures, gradloc's overhead.
 
 The overview's band is the detector's own: the healthy EMA mean each step was judged against and
-its grad_spike line (mean + z_threshold × std), exported by the trainer with every step record.
+its grad_spike line (the larger of mean + z_threshold × std and spike_ratio × mean), exported by the trainer with every step record.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def overview() -> dict[str, Any]:
             q(f"gradloc_detector_norm_mean{S}", "healthy mean {{job}} r{{rank}}")],
             "none", overrides=[dashed("B", "red"), dashed("C", "green")],
             description="The detector's view of each step: its healthy EMA mean of the norm and its grad_spike "
-                        "line (mean + z_threshold × std); a norm above the line is a spike. No band during the "
+                        "line (the larger of mean + z_threshold × std and spike_ratio × mean); a norm above the line "
+                        "is a spike. No band during the "
                         "detector's warm-up."),
         Panel("Steps per second", [q(f"sum by (job) (rate(gradloc_steps_total{S}[$__rate_interval]))", "{{job}}")],
               "ops", width=8),
@@ -98,6 +100,18 @@ def tokens() -> dict[str, Any]:
             description="Incidents per job and status since the agent began tracking the job (Prometheus cannot list incidents: an id as a label would be unbounded); "
                         "the link opens the agent's list of the job's incidents. One incident at a time: the "
                         "exemplar dots on 'Incidents per hour by status' carry its trace id and link to its page."),
+        Panel("Sample outliers per hour by kind", [
+            q(f"sum by (job, kind) (rate(gradloc_sample_outliers_total{S}[$__rate_interval])) * 3600",
+              "{{job}} {{kind}}")], "short", width=12, links=INCIDENT_LINK,
+            description="Findings, not incidents (no probe, nothing pages): samples whose surprise (mean −log p of "
+                        "their loss tokens, read off the loss head's gradient) stands out against the run's own "
+                        "history — random-id garbage, shifted labels, another script — and sustained RL "
+                        "training–inference mismatch. The link lists them (sample id, span, text)."),
+        Panel("Per-sample surprise z (median, p99, p99.9)", [
+            q(f"histogram_quantile({p}, sum by (job, le) (rate(gradloc_sample_surprise_z_bucket{J}[$__rate_interval])))",
+              f"p{100 * p:g} {{{{job}}}}") for p in (0.5, 0.99, 0.999)], "none", width=12,
+            description="Every judged sample's z against the run's history (z <= 0 counts in the first bucket); "
+                        "a sample at z >= SampleConfig.z_threshold (6) is an outlier."),
     ]
     return dashboard("gradloc-tokens", "gradloc · Tokens & incidents", panels,
                      "Incident rate, how well spikes are explained, and links to the incidents.")
@@ -107,7 +121,13 @@ def rl() -> dict[str, Any]:
     panels = [
         Panel("Max |log π_old − log π_rollout|", [q(f"gradloc_rl_max_abs_log_ratio{S}", "{{rank}} {{reference}}")],
               "none"),
-        Panel("Mismatch share of tokens", [q(f"gradloc_rl_mismatch_ratio{S}", "{{job}} r{{rank}}")], "percentunit"),
+        Panel("Mismatch share of tokens and the run's baseline", [
+            q(f"gradloc_rl_mismatch_ratio{S}", "{{job}} r{{rank}}"),
+            q(f"2 * gradloc_rl_mismatch_baseline_ratio{S} + 0.05", "finding line {{job}} r{{rank}}")],
+            "percentunit", overrides=[dashed("B", "red")],
+            description="Share of loss tokens with |log π_trainer − log π_rollout| > log 2, and the line above which "
+                        "a step counts toward an rl_mismatch finding (2 × the run's healthy baseline + 0.05; "
+                        "GradlocRLMismatchSustained fires after 5 min above it)."),
         Panel("Clipped share of tokens", [q(f"gradloc_rl_clipped_ratio{S}", "{{job}} r{{rank}}")], "percentunit"),
         Panel("Entropy", [q(f"gradloc_rl_entropy{S}", "{{job}} r{{rank}}")], "none"),
         Panel("Log ratio distribution (p99 |.|)", [

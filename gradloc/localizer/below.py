@@ -66,14 +66,20 @@ class Below:
 
     # -- decomposition --------------------------------------------------------------------------
     def _micro_batch_order(self) -> list[tuple[int, int]]:
-        """(rank, view position) of the job's micro-batches by their best sample's score, best first."""
+        """(rank, view position) of the job's micro-batches: those holding a per-sample surprise
+        outlier of the step first (SpikeContext.outliers: the odd sample is known), then by their best
+        sample's score, best first. Attribution scores are sums of squares: a coherent bad sample (a
+        truncated document's predictable padding) can score below a healthy one."""
+        view = self.r.view
+        odd = {m for m, meta in enumerate(view.metas) for mb, _ in self.r.ctx.outliers if mb == meta.index}
         best: dict[int, float] = {}
-        for m, _, score, _ in self.r.view.sample_totals():
+        for m, _, score, _ in view.sample_totals():
             best.setdefault(m, score if math.isfinite(score) else 0.0)
-        every = self.r.comm.all_gather_object(sorted(best.items()), "gradloc micro-batch order")
-        merged = [(-score, rank, m) for rank, items in enumerate(every) for m, score in items]
+        items = sorted((m, score, m in odd) for m, score in best.items())
+        every = self.r.comm.all_gather_object(items, "gradloc micro-batch order")
+        merged = [(not flagged, -score, rank, m) for rank, items in enumerate(every) for m, score, flagged in items]
         self.m_total = len(merged)
-        return [(rank, m) for _, rank, m in sorted(merged)]
+        return [(rank, m) for _, _, rank, m in sorted(merged)]
 
     def _decompose(self, owner: int, m: int) -> dict:
         r, payload = self.r, None

@@ -28,6 +28,9 @@ class SpikeContext:
     healthy_loss: float | None  # detector's EMA mean of the loss
     healthy_std: float | None = None  # detector's EMA std of the global norm
     z_threshold: float = 2.5  # a residual above healthy_norm + z·std is still a spike
+    # (micro-batch index, sample) of this rank's per-sample surprise outliers on the step: the levels
+    # below the tokens decompose their micro-batches first (below.py)
+    outliers: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

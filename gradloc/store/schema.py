@@ -3,7 +3,9 @@
 The schema version lives in ``PRAGMA user_version`` (0 = a fresh file). A database written by a
 newer gradloc is refused rather than read: a newer schema may have moved meaning between columns,
 and a daemon that "mostly works" on it would write rows the newer reader misreads. Older versions
-are upgraded in place by the steps in ``_MIGRATIONS`` (1 → 2 adds the inbox).
+are upgraded in place by the steps in ``_MIGRATIONS`` (1 → 2 adds the inbox, 2 → 3 the
+``sample_outliers`` table of per-sample findings, gradloc/store/outliers.py, 3 → 4 the
+``finding_ids`` of each incident's rank findings, gradloc/store/aliases.py).
 """
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import os
 import sqlite3
 from collections.abc import Callable
 
-from gradloc.store import inbox
+from gradloc.store import aliases, inbox, outliers
 from gradloc.store.errors import SchemaVersionError, StoreError
 
-SCHEMA_VERSION = 2  # 2: the inbox (gradloc/store/inbox.py)
+SCHEMA_VERSION = 4  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
+# 4: finding_ids (gradloc/store/aliases.py)
 BUSY_TIMEOUT_MS = 5000
 
 # NULL in a REAL column means "unknown or NaN" (SQLite stores NaN as NULL); the ``json`` column keeps
@@ -67,7 +70,8 @@ CREATE UNIQUE INDEX steps_job_step ON steps (job, step, rank);
 CREATE INDEX steps_time ON steps (time_unix);
 """
 
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: inbox.create}  # from version v to v + 1
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: inbox.create, 2: outliers.create,
+                                                                3: aliases.create}  # v -> v + 1
 
 
 def connect(path: str) -> sqlite3.Connection:
@@ -134,6 +138,8 @@ def _create(conn: sqlite3.Connection, path: str) -> None:
         if statement.strip():
             conn.execute(statement)
     inbox.create(conn)
+    outliers.create(conn)
+    aliases.create(conn)
 
 
 def check_path(path: str | os.PathLike[str]) -> str:

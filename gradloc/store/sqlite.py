@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any, Self
 
 from gradloc.errors import ConfigError
+from gradloc.records import SampleOutlier
 from gradloc.reports import CorrelatedIncident, StepSummary
+from gradloc.store import outliers as _outliers
+from gradloc.store import aliases as _aliases
 from gradloc.store import inbox as _inbox
 from gradloc.store import retention as _retention
 from gradloc.store.errors import AmbiguousIdError, StoreError
@@ -141,13 +144,14 @@ class IncidentStore:
 
     def put_incident(self, inc: CorrelatedIncident, inbox_keys: Sequence[_inbox.Key] = ()) -> None:
         """Store ``inc`` with its spans, replacing an incident with the same id (the correlator
-        re-emits an incident when a straggler rank reports late), and mark the inbox rows it holds
-        done. All or nothing."""
+        re-emits an incident when a straggler rank reports late), map the ids of its rank findings
+        to it (gradloc/store/aliases.py), and mark the inbox rows it holds done. All or nothing."""
         params = incident_params(inc)
         with self._transaction() as conn:
             conn.execute("DELETE FROM incidents WHERE incident_id = ?", (inc.incident_id,))
             conn.execute(_INSERT_INCIDENT, params)
             conn.executemany(_INSERT_SPAN, span_params(inc))
+            _aliases.put(conn, inc.incident_id, (f.incident_id for f in inc.findings))
             _inbox.mark_done(conn, inbox_keys)
 
     def inbox_put(self, client_id: str, sequence: int, who: tuple[str, int, int],
@@ -179,6 +183,7 @@ class IncidentStore:
         if not steps:
             return 0
         with self._transaction() as conn:
+            _outliers.put(conn, steps)  # their per-sample findings, in the same transaction
             return conn.executemany(_INSERT_STEP, step_params(steps)).rowcount
 
     def apply_retention(self, now: float | None = None) -> dict[str, int]:
@@ -188,6 +193,7 @@ class IncidentStore:
         with self._transaction() as conn:
             counts = _retention.apply(conn, self.retention, now)
             counts["inbox"] = _inbox.prune(conn, now)
+            counts["sample_outliers"] = _outliers.prune(conn, self.retention.max_age_days, now)
             return counts
 
     # -- reading -----------------------------------------------------------------------------
@@ -205,17 +211,14 @@ class IncidentStore:
 
     def get_incident_json(self, id_or_prefix: str) -> str | None:
         """The stored JSON text of one incident (what ``/api/incidents/<id>`` serves), by full id or
-        unique prefix; None when nothing matches, :class:`AmbiguousIdError` when several do."""
+        unique prefix of its own id or of one of its rank findings' ids (what the training process
+        printed: gradloc/store/aliases.py); None when nothing matches, :class:`AmbiguousIdError`
+        when several incidents do."""
         key = id_or_prefix.strip()
         if not key:
             raise ValueError("an incident id (or a prefix of one) is required")
         with self._pool.connection() as conn:
-            row = conn.execute("SELECT json FROM incidents WHERE incident_id = ?", (key,)).fetchone()
-            if row is not None:
-                return row[0]
-            ids = tuple(i for (i,) in conn.execute(
-                "SELECT incident_id FROM incidents WHERE incident_id >= ? AND incident_id < ? "
-                "ORDER BY incident_id LIMIT 6", (key, key + _MAX_CODEPOINT)))
+            ids = _aliases.resolve(conn, key, key + _MAX_CODEPOINT)
             if len(ids) > 1:
                 raise AmbiguousIdError(key, ids)
             if not ids:
@@ -255,6 +258,14 @@ class IncidentStore:
             if len(rows) < batch:
                 return
             after = (rows[-1][0], rows[-1][1])
+
+    def list_outliers(self, job: str | None = None, kind: str | None = None, since_unix: float | None = None,
+                      limit: int | None = 50) -> list[SampleOutlier]:
+        """Per-sample findings (``sample_outliers``), newest first; ``limit=None`` for all."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit}")
+        with self._pool.connection() as conn:
+            return _outliers.select(conn, job, kind, since_unix, limit)
 
     def step_summaries(self, job: str, rank: int | None = None, last: int = 1000) -> list[StepRow]:
         """The ``last`` most recent steps of ``job`` (all ranks, or one), in step then rank order."""

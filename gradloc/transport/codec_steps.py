@@ -25,6 +25,7 @@ from gradloc.records import (
 )
 from gradloc.reports import LayerColumns, StepSummary
 from gradloc.transport import validate as v
+from gradloc.transport.codec_findings import decode_samples, encode_samples
 from gradloc.transport.wire import pb
 
 _NAN = float("nan")
@@ -67,6 +68,8 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
     band = (rec.norm_mean, rec.norm_threshold)
     if all(x is not None and math.isfinite(x) for x in band):  # an overflowed band is left out, not the step
         m.norm_mean, m.norm_threshold = band
+    if rec.samples is not None:
+        encode_samples(rec.samples, m.samples)
     return m
 
 
@@ -147,7 +150,8 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         m.skipped, *(v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
                      for f in ("overhead_seconds", "step_seconds", "overhead")),
         _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None, m.layers_global,
-        *_band(m, where))
+        *_band(m, where),
+        decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples") if m.HasField("samples") else None)
 
 
 def _band(m: pb.Step, where: str) -> tuple[float | None, float | None]:

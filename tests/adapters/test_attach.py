@@ -148,7 +148,8 @@ def test_jsonl_incident_sink(tmp_path):
     data = make_data(11, 2)
     planted = {6: data.plant(6, 1, 2, 4), 9: data.plant(9, 0, 3, 12)}
     mon = gradloc.watch(model, opt, config=gradloc.WatchConfig(
-        incident_path=str(path), job="job-a", detector=gradloc.DetectorConfig(warmup=5)))
+        incident_path=str(path), job="job-a",
+        detector=gradloc.DetectorConfig(warmup=5, sensitivity="zclip")))  # every spike its own incident (no episodes)
     reports = train(model, opt, data, mon)
     mon.close()
     spikes = [r for r in reports if r.spike.is_spike]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gradloc.agent.core import AgentCore, Declare  # noqa: E402
 from gradloc.agent.http import AgentHttpServer, parse_address  # noqa: E402
+from tests.agent.http_get import get  # noqa: E402
 from tests.localizer.builders import finding, summary  # noqa: E402
 
 
@@ -24,25 +24,17 @@ def served():
     core.close()
 
 
-def _get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
 def test_incidents_without_a_store_come_from_memory(served) -> None:
     core, base = served
     core.submit([Declare("j", 0, 1), finding("j", 0, 3), summary("j", 0, 3), finding("k", 0, 4), summary("k", 0, 4)])
     assert core.flush(10)
-    code, body = _get(base + "/api/incidents?job=j")
+    code, body = get(base + "/api/incidents?job=j")
     rows = json.loads(body)
     assert code == 200 and [(r["job"], r["step"], r["status"]) for r in rows] == [("j", 3, "complete")]
     assert set(rows[0]) >= {"incident_id", "trace_id", "kinds", "ranks_missing", "probes"}
-    code, body = _get(base + f"/api/incidents/{rows[0]['incident_id'][:8]}")
+    code, body = get(base + f"/api/incidents/{rows[0]['incident_id'][:8]}")
     assert code == 200 and json.loads(body)["spans"][0]["span"]["text"] == " bad"
-    assert [r["job"] for r in json.loads(_get(base + "/api/incidents?limit=1")[1])] == ["k"]
+    assert [r["job"] for r in json.loads(get(base + "/api/incidents?limit=1")[1])] == ["k"]
 
 
 def test_a_trace_id_redirects_to_its_incident_page(served) -> None:
@@ -50,14 +42,14 @@ def test_a_trace_id_redirects_to_its_incident_page(served) -> None:
     core, base = served
     core.submit([Declare("j", 0, 1), finding("j", 0, 3), summary("j", 0, 3)])
     assert core.flush(10)
-    row = json.loads(_get(base + "/api/incidents")[1])[0]
+    row = json.loads(get(base + "/api/incidents")[1])[0]
     with urllib.request.urlopen(base + f"/incidents/trace/{row['trace_id']}", timeout=10) as resp:  # follows the 302
         assert resp.status == 200 and resp.url == base + f"/incidents/{row['incident_id']}"
         assert row["incident_id"][:12] in resp.read().decode()
-    assert _get(base + "/incidents/trace/" + "0" * 32)[0] == 404
-    code, body = _get(base + "/incidents/trace/../../etc")
+    assert get(base + "/incidents/trace/" + "0" * 32)[0] == 404
+    code, body = get(base + "/incidents/trace/../../etc")
     assert code in (400, 404) and b"Traceback" not in body
-    code, body = _get(base + "/incidents/trace/XYZ")
+    code, body = get(base + "/incidents/trace/XYZ")
     assert code == 400 and "32 lowercase hex" in json.loads(body)["error"]
 
 
@@ -69,7 +61,7 @@ def test_a_trace_id_redirects_to_its_incident_page(served) -> None:
     ("/nope", 404, "no route /nope"),
 ])
 def test_bad_requests_get_clear_errors(served, path: str, code: int, needle: str) -> None:
-    got, body = _get(served[1] + path)
+    got, body = get(served[1] + path)
     assert got == code and needle in json.loads(body)["error"]
 
 
@@ -77,9 +69,9 @@ def test_metrics_and_health(served) -> None:
     core, base = served
     core.submit([summary("j", 0, 1)])
     core.flush(10)
-    code, body = _get(base + "/metrics")
+    code, body = get(base + "/metrics")
     assert code == 200 and b'gradloc_steps_total{job="j",rank="0"} 1.0' in body
-    health = json.loads(_get(base + "/healthz")[1])
+    health = json.loads(get(base + "/healthz")[1])
     assert health["status"] == "ok" and health["store"] is False
 
 

@@ -149,7 +149,7 @@ def test_loss_spike():
     run.healthy(20)
     ev = run.observe(loss=20.0)
     assert ev.kinds == ("loss_spike",) and "loss_spike" in LOCALIZE
-    assert ev.loss_z is not None and ev.loss_z > run.cfg.loss_z_threshold
+    assert ev.loss_z is not None and ev.loss_z > run.det.config.loss_z_threshold
     assert run.observe(loss=0.5).kinds == ()  # a sudden *drop* in loss is not a spike
     assert run.observe().kinds == ()
 

@@ -18,6 +18,8 @@ from gradloc.records import (
     Localization,
     Remedy,
     RLStats,
+    SampleOutlier,
+    SampleStats,
     SpikeEvent,
     TokenStats,
 )
@@ -53,7 +55,8 @@ def columns(norms: Sequence[float], names: Sequence[str] | None = None,
 def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float, global_norm: float | None = None,
          loss: float | None = 2.5, grad_scale: float | None = None, tokens: bool = True,
          skipped: bool = False, overhead: float | None = 0.03, shed: tuple[str, ...] = (),
-         rl: RLStats | None = None, band: tuple[float, float] | None = (1.2, 2.0)) -> StepSummary:
+         rl: RLStats | None = None, band: tuple[float, float] | None = (1.2, 2.0),
+         samples: SampleStats | None = None) -> StepSummary:
     """One rank's step ``n``; the global norm defaults to the L2 norm of the finite layer norms."""
     if global_norm is None:
         finite = layers.grad_norm[np.isfinite(layers.grad_norm)]
@@ -64,7 +67,18 @@ def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float,
     return StepSummary(job, rank, n, time_unix, global_norm=global_norm, loss=loss, micro_batches=2,
                        layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped,
                        overhead_s=None if overhead is None else 0.01, step_s=None if overhead is None else 0.34,
-                       overhead=overhead, shed=shed, rl=rl, norm_mean=band and band[0], norm_threshold=band and band[1])
+                       overhead=overhead, shed=shed, rl=rl, norm_mean=band and band[0], norm_threshold=band and band[1],
+                       samples=samples)
+
+
+def sample_stats(job: str, rank: int, n: int, time_unix: float) -> SampleStats:
+    """A step's per-sample judgement: 16 samples (one a surprise outlier) and an rl_mismatch finding."""
+    where = dict(job=job, rank=rank, step=n, time_unix=time_unix)
+    surprise = SampleOutlier(kind="surprise", **where, score=8.8, z=12.5, baseline=3.4, micro_batch=1, sample=2,
+                             sample_id="uid-9", start=0, end=128, tokens=128, text="qzx vvk", detail="garbage")
+    mismatch = SampleOutlier(kind="rl_mismatch", **where, score=0.35, z=30.0, baseline=0.0, tokens=2048)
+    return SampleStats(judged=15, unjudged=1, z_counts=(6, 5, 3, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0), z_sum=9.0,
+                       max_z=12.5, baseline=3.4, flagged=1, outliers=(surprise, mismatch), rl_mismatch_baseline=0.01)
 
 
 def incident(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: float = 42.0,

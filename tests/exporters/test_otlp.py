@@ -33,7 +33,7 @@ from gradloc.exporters.otlp_traces import culprit_span_attributes
 from gradloc.exporters.state import TelemetryState
 from gradloc.records import CulpritSpan
 from gradloc.reports import CorrelatedIncident, RankSpan
-from tests.exporters.builders import NAN, columns, rl_stats, step
+from tests.exporters.builders import NAN, columns, rl_stats, sample_stats, step
 from tests.exporters.otlp_receiver import OtlpReceiver, attrs, closed_port
 from tests.store.fixtures import make_incident, nonfinite_incident
 
@@ -79,7 +79,8 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
     for rank in (0, 1):
         norms = [0.5, NAN if rank == 1 else 0.3, 0.02 * (rank + 1)]
         s = step(JOB, rank, 100, columns(norms, LAYERS, update_ratio=[NAN, 1e-3, 2e-3]), time_unix=now - 0.1,
-                 grad_scale=65536.0, skipped=rank == 1, shed=("update_ratio",) if rank == 1 else (), rl=rl_stats())
+                 grad_scale=65536.0, skipped=rank == 1, shed=("update_ratio",) if rank == 1 else (), rl=rl_stats(),
+                 samples=sample_stats(JOB, rank, 100, now - 0.1))
         state.observe_step(s)
         ex.on_step(s)
     inc = fresh_incident()

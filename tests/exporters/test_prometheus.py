@@ -28,7 +28,7 @@ from gradloc.exporters.prometheus import (
 from gradloc.exporters.snapshot import RankPoint
 from gradloc.exporters.state import StateConfig, TelemetryState
 from gradloc.records import Remedy
-from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, rl_stats, step
+from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, rl_stats, sample_stats, step
 
 OM_ACCEPT = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # what Prometheus 2.42 sends
@@ -51,7 +51,8 @@ def realistic_state() -> TelemetryState:
                                         loss=None if rank == 2 else 2.5, grad_scale=65536.0 if rank == 0 else None,
                                         skipped=(n == 100 and rank == 1),
                                         shed=("update_ratio",) if (j, rank) == (1, 2) else (),
-                                        rl=rl_stats() if j == 0 else None))
+                                        rl=rl_stats() if j == 0 else None,
+                                        samples=sample_stats(job, rank, n, now) if j == 0 else None))
     state.observe_incident(incident("llm-7b", 100, global_norm=42.0, ranks=(0, 1), missing=(2,),
                                     kinds=("grad_spike", "loss_spike"),
                                     remedy=Remedy("drop_culprits", True, 42.0, 1.5)))

@@ -11,6 +11,7 @@ range query over the runs: every one must return at least one series.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gradloc.records import SampleOutlier, SampleStats
 from tests.grafana.promql import queries
 from tests.integration.prom import running_prometheus
 from tests.reliability.daemon import ROOT, serving
@@ -33,15 +35,23 @@ EVENT_JOB = "dash-ev"
 def _events(ingest: str) -> None:
     """The events a healthy demo never produces, sent with the trainer's own codec over gRPC: a
     GradScaler-skipped step, a step with non-finite gradients, a step that shed a feature, a client
-    reporting drops, and a batch with an incident sent twice (a re-send after a lost acknowledgement).
+    reporting drops, a batch with an incident sent twice (a re-send after a lost acknowledgement) whose
+    culprits are over the daemon's --max-culprits, and a step with a per-sample outlier finding (a
+    healthy demo has none).
     The OTLP exporters' failures and drops come from the daemon's --otlp-endpoint, where nothing listens."""
     now = time.time()
     bad = layer("head", float("inf"), nonfinite=2)
+    outlier = SampleOutlier(kind="surprise", job=EVENT_JOB, rank=1, step=4, time_unix=now, score=8.9, z=11.0,
+                            baseline=3.5, micro_batch=0, sample=1, sample_id="uid-7", start=0, end=64, tokens=64)
     steps = [step(0, job=EVENT_JOB, time_unix=now, skipped=True),
              step(1, job=EVENT_JOB, time_unix=now, layers=(layer("embed"), bad), nonfinite=2,
                   global_norm=float("inf")),
-             step(2, job=EVENT_JOB, time_unix=now, shed=("update_ratio",))]
-    msg, _ = encode(steps, [incident(3, job=EVENT_JOB, time_unix=now)],
+             step(2, job=EVENT_JOB, time_unix=now, shed=("update_ratio",)),
+             step(4, job=EVENT_JOB, time_unix=now, samples=SampleStats(judged=16, flagged=1, outliers=(outlier,)))]
+    two = incident(3, job=EVENT_JOB, time_unix=now)  # two culprits: --max-culprits 1 cuts one (limited)
+    two = dataclasses.replace(two, localization=dataclasses.replace(
+        two.localization, culprits=two.localization.culprits * 2, spans=two.localization.spans * 2))
+    msg, _ = encode(steps, [two],
                     client=client_info(job=EVENT_JOB, rank=1, world_size=2, client_id="dash-events"))
     msg.drops.queue_full = 3
     with grpc.insecure_channel(ingest) as ch:

@@ -63,7 +63,7 @@ def _run(plant) -> gradloc.StepReport:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = make_data(spike + 1, 3)
     plant(data, spike)
-    mon = gradloc.watch(model, opt, detector=gradloc.DetectorConfig(warmup=10))
+    mon = gradloc.watch(model, opt, detector=gradloc.DetectorConfig(warmup=10, sensitivity="zclip"))  # every z > 2.5
     reports = train(model, opt, data, mon)
     mon.close()
     return reports[spike]

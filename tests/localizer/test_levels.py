@@ -44,3 +44,29 @@ def test_a_micro_batch_is_named_only_as_an_outlier_among_the_micro_batches() -> 
     assert not micro_batch_passes(0.9, 2, always)  # one of two carries a fair half: never named
     assert not micro_batch_passes(0.3, 8, always) and micro_batch_passes(0.32, 8, always)
     assert not micro_batch_passes(0.6, 8, lambda share: share >= 0.7)  # and the gradient test holds
+
+
+def _two_micro_batches(scores: np.ndarray) -> TokenView:
+    n = B * T
+    metas = (make_meta(0, None, None, None, (B, T)), make_meta(1, None, None, None, (B, T)))
+    return TokenView((), metas, (0, n, 2 * n), scores, None, np.ones(2 * n, bool), 0.0)
+
+
+def test_a_micro_batch_with_a_surprise_outlier_is_decomposed_first() -> None:
+    """Attribution scores are sums of squares: a truncated document's coherent gradient can score
+    below a healthy sample. The micro-batch holding the step's per-sample outlier goes first."""
+    from types import SimpleNamespace
+
+    from gradloc.localizer.below import Below
+    from gradloc.localizer.context import SpikeContext
+    from gradloc.localizer.scope import SoloComm
+
+    scores = np.ones(2 * B * T)
+    scores[:T] = 5.0  # micro-batch 0's sample 0 scores highest
+    order = {}
+    for outliers in ((), ((1, 2),)):
+        run = SimpleNamespace(view=_two_micro_batches(scores), comm=SoloComm(), n_samples=lambda: 2 * B,
+                              ctx=SpikeContext(1.0, None, None, outliers=outliers))
+        order[outliers] = Below(run, "why")._micro_batch_order()
+    assert order[()] == [(0, 0), (0, 1)]  # by the best sample's score
+    assert order[((1, 2),)] == [(0, 1), (0, 0)]  # the outlier's micro-batch first

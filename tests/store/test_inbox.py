@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gradloc.store import inbox
+from gradloc.store import SCHEMA_VERSION, inbox
 from gradloc.store.incident_json import incident_from_json, incident_to_json
 from gradloc.store.schema import _SCHEMA_V1
 from gradloc.store.sqlite import IncidentStore
@@ -57,7 +57,7 @@ def test_a_version_1_file_is_upgraded_in_place(tmp_path: Path) -> None:
         assert store.step_summaries("j")[0].step == 1  # the old rows are still there
         assert store.inbox_put("c1", 1, WHO, [(0, "{}")]) == [0]
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     conn.close()
 

@@ -13,6 +13,7 @@ import pytest
 
 from gradloc.errors import ConfigError
 from gradloc.store import (
+    SCHEMA_VERSION,
     AmbiguousIdError,
     IncidentRow,
     IncidentStore,
@@ -59,7 +60,7 @@ def _spans(db: Path, incident_id: str) -> list[tuple]:
 
 # -- schema and pragmas ------------------------------------------------------------------------------
 
-def test_fresh_file_gets_schema_v2_in_wal_mode_with_parents_created(tmp_path: Path) -> None:
+def test_fresh_file_gets_the_current_schema_in_wal_mode_with_parents_created(tmp_path: Path) -> None:
     path = tmp_path / "state" / "gradloc" / "incidents.db"
     with IncidentStore(path) as s, s._pool.connection() as conn:
         assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
@@ -67,9 +68,9 @@ def test_fresh_file_gets_schema_v2_in_wal_mode_with_parents_created(tmp_path: Pa
         assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     conn = _raw(path)  # a fresh connection: WAL is persistent in the file, not a per-connection setting
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
-    assert tables == {"incidents", "spans", "steps", "inbox"}
+    assert {"incidents", "spans", "steps", "inbox", "finding_ids"} <= tables
     plan = conn.execute("EXPLAIN QUERY PLAN SELECT * FROM steps WHERE job = 'a' AND step > 5").fetchall()
     assert "steps_job_step" in str(plan)
     conn.close()
@@ -271,7 +272,7 @@ def test_retention_by_age_deletes_old_incidents_spans_and_steps(db: Path) -> Non
         s.put_steps([step_summary("j", 0, 1, T0 - 31 * DAY), step_summary("j", 0, 2, T0 - DAY)])
         counts = s.apply_retention(now=T0)
         assert counts == {"incidents_by_age": 1, "incidents_by_count": 0, "spans": 2, "steps_by_age": 1,
-                          "steps_by_count": 0, "inbox": 0}
+                          "steps_by_count": 0, "inbox": 0, "sample_outliers": 0}
         assert [r.incident_id for r in s.list_incidents()] == ["02" * 16, "01" * 16]
         assert [r.step for r in s.step_summaries("j")] == [2]
         assert _spans(db, "00" * 16) == [] and len(_spans(db, "01" * 16)) == 2
@@ -285,7 +286,7 @@ def test_retention_by_count_keeps_the_newest(db: Path) -> None:
         s.put_steps([step_summary("a", 0, n, T0) for n in range(10)] + [step_summary("b", 1, n, T0) for n in range(3)])
         counts = s.apply_retention(now=T0 + 1e9)  # age is off: nothing expires however late it is
         assert counts == {"incidents_by_age": 0, "incidents_by_count": 3, "spans": 6, "steps_by_age": 0,
-                          "steps_by_count": 5, "inbox": 0}
+                          "steps_by_count": 5, "inbox": 0, "sample_outliers": 0}
         assert [r.incident_id for r in s.list_incidents()] == [series[4].incident_id, series[3].incident_id]
         assert [r.step for r in s.step_summaries("a")] == [5, 6, 7, 8, 9]
         assert [r.step for r in s.step_summaries("b")] == [0, 1, 2]

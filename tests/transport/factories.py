@@ -231,6 +231,7 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
     assert (got.tokens is None) == (want.tokens is None)
     if want.tokens is not None:
         assert to_dict(got.tokens) == to_dict(want.tokens)  # (to_dict spells NaN "nan", so NaN == NaN)
+    assert got.samples == want.samples  # per-sample findings: all finite, compared exactly
 
 
 class Receiver:

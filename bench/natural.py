@@ -1,0 +1,372 @@
+"""Tiny HF causal LMs pre-trained from scratch on natural text, offline, with gradloc attached.
+
+The reusable setup of the healthy-run benchmark (``bench/healthy.py``) and of fault scenarios:
+
+- :func:`natural_corpus`: natural English text that exists on every machine without a download: the
+  docstrings of Python's standard library (module, class and function docstrings of >= 80
+  characters, parsed with ``ast``, never imported) and, where present, Debian's license texts in
+  ``/usr/share/common-licenses``; tokenized with a byte-level BPE (``tokenizers``) trained on that
+  text at run time (deterministic; ~1 s). Documents are joined with an end-of-text token into
+  one stream; a sample is a random window of ``seq + 1`` ids.
+- :func:`build_model`: a model family (:data:`FAMILIES`: Qwen2, GPT-NeoX, Llama, GPT-2) built from a
+  small transformers config, random initialisation, no dropout; its ``forward(ids)`` returns logits.
+- :class:`Run`: AdamW (β = 0.9, 0.95, weight decay 0.1), a linear LR warm-up then cosine decay to
+  10%, clipping at 1.0, gradloc watching (``end_step`` before clipping, with the probe closure). The
+  data of step ``s`` depends only on (seed, s), so a run with an injected fault sees exactly the
+  healthy run's data apart from the faulty sample.
+- :func:`inject`: turns one sample of a step into a fault (:data:`FAULTS`).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import math
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("qwen2", "gptneox", "llama", "gpt2")
+FAULTS = ("planted_token", "planted_label", "repeated_tail", "foreign_script", "random_ids", "shifted_labels")
+LICENSES = Path("/usr/share/common-licenses")
+EOS = "<|endoftext|>"
+# The demo's planted RL token: weight 300 in a step of 896 loss tokens (gradloc/demo/run.py). A
+# planted token here gets the same share of the step's loss weight.
+PLANT_SHARE = 300 / 896
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+# Letters of scripts the corpus (English) hardly contains, for foreign-script documents.
+_SCRIPTS = {"cyrillic": (0x430, 0x44F), "greek": (0x3B1, 0x3C9), "cjk": (0x4E00, 0x4FFF),
+            "arabic": (0x627, 0x64A), "devanagari": (0x915, 0x939)}
+
+
+# -- corpus -----------------------------------------------------------------------------------------
+def stdlib_docstrings(min_chars: int = 80) -> list[str]:
+    """Module, class and function docstrings of the standard library's sources (never imported)."""
+    root = sysconfig.get_paths()["stdlib"]
+    docs: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            try:
+                tree = ast.parse(Path(dirpath, name).read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= min_chars:
+                        docs.append(doc)
+    return docs
+
+
+def license_texts() -> list[str]:
+    if not LICENSES.is_dir():
+        return []
+    out = []
+    for p in sorted(LICENSES.iterdir()):
+        if p.is_file() and not p.is_symlink():
+            try:
+                out.append(p.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, OSError):
+                continue
+    return out
+
+
+@dataclass
+class NaturalCorpus:
+    ids: torch.Tensor  # (N,) int64: every document's ids, each followed by the end-of-text id
+    vocab: int
+    eos: int
+    tokenizer: Any  # tokenizers.Tokenizer
+    documents: int
+    chars: int
+    sha256: str  # of the text (documents joined): which corpus a result was measured on
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def to_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def windows(self, gen: torch.Generator, n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` random windows of ``length`` ids: ((n, length) ids, (n,) start offsets)."""
+        starts = torch.randint(0, len(self.ids) - length, (n,), generator=gen)
+        return torch.stack([self.ids[s : s + length] for s in starts.tolist()]), starts
+
+    def info(self) -> dict[str, Any]:
+        return {"documents": self.documents, "chars": self.chars, "tokens": len(self.ids), "vocab": self.vocab,
+                "sha256": self.sha256[:16], "sources": ["python stdlib docstrings"]
+                + (["/usr/share/common-licenses"] if LICENSES.is_dir() else [])}
+
+
+@functools.lru_cache(maxsize=4)
+def natural_corpus(vocab: int = 2048) -> NaturalCorpus:
+    """The corpus and its byte-level BPE of ``vocab`` ids (cached per process)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    docs = stdlib_docstrings() + license_texts()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer)
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs):
+        ids += enc.ids + [eos]
+    sha = hashlib.sha256("\x00".join(docs).encode()).hexdigest()
+    return NaturalCorpus(torch.tensor(ids, dtype=torch.long), tok.get_vocab_size(), eos, tok, len(docs),
+                         sum(map(len, docs)), sha)
+
+
+# -- models -----------------------------------------------------------------------------------------
+class CausalLM(nn.Module):
+    """A transformers causal LM whose ``forward(ids)`` returns the logits (B, T, V)."""
+
+    def __init__(self, hf: nn.Module, family: str) -> None:
+        super().__init__()
+        self.hf, self.family = hf, family
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=ids).logits
+
+
+def build_model(family: str, vocab: int, seq: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                seed: int = 0) -> CausalLM:
+    """A small ``family`` model (random initialisation seeded with ``seed``; no dropout)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                  max_position_embeddings=seq, bos_token_id=0, eos_token_id=0)
+    if family == "qwen2":
+        cfg = tf.Qwen2Config(**common, intermediate_size=3 * d_model, num_key_value_heads=max(1, n_heads // 2),
+                             tie_word_embeddings=True)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "gptneox":  # Pythia-style: parallel residual, partial rotary, untied head
+        cfg = tf.GPTNeoXConfig(**common, intermediate_size=4 * d_model, rotary_pct=0.25, use_parallel_residual=True,
+                               tie_word_embeddings=False)
+        cls = tf.GPTNeoXForCausalLM
+    elif family == "llama":
+        cfg = tf.LlamaConfig(**common, intermediate_size=3 * d_model, num_key_value_heads=max(1, n_heads // 2),
+                             tie_word_embeddings=True)
+        cls = tf.LlamaForCausalLM
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=vocab, n_embd=d_model, n_layer=n_layers, n_head=n_heads, n_positions=seq,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cls = tf.GPT2LMHeadModel
+    else:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    model.train()
+    return CausalLM(model, family)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy, (B, T, V) × (B, T) -> (B, T)."""
+    B, T, V = logits.shape
+    return F.cross_entropy(logits.reshape(B * T, V).float(), targets.reshape(B * T), reduction="none").view(B, T)
+
+
+# -- faults -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    micro_batch: int
+    sample: int
+    sample_id: str
+    detail: str = ""
+
+
+def foreign_text(gen: torch.Generator, words: int = 60) -> tuple[str, str]:
+    """(script name, text): random words of letters from a script English text hardly uses."""
+    names = sorted(_SCRIPTS)
+    script = names[int(torch.randint(0, len(names), (1,), generator=gen))]
+    lo, hi = _SCRIPTS[script]
+    out = []
+    for _ in range(words):
+        n = int(torch.randint(2, 8, (1,), generator=gen))
+        out.append("".join(chr(int(c)) for c in torch.randint(lo, hi + 1, (n,), generator=gen)))
+    return script, " ".join(out)
+
+
+def inject(kind: str, batch: StepBatch, gen: torch.Generator, model: nn.Module, corpus: NaturalCorpus,
+           step: int) -> Fault:
+    """Make one random sample of ``batch`` (in place) a ``kind`` fault:
+
+    - ``planted_token``: the sample's least likely target (from the second quarter on) gets loss
+      weight :data:`PLANT_SHARE` × the step's loss tokens (the demo's RL plant, same relative size);
+    - ``planted_label``: where the model is surest, the target becomes the token it finds least
+      likely (the demo's corrupted label; one position, weight 1);
+    - ``repeated_tail``: the second half of the sample is one token repeated (a token of the sample);
+    - ``foreign_script``: the sample is text in another script (random words; Cyrillic, Greek, CJK,
+      Arabic or Devanagari letters), tokenized by the corpus's BPE;
+    - ``random_ids``: the sample is uniformly random ids (binary garbage);
+    - ``shifted_labels``: the sample's targets are its inputs (an off-by-one label shift).
+    """
+    if kind not in FAULTS:
+        raise ValueError(f"kind must be one of {FAULTS}, got {kind!r}")
+    M, B, T = batch.weights.shape
+    mb = int(torch.randint(0, M, (1,), generator=gen))
+    b = int(torch.randint(0, B, (1,), generator=gen))
+    w = batch.windows[mb]  # (B, T + 1)
+    detail = ""
+    if kind in ("planted_token", "planted_label"):
+        x, y = batch.inputs(mb), batch.targets(mb)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x[b : b + 1])[0].float(), dim=-1)  # (T, V)
+        lo = T // 4
+        if kind == "planted_token":
+            t = lo + int(logp[lo:].gather(1, y[b, lo:, None]).squeeze(1).argmin())
+            batch.weights[mb, b, t] = PLANT_SHARE * batch.weights.numel()
+            detail = f"position {t}, weight {PLANT_SHARE * batch.weights.numel():.0f}"
+        else:
+            t = lo + int(logp[lo:].max(dim=-1).values.argmax())
+            batch.label_override[(mb, b, t)] = int(logp[t].argmin())
+            detail = f"position {t}"
+    elif kind == "repeated_tail":
+        tok = int(w[b, int(torch.randint(0, T // 2, (1,), generator=gen))])
+        w[b, T // 2 :] = tok
+        detail = f"token {tok}"
+    elif kind == "foreign_script":
+        script, text = foreign_text(gen)
+        ids = corpus.encode(text)
+        while len(ids) < T + 1:
+            ids = ids + ids
+        w[b] = torch.tensor(ids[: T + 1])
+        detail = script
+    elif kind == "random_ids":
+        w[b] = torch.randint(0, corpus.vocab, (T + 1,), generator=gen)
+    else:  # shifted_labels
+        batch.shifted.add((mb, b))
+    return Fault(kind, step, mb, b, batch.sample_ids[mb][b], detail)
+
+
+# -- a training run ---------------------------------------------------------------------------------
+@dataclass
+class StepBatch:
+    """One optimizer step's data: ``windows`` (M, B, T + 1) ids, per-token loss ``weights`` (M, B, T)."""
+
+    windows: torch.Tensor
+    weights: torch.Tensor
+    sample_ids: list[list[str]]
+    label_override: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    shifted: set[tuple[int, int]] = field(default_factory=set)
+
+    def inputs(self, mb: int) -> torch.Tensor:
+        return self.windows[mb, :, :-1]
+
+    def targets(self, mb: int) -> torch.Tensor:
+        y = self.windows[mb, :, 1:].clone()
+        for (m, b, t), tok in self.label_override.items():
+            if m == mb:
+                y[b, t] = tok
+        for m, b in self.shifted:
+            if m == mb:
+                y[b] = self.windows[mb, b, :-1]
+        return y
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    family: str = "qwen2"
+    seed: int = 0
+    steps: int = 2000
+    micro_batches: int = 2
+    batch: int = 4
+    seq: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    vocab: int = 2048
+    lr: float = 3e-3
+    lr_warmup: int = 100  # linear LR warm-up steps, then cosine to min_lr_ratio × lr at `steps`
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if min(self.steps, self.micro_batches, self.batch, self.seq) < 1:
+            raise ValueError("steps, micro_batches, batch and seq must be >= 1")
+
+    def lr_at(self, step: int) -> float:
+        if step < self.lr_warmup:
+            return self.lr * (step + 1) / self.lr_warmup
+        p = min(1.0, (step - self.lr_warmup) / max(1, self.steps - self.lr_warmup))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+class Run:
+    """One model trained on the natural corpus with gradloc attached (``watch``: WatchConfig fields)."""
+
+    def __init__(self, cfg: RunConfig, **watch: Any) -> None:
+        import gradloc
+
+        self.cfg = cfg
+        self.corpus = natural_corpus(cfg.vocab)
+        self.model = build_model(cfg.family, self.corpus.vocab, cfg.seq, cfg.d_model, cfg.n_layers, cfg.n_heads,
+                                 seed=cfg.seed)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        rest = [p for p in self.model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        kw = {"job": f"natural-{cfg.family}-{cfg.seed}", "embedded": False, "update_ratio": "off",
+              "max_overhead": None, **watch}  # no shedding: what the detector sees must not depend on timing
+        self.mon = gradloc.watch(self.model, self.opt, **kw)
+        self.step_no = 0
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def batch(self, step: int) -> StepBatch:
+        """Step ``step``'s data: the same for every run of this seed, whatever happened before."""
+        c = self.cfg
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
+        w, _ = self.corpus.windows(gen, c.micro_batches * c.batch, c.seq + 1)
+        ids = [[f"s{step}-{m}-{b}" for b in range(c.batch)] for m in range(c.micro_batches)]
+        return StepBatch(w.view(c.micro_batches, c.batch, c.seq + 1).clone(),
+                         torch.ones(c.micro_batches, c.batch, c.seq), ids)
+
+    def closure(self, batch: StepBatch) -> Callable[..., torch.Tensor]:
+        n = batch.weights.numel()
+
+        def loss_for(i: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+            w = batch.weights[i] if mask is None else batch.weights[i] * mask
+            return (token_losses(self.model(batch.inputs(i)), batch.targets(i)) * w).sum() / n
+
+        return loss_for
+
+    def step(self, batch: StepBatch | None = None) -> Any:
+        """Train one step on ``batch`` (default: this step's healthy data); gradloc's StepReport."""
+        batch = batch if batch is not None else self.batch(self.step_no)
+        for g in self.opt.param_groups:
+            g["lr"] = self.cfg.lr_at(self.step_no)
+        loss_for = self.closure(batch)
+        total = torch.zeros(())
+        for i in range(batch.windows.shape[0]):
+            with self.mon.micro_batch(batch.targets(i), sample_ids=batch.sample_ids[i]):
+                loss = loss_for(i)
+                loss.backward()
+            total += loss.detach()
+        report = self.mon.end_step(total, probe=loss_for)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_no += 1
+        return report
+
+    def close(self) -> None:
+        self.mon.close()

@@ -1,0 +1,118 @@
+"""Per-sample surprise from the loss head's output gradient, reduced on the device (no extra pass).
+
+For a cross-entropy head, the gradient at position p of the logits is g_p = w·(softmax_p − onehot_p)
+(w: the position's loss weight, e.g. 1/N for a token mean). The token hooks keep u_p = −g_p[y_p] =
+w·(1 − p(y_p)) of the last forward call of the last watched module (token_hooks._head_u): one
+gather of B×T values. One weight per micro-batch (a token mean over the micro-batch or the step, as
+the HF Trainer and plain loops compute it) is recovered as ŵ = max_p u_p over its loss positions:
+max_p (1 − p(y_p)) is within 1e-4 of 1 in any micro-batch of a few hundred natural-text tokens, so
+p̂(y_p) = 1 − u_p/ŵ and the surprise s_p = −log max(p̂, e^−cap) follow without knowing w.
+
+A micro-batch is not judged (``MB_*`` codes) when it has no head gradient, gave RL fields (signed
+per-sample weights), or its head gradient is not cross-entropy shaped: u_p < 0 somewhere (label
+smoothing, logit soft-capping, a head that is not the last watched module). Positions with u_p = 0
+carry no loss term (masked by the loss, or an id outside the head such as −100) and do not count.
+
+The step's pack (float64, appended to the step's one host transfer)::
+
+    [mb_code (M) | n (S) | Σ s (S) | nonfinite (S) | worst window mean (S) | its flat start (S)]
+
+where S counts the samples of every micro-batch in order (rows, or sequences of a packed row), n is
+a sample's judged loss positions, and a window is ``window`` adjacent positions of one sample with
+at least half of them judged (−inf / N when the sample has none).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.token_hooks import MicroBatchScores
+
+MB_JUDGED, MB_NO_HEAD, MB_RL, MB_NOT_CE, MB_EMPTY = 1, 0, -1, -2, -3
+
+
+class SurprisePack:
+    """Builds the device pack of one step; caches the (position → micro-batch, sample) maps per layout."""
+
+    def __init__(self, window: int, token_cap: float) -> None:
+        self.window, self.floor = window, math.exp(-token_cap)  # p̂ below the floor counts as the floor
+        self._maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _layout(self, metas: Sequence[MicroBatchMeta], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (tuple((m.batch, m.seq, m.starts) for m in metas), str(device))
+        hit = self._maps.get(key)
+        if hit is None:
+            mb, seg, first = [], [], 0
+            for i, m in enumerate(metas):
+                lengths = [b - a for a, b in (m.bounds(s) for s in range(m.n_samples))]
+                mb.append(torch.full((m.n_tokens,), i, dtype=torch.long))
+                seg.append(torch.repeat_interleave(torch.arange(first, first + m.n_samples), torch.tensor(lengths)))
+                first += m.n_samples
+            hit = (torch.cat(mb).to(device), torch.cat(seg).to(device))  # (N,), (N,)
+            if len(self._maps) >= 8:
+                self._maps.pop(next(iter(self._maps)))
+            self._maps[key] = hit
+        return hit
+
+    def pack(self, parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], eligible: torch.Tensor,
+             rl: set[int]) -> torch.Tensor | None:
+        """The step's pack (see the module docstring); ``eligible`` (N,) the step's loss positions,
+        ``rl``: indices of micro-batches with RL fields. None when no micro-batch has a head gradient."""
+        if not any(buf is not None and buf.head_u is not None for _, buf in parts):
+            return None
+        dev = eligible.device
+        metas = [m for m, _ in parts]
+        M, S, N = len(metas), sum(m.n_samples for m in metas), eligible.numel()
+        mb_id, seg = self._layout(metas, dev)
+        nan = float("nan")
+        u = torch.cat([buf.head_u.reshape(-1).to(dev) if buf is not None and buf.head_u is not None  # (B, T) -> (B·T,)
+                       else torch.full((m.n_tokens,), nan, device=dev) for m, buf in parts])
+        has = torch.tensor([buf is not None and buf.head_u is not None and m.index not in rl for m, buf in parts],
+                           device=dev)  # (M,)
+        elig = eligible & has[mb_id]
+        finite = torch.isfinite(u)
+        valid = elig & finite & (u != 0)
+        w_hat = torch.zeros(M, device=dev).scatter_reduce(0, mb_id, torch.where(valid, u, 0.0), "amax")
+        negative = torch.zeros(M, device=dev).index_add_(0, mb_id, (valid & (u < -1e-6 * w_hat[mb_id])).float())
+        ok_mb = has & (w_hat > 0) & (negative == 0)  # (M,)
+        valid = valid & ok_mb[mb_id]
+        p = 1.0 - u / torch.where(w_hat > 0, w_hat, 1.0)[mb_id]
+        s = torch.where(valid, -torch.log(p.clamp_min(self.floor)), 0.0).double()
+        n = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, valid.double())
+        total = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, s)
+        nonfinite = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, (elig & ~finite).double())
+        wmax, wstart = self._windows(s, valid, seg, S, N)
+        code = torch.where(ok_mb, float(MB_JUDGED), torch.where(~has, float(MB_NO_HEAD),
+                           torch.where(negative > 0, float(MB_NOT_CE), float(MB_EMPTY)))).double()
+        rl_mb = torch.tensor([m.index in rl for m in metas], device=dev)
+        code = torch.where(rl_mb, float(MB_RL), code)
+        return torch.cat([code, n, total, nonfinite, wmax, wstart])  # (M + 5S,)
+
+    def _windows(self, s: torch.Tensor, valid: torch.Tensor, seg: torch.Tensor, S: int,
+                 N: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: the largest mean surprise over ``window`` adjacent positions of that sample with
+        at least half of them judged, and that window's flat start (−inf and N where there is none)."""
+        W, dev = self.window, s.device
+        wmax = torch.full((S,), float("-inf"), dtype=torch.float64, device=dev)
+        wstart = torch.full((S,), float(N), dtype=torch.float64, device=dev)
+        if N < W:
+            return wmax, wstart
+        zero = torch.zeros(1, dtype=torch.float64, device=dev)
+        cs = torch.cat([zero, s.cumsum(0)])  # (N + 1,)
+        cn = torch.cat([zero, valid.double().cumsum(0)])
+        wsum, wn = cs[W:] - cs[:-W], cn[W:] - cn[:-W]  # (N − W + 1,): window [p, p + W)
+        first = seg[: N - W + 1]
+        ok = (first == seg[W - 1:]) & (wn >= W / 2)
+        mean = torch.where(ok, wsum / wn.clamp_min(1.0), float("-inf"))
+        wmax = wmax.scatter_reduce(0, first, mean, "amax")
+        at = torch.arange(N - W + 1, device=dev, dtype=torch.float64)
+        is_max = ok & (mean == wmax[first])
+        wstart = wstart.scatter_reduce(0, first, torch.where(is_max, at, float(N)), "amin")
+        return wmax, wstart
+
+
+def pack_length(metas: Sequence[MicroBatchMeta]) -> int:
+    return len(metas) + 5 * sum(m.n_samples for m in metas)

@@ -1,0 +1,176 @@
+"""Per-sample findings on the host: each sample's surprise against the run's own history, and a
+sustained RL training–inference mismatch against the run's own baseline. Findings, not incidents:
+no probe runs and nothing pages (docs/DESIGN-NOTES.md, "Per-sample surprise").
+
+Surprise: the step's pack (collector/surprise.py) gives every sample's judged loss positions n, mean
+surprise and worst-window mean. Both are judged against the last ``history`` judged samples (robust:
+median and 1.4826 × MAD, σ floored at 2% of the median) once ``warmup_samples`` are in:
+z = (mean − median) / (σ · √max(1, n_median / n)) (a short sample's mean is noisier) and
+z_window = (window − median_window) / σ_window; the sample's z is the larger. Every judged sample
+enters the history, an outlier clamped to median + z_threshold · σ, so a minority of bad samples
+barely moves the baseline while a lasting change of the data becomes the new normal.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE
+from gradloc.config import SampleConfig
+from gradloc.records import SAMPLE_Z_BUCKETS, RLStats, SampleOutlier, SampleStats
+
+log = logging.getLogger("gradloc")
+_MIN_STD_FRACTION = 0.02
+
+
+class _Ring:
+    """The last ``size`` values of a statistic."""
+
+    def __init__(self, size: int) -> None:
+        self.values = np.empty(size)
+        self.n = self.at = 0
+
+    def add(self, x: np.ndarray) -> None:
+        size = len(self.values)
+        x = np.asarray(x, dtype=np.float64)[-size:]
+        idx = (self.at + np.arange(len(x))) % size
+        self.values[idx] = x
+        self.at = (self.at + len(x)) % size
+        self.n = min(self.n + len(x), size)
+
+    def robust(self) -> tuple[float, float]:
+        """(median, σ from the MAD, floored at a fraction of the median)."""
+        v = self.values[: self.n]
+        med = float(np.median(v))
+        return med, max(1.4826 * float(np.median(np.abs(v - med))), _MIN_STD_FRACTION * abs(med), 1e-6)
+
+
+class SampleJudge:
+    def __init__(self, cfg: SampleConfig) -> None:
+        self.cfg = cfg
+        self.mean, self.win, self.length = _Ring(cfg.history), _Ring(cfg.history), _Ring(cfg.history)
+        self.not_ce_warned = False
+
+    def judge(self, host: np.ndarray, metas: Sequence[MicroBatchMeta], where: dict[str, Any],
+              decode: Callable[[list[int]], str] | None) -> SampleStats:
+        """``host``: the step's pack; ``where``: job, rank, step, time_unix of the step."""
+        cfg, M = self.cfg, len(metas)
+        S = (len(host) - M) // 5
+        code = host[:M]
+        n, total, nonfinite, wmax, wstart = (host[M + i * S: M + (i + 1) * S] for i in range(5))
+        if (code == MB_NOT_CE).any() and not self.not_ce_warned:
+            self.not_ce_warned = True
+            log.warning("gradloc: the last watched module's gradient is not a cross-entropy head's "
+                        "(w·(softmax − onehot), w > 0): its samples are not judged for surprise")
+        mb_of = np.repeat(np.arange(M), [m.n_samples for m in metas])  # (S,)
+        judged = (code[mb_of] == MB_JUDGED) & (n >= cfg.min_tokens) & (nonfinite == 0)
+        score = np.where(judged, total / np.maximum(n, 1), 0.0)
+        has_win = judged & np.isfinite(wmax)
+        stats = dict(judged=int(judged.sum()), unjudged=int((~judged & (nonfinite == 0)).sum()),
+                     nonfinite=int((nonfinite > 0).sum()))
+        if self.mean.n < cfg.warmup_samples or not judged.any():
+            self._remember(score[judged], wmax[has_win], n[judged])
+            return SampleStats(**stats)
+        med, sd = self.mean.robust()
+        wmed, wsd = self.win.robust() if self.win.n >= cfg.warmup_samples else (math.nan, math.nan)
+        n_med = float(np.median(self.length.values[: self.length.n]))
+        z_mean = (score - med) / (sd * np.sqrt(np.maximum(1.0, n_med / np.maximum(n, 1))))
+        z_win = np.where(has_win & np.isfinite(wsd), (wmax - wmed) / wsd, -np.inf)
+        z = np.where(judged, np.maximum(z_mean, z_win), np.nan)
+        flagged = np.flatnonzero(judged & (z >= cfg.z_threshold))
+        top = flagged[np.argsort(-z[flagged])][: cfg.max_outliers]
+        outliers = tuple(self._outlier(int(i), z_win[i] > z_mean[i], metas, mb_of, host, where, decode,
+                                       score[i], z[i], med, wmed) for i in top)
+        zj = z[judged]
+        counts = np.bincount(np.searchsorted(np.asarray(SAMPLE_Z_BUCKETS), zj, side="left"),
+                             minlength=len(SAMPLE_Z_BUCKETS) + 1)
+        t = cfg.z_threshold
+        self._remember(np.minimum(score[judged], med + t * sd), np.minimum(wmax[has_win], wmed + t * wsd)
+                       if math.isfinite(wsd) else wmax[has_win], n[judged])
+        return SampleStats(**stats, z_counts=tuple(int(c) for c in counts), z_sum=float(zj.sum()),
+                           max_z=float(zj.max()), baseline=med, flagged=len(flagged), outliers=outliers)
+
+    def _remember(self, score: np.ndarray, window: np.ndarray, n: np.ndarray) -> None:
+        self.mean.add(score)
+        self.win.add(window)
+        self.length.add(n)
+
+    def _outlier(self, i: int, by_window: bool, metas: Sequence[MicroBatchMeta], mb_of: np.ndarray,
+                 host: np.ndarray, where: dict[str, Any], decode: Callable[[list[int]], str] | None,
+                 score: float, z: float, med: float, wmed: float) -> SampleOutlier:
+        cfg, M = self.cfg, len(metas)
+        S = (len(host) - M) // 5
+        m = int(mb_of[i])
+        meta = metas[m]
+        b = i - int(np.searchsorted(mb_of, m))  # the sample's index within its micro-batch
+        first = sum(x.n_tokens for x in metas[:m])  # flat offset of the micro-batch
+        a, e = meta.bounds(b)
+        n = int(host[M + i])
+        if by_window:
+            start = int(host[M + 4 * S + i]) - first - a
+            end, score, baseline = start + cfg.window, float(host[M + 3 * S + i]), wmed
+        else:
+            start, end, baseline = 0, e - a, med
+        text = _excerpt(meta, b, start, min(end, start + cfg.excerpt_tokens), decode)
+        what = f"its worst {cfg.window}-token window" if by_window else "its mean over the sample"
+        return SampleOutlier(
+            kind="surprise", step=where["step"], job=where["job"], rank=where["rank"], time_unix=where["time_unix"],
+            score=float(score), z=float(z), baseline=float(baseline), micro_batch=meta.index, sample=b,
+            sample_id=meta.sample_id(b), start=start, end=end, tokens=n, text=text,
+            detail=f"surprise {score:.2f} nats/token ({what}; run median {baseline:.2f}), z {z:.1f}")
+
+
+def _excerpt(meta: MicroBatchMeta, sample: int, start: int, end: int,
+             decode: Callable[[list[int]], str] | None) -> str | None:
+    """Decoded ids of positions [start, end) of one sample (one small host copy, outlier steps only)."""
+    if meta.token_ids is None or decode is None:
+        return None
+    a, _ = meta.bounds(sample)
+    ids = [int(x) for x in meta.token_ids.reshape(-1)[a + start: a + end].tolist() if x >= 0]  # (B, T) -> (B·T,)
+    try:
+        return str(decode(ids))
+    except Exception:  # noqa: BLE001 - a tokenizer failure costs the excerpt, nothing else
+        log.debug("gradloc: decoding an outlier's excerpt failed", exc_info=True)
+        return None
+
+
+class MismatchJudge:
+    """A sustained training–inference mismatch: the step's mismatch share above rl_factor × the run's
+    baseline + rl_margin for rl_patience steps in a row (one finding when the streak reaches it)."""
+
+    def __init__(self, cfg: SampleConfig) -> None:
+        self.cfg = cfg
+        self.healthy: deque[float] = deque(maxlen=256)
+        self.streak = 0
+
+    def observe(self, rl: RLStats | None, where: dict[str, Any]) -> tuple[float | None, SampleOutlier | None]:
+        """(the baseline after the step, a finding or None)."""
+        frac = None if rl is None else rl.mismatch_fraction
+        if frac is None or not math.isfinite(frac):
+            return self.baseline, None
+        cfg, base = self.cfg, self.baseline
+        if base is None or frac <= cfg.rl_factor * base + cfg.rl_margin:
+            self.streak = 0
+            self.healthy.append(frac)
+            return self.baseline, None
+        self.streak += 1
+        if self.streak != cfg.rl_patience:
+            return base, None
+        v = np.asarray(self.healthy)
+        sd = max(1.4826 * float(np.median(np.abs(v - base))), 0.01)
+        return base, SampleOutlier(
+            kind="rl_mismatch", step=where["step"], job=where["job"], rank=where["rank"],
+            time_unix=where["time_unix"], score=float(frac), z=(frac - base) / sd, baseline=base, tokens=rl.tokens,
+            detail=f"{100 * frac:.1f}% of {rl.tokens} loss tokens have |log π_trainer − log π_rollout| > log 2 for "
+                   f"{cfg.rl_patience} steps in a row (run baseline {100 * base:.1f}%)")
+
+    @property
+    def baseline(self) -> float | None:
+        if len(self.healthy) < self.cfg.rl_warmup:
+            return None
+        return float(np.median(np.asarray(self.healthy)))

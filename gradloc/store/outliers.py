@@ -1,0 +1,97 @@
+"""The ``sample_outliers`` table: per-sample findings (``SampleOutlier``), kept beside the incidents.
+
+Findings arrive inside step summaries (``StepSummary.samples.outliers``) and are written in the
+same transaction as their steps. A re-sent step (delivery is at least once) replaces its findings.
+Retention: the store's ``max_age_days``, and at most :data:`MAX_ROWS` rows (oldest go first).
+"""
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from gradloc.records import SampleOutlier
+from gradloc.reports import StepSummary
+
+MAX_ROWS = 100_000
+COLUMNS = ("job, rank, step, time_unix, kind, score, z, baseline, micro_batch, sample, sample_id, start, "
+           '"end", tokens, text, detail')
+_INSERT = f"INSERT INTO sample_outliers ({COLUMNS}) VALUES ({', '.join('?' * 16)})"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sample_outliers (
+    job         TEXT NOT NULL,
+    rank        INTEGER NOT NULL,
+    step        INTEGER NOT NULL,
+    time_unix   REAL NOT NULL,
+    kind        TEXT NOT NULL,
+    score       REAL NOT NULL,
+    z           REAL NOT NULL,
+    baseline    REAL NOT NULL,
+    micro_batch INTEGER,
+    sample      INTEGER,
+    sample_id   TEXT,
+    start       INTEGER,
+    "end"       INTEGER,
+    tokens      INTEGER NOT NULL,
+    text        TEXT,
+    detail      TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sample_outliers_time ON sample_outliers (time_unix);
+CREATE INDEX IF NOT EXISTS sample_outliers_job_step ON sample_outliers (job, step, rank);
+CREATE INDEX IF NOT EXISTS sample_outliers_sample_id ON sample_outliers (sample_id) WHERE sample_id IS NOT NULL;
+"""
+
+
+def create(conn: sqlite3.Connection) -> None:
+    """Create the table and its indexes (idempotent: a migration, or a fresh file)."""
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+
+
+def put(conn: sqlite3.Connection, steps: Sequence[StepSummary]) -> int:
+    """Write the findings of ``steps`` inside the caller's transaction; returns the rows written."""
+    with_findings = [s for s in steps if s.samples is not None and s.samples.outliers]
+    if not with_findings:
+        return 0
+    conn.executemany("DELETE FROM sample_outliers WHERE job = ? AND step = ? AND rank = ?",
+                     [(s.job, s.step, s.rank) for s in with_findings])
+    return conn.executemany(_INSERT, _params(with_findings)).rowcount
+
+
+def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
+    for s in steps:
+        for o in s.samples.outliers:  # type: ignore[union-attr]
+            yield (o.job, o.rank, o.step, o.time_unix, o.kind, o.score, o.z, o.baseline, o.micro_batch, o.sample,
+                   o.sample_id, o.start, o.end, o.tokens, o.text, o.detail)
+
+
+def select(conn: sqlite3.Connection, job: str | None, kind: str | None, since_unix: float | None,
+           limit: int | None) -> list[SampleOutlier]:
+    """Newest first."""
+    conds, args = [], []
+    for cond, value in (("job = ?", job), ("kind = ?", kind), ("time_unix >= ?", since_unix)):
+        if value is not None:
+            conds.append(cond)
+            args.append(value)
+    where = (" WHERE " + " AND ".join(conds)) if conds else ""
+    sql = f"SELECT {COLUMNS} FROM sample_outliers{where} ORDER BY time_unix DESC, step DESC, rank, rowid LIMIT ?"
+    return [_row(r) for r in conn.execute(sql, (*args, -1 if limit is None else limit))]
+
+
+def _row(r: Sequence[Any]) -> SampleOutlier:
+    (job, rank, step, time_unix, kind, score, z, baseline, mb, sample, sample_id, start, end, tokens, text,
+     detail) = r
+    return SampleOutlier(kind=kind, job=job, rank=rank, step=step, time_unix=time_unix, score=score, z=z,
+                         baseline=baseline, micro_batch=mb, sample=sample, sample_id=sample_id, start=start, end=end,
+                         tokens=tokens, text=text, detail=detail)
+
+
+def prune(conn: sqlite3.Connection, max_age_days: float | None, now: float) -> int:
+    """Delete findings older than ``max_age_days`` and beyond :data:`MAX_ROWS`; returns the rows deleted."""
+    n = 0
+    if max_age_days is not None:
+        n += conn.execute("DELETE FROM sample_outliers WHERE time_unix < ?", (now - max_age_days * 86400.0,)).rowcount
+    n += conn.execute("DELETE FROM sample_outliers WHERE rowid IN (SELECT rowid FROM sample_outliers "
+                      "ORDER BY time_unix DESC, rowid DESC LIMIT -1 OFFSET ?)", (MAX_ROWS,)).rowcount
+    return n

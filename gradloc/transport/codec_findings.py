@@ -1,0 +1,72 @@
+"""Per-sample findings on the wire: ``SampleStats`` ↔ ``pb.SampleStatsMsg`` (inside a ``pb.Step``).
+
+An outlier's job, rank, step and time are its step's, so they are not sent again. Validation follows
+:mod:`gradloc.transport.validate`: counts >= 0, every float finite (a finding is judged only on
+finite surprises and shares), kinds from :data:`~gradloc.records.OUTLIER_KINDS`, spans with
+0 <= start <= end, a mismatch share in [0, 1], bounded strings and at most :data:`MAX_OUTLIERS`
+outliers per step.
+"""
+from __future__ import annotations
+
+from gradloc.records import OUTLIER_KINDS, SAMPLE_Z_BUCKETS, SampleOutlier, SampleStats
+from gradloc.transport import validate as v
+from gradloc.transport.wire import pb
+
+MAX_OUTLIERS = 256  # per step (the trainer sends at most SampleConfig.max_outliers + 1)
+_OPTIONAL_INTS = ("micro_batch", "sample", "start", "end")
+
+
+def encode_samples(s: SampleStats, out: pb.SampleStatsMsg) -> None:
+    out.judged, out.unjudged, out.nonfinite, out.flagged = s.judged, s.unjudged, s.nonfinite, s.flagged
+    out.z_counts.extend(s.z_counts)
+    out.z_sum = s.z_sum
+    for name in ("max_z", "baseline", "rl_mismatch_baseline"):
+        if getattr(s, name) is not None:
+            setattr(out, name, getattr(s, name))
+    for o in s.outliers:
+        m = out.outliers.add(kind=o.kind, score=o.score, z=o.z, baseline=o.baseline, tokens=o.tokens, detail=o.detail)
+        for name in (*_OPTIONAL_INTS, "sample_id", "text"):
+            if getattr(o, name) is not None:
+                setattr(m, name, getattr(o, name))
+
+
+def decode_samples(m: pb.SampleStatsMsg, job: str, rank: int, step: int, time_unix: float,
+                   where: str) -> SampleStats:
+    """A validated SampleStats; raises :class:`~gradloc.transport.validate.RejectedBatch`."""
+    counts = tuple(m.z_counts)
+    if counts and len(counts) != len(SAMPLE_Z_BUCKETS) + 1:
+        raise v.reject("length_mismatch", f"{where}.z_counts has {len(counts)} counts, expected "
+                                          f"{len(SAMPLE_Z_BUCKETS) + 1} (or none)")
+    for i, c in enumerate(counts):
+        v.count(c, f"{where}.z_counts[{i}]")
+    if len(m.outliers) > MAX_OUTLIERS:
+        raise v.reject("invalid_value", f"{where}.outliers has {len(m.outliers)} entries (at most {MAX_OUTLIERS})")
+    share = m.rl_mismatch_baseline if m.HasField("rl_mismatch_baseline") else None
+    if share is not None and not (v.finite(share, f"{where}.rl_mismatch_baseline") >= 0 and share <= 1):
+        raise v.reject("invalid_value", f"{where}.rl_mismatch_baseline is {share!r} (a share: must be in [0, 1])")
+    outliers = tuple(_outlier(o, job, rank, step, time_unix, f"{where}.outliers[{i}]") for i, o in enumerate(m.outliers))
+    return SampleStats(
+        judged=v.count(m.judged, f"{where}.judged"), unjudged=v.count(m.unjudged, f"{where}.unjudged"),
+        nonfinite=v.count(m.nonfinite, f"{where}.nonfinite"), z_counts=counts, z_sum=v.finite(m.z_sum, f"{where}.z_sum"),
+        max_z=v.finite(m.max_z, f"{where}.max_z") if m.HasField("max_z") else None,
+        baseline=v.finite(m.baseline, f"{where}.baseline") if m.HasField("baseline") else None,
+        flagged=v.count(m.flagged, f"{where}.flagged"), outliers=outliers, rl_mismatch_baseline=share)
+
+
+def _outlier(o: pb.SampleOutlierMsg, job: str, rank: int, step: int, time_unix: float, where: str) -> SampleOutlier:
+    if o.kind not in OUTLIER_KINDS:
+        raise v.reject("invalid_value", f"{where}.kind is {v.text(o.kind, where + '.kind')!r} (one of {list(OUTLIER_KINDS)})")
+    ints = {name: v.count(getattr(o, name), f"{where}.{name}") if o.HasField(name) else None for name in _OPTIONAL_INTS}
+    if (ints["start"] is None) != (ints["end"] is None) or (ints["start"] is not None and ints["end"] < ints["start"]):
+        raise v.reject("invalid_value", f"{where}: start {ints['start']} and end {ints['end']} are not a span "
+                                        "(both or neither, start <= end)")
+    score = v.finite(o.score, f"{where}.score")
+    if o.kind == "rl_mismatch" and not 0 <= score <= 1:
+        raise v.reject("invalid_value", f"{where}.score is {score!r} (a mismatch share: must be in [0, 1])")
+    return SampleOutlier(
+        kind=o.kind, job=job, rank=rank, step=step, time_unix=time_unix, score=score, z=v.finite(o.z, f"{where}.z"),
+        baseline=v.finite(o.baseline, f"{where}.baseline"), **ints,
+        sample_id=v.text(o.sample_id, f"{where}.sample_id") if o.HasField("sample_id") else None,
+        tokens=v.count(o.tokens, f"{where}.tokens"),
+        text=v.text(o.text, f"{where}.text", v.MAX_TEXT) if o.HasField("text") else None,
+        detail=v.text(o.detail, f"{where}.detail", v.MAX_TEXT))

@@ -1,0 +1,125 @@
+"""``python -m bench healthy`` (false incidents on healthy natural-text runs, recall on injected
+faults) and the natural-text setup it shares (``bench/natural.py``). The full run's numbers are in
+docs/BENCHMARKS.md; here a quick run (one thread, ~30 s) and the pieces.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import torch  # noqa: E402
+
+from bench.healthy import HealthyConfig, check_replay, fault_schedule, replay, train  # noqa: E402
+from bench.natural import FAULTS, Run, RunConfig, inject, natural_corpus  # noqa: E402
+from gradloc.config import DetectorConfig  # noqa: E402
+from tests.bench.test_bench_smoke import run_bench  # noqa: E402
+
+TINY = RunConfig(d_model=32, n_layers=1, seq=32, batch=2, steps=60)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_healthy_quick_json():
+    res = run_bench("healthy", "--quick", "--json", timeout=300)
+    assert res["replay_matches_live"] is True
+    assert list(res["settings"]) == list(DetectorConfig.SENSITIVITIES)
+    s = res["settings"]
+    for name, row in s.items():
+        assert row["healthy_steps"] == 150 and row["false_incidents"] >= 0
+        assert set(row["recall"]) <= set(FAULTS) and set(row["injected"]) == set(row["recall"])
+    assert s["default"]["recall"]["planted_token"] == 1.0
+    assert s["high"]["recall"]["planted_token"] == 1.0  # an earlier false incident's episode does not hide it
+    assert s["default"]["false_incidents"] <= s["high"]["false_incidents"] < s["zclip"]["false_incidents"]
+    assert s["low"]["false_incidents"] <= s["default"]["false_incidents"]
+    (run,) = res["runs"]
+    assert run["family"] == "qwen2" and run["steps"] == 150 and run["params"] > 0
+    assert run["live_incidents"] == run["incidents"]["default"]["count"]  # the live monitor runs the default
+    x = run["extremes"]
+    assert x["norm_ratio_max"] >= x["norm_ratio_top3"][-1] > 0 and x["norm_z_max"] >= x["norm_z_q999"]
+    # the norm's statistics are the same at every setting: each zclip grad_spike incident is a z > 2.5 step
+    assert x["steps_over_2_5_z"] >= s["zclip"]["kinds"].get("grad_spike", 0) > 0
+    sig = res["fault_signals"]
+    assert set(sig) == set(s["default"]["injected"])
+    lo, mid, hi = sig["planted_token"]["top_share"]
+    assert lo <= mid <= hi and lo >= 0.5  # a planted token carries most of its step's gradient
+    assert res["setup"]["corpus"]["tokens"] > 100_000
+
+
+def test_replay_of_a_trace_must_match_its_live_monitor():
+    trace = train(TINY)
+    assert trace.live_config == DetectorConfig().resolved()
+    check_replay([trace])  # the live monitor's own config opens the same incidents
+    assert [s for s, _ in replay(trace, DetectorConfig())] == trace.live_incidents
+    forged = dataclasses.replace(trace, live_incidents=trace.live_incidents + [59])
+    with pytest.raises(AssertionError, match="replay"):
+        check_replay([forged])
+
+
+def test_a_step_s_data_depends_only_on_seed_and_step():
+    a, a2, b = Run(TINY), Run(TINY), Run(dataclasses.replace(TINY, seed=1))
+    try:
+        for _ in range(3):
+            a.step()  # training does not move the data of later steps
+        torch.testing.assert_close(a.batch(7).windows, a2.batch(7).windows, rtol=0, atol=0)
+        assert not torch.equal(a.batch(7).windows, b.batch(7).windows)
+        assert not torch.equal(a.batch(7).windows, a.batch(8).windows)
+    finally:
+        for r in (a, a2, b):
+            r.close()
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_inject_changes_one_sample_of_the_step(kind):
+    run = Run(TINY)
+    try:
+        healthy, batch = run.batch(3), run.batch(3)
+        fault = inject(kind, batch, torch.Generator().manual_seed(0), run.model, run.corpus, 3)
+        assert fault.kind == kind and fault.step == 3
+        assert fault.sample_id == batch.sample_ids[fault.micro_batch][fault.sample]
+        M, B, _ = batch.weights.shape
+        changed = set()
+        for m in range(M):
+            x_diff = (batch.windows[m] != healthy.windows[m]).any(-1)
+            y_diff = (batch.targets(m) != healthy.targets(m)).any(-1)
+            w_diff = (batch.weights[m] != healthy.weights[m]).any(-1)
+            changed |= {(m, b) for b in range(B) if x_diff[b] or y_diff[b] or w_diff[b]}
+        assert changed == {(fault.micro_batch, fault.sample)}
+    finally:
+        run.close()
+
+
+def test_fault_schedule_spaces_the_faults_and_takes_turns():
+    cfg = HealthyConfig()
+    sched = fault_schedule(cfg, 0)
+    steps = sorted(sched)
+    assert steps[0] == cfg.fault_after and steps[-1] < cfg.fault_steps
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert min(gaps) >= 0.75 * cfg.fault_every and max(gaps) <= 1.25 * cfg.fault_every
+    kinds = [sched[s] for s in steps]
+    assert set(kinds[: len(FAULTS)]) == set(FAULTS)  # every kind once before any repeats
+    assert fault_schedule(cfg, 0) == sched and fault_schedule(cfg, 1) != sched
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = RunConfig(steps=1000, lr=1e-3, lr_warmup=100, min_lr_ratio=0.1)
+    assert cfg.lr_at(0) == pytest.approx(1e-5) and cfg.lr_at(99) == pytest.approx(1e-3)
+    assert cfg.lr_at(550) == pytest.approx(0.55e-3)
+    assert cfg.lr_at(1000) == pytest.approx(1e-4)
+
+
+def test_natural_corpus_is_natural_text():
+    corpus = natural_corpus(2048)
+    assert corpus.vocab == 2048 and corpus.documents > 1000 and len(corpus.ids) > 100_000
+    text = corpus.to_text(corpus.ids[:2000].tolist())
+    assert text.count(" the ") > 10  # English prose, not code or random ids
+    assert corpus.to_text(corpus.encode("Return the value.")) == "Return the value."

@@ -1,0 +1,138 @@
+"""The host-side judges of per-sample findings (gradloc/detector/samples.py), on synthetic packs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradloc.collector.batch import make_meta
+from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE
+from gradloc.config import SampleConfig
+from gradloc.detector.samples import MismatchJudge, SampleJudge
+from gradloc.errors import ConfigError
+from gradloc.records import SAMPLE_Z_BUCKETS, RLStats
+
+B, T = 8, 64
+WHERE = dict(job="j", rank=0, step=5, time_unix=1.7e9)
+
+
+def _metas(m: int = 2):
+    ids = torch.arange(B * T).reshape(B, T) % 50
+    return [make_meta(i, ids, None, [f"u{i}-{b}" for b in range(B)], None) for i in range(m)]
+
+
+def _host(scores, n=None, codes=None, window=None, wstart=None, nonfinite=None) -> np.ndarray:
+    scores = np.asarray(scores, dtype=np.float64)
+    S = len(scores)
+    n = np.full(S, float(T)) if n is None else np.asarray(n, dtype=np.float64)
+    codes = np.full(S // B, float(MB_JUDGED)) if codes is None else np.asarray(codes, dtype=np.float64)
+    window = scores + 0.5 if window is None else np.asarray(window, dtype=np.float64)
+    wstart = np.arange(S) * T if wstart is None else np.asarray(wstart, dtype=np.float64)
+    nonfinite = np.zeros(S) if nonfinite is None else np.asarray(nonfinite, dtype=np.float64)
+    return np.concatenate([codes, n, scores * n, nonfinite, window, wstart])
+
+
+def _warm(judge: SampleJudge, rng: np.random.Generator, steps: int, mean: float = 3.5, sd: float = 0.3):
+    for _ in range(steps):
+        judge.judge(_host(rng.normal(mean, sd, 2 * B)), _metas(), WHERE, None)
+
+
+def test_nothing_is_judged_during_the_warm_up_then_a_garbage_sample_is_flagged():
+    cfg = SampleConfig(warmup_samples=64, min_tokens=8)
+    judge, rng = SampleJudge(cfg), np.random.default_rng(0)
+    first = judge.judge(_host(np.r_[rng.normal(3.5, 0.3, 15), 9.0]), _metas(), WHERE, None)
+    assert first.judged == 16 and first.z_counts == () and first.outliers == () and first.baseline is None
+    _warm(judge, rng, 5)
+    scores = rng.normal(3.5, 0.3, 16)
+    scores[11] = 9.0  # micro-batch 1, sample 3: uniformly bad, so its worst window is its mean
+    window = scores + 0.5
+    window[11] = 9.0
+    st = judge.judge(_host(scores, window=window), _metas(), WHERE, lambda ids: "/".join(map(str, ids)))
+    assert st.flagged == 1 and len(st.z_counts) == len(SAMPLE_Z_BUCKETS) + 1 and sum(st.z_counts) == 16
+    (o,) = st.outliers
+    assert (o.kind, o.micro_batch, o.sample, o.sample_id, o.step) == ("surprise", 1, 3, "u1-3", 5)
+    assert o.z == pytest.approx((9.0 - st.baseline) / 0.3, rel=0.25) and o.z == st.max_z
+    assert o.start == 0 and o.end == T and o.score == 9.0 and o.text.startswith("42/43/44")  # (3·64) % 50 = 42: sample 3's ids
+
+
+def test_a_corrupted_span_is_flagged_by_its_window_with_its_positions():
+    cfg = SampleConfig(warmup_samples=64, min_tokens=8, window=16)
+    judge, rng = SampleJudge(cfg), np.random.default_rng(1)
+    _warm(judge, rng, 6)
+    scores = rng.normal(3.5, 0.3, 16)
+    window = scores + 0.5
+    window[4] = 9.0  # sample 4 of micro-batch 0: its mean is healthy, one window is not
+    wstart = np.arange(16) * T
+    wstart[4] = 4 * T + 20
+    st = judge.judge(_host(scores, window=window, wstart=wstart), _metas(), WHERE, None)
+    (o,) = st.outliers
+    assert (o.micro_batch, o.sample, o.start, o.end) == (0, 4, 20, 36) and o.score == 9.0
+
+
+def test_short_samples_are_judged_with_their_own_noise_and_tiny_ones_not_at_all():
+    cfg = SampleConfig(warmup_samples=64, min_tokens=8)
+    judge, rng = SampleJudge(cfg), np.random.default_rng(2)
+    _warm(judge, rng, 6)
+    scores = rng.normal(3.5, 0.05, 16)
+    scores[:2] = 5.5  # 6.7 σ above the median at full length
+    n = np.full(16, float(T))
+    n[0], n[2] = 16, 4  # sample 0: a quarter of the usual length (z halves); sample 2: below min_tokens
+    window = scores + 0.5
+    window[0] = -np.inf  # 16 loss tokens: no window with half of its positions judged
+    st = judge.judge(_host(scores, n=n, window=window), _metas(), WHERE, None)
+    assert [(o.micro_batch, o.sample) for o in st.outliers] == [(0, 1)]
+    assert st.judged == 15 and st.unjudged == 1
+
+
+def test_refused_micro_batches_and_nonfinite_samples_are_counted_not_judged():
+    judge = SampleJudge(SampleConfig(warmup_samples=8))
+    nonfinite = np.zeros(16)
+    nonfinite[3] = 5
+    st = judge.judge(_host(np.full(16, 3.0), codes=[MB_JUDGED, MB_NOT_CE], nonfinite=nonfinite), _metas(), WHERE, None)
+    assert (st.judged, st.unjudged, st.nonfinite) == (7, 8, 1)
+
+
+def test_a_minority_of_outliers_barely_moves_the_baseline():
+    cfg = SampleConfig(warmup_samples=64, history=256)
+    judge, rng = SampleJudge(cfg), np.random.default_rng(3)
+    _warm(judge, rng, 8)
+    before = judge.mean.robust()[0]
+    for _ in range(16):
+        scores = rng.normal(3.5, 0.3, 16)
+        scores[:3] = 9.0  # 3 of 16 samples garbage, every step
+        judge.judge(_host(scores), _metas(), WHERE, None)
+    assert abs(judge.mean.robust()[0] - before) < 0.3
+
+
+def _rl(frac: float | None, tokens: int = 1000) -> RLStats:
+    return RLStats(tokens=tokens, mismatch_fraction=frac)
+
+
+def test_a_sustained_mismatch_is_one_finding_a_blip_is_none():
+    judge = MismatchJudge(SampleConfig(rl_warmup=5, rl_patience=3))
+    out = [judge.observe(_rl(0.0), WHERE) for _ in range(5)]
+    assert out[-1] == (0.0, None) and out[0] == (None, None)
+    assert judge.observe(_rl(0.4), WHERE)[1] is None and judge.observe(_rl(0.4), WHERE)[1] is None  # a blip of 2
+    assert judge.observe(_rl(0.0), WHERE)[1] is None
+    findings = [judge.observe(_rl(0.35), {**WHERE, "step": s})[1] for s in range(10, 18)]
+    assert [f.step for f in findings if f is not None] == [12]
+    f = findings[2]
+    assert f.kind == "rl_mismatch" and f.score == 0.35 and f.baseline == 0.0 and f.micro_batch is None
+    assert f.tokens == 1000 and "35.0%" in f.detail and f.z > 6
+    assert judge.baseline == 0.0  # the faulty steps never entered the baseline
+
+
+def test_the_mismatch_line_follows_the_runs_own_baseline():
+    judge = MismatchJudge(SampleConfig(rl_warmup=3, rl_patience=1))
+    for _ in range(3):
+        judge.observe(_rl(0.10), WHERE)
+    assert judge.observe(_rl(0.24), WHERE)[1] is None  # below 2 × 0.10 + 0.05
+    assert judge.observe(_rl(0.26), WHERE)[1] is not None
+    assert judge.observe(None, WHERE) == (0.10, None) and judge.observe(_rl(None), WHERE) == (0.10, None)
+
+
+@pytest.mark.parametrize("bad", [dict(z_threshold=0), dict(window=1), dict(warmup_samples=5000),
+                                 dict(rl_patience=0), dict(min_tokens=0), dict(max_outliers=256)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ConfigError):
+        SampleConfig(**bad)

@@ -1,0 +1,72 @@
+"""The ``sample_outliers`` table (gradloc/store/outliers.py): findings written with their steps,
+listed newest first, replaced when a step is re-sent, migrated into older files, pruned."""
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import replace
+from pathlib import Path
+
+from gradloc.records import SampleOutlier, SampleStats
+from gradloc.store import inbox
+from gradloc.store.retention import RetentionConfig
+from gradloc.store.schema import _SCHEMA_V1, SCHEMA_VERSION
+from gradloc.store.sqlite import IncidentStore
+from tests.localizer.builders import summary
+
+T0 = 1_700_000_000.0
+
+
+def _step(job: str, step: int, *kinds: str, rank: int = 0, t: float = T0):
+    outs = tuple(SampleOutlier(kind=k, job=job, rank=rank, step=step, time_unix=t + step, score=8.0 + i, z=10.0 + i,
+                               baseline=3.5, micro_batch=None if k == "rl_mismatch" else 1, sample=2,
+                               sample_id=f"{job}-{step}-{i}", start=0, end=64, tokens=64, text="qzx ∑", detail="d")
+                 for i, k in enumerate(kinds))
+    s = replace(summary(job, rank, step), time_unix=t + step)
+    return replace(s, samples=SampleStats(judged=16, flagged=len(outs), outliers=outs))
+
+
+def test_findings_are_stored_with_their_steps_and_listed_newest_first(tmp_path: Path) -> None:
+    with IncidentStore(tmp_path / "s.db") as store:
+        store.put_steps([_step("a", 1, "surprise"), _step("a", 2), _step("b", 3, "surprise", "rl_mismatch")])
+        rows = store.list_outliers()
+        assert [(o.job, o.step, o.kind) for o in rows] == [("b", 3, "surprise"), ("b", 3, "rl_mismatch"),
+                                                          ("a", 1, "surprise")]
+        assert rows[-1] == _step("a", 1, "surprise").samples.outliers[0]  # every field comes back
+        assert [o.step for o in store.list_outliers(job="a")] == [1]
+        assert [o.kind for o in store.list_outliers(kind="rl_mismatch")] == ["rl_mismatch"]
+        assert [o.step for o in store.list_outliers(since_unix=T0 + 2)] == [3, 3]
+        assert len(store.list_outliers(limit=1)) == 1 and len(store.list_outliers(limit=None)) == 3
+
+
+def test_a_resent_step_replaces_its_findings(tmp_path: Path) -> None:
+    with IncidentStore(tmp_path / "s.db") as store:
+        store.put_steps([_step("a", 1, "surprise", "surprise")])
+        store.put_steps([_step("a", 1, "surprise")])  # at-least-once delivery: the same step again
+        assert len(store.list_outliers()) == 1
+        store.put_steps([_step("a", 1, "surprise", rank=1)])  # another rank's step 1 is another step
+        assert len(store.list_outliers()) == 2
+
+
+def test_an_older_store_gains_the_table_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA_V1 + "; PRAGMA user_version = 1;")
+    inbox.create(conn)
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO steps VALUES ('j', 0, 1, 1.0, 1.0, 1.0, 0.0, 0.0, 0, 0)")
+    conn.commit()
+    conn.close()
+    with IncidentStore(path) as store:
+        assert store.step_summaries("j")[0].step == 1
+        store.put_steps([_step("j", 2, "surprise")])
+        assert [o.step for o in store.list_outliers()] == [2]
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.close()
+
+
+def test_retention_prunes_old_findings(tmp_path: Path) -> None:
+    with IncidentStore(tmp_path / "s.db", RetentionConfig(max_age_days=1)) as store:
+        store.put_steps([_step("a", 1, "surprise", t=T0 - 3 * 86400), _step("a", 2, "surprise")])
+        counts = store.apply_retention(now=T0 + 10)
+        assert counts["sample_outliers"] == 1 and [o.step for o in store.list_outliers()] == [2]
