@@ -41,12 +41,14 @@ class Below:
         self.r, self.notes = run, [why]
         self.passes = 0
         self.measured: list[SampleShare] = []
+        self.pending: list[tuple] = []  # outlier samples of the micro-batches decomposed so far (_verdict)
         self.n = run.n_samples()
 
     def run(self) -> LocalizeResult:
         r = self.r
         if r.all_ranks(r.scope.decomposes and r.head is not None):
-            for owner, m in self._micro_batch_order():
+            self.order = self._micro_batch_order()
+            for owner, m in self.order:
                 if r.used >= r.cfg.max_probes:
                     break
                 got = self._decompose(owner, m)
@@ -79,6 +81,7 @@ class Below:
         every = self.r.comm.all_gather_object(items, "gradloc micro-batch order")
         merged = [(not flagged, -score, rank, m) for rank, items in enumerate(every) for m, score, flagged in items]
         self.m_total = len(merged)
+        self.flagged = {(rank, m) for odd, _, rank, m in merged if not odd}
         return [(rank, m) for _, _, rank, m in sorted(merged)]
 
     def _decompose(self, owner: int, m: int) -> dict:
@@ -110,10 +113,13 @@ class Below:
         rank = None if r.solo else owner
         self.measured += [SampleShare(micro_batch=got["index"], sample=s, score_share=ss, share=share, sample_id=sid,
                                       tokens=n, rank=rank) for s, share, n, sid, ss in got["measures"][:TOP_SAMPLES]]
-        verdict = pick_samples([(s, share, n) for s, share, n, _, _ in got["measures"]],
-                               lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx), self.n)
-        if verdict.culprits:
-            return self._sample_level(owner, m, verdict, got["index"])
+        # this micro-batch's outlier samples; with those of micro-batches measured before (the copies of
+        # a duplicated bad sample), named when their union passes verification
+        odd = pick_samples([(s, share, n) for s, share, n, _, _ in got["measures"]], lambda x: True, self.n)
+        if odd.culprits:
+            self.pending.append((owner, m, odd, got["index"], self._dec))
+            if r.loc._verified(sum(v.explained for _, _, v, _, _ in self.pending), r.stored.norm, 0.0, r.ctx):
+                return self._sample_level([*self.pending, *self._other_outliers(owner, m)])
         if micro_batch_passes(got["explained"], self.m_total,
                               lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx)):
             mine = self._dec[1] if self._dec is not None else [None] * len(r.stored.grads)
@@ -124,13 +130,42 @@ class Below:
                            passes=self.passes, samples=self._samples(), note="; ".join(self.notes),
                            explained=explained, norms=norms, loss=loss)
             return LocalizeResult(loc, mine if r.keep_grad else None)
-        self.notes.append(f"micro-batch {got['index']} measured: {got['explained']:.0%} of ‖∇‖², no sample of it passes")
+        self.notes.append(f"micro-batch {got['index']} measured: {got['explained']:.0%} of ‖∇‖², no sample of it passes alone")
         return None
 
-    def _sample_level(self, owner: int, m: int, verdict, index: int) -> LocalizeResult:  # noqa: ANN001 - SampleVerdict
+    def _other_outliers(self, owner: int, m: int) -> list[tuple]:
+        """The culprit samples of the other micro-batches holding a per-sample surprise outlier (the
+        second copy of a duplicated bad sample), decomposed with the probes left: (owner, view
+        position, verdict, micro-batch index, decomposition). Their shares add exactly to the first
+        micro-batch's; a sample is named when it is an outlier (``pick_samples``' floor), the union
+        having passed already."""
+        r, out = self.r, []
+        done = {(o, mm) for o, mm, *_ in self.pending}
+        for o2, m2 in getattr(self, "order", ()):
+            if (o2, m2) in done or (o2, m2) not in self.flagged or r.used >= r.cfg.max_probes:
+                continue
+            got = self._decompose(o2, m2)
+            if got["error"] or got["closure_error"] > MAX_CLOSURE_ERROR:
+                self.notes.append(f"micro-batch {got.get('index', '?')} with an odd sample: no usable decomposition")
+                continue
+            rank = None if r.solo else o2
+            self.measured += [SampleShare(micro_batch=got["index"], sample=s, score_share=ss, share=share,
+                                          sample_id=sid, tokens=n, rank=rank)
+                              for s, share, n, sid, ss in got["measures"][:TOP_SAMPLES]]
+            verdict = pick_samples([(s, share, n) for s, share, n, _, _ in got["measures"]], lambda x: True, self.n)
+            if verdict.culprits:
+                out.append((o2, m2, verdict, got["index"], self._dec))
+        return out
+
+    def _sample_level(self, parts: list[tuple]) -> LocalizeResult:
+        """``parts``: (owner, view position, SampleVerdict, micro-batch index, decomposition) per
+        micro-batch with culprit samples."""
         r = self.r
-        explained, norms, loss, grad = verdict.explained, (None, None), None, None
-        if r.used < r.cfg.max_probes:  # measure the culprit samples themselves
+        (owner, m, verdict, _, _), more = parts[0], parts[1:]
+        explained, norms, loss, grad = sum(v.explained for _, _, v, _, _ in parts), (None, None), None, None
+        # culprits in several micro-batches: their decomposed shares add up (one probe round covers one
+        # micro-batch per rank, so they are not re-measured together)
+        if not more and r.used < r.cfg.max_probes:  # measure the culprit samples themselves
             group = None
             if owner == r.rank:
                 group = (m, np.concatenate([r.view.sample_flats(m, b) for b in verdict.culprits]))
@@ -141,22 +176,30 @@ class Below:
             r.used += 1
             self.notes.append(f"the decomposition gave {explained:.0%}, a probe of the sample(s) {exact:.0%}")
             explained, grad = exact, (acc if r.keep_grad else None)
-        payload = None
-        if owner == r.rank:
-            payload = self._regions(m, verdict)
-        level, culprits, spans = r.comm.all_gather_object(payload, "gradloc culprit samples")[owner]
-        what = ", ".join(f"sample {b}" for b in verdict.culprits)
-        self.notes.append(f"{what} of micro-batch {index} "
-                          f"carr{'ies' if len(verdict.culprits) == 1 else 'y'} {explained:.0%} of ‖∇‖² "
+        levels, culprits, spans = set(), [], []
+        for o, mm, v, _, dec in parts:
+            payload = self._regions(mm, v, dec) if o == r.rank else None
+            lv, cs, ss = r.comm.all_gather_object(payload, "gradloc culprit samples")[o]
+            levels.add(lv)
+            culprits += cs
+            spans += ss
+        level = levels.pop() if len(levels) == 1 else Level.SPAN
+        if more:  # one list over the micro-batches, largest share first
+            culprits, spans = sorted(culprits, key=lambda x: -x.share), sorted(spans, key=lambda x: -x.share)
+        culprits, spans = tuple(culprits), tuple(spans)
+        what = "; ".join(", ".join(f"sample {b}" for b in v.culprits) + f" of micro-batch {i}" for _, _, v, i, _ in parts)
+        n_named = sum(len(v.culprits) for _, _, v, _, _ in parts)
+        self.notes.append(f"{what} carr{'ies' if n_named == 1 else 'y'} {explained:.0%} of ‖∇‖² "
                           f"({level.value} level)")
         loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=r.used,
                        passes=self.passes, culprits=culprits, spans=spans, samples=self._samples(),
                        note="; ".join(self.notes), explained=explained, norms=norms, loss=loss)
         return LocalizeResult(loc, grad)
 
-    def _regions(self, m: int, verdict) -> tuple:  # noqa: ANN001 - levels.SampleVerdict
-        """(level, culprits, spans) of the culprit samples, on the rank that holds them."""
-        r, (c, _, _) = self.r, self._dec
+    def _regions(self, m: int, verdict, dec: tuple) -> tuple:  # noqa: ANN001 - levels.SampleVerdict
+        """(level, culprits, spans) of the culprit samples, on the rank that holds them (``dec``: that
+        micro-batch's decomposition)."""
+        r, (c, _, _) = self.r, dec
         share_of = {b: s for b, s, _ in verdict.samples}
         levels, regions = [], []
         for b in verdict.culprits:

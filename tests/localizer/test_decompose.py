@@ -98,3 +98,47 @@ def test_a_repeated_run_in_the_tail_of_a_sample_is_located_as_that_span() -> Non
     assert 6 <= span.start and span.end <= 16 and span.end - span.start >= 7  # the run (6-15), not the random head
     assert span.share >= 0.8 * loc.samples[0].share  # the shortest window carrying 80% of the sample's share
     assert all(6 <= c.position for c in loc.culprits)
+
+
+def test_a_bad_sample_duplicated_in_two_micro_batches_names_both_copies() -> None:
+    """Each copy carries half of ‖∇‖², so neither passes alone (the other copy still spikes the
+    step); the decompositions of the two micro-batches holding the per-sample outliers add up, and
+    both copies are named at the sample level. The token phase is switched off
+    (``candidate_outlier_factor``) to reach the levels below the tokens, as a coherent fault does."""
+    from gradloc.demo.model import token_losses
+
+    V, T, B, M = 128, 16, 4, 3
+    torch.manual_seed(0)
+    model = tiny_gpt(vocab=V)
+    opt = torch.optim.AdamW(model.parameters(), 3e-3)
+    mon = gradloc.watch(model, opt, embedded=False, update_ratio="off", max_overhead=None,
+                        samples=gradloc.SampleConfig(warmup_samples=64, min_tokens=8, window=8),
+                        localizer=gradloc.LocalizerConfig(candidate_outlier_factor=1e9))
+    cycle = torch.arange(64) * 7 % V  # a sequence the model learns
+    gen = torch.Generator().manual_seed(1)
+    bad = 149
+    for s in range(bad + 1):
+        batches = [torch.stack([cycle.roll(-int(a))[: T + 1] for a in torch.randint(0, 64, (B,), generator=gen)])
+                   for _ in range(M)]  # M × (B, T + 1)
+        if s == bad:
+            batches[0][1] = batches[2][3] = 5  # one repeated-id sample, in micro-batches 0 and 2
+
+        def probe(i: int, mask: torch.Tensor) -> torch.Tensor:
+            w = batches[i]
+            return (token_losses(model(w[:, :-1]), w[:, 1:]) * mask).mean() / M
+
+        loss = torch.zeros(())
+        for w in batches:
+            with mon.micro_batch(w[:, 1:]):
+                part = token_losses(model(w[:, :-1]), w[:, 1:]).mean() / M
+                part.backward()
+            loss += part.detach()
+        rep = mon.end_step(loss, probe=probe)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert {(o.micro_batch, o.sample) for o in rep.record.samples.outliers} == {(0, 1), (2, 3)}
+    loc = rep.incident.localization
+    assert (loc.status, loc.level) == ("located", "sample") and loc.probes <= 3
+    assert {(x.micro_batch, x.sample, x.start, x.end) for x in loc.spans} == {(0, 1, 0, T), (2, 3, 0, T)}
+    assert loc.explained_share > 0.9
