@@ -42,6 +42,8 @@ class Below:
         self.passes = 0
         self.measured: list[SampleShare] = []
         self.pending: list[tuple] = []  # outlier samples of the micro-batches decomposed so far (_verdict)
+        self.order: list[tuple[int, int]] = []  # (rank, view position) to decompose, set by run()
+        self.flagged: set[tuple[int, int]] = set()  # ... of those holding a per-sample surprise outlier
         self.n = run.n_samples()
 
     def run(self) -> LocalizeResult:
@@ -141,7 +143,7 @@ class Below:
         having passed already."""
         r, out = self.r, []
         done = {(o, mm) for o, mm, *_ in self.pending}
-        for o2, m2 in getattr(self, "order", ()):
+        for o2, m2 in self.order:
             if (o2, m2) in done or (o2, m2) not in self.flagged or r.used >= r.cfg.max_probes:
                 continue
             got = self._decompose(o2, m2)
