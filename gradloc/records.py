@@ -317,13 +317,29 @@ class Level(StrEnum):
 
     ``token``: single tokens; ``span``: contiguous tokens of one sample; ``sample``: a whole sample
     (its gradient coherent across its tokens, no shorter span carries it); ``micro_batch``: a
-    micro-batch and no sample of it alone. Empty when nothing was located."""
+    micro-batch and no sample of it alone; ``rank``: every micro-batch of one rank of a job together,
+    and no micro-batch or sample of it alone (a rank's data went wrong: a bad shard, a broken loader).
+    Empty when nothing was located."""
 
     TOKEN = "token"
     SPAN = "span"
     SAMPLE = "sample"
     MICRO_BATCH = "micro_batch"
+    RANK = "rank"
     NONE = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CulpritGroup:
+    """The data named at level ``micro_batch`` (one micro-batch) or ``rank`` (every micro-batch of one
+    rank: ``micro_batch`` None), with its measured share ⟨∇_G, ∇⟩ / ‖∇‖² and what it holds."""
+
+    share: float
+    micro_batch: int | None = None
+    rank: int | None = None  # None: the incident's own rank (one process)
+    micro_batches: int = 1  # micro-batches in the group
+    samples: int = 0
+    tokens: int = 0  # loss tokens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,7 +370,10 @@ class Localization:
     loss_without_culprits: float | None = None
     note: str = ""
     samples: tuple[SampleShare, ...] = ()  # the samples carrying most of the attribution score
-    passes: int = 0  # forward-only passes beside the probes (the decomposition probe's two)
+    # passes beside one per probe: the decomposition probe's two forward-only passes, and a rank
+    # probe's micro-batches after its first (one probe measures a rank's every micro-batch together)
+    passes: int = 0
+    groups: tuple[CulpritGroup, ...] = ()  # the micro-batch or rank named at level micro_batch or rank
 
     def __post_init__(self) -> None:  # plain strings from a decoder or a test become the typed values
         object.__setattr__(self, "method", Method(self.method))

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 from gradloc.agent.escape import visible
+from gradloc.agent.render import group_text
 from gradloc.records import Culprit, Incident, SampleOutlier
 from gradloc.reports import CorrelatedIncident
 from gradloc.store.rows import IncidentRow
@@ -69,7 +70,7 @@ def _finding(f: Incident) -> str:
     if loc is None:
         return head + "<p>not localized (a trend, not a token event)</p>"
     level = f" at the {_e(loc.level.replace('_', '-'))} level" if loc.level else ""
-    passes = f" (+{loc.passes} forward passes)" if loc.passes else ""
+    passes = f" (+{loc.passes} extra passes)" if loc.passes else ""
     out = [head, f"<p>localized by {_e(loc.method)} with {loc.probes} probe(s){passes}: <b>{_e(loc.status)}</b>{level}; culprits "
                  f"carry {_pct(loc.explained_share)} of ‖∇‖²; without them ‖∇‖ would be "
                  f"{_num(loc.norm_without_culprits)}</p>"]
@@ -77,6 +78,7 @@ def _finding(f: Incident) -> str:
         out.append(f"<p>class <b>{_e(f.classification.kind)}</b>: {_e(f.classification.reason)}</p>")
     if loc.note:
         out.append(f'<p class="muted">{_e(loc.note)}</p>')
+    out += [f"<h3>{_e(group_text(g, f.scope == 'job'))}</h3>" for g in loc.groups]
     top = max((c.share for c in loc.culprits if math.isfinite(c.share)), default=0.0)
     for span in loc.spans:
         cul = [c for c in loc.culprits if (c.micro_batch, c.sample) == (span.micro_batch, span.sample)

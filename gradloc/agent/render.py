@@ -8,6 +8,7 @@ from gradloc.agent.escape import terminal, visible
 from gradloc.records import (
     Classification,
     Culprit,
+    CulpritGroup,
     CulpritSpan,
     Incident,
     Localization,
@@ -65,6 +66,7 @@ def _incident_text(inc: Incident, color: bool) -> str:
     lines += _remedy_lines(inc.remedy)
     if loc.samples and (not loc.spans or any(x.share is not None for x in loc.samples)):  # measured: always shown
         lines += ["  samples carrying the norm:", *(_sample_line(x, inc.scope == "job") for x in loc.samples)]
+    lines += [f"  • {group_text(g, inc.scope == 'job')}" for g in loc.groups]
     by_span = {(c.micro_batch, c.sample, c.position): c for c in loc.culprits}
     for span in loc.spans:
         uid = f" (sample id {span.sample_id})" if span.sample_id else ""
@@ -81,13 +83,20 @@ def _incident_text(inc: Incident, color: bool) -> str:
                          f"{span.start - si.response_start} of {si.response_tokens} · finish {si.finish_reason}")
         if first is not None and first.rl is not None:
             lines.append("      rl: " + _rl_text(first.rl) + (f" → {first.classification.kind}" if first.classification else ""))
-    if not loc.spans:
+    if not loc.spans and not loc.groups:
         lines.append("  no culprit tokens found")
     return "\n".join(lines)
 
 
+def group_text(g: CulpritGroup, job_scope: bool = False) -> str:
+    """A culprit micro-batch or rank, in words: where, what it holds, its measured share."""
+    where = f"rank {g.rank} · every micro-batch ({g.micro_batches})" if g.micro_batch is None else \
+        f"{_rank_of(g.rank, job_scope)}micro-batch {g.micro_batch}"
+    return f"{where} · {g.samples} sample(s) · {g.tokens} loss token(s) · share {_pct(g.share)}"
+
+
 def _outcome(loc: Localization) -> str:
-    passes = f" (+{loc.passes} forward pass(es))" if loc.passes else ""
+    passes = f" (+{loc.passes} extra pass(es))" if loc.passes else ""
     level = f" at the {loc.level.replace('_', '-')} level" if loc.level else ""
     head = f"  localized by {loc.method} with {loc.probes} probe(s){passes}: {loc.status}{level}"
     if loc.status == "located" or loc.explained_share is not None:
@@ -141,6 +150,10 @@ def incident_line(inc: Incident) -> str:
     if not tops and loc.spans:  # a sample or span level: the spans are the culprits
         tops = ", ".join(f"{f'r {s.rank}/' if job and s.rank is not None else ''}mb {s.micro_batch}/s {s.sample}/"
                          f"p {s.start}-{s.end - 1} {_pct(s.share)}" for s in loc.spans[:3])
+    if not tops and loc.groups:  # a micro-batch or rank level
+        tops = ", ".join(f"rank {g.rank} {_pct(g.share)}" if g.micro_batch is None else
+                         f"{f'r {g.rank}/' if job and g.rank is not None else ''}mb {g.micro_batch} {_pct(g.share)}"
+                         for g in loc.groups)
     return terminal(f"{head} · {loc.status}{level} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}")
 
 
@@ -190,6 +203,7 @@ def demo_json(planted: Sequence[Any], incidents: Sequence[Incident],
             "culprits": [culprit_json(c, inc.rank) for c in loc.culprits] if loc else [],
             "spans": [_span_json(x, inc.rank) for x in loc.spans] if loc else [],
             "samples": [_sample_json(x, inc.rank) for x in loc.samples] if loc else [],
+            "groups": [{**to_dict(g), "rank": inc.rank if g.rank is None else g.rank} for g in loc.groups] if loc else [],
             "classification": None if inc.classification is None else _class_json(inc.classification),
             "remedy": None if inc.remedy is None else {
                 "action": inc.remedy.action, "applied": inc.remedy.applied, "norm_before": inc.remedy.norm_before,

@@ -10,8 +10,10 @@ opt-in remedy drops).
 
 Without a decomposition (the exact layer is not one module, a scope whose stored gradient is not
 whole on one rank — FSDP2, ZeRO — or a failure), each remaining probe measures one top sample
-instead, and a measured sample that passes is still named (``sample`` level). Nothing passes:
-``diffuse``, with every measured share reported. Every rank takes the same path: the owner's results
+instead, and a measured sample that passes is still named (``sample`` level). In a job, a rank whose
+micro-batches could carry the spike together is measured as a whole after a measurement on it found
+nothing smaller (``ranks.py``: ``rank`` level). Nothing passes: ``diffuse``, with every measured
+share reported. Every rank takes the same path: the owner's results
 reach the others through ``all_gather_object``.
 """
 from __future__ import annotations
@@ -23,12 +25,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gradloc.localizer.context import LocalizeResult
+from gradloc.localizer.context import LocalizeResult, still_spike
 from gradloc.localizer.decompose import decompose
 from gradloc.localizer.diffuse import TOP_SAMPLES, describe
 from gradloc.localizer.levels import micro_batch_passes, pick_samples, regions_of, sample_measures, top_tokens
+from gradloc.localizer.ranks import Ranks
 from gradloc.localizer.spans import build_culprits, range_span
-from gradloc.records import Level, Method, SampleShare, Status
+from gradloc.records import CulpritGroup, Level, Method, SampleShare, Status
 
 if TYPE_CHECKING:
     from gradloc.localizer.localizer import _Run
@@ -45,6 +48,8 @@ class Below:
         self.order: list[tuple[int, int]] = []  # (rank, view position) to decompose, set by run()
         self.flagged: set[tuple[int, int]] = set()  # ... of those holding a per-sample surprise outlier
         self.n = run.n_samples()
+        self._dec: tuple | None = None  # (c, gradient, loss) of the last decomposition on this rank
+        self.ranks = None if run.solo else Ranks(self)  # the rank level (W > 1)
 
     def run(self) -> LocalizeResult:
         r = self.r
@@ -62,6 +67,8 @@ class Below:
                                       "(not trusted)")
                     continue
                 found = self._verdict(owner, m, got)
+                if found is None and self.ranks is not None:
+                    found = self.ranks.after_decomposition(owner, m, got["explained"])
                 if found is not None:
                     return found
         if not self.measured:
@@ -102,7 +109,8 @@ class Below:
                 measures = [(s, share, n, meta.sample_id(s), _score_share(r, m, s))
                             for s, share, n in sample_measures(view, m, c)]
                 payload = {"error": "", "closure_error": dec.closure_error, "explained": dec.explained * k,
-                           "loss": dec.loss * k, "measures": measures, "index": meta.index}
+                           "loss": dec.loss * k, "measures": measures, "index": meta.index,
+                           "samples": meta.n_samples, "tokens": int(view.eligible[a:b].sum())}
             except Exception as exc:  # noqa: BLE001 - an unusual model: fall back to sample probes
                 payload = {"error": f"{type(exc).__name__}: {exc}"}
         got = r.comm.all_gather_object(payload, "gradloc decomposition")[owner]
@@ -127,10 +135,16 @@ class Below:
             mine = self._dec[1] if self._dec is not None else [None] * len(r.stored.grads)
             explained, loss = r.scope.measure(mine, self._dec[2] if self._dec is not None else 0.0, "")
             norms = r.scope.norms(mine)
+            if self.ranks is not None and still_spike(norms[1], r.ctx):  # not the whole story: its rank?
+                found = self.ranks.beyond_micro_batch(owner, got["explained"])
+                if found is not None:
+                    return found
             self.notes.append(f"micro-batch {got['index']} carries it; no sample of it alone does")
+            group = CulpritGroup(share=explained, micro_batch=got["index"], rank=None if r.solo else owner,
+                                 samples=got["samples"], tokens=got["tokens"])
             loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.MICRO_BATCH, probes=r.used,
                            passes=self.passes, samples=self._samples(), note="; ".join(self.notes),
-                           explained=explained, norms=norms, loss=loss)
+                           explained=explained, norms=norms, loss=loss, groups=(group,))
             return LocalizeResult(loc, mine if r.keep_grad else None)
         self.notes.append(f"micro-batch {got['index']} measured: {got['explained']:.0%} of ‖∇‖², no sample of it passes alone")
         return None
@@ -239,12 +253,14 @@ class Below:
             del acc
             r.used += 1
             measured.append((share, rank, m, b, n, index))
+            if self.ranks is not None and not self._passing(measured).culprits:
+                self.measured = self._with_shares(measured)
+                found = self.ranks.after_sample_probe(rank, share)
+                if found is not None:
+                    return found
         ranked = sorted(measured, key=lambda e: -e[0])
-        verdict = pick_samples([(i, e[0], e[4]) for i, e in enumerate(ranked)],
-                               lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx), self.n)
-        shares = {(e[1], e[5], e[3]): e[0] for e in measured}
-        self.measured = [replace(s, share=shares.get((s.rank or 0, s.micro_batch, s.sample), s.share))
-                         for s in self._attributed()]
+        verdict = self._passing(ranked)
+        self.measured = self._with_shares(measured)
         if not verdict.culprits:
             return LocalizeResult(self._diffuse())
         mine = [ranked[i] for i in verdict.culprits if ranked[i][1] == r.rank]
@@ -261,6 +277,17 @@ class Below:
                        spans=tuple(spans), samples=self._samples(), note="; ".join(self.notes),
                        explained=verdict.explained)
         return LocalizeResult(loc)
+
+    def _passing(self, measured: list[tuple]):  # noqa: ANN202 - levels.SampleVerdict
+        """The sample verdict on probed samples (share, rank, view position, sample, tokens, index), best first."""
+        r = self.r
+        return pick_samples([(i, e[0], e[4]) for i, e in enumerate(measured)],
+                            lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx), self.n)
+
+    def _with_shares(self, measured: list[tuple]) -> list[SampleShare]:
+        """The job's top samples, with the probed ones' measured shares."""
+        shares = {(e[1], e[5], e[3]): e[0] for e in measured}
+        return [replace(s, share=shares.get((s.rank or 0, s.micro_batch, s.sample), s.share)) for s in self._attributed()]
 
     # -- records ------------------------------------------------------------------------------
     def _attributed(self) -> tuple[SampleShare, ...]:

@@ -250,14 +250,14 @@ class _Run:
     def record(self, *, method: Method, status: Status, level: Level = Level.NONE, probes: int, culprits=(),
                spans=(), samples=(), note: str = "", explained: float | None = None,
                norms: tuple[float | None, float | None] = (None, None), loss: float | None = None,
-               passes: int = 0) -> Localization:
+               passes: int = 0, groups=()) -> Localization:
         ls, lw = loss_fields(self.ctx, loss) if loss is not None else (None, None)
         return Localization(step=self.step, method=method, status=status, level=level, probes=probes, passes=passes,
                             explained_share=explained, global_norm=self.stored.norm, culprit_norm=norms[0],
                             norm_without_culprits=norms[1], culprits=culprits, spans=spans,
                             micro_batch_shares=self.view.micro_batch_shares() if self.solo else (),
                             unattributed_share=self.view.unattributed_share, loss_share=ls,
-                            loss_without_culprits=lw, note=note, samples=samples)
+                            loss_without_culprits=lw, note=note, samples=samples, groups=groups)
 
     def _located(self, flats: np.ndarray, explained: float, norms: tuple[float, float], loss: float, probes: int,
                  note: str) -> Localization:

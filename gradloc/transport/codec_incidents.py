@@ -16,6 +16,7 @@ from gradloc.records import (
     MAX_SPAN_WINDOW,
     Classification,
     Culprit,
+    CulpritGroup,
     CulpritSpan,
     Evidence,
     Incident,
@@ -112,6 +113,9 @@ def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
     for x in loc.samples:
         xm = m.samples.add(micro_batch=x.micro_batch, sample=x.sample, score_share=x.score_share, tokens=x.tokens)
         _set_optional(xm, x, ("share", "sample_id", "rank"))
+    for g in loc.groups:
+        gm = m.groups.add(share=g.share, micro_batches=g.micro_batches, samples=g.samples, tokens=g.tokens)
+        _set_optional(gm, g, ("micro_batch", "rank"))
     return m
 
 
@@ -228,6 +232,13 @@ def _decode_sample(m: pb.SampleShareMsg, c: _Checks, where: str) -> SampleShare:
                        _opt_rank(m, where))
 
 
+def _decode_group(m: pb.CulpritGroupMsg, c: _Checks, where: str) -> CulpritGroup:
+    return CulpritGroup(share=c.derived(m.share, f"{where}.share"),
+                        micro_batch=_get_optional(m, "micro_batch", v.count, where), rank=_opt_rank(m, where),
+                        micro_batches=v.count(m.micro_batches, f"{where}.micro_batches"),
+                        samples=v.count(m.samples, f"{where}.samples"), tokens=v.count(m.tokens, f"{where}.tokens"))
+
+
 def _decode_layer(m: pb.LayerStatsMsg, where: str) -> LayerStats:
     nonfinite = v.count(m.nonfinite, f"{where}.nonfinite")
     c = _Checks(nonfinite > 0, False)
@@ -312,7 +323,8 @@ def _decode_localization(m: pb.LocalizationMsg, c: _Checks, where: str) -> Local
         loss_share=_get_optional(m, "loss_share", c.loss_derived, where),
         loss_without_culprits=_get_optional(m, "loss_without_culprits", c.loss_derived, where),
         note=c.free_text(m.note, f"{where}.note"),
-        samples=tuple(_decode_sample(x, c, f"{where}.samples[{i}]") for i, x in enumerate(m.samples)))
+        samples=tuple(_decode_sample(x, c, f"{where}.samples[{i}]") for i, x in enumerate(m.samples)),
+        groups=tuple(_decode_group(x, c, f"{where}.groups[{i}]") for i, x in enumerate(m.groups)))
 
 
 def _enum(kind: type, x: str, where: str):  # noqa: ANN202 - one of records' StrEnums

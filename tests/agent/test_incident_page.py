@@ -77,3 +77,31 @@ def test_index_links_each_incident():
     inc = make_incident()
     page = index_html([IncidentRow.of(inc)])
     assert f'href="/incidents/{inc.incident_id}"' in page and inc.job in page
+
+
+def test_a_rank_level_finding_names_its_rank_everywhere_a_user_reads_it():
+    """A job-scope finding at the rank level (ranks.py): the CLI text, the one-line summary, the demo's
+    JSON, the page and the store's JSON all name the rank, its micro-batches and its measured share."""
+    import json
+
+    from gradloc.agent.render import demo_json, incident_line, incident_text
+    from gradloc.records import CulpritGroup
+    from gradloc.store.incident_json import incident_from_json, incident_to_json
+
+    inc = make_incident()
+    f0 = inc.findings[0]
+    group = CulpritGroup(share=0.96, rank=1, micro_batches=2, samples=8, tokens=128)
+    loc = replace(f0.localization, level="rank", culprits=(), spans=(), groups=(group,), passes=3)
+    f0 = replace(f0, localization=loc, scope="job")
+    text = incident_text(f0, color=False)
+    assert "at the rank level" in text and "(+3 extra pass(es))" in text
+    assert "• rank 1 · every micro-batch (2) · 8 sample(s) · 128 loss token(s) · share 96.0%" in text
+    assert "no culprit tokens found" not in text
+    assert incident_line(f0).endswith(": rank 1 96.0%")
+    row = demo_json([], [f0])["incidents"][0]
+    assert (row["level"], row["groups"]) == ("rank", [{"share": 0.96, "micro_batch": None, "rank": 1,
+                                                      "micro_batches": 2, "samples": 8, "tokens": 128}])
+    json.dumps(row, allow_nan=False)
+    page = incident_html(replace(inc, findings=(f0, *inc.findings[1:])))
+    assert "<h3>rank 1 · every micro-batch (2) · 8 sample(s) · 128 loss token(s) · share 96.0%</h3>" in page
+    assert incident_from_json(incident_to_json(f0)) == f0

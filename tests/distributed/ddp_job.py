@@ -3,7 +3,9 @@
 Each rank trains on its own micro-batches (the global batch is their union); the loss of rank r's
 micro-batch i is Σ w·mask·ce / (B·T·M) — DDP averages the gradients over ranks, so the job's
 gradient is that of the mean over ranks. ``plant`` = (rank, step, micro-batch, sample, position)
-multiplies one token's loss weight by 3000 on that rank only.
+multiplies one token's loss weight by 3000 on that rank only. ``pad`` = (rank, step): a real data
+fault instead — that rank's loader emits rows of padding at that step, every input and label the pad
+id, with the labels left in the loss (a classic pipeline bug: no sample of it stands out, the rank does).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import gradloc
 from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
 
 VOCAB, SEQ, B, M = 128, 16, 4, 2
+PAD = 0
 
 
 def data(rank: int, steps: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,13 +45,16 @@ def build(kind: str, seed: int = 0) -> torch.nn.Module:
 
 
 def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = None, monitor: bool = True,
-          remedy: str | None = None, lr: float = 1e-3, **watch: Any) -> dict[str, Any]:
+          remedy: str | None = None, lr: float = 1e-3, pad: tuple[int, int] | None = None,
+          **watch: Any) -> dict[str, Any]:
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     x, y, w = data(rank, steps)
     if plant is not None and plant[0] == rank:
         _, s, mb, b, t = plant
         w[s, mb, b, t] = 3000.0
+    if pad is not None and pad[0] == rank:
+        x[pad[1]], y[pad[1]] = PAD, PAD
     watch = {"store": False, **watch}
     mon = gradloc.watch(model, opt, detector=gradloc.DetectorConfig(warmup=5), remedy=remedy,
                         **watch) if monitor else None

@@ -46,3 +46,29 @@ def test_training_is_bitwise_identical_with_and_without_gradloc():
     for r in range(2):
         for name, p in without[r]["params"].items():
             assert torch.equal(p, with_mon[r]["params"][name]), f"rank {r}: {name} differs"
+
+
+def _padded(rank, world, kind):
+    out = train(rank, world, kind, STEPS, pad=(1, SPIKE))
+    return [(r.spike.kinds, r.incident.localization if r.incident else None) for r in out["reports"]]
+
+
+@pytest.mark.parametrize("kind,world", [("ddp", 2), ("ddp", 4), ("fsdp", 2)])
+def test_a_rank_whose_loader_emits_padding_is_named_at_the_rank_level(kind, world):
+    """A real data fault on one rank: at the spike step rank 1's loader emits rows of padding with their
+    labels in the loss (ddp_job.train's ``pad``). No token, sample or micro-batch of it carries the
+    spike alone (8 samples, each ~1/8 of the rank's share); the rank does, in ≤ 3 probes, the same on
+    every rank. DDP W = 2: its first micro-batch decomposed, then the rank probed; W = 4: that
+    micro-batch passes alone but the step would still spike without it, so the rank is probed; FSDP2
+    (no decomposition, lockstep probes): one sample probed, then the rank."""
+    res = run(_padded, world, kind, timeout_s=300)
+    locs = [r[SPIKE][1] for r in res]
+    assert all(repr(loc) == repr(locs[0]) for loc in locs)
+    loc = locs[0]
+    assert all(r[s][1] is None for r in res for s in range(SPIKE))  # nothing before the fault
+    assert (loc.status, loc.level) == ("located", "rank"), loc.note
+    (group,) = loc.groups
+    assert (group.rank, group.micro_batch, group.micro_batches, group.samples, group.tokens) == (1, None, 2, 8, 128)
+    assert loc.probes <= 3 and loc.explained_share == group.share > 0.75
+    assert loc.culprits == () and loc.spans == ()
+    assert all(s.rank == 1 for s in loc.samples if s.share is not None)  # the measured samples are rank 1's

@@ -216,3 +216,47 @@ def test_the_decomposition_probe_runs_on_the_rank_that_holds_the_micro_batch() -
     assert (span.rank, span.micro_batch, span.sample) == (1, 1, 2)
     assert loc.explained_share == pytest.approx(brute, rel=1e-6)  # the re-measure probe: exact
     assert loc.samples[0].share == pytest.approx(brute, rel=1e-2)  # the decomposition: to first order
+
+
+def coherent(a: float) -> Toy:
+    """Every token of every sample a·e_0: a rank whose data went wrong as a whole (each sample alike,
+    their gradients adding up), no token or sample standing out."""
+    V = torch.zeros(M, 2, 4, D, dtype=torch.float64)
+    V[..., 0] = a
+    return Toy(V)
+
+
+def test_a_rank_whose_every_sample_went_wrong_is_named_at_the_rank_level() -> None:
+    """Rank 1's 6 samples each carry 1/6 of its share, under the sample floor (2.5/12 of ‖∇‖²); the rank
+    carries ⟨∇_1/2, ∇⟩/‖∇‖² = 612/666 ≥ the rank floor (0.75 for W = 2): one probe of its 3 micro-batches,
+    the passes after the first counted apart. One process over the same data never names a rank."""
+    from gradloc.localizer.ranks import rank_floor
+
+    toys = [even(), coherent(2.0)]
+    loc, job = run_job(toys, ctx())
+    g = (toys[0].grad_of() + toys[1].grad_of()) / 2
+    brute = float((toys[1].grad_of() / 2) @ g / (g @ g))
+    assert brute == pytest.approx(612 / 666)
+    assert (loc.status, loc.level, loc.culprits, loc.spans) == ("located", "rank", (), ())
+    (group,) = loc.groups
+    assert (group.rank, group.micro_batch, group.micro_batches, group.samples, group.tokens) == (1, None, M, 6, 24)
+    assert loc.explained_share == group.share == pytest.approx(brute, rel=1e-12) and brute >= rank_floor(2)
+    assert loc.norm_without_culprits == pytest.approx(float((g - toys[1].grad_of() / 2).norm()), rel=1e-12)
+    assert (loc.probes, loc.passes) == (2, M - 1)  # a sample of rank 1, then rank 1 as a whole
+    assert [s.share for s in loc.samples if s.share is not None] == pytest.approx([brute / 6])
+    assert "rank level" in loc.note
+    assert job.calls[0] == job.calls[1]
+    assert reference(toys, ctx()).level != "rank"
+
+
+def test_a_rank_under_the_rank_floor_is_measured_and_not_named() -> None:
+    """a = 0.4: rank 0 scores 24/(24 + 24·0.16) = 86% of the attribution score, above the rank floor
+    (0.75 for W = 2), so after its top sample measures nothing it is measured as a whole: ⟨∇_0/2, ∇⟩ /
+    ‖∇‖² under the floor — not named; the spike stays diffuse, the rank's share in the note."""
+    toys = [even(), coherent(0.4)]
+    loc, _ = run_job(toys, ctx())
+    g = (toys[0].grad_of() + toys[1].grad_of()) / 2
+    share0 = float((toys[0].grad_of() / 2) @ g / (g @ g))
+    assert share0 < 0.75
+    assert (loc.status, loc.level, loc.groups, loc.probes, loc.passes) == ("diffuse", "", (), 3, M - 1)
+    assert f"rank 0's {M} micro-batch(es) measured together: {share0:.0%} of ‖∇‖²" in loc.note

@@ -65,7 +65,7 @@ def test_a_micro_batch_with_a_surprise_outlier_is_decomposed_first() -> None:
     scores[:T] = 5.0  # micro-batch 0's sample 0 scores highest
     order = {}
     for outliers in ((), ((1, 2),)):
-        run = SimpleNamespace(view=_two_micro_batches(scores), comm=SoloComm(), n_samples=lambda: 2 * B,
+        run = SimpleNamespace(view=_two_micro_batches(scores), comm=SoloComm(), n_samples=lambda: 2 * B, solo=True,
                               ctx=SpikeContext(1.0, None, None, outliers=outliers))
         order[outliers] = Below(run, "why")._micro_batch_order()
     assert order[()] == [(0, 0), (0, 1)]  # by the best sample's score

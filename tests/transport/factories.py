@@ -20,6 +20,7 @@ from gradloc.records import (
     RL_LOG_RATIO_BUCKETS,
     Classification,
     Culprit,
+    CulpritGroup,
     CulpritSpan,
     Evidence,
     Incident,
@@ -163,13 +164,16 @@ def incidents(draw: st.DrawFn) -> Incident:
                      max_size=2).map(tuple)
     samples = st.lists(st.builds(SampleShare, small_int, small_int, derived, opt(derived), opt_text, small_int,
                                  opt(st.integers(0, WORLD - 1))), max_size=3).map(tuple)
+    groups = st.lists(st.builds(CulpritGroup, share=derived, micro_batch=opt(small_int),
+                                rank=opt(st.integers(0, WORLD - 1)), micro_batches=small_int, samples=small_int,
+                                tokens=small_int), max_size=2).map(tuple)
     loc = draw(opt(st.builds(Localization, step=small_int, method=st.sampled_from(list(Method)),
                              status=st.sampled_from(list(Status)), level=st.sampled_from(list(Level)),
                              probes=small_int, passes=small_int, explained_share=opt(derived), global_norm=g,
                              culprit_norm=opt(derived), norm_without_culprits=opt(derived), culprits=culprits,
                              spans=spans, micro_batch_shares=st.lists(derived, max_size=3).map(tuple),
                              unattributed_share=derived, loss_share=opt(lossy), loss_without_culprits=opt(lossy),
-                             note=st.text(max_size=30), samples=samples)))
+                             note=st.text(max_size=30), samples=samples, groups=groups)))
     remedy = draw(opt(st.builds(Remedy, name, st.booleans(), g, opt(derived), st.text(max_size=30))))
     spike = SpikeEvent(draw(small_int), kinds, draw(g), draw(opt(finite)), draw(opt(finite)), draw(opt(finite)),
                        loss, draw(opt(finite)), draw(opt(finite)), tuple(draw(st.lists(name, max_size=3))),

@@ -419,7 +419,7 @@ class CulpritSpanMsg(_message.Message):
     def __init__(self, micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., share: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., context_before: _Optional[str] = ..., context_after: _Optional[str] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ..., rank: _Optional[int] = ..., window_start: _Optional[int] = ..., window_tokens: _Optional[_Iterable[str]] = ..., window_scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LocalizationMsg(_message.Message):
-    __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note", "samples", "level", "passes")
+    __slots__ = ("step", "method", "status", "probes", "explained_share", "global_norm", "culprit_norm", "norm_without_culprits", "culprits", "spans", "micro_batch_shares", "unattributed_share", "loss_share", "loss_without_culprits", "note", "samples", "level", "passes", "groups")
     STEP_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,7 @@ class LocalizationMsg(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     method: str
     status: str
@@ -456,7 +457,24 @@ class LocalizationMsg(_message.Message):
     samples: _containers.RepeatedCompositeFieldContainer[SampleShareMsg]
     level: str
     passes: int
-    def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleShareMsg, _Mapping]]] = ..., level: _Optional[str] = ..., passes: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[CulpritGroupMsg]
+    def __init__(self, step: _Optional[int] = ..., method: _Optional[str] = ..., status: _Optional[str] = ..., probes: _Optional[int] = ..., explained_share: _Optional[float] = ..., global_norm: _Optional[float] = ..., culprit_norm: _Optional[float] = ..., norm_without_culprits: _Optional[float] = ..., culprits: _Optional[_Iterable[_Union[CulpritMsg, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CulpritSpanMsg, _Mapping]]] = ..., micro_batch_shares: _Optional[_Iterable[float]] = ..., unattributed_share: _Optional[float] = ..., loss_share: _Optional[float] = ..., loss_without_culprits: _Optional[float] = ..., note: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleShareMsg, _Mapping]]] = ..., level: _Optional[str] = ..., passes: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[CulpritGroupMsg, _Mapping]]] = ...) -> None: ...
+
+class CulpritGroupMsg(_message.Message):
+    __slots__ = ("share", "micro_batch", "rank", "micro_batches", "samples", "tokens")
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    share: float
+    micro_batch: int
+    rank: int
+    micro_batches: int
+    samples: int
+    tokens: int
+    def __init__(self, share: _Optional[float] = ..., micro_batch: _Optional[int] = ..., rank: _Optional[int] = ..., micro_batches: _Optional[int] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class SampleShareMsg(_message.Message):
     __slots__ = ("micro_batch", "sample", "score_share", "share", "sample_id", "tokens", "rank")
