@@ -1,0 +1,77 @@
+"""Frozen records that the stages hand each other (hook → collector → detector → localizer → sinks).
+
+Nothing in here holds a tensor: every field is a plain Python value, so a record can be logged,
+compared, pickled or serialised (``to_dict``) without touching the training process's devices.
+The JSON form of an :class:`Incident` is documented in ``docs/incident-json.md``.
+"""
+from gradloc.records.findings import (  # noqa: F401 - the package's public names
+    SAMPLE_Z_BUCKETS,
+    OUTLIER_KINDS,
+    SampleOutlier,
+    SampleStats,
+)
+from gradloc.records.incidents import (  # noqa: F401
+    TokenRL,
+    SampleInfo,
+    Evidence,
+    Classification,
+    Culprit,
+    MAX_SPAN_WINDOW,
+    CulpritSpan,
+    SampleShare,
+    Status,
+    Method,
+    Level,
+    CulpritGroup,
+    Localization,
+    Remedy,
+    Incident,
+)
+from gradloc.records.steps import (  # noqa: F401
+    INCIDENT_SCHEMA_VERSION,
+    SHED_FEATURES,
+    RL_LOG_RATIO_BUCKETS,
+    RL_ADVANTAGE_BUCKETS,
+    to_dict,
+    LayerStats,
+    LayerShare,
+    TokenScore,
+    TokenStats,
+    RLStats,
+    StepRecord,
+    SpikeEvent,
+)
+
+__all__ = [
+    "Classification",
+    "Culprit",
+    "CulpritGroup",
+    "CulpritSpan",
+    "Evidence",
+    "INCIDENT_SCHEMA_VERSION",
+    "Incident",
+    "LayerShare",
+    "LayerStats",
+    "Level",
+    "Localization",
+    "MAX_SPAN_WINDOW",
+    "Method",
+    "OUTLIER_KINDS",
+    "RLStats",
+    "RL_ADVANTAGE_BUCKETS",
+    "RL_LOG_RATIO_BUCKETS",
+    "Remedy",
+    "SAMPLE_Z_BUCKETS",
+    "SHED_FEATURES",
+    "SampleInfo",
+    "SampleOutlier",
+    "SampleShare",
+    "SampleStats",
+    "SpikeEvent",
+    "Status",
+    "StepRecord",
+    "TokenRL",
+    "TokenScore",
+    "TokenStats",
+    "to_dict",
+]

@@ -1,0 +1,59 @@
+"""Per-sample findings: samples whose surprise stands out (not incidents: no probe, no page)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- per-sample findings (gradloc/collector/surprise.py, gradloc/detector/samples.py) -----------------
+# Buckets of the per-sample surprise z-score distribution (``SampleStats.z_counts``; the last count is
+# above the last bound; z <= 0 falls in the first bucket).
+SAMPLE_Z_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 50.0)
+OUTLIER_KINDS = ("surprise", "rl_mismatch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleOutlier:
+    """A finding, not an incident: no probe ran and nothing pages. One sample whose surprise stands out
+    against the run's own history (``kind="surprise"``), or a step whose training–inference mismatch
+    stayed above the run's baseline (``kind="rl_mismatch"``: no sample fields).
+
+    ``score``: for ``surprise``, the sample's mean surprise in nats per loss token (−log p of the
+    scored token, each token capped at −log 1e-4, p read off the loss head's output gradient), over
+    the span ``[start, end)`` of its positions that stood out most (the whole sample, or its worst
+    window); for ``rl_mismatch``, the step's share of loss tokens whose |log π_trainer −
+    log π_rollout| exceeds log 2. ``baseline``: the run's healthy level it was judged against (the
+    median of recent samples' scores, or of healthy steps' shares); ``z``: (score − baseline) / the
+    history's robust spread."""
+
+    kind: str
+    job: str
+    rank: int
+    step: int
+    time_unix: float
+    score: float
+    z: float
+    baseline: float
+    micro_batch: int | None = None
+    sample: int | None = None
+    sample_id: str | None = None
+    start: int | None = None
+    end: int | None = None  # exclusive
+    tokens: int = 0  # loss tokens judged (rl_mismatch: the step's RL loss tokens)
+    text: str | None = None  # the span's decoded text (at most SampleConfig.excerpt_tokens tokens)
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleStats:
+    """One step's per-sample judgement (``StepRecord.samples``): how many samples were judged, the
+    distribution of their z-scores (``SAMPLE_Z_BUCKETS``; empty during the warm-up), the outliers."""
+
+    judged: int = 0
+    unjudged: int = 0  # samples with too few loss tokens, of RL micro-batches, or without a usable head gradient
+    nonfinite: int = 0  # samples with a non-finite loss gradient at the head (never judged)
+    z_counts: tuple[int, ...] = ()
+    z_sum: float = 0.0
+    max_z: float | None = None
+    baseline: float | None = None  # the run's median surprise (nats per token) the step was judged against
+    flagged: int = 0  # surprise outliers this step (``outliers`` holds at most SampleConfig.max_outliers of them)
+    outliers: tuple[SampleOutlier, ...] = ()
+    rl_mismatch_baseline: float | None = None  # the run's healthy mismatch share (None before its warm-up)

@@ -1,0 +1,162 @@
+"""Per-step records: what the hooks and the collector measure on every step, and the detector's verdict."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gradloc.records.findings import SampleStats
+
+INCIDENT_SCHEMA_VERSION = 1
+SHED_FEATURES = ("update_ratio", "layer_breakdown")  # StepRecord.shed values, in shedding order
+# Bucket bounds of RLStats' histograms (a value v falls in the first bucket whose bound is >= v; the
+# last count is above the last bound). Log ratios are symmetric around 0, advantages in their own units.
+RL_LOG_RATIO_BUCKETS = (-4.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.02, -0.01, 0.0,
+                        0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
+RL_ADVANTAGE_BUCKETS = (-10.0, -5.0, -3.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
+
+
+def to_dict(record: Any) -> dict[str, Any]:
+    """Plain-JSON form of any record (tuples become lists, non-finite floats become strings)."""
+    return _jsonable(dataclasses.asdict(record))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Gradient statistics of one layer group at the optimizer boundary (unscaled gradients)."""
+
+    layer: str
+    grad_norm: float
+    grad_max_abs: float
+    nonfinite: int
+    param_norm: float
+    numel: int
+    update_ratio: float | None = None  # ‖θ_after − θ_before‖ / ‖θ_before‖, once the step ran
+
+
+@dataclass(frozen=True)
+class LayerShare:
+    """One layer's share of a token's attribution score."""
+
+    layer: str
+    share: float
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """Attribution score of one (micro-batch, sample, position)."""
+
+    micro_batch: int
+    sample: int
+    position: int
+    score: float  # Σ over attributed layers of ‖contribution through this position‖²
+    share: float  # score / total attributed score of the step
+    token_id: int | None = None
+    sample_id: str | None = None
+    layers: tuple[LayerShare, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """Per-token summary of one optimizer step (all micro-batches)."""
+
+    tokens: int
+    total_score: float
+    top: tuple[TokenScore, ...]
+    top_share: float
+    micro_batch_shares: tuple[float, ...]
+    unattributed_share: float  # share of ‖∇‖² in parameters no per-token rule covered
+    dropped_calls: int = 0  # module calls whose shapes did not match the micro-batch
+
+
+@dataclass(frozen=True)
+class RLStats:
+    """Distributions of one step's per-token RL fields over its loss tokens (trainer side, summed
+    over micro-batches). Histogram counts are per bucket of ``gradloc.exporters.metric_specs``'
+    ``RL_LOG_RATIO_BUCKETS`` / ``RL_ADVANTAGE_BUCKETS`` (the last count is above the last bound).
+    Fields the trainer did not give are None (or empty counts)."""
+
+    tokens: int  # loss tokens with RL fields
+    # training–inference mismatch: log π_old − log π_rollout (log π_train − log π_rollout without an old policy)
+    log_ratio_counts: tuple[int, ...] = ()
+    log_ratio_sum: float | None = None
+    max_abs_log_ratio: float | None = None
+    mismatch_fraction: float | None = None  # tokens whose |mismatch log ratio| is above the threshold
+    max_abs_log_ratio_old: float | None = None  # log π_train − log π_old (staleness)
+    clip_fraction: float | None = None  # tokens whose importance ratio the loss clipped
+    advantage_counts: tuple[int, ...] = ()
+    advantage_sum: float | None = None
+    advantage_rms: float | None = None
+    max_abs_advantage: float | None = None
+    entropy_mean: float | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    job: str
+    rank: int
+    step: int
+    time_unix: float
+    global_norm: float
+    loss: float | None
+    micro_batches: int
+    layers: tuple[LayerStats, ...]
+    tokens: TokenStats | None = None
+    nonfinite: int = 0
+    grad_scale: float | None = None  # GradScaler scale the raw gradients carried
+    skipped: bool = False  # the optimizer step will be skipped (GradScaler found inf/NaN)
+    # gradloc's own cost: this step's seconds (hooks, end_step, optimizer hooks; probes excluded),
+    # the step's wall seconds (end_step to end_step), and the smoothed ratio gradloc / training
+    # (0.04 = 4% added). None while unknown (the first step has no previous end_step).
+    overhead_s: float | None = None
+    step_s: float | None = None
+    overhead: float | None = None
+    shed: tuple[str, ...] = ()  # optional work shed to stay within WatchConfig.max_overhead
+    rl: RLStats | None = None  # per-token RL fields' distributions (Monitor.rl_fields), when given
+    layers_global: bool = False  # the per-layer statistics are the job's (DDP, FSDP2, ZeRO): the same on every rank
+    # the detector's healthy band this step was judged against (None during its warm-up): the EMA
+    # mean of the global norm, and the grad_spike line a norm must cross (the larger of
+    # mean + z_threshold * std and spike_ratio * mean, DetectorConfig)
+    norm_mean: float | None = None
+    norm_threshold: float | None = None
+    samples: "SampleStats | None" = None  # per-sample outlier judgement (SampleConfig), when it ran
+
+
+@dataclass(frozen=True)
+class SpikeEvent:
+    """The detector's verdict on one step; ``kinds`` is empty for a healthy step.
+
+    ``mean``/``std``/``loss_mean`` are the healthy statistics the step was judged against (before
+    the step itself updated them).
+    """
+
+    step: int
+    kinds: tuple[str, ...]
+    global_norm: float
+    z: float | None
+    mean: float | None
+    std: float | None
+    loss: float | None = None
+    loss_z: float | None = None
+    loss_mean: float | None = None
+    layers: tuple[str, ...] = ()  # layers whose own z-score crossed the layer threshold
+    detail: str = ""
+    # the step of the incident whose episode this step belongs to (the run reacting to that spike):
+    # its kinds open no new incident. None on the step that opens an incident and outside episodes.
+    episode: int | None = None
+
+    @property
+    def is_spike(self) -> bool:
+        return bool(self.kinds)
