@@ -38,7 +38,9 @@ def engine_for(stage: int, bf16: bool = False, seed: int = 0) -> Any:
     return engine
 
 
-def train(rank: int, stage: int, steps: int, plant: tuple | None, monitor: bool, bf16: bool = False) -> dict:
+def train(rank: int, stage: int, steps: int, plant: tuple | None, monitor: bool, bf16: bool = False,
+          pad: tuple[int, int] | None = None) -> dict:
+    """``pad`` = (rank, step): that rank's loader emits padding rows (id 0, labels in the loss) at that step."""
     import torch
 
     import gradloc
@@ -50,6 +52,8 @@ def train(rank: int, stage: int, steps: int, plant: tuple | None, monitor: bool,
     if plant is not None and plant[0] == rank:
         _, s, mb, b, t = plant
         w[s, mb, b, t] = 3000.0
+    if pad is not None and pad[0] == rank:
+        x[pad[1]], y[pad[1]] = 0, 0
     mon = gradloc.watch(engine, detector=gradloc.DetectorConfig(warmup=5), store=False) if monitor else None
     reports, ds_norms, collectives = [], [], []  # gradloc's collectives (JobComm) per micro-step
     for s in range(steps):

@@ -134,3 +134,27 @@ def test_a_rank_that_dies_at_the_boundary_does_not_hang_the_other(ds_shm_op):
     got = res[0]
     assert got["left"] == 1 and got["layers"] == 0, got  # no global stats that step: the job is left, counted
     assert got["took"] < 60, got  # the 5 s deadline, not DeepSpeed's 30 min
+
+
+def _padded(rank: int, world: int, stages: tuple[int, ...]) -> dict:
+    from tests.distributed.ds_job import train
+
+    return {stage: [r.incident.localization if r.incident else None
+                    for r in train(rank, stage, STEPS, None, True, pad=(1, SPIKE))["reports"]] for stage in stages}
+
+
+def test_a_rank_whose_loader_emits_padding_is_named_at_the_rank_level(ds_shm_op):
+    """The real data fault of tests/distributed/test_ddp.py on DeepSpeed engines: rank 1's loader emits
+    padding rows with their labels in the loss at the spike step. ZeRO-1 (its stored gradient partitioned:
+    sample probes, not lockstep) and ZeRO-3 (lockstep probes: rank 0 keeps step through rank 1's
+    micro-batch passes) name rank 1 at the rank level with ≤ 3 probes, the same on both ranks."""
+    res = run(_padded, 2, (1, 3), timeout_s=420, env=ENV)
+    for stage in (1, 3):
+        locs = [r[stage] for r in res]
+        assert all(loc is None for r in locs for loc in r[:SPIKE])
+        loc = locs[0][SPIKE]
+        assert repr(locs[1][SPIKE]) == repr(loc)
+        assert (loc.status, loc.level) == ("located", "rank"), (stage, loc.note)
+        (group,) = loc.groups
+        assert (group.rank, group.micro_batch, group.micro_batches, group.samples) == (1, None, 2, 8)
+        assert loc.probes <= 3 and loc.explained_share == group.share > 0.75
