@@ -55,8 +55,8 @@ class DetectorConfig:
     token_share: float | None = None  # ... and carrying at least this share of the step's per-token scores
     token_ratio: float = 1.5  # ... in a step whose global norm is >= this × its EMA mean (unless token_share is 0)
     # sample_spike: a step out of its band (z > z_threshold), its norm >= this × its EMA mean, with a
-    # per-sample surprise outlier (SampleConfig) among its samples; 0: off. One process only: a job's
-    # ranks judge their own samples, and every rank must take the same path at a spike
+    # per-sample surprise outlier (SampleConfig) among its samples; 0: off. In a job each rank judges its
+    # own samples, and one all-reduce on a step above this band tells every rank whether any holds one
     sample_ratio: float | None = None
     episode_steps: int | None = None  # flagged steps within this many steps of an episode's last one fold into it (0: off)
     divergence_patience: int = 20  # steps the fast EMA must stay above the slow one

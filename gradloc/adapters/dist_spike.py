@@ -20,13 +20,13 @@ from gradloc.adapters.spike import SpikeInputs, SpikePath, outlier_samples, toke
 from gradloc.localizer import SpikeContext, StoredGradient
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.scope import ProbeFailed
-from gradloc.records import Localization, Method, Status
+from gradloc.records import IncidentScope, Localization, Method, Status
 
 __all__ = ["DistSpikePath", "ProbeFailed"]
 
 
 class DistSpikePath(SpikePath):
-    scope = "job"
+    scope = IncidentScope.JOB
 
     def __init__(self, *args: Any, comm: JobComm, kind: str, probe_context: Callable[[], ContextManager[Any]],
                  deepspeed: Any = None, **kwargs: Any) -> None:

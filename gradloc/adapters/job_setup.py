@@ -110,12 +110,13 @@ def _is_fsdp2(model: nn.Module) -> bool:
 
 def as_judged(record: StepRecord, job: JobView | None) -> StepRecord:
     """What the detector sees: in a multi-rank job the job's loss and top-token share, so that every
-    rank's detector gets the same inputs and every rank takes the same path at a spike."""
+    rank's detector gets the same inputs and every rank takes the same path at a spike. Each rank's
+    samples stay its own: the detector asks the job whether any rank holds an outlier
+    (``SpikeDetector.agree``) on a step above its sample band."""
     if job is None:
         return record
     tokens = replace(record.tokens, top_share=job.top_share) if record.tokens is not None else None
-    # each rank judged only its own samples: sample_spike would split the ranks' paths (DetectorConfig)
-    return replace(record, loss=job.loss, tokens=tokens, samples=None)
+    return replace(record, loss=job.loss, tokens=tokens)
 
 
 def layer_stats(model: nn.Module, watched: nn.Module, cfg: WatchConfig, kind: str,

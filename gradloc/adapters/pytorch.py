@@ -90,6 +90,8 @@ class Monitor:
         self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,
                                     lambda: self._pending.record.step if self._pending is not None else None)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
+        if self.comm is not None:
+            self.detector.agree = self._any_rank
         spike_args = (watched if job.kind == "deepspeed" else model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
                       Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg, self.pause_token_hooks,
                       self.counters)
@@ -312,9 +314,20 @@ class Monitor:
                   self.comm.broken if self.comm else "")
         self.counters["left_job"] += 1
         self.comm = None
+        self.detector.agree = None
         spikes = self.spikes
         self.spikes = SpikePath(spikes.model, spikes.params, spikes.token_layers, spikes.localizer, spikes.cfg,
                                 spikes.pause_hooks, spikes.counters, heads=spikes.heads)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the job: one all-reduce, on a step above the detector's
+        sample band only (alone after a failed collective)."""
+        try:
+            return bool(self.comm.all_reduce(torch.tensor([float(flag)], dtype=torch.float64), op="max",
+                                             what="gradloc sample flag")[0] > 0)
+        except CollectiveTimeout:
+            self._leave_job()
+            return flag
 
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
         if not parts or self.hooks is None:

@@ -21,7 +21,7 @@ from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, St
 from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.remedy import apply_remedy
-from gradloc.records import Incident, Localization, Method, SpikeEvent, Status, StepRecord
+from gradloc.records import Incident, IncidentScope, Localization, Method, SpikeEvent, Status, StepRecord
 
 log = logging.getLogger("gradloc")
 
@@ -40,7 +40,7 @@ class SpikeInputs:
 
 
 class SpikePath:
-    scope = "rank"  # the incidents' scope (records.Incident.scope)
+    scope = IncidentScope.RANK  # the incidents' scope (records.Incident.scope)
 
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], token_layers: Sequence[str],
                  localizer: Localizer, cfg: WatchConfig, pause_hooks: Callable[[bool], None],

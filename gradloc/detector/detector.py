@@ -28,6 +28,7 @@ is more than ``ESCALATION`` × the episode's largest (a worse spike, not a react
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -63,6 +64,9 @@ class SpikeDetector:
         self._fast: float | None = None
         self._rising = 0
         self._episode: _Episode | None = None
+        # a job's ranks: whether a flag holds on any rank (one all-reduce), set by the monitor. Each rank
+        # judges only its own samples; sample_spike must be the job's verdict, the same on every rank.
+        self.agree: Callable[[bool], bool] | None = None
 
     def healthy_loss(self) -> float | None:
         """Healthy loss level: exp of the EMA mean of log(loss) (None during warm-up)."""
@@ -148,9 +152,10 @@ class SpikeDetector:
         sample that moved the gradient, below the grad_spike line (a truncated document, a duplicated
         garbage sample: 1.3-1.8× on docs/BENCHMARKS.md §6's runs)."""
         ratio = self.config.sample_ratio
-        if not ratio or rec.samples is None or mean is None or not mean > 0 or rec.global_norm < ratio * mean:
-            return False
-        return any(o.kind == "surprise" for o in rec.samples.outliers)
+        if not ratio or mean is None or not mean > 0 or rec.global_norm < ratio * mean:
+            return False  # the job's norm and band: every rank returns here, or none does
+        mine = rec.samples is not None and any(o.kind == "surprise" for o in rec.samples.outliers)
+        return self.agree(mine) if self.agree is not None else mine
 
     def _token_spike(self, rec: StepRecord, mean: float | None) -> bool:
         c = self.config

@@ -26,6 +26,7 @@ from gradloc.records.incidents import (  # noqa: F401
     Localization,
     Remedy,
     Incident,
+    IncidentScope,
 )
 from gradloc.records.steps import (  # noqa: F401
     INCIDENT_SCHEMA_VERSION,
@@ -50,6 +51,7 @@ __all__ = [
     "Evidence",
     "INCIDENT_SCHEMA_VERSION",
     "Incident",
+    "IncidentScope",
     "LayerShare",
     "LayerStats",
     "Level",

@@ -221,6 +221,15 @@ class Localization:
         object.__setattr__(self, "level", Level(self.level))
 
 
+class IncidentScope(StrEnum):
+    """``Incident.scope``: ``rank``, one rank's own finding; ``job``, localized across the ranks of a
+    DDP/FSDP2/ZeRO job and emitted once (by rank 0): culprits, spans and samples name their rank, and
+    shares are the job's."""
+
+    RANK = "rank"
+    JOB = "job"
+
+
 @dataclass(frozen=True)
 class Remedy:
     """What the opt-in remedy (``WatchConfig.remedy``) did to a spike step's gradient.
@@ -250,6 +259,7 @@ class Incident:
     top_layers: tuple[LayerStats, ...] = field(default=())  # largest layer norms at the spike
     remedy: Remedy | None = None
     classification: Classification | None = None
-    # "rank": this rank's own finding; "job": localized across the ranks of a DDP/FSDP2/ZeRO job and
-    # emitted once (by rank 0): culprits, spans and samples name their rank, shares are the job's
-    scope: str = "rank"
+    scope: IncidentScope = "rank"  # type: ignore[assignment] - a plain string becomes the typed value
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scope", IncidentScope(self.scope))

@@ -20,6 +20,7 @@ from gradloc.records import (
     CulpritSpan,
     Evidence,
     Incident,
+    IncidentScope,
     LayerShare,
     LayerStats,
     Level,
@@ -189,10 +190,10 @@ def decode_incident(m: pb.IncidentMsg, world_size: int, where: str) -> Incident:
                     _scope(m.scope, f"{where}.scope"))
 
 
-def _scope(scope: str, where: str) -> str:
-    if scope not in ("", "rank", "job"):
-        raise v.reject("invalid_value", f"{where} is {scope[:40]!r}; known: 'rank', 'job'")
-    return scope or "rank"
+def _scope(scope: str, where: str) -> IncidentScope:
+    if scope not in ("", *IncidentScope):
+        raise v.reject("invalid_value", f"{where} is {scope[:40]!r}; known: {', '.join(repr(str(x)) for x in IncidentScope)}")
+    return IncidentScope(scope or IncidentScope.RANK)
 
 
 def _opt_rank(m: Any, where: str) -> int | None:

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 import gradloc
 from gradloc.config import DetectorConfig
@@ -309,12 +310,27 @@ def test_a_surprise_outlier_in_a_step_out_of_its_band_is_a_sample_spike():
     assert feed(1.0, samples=_odd(100)).kinds == ()
 
 
-def test_a_job_s_ranks_judge_without_their_own_samples():
-    """Each rank judged only its own samples: in a job the detector sees none, so every rank takes the
-    same path at a spike."""
+def test_a_job_s_ranks_agree_on_a_sample_spike_that_one_rank_holds():
+    """Each rank judges only its own samples. On a step past the sample band the detectors ask the job
+    (one all-reduce, in-process ranks here) whether any rank holds an outlier: rank 1's outlier makes
+    the step a sample_spike on both ranks; inside the band no collective runs; nobody's: none."""
     from gradloc.adapters.job_setup import as_judged
     from gradloc.collector.job import JobView
+    from tests.localizer.fake_comm import FakeJob
 
     rec = record(5, 1.5, samples=_odd(5))
     job = JobView(loss=4.0, top_share=0.006)
-    assert as_judged(rec, None).samples is rec.samples and as_judged(rec, job).samples is None
+    assert as_judged(rec, None).samples is rec.samples and as_judged(rec, job).samples is rec.samples
+    for ratio, odd_on, want in ((1.5, {1}, ("sample_spike",)), (1.5, set(), ()), (1.0, {1}, ())):
+        fake = FakeJob(2)
+        feeds = [Feed(DetectorConfig()) for _ in range(2)]
+        for r, feed in enumerate(feeds):
+            feed.flat(100)
+            comm = fake.comm(r)
+            feed.det.agree = lambda flag, comm=comm: bool(comm.all_reduce(
+                torch.tensor([float(flag)], dtype=torch.float64), op="max", what="gradloc sample flag")[0] > 0)
+        norm = ratio * feeds[0].det.healthy_norm()
+        events = fake.run(lambda r: feeds[r](norm, samples=_odd(100) if r in odd_on else None))
+        kinds = [tuple(k for k in e.kinds if k != "layer_spike") for e in events]
+        assert kinds == [want, want], (ratio, odd_on)
+        assert fake.calls[0] == fake.calls[1] == (["gradloc sample flag"] if ratio > 1.25 else [])

@@ -72,3 +72,25 @@ def test_a_rank_whose_loader_emits_padding_is_named_at_the_rank_level(kind, worl
     assert loc.probes <= 3 and loc.explained_share == group.share > 0.75
     assert loc.culprits == () and loc.spans == ()
     assert all(s.rank == 1 for s in loc.samples if s.share is not None)  # the measured samples are rank 1's
+
+
+def _agree(rank, world):
+    import gradloc
+    from tests.distributed.ddp_job import build
+
+    model = build("ddp")
+    mon = gradloc.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), store=False)
+    try:
+        before = mon.comm.collectives
+        got = [mon.detector.agree(rank == 1), mon.detector.agree(False)]
+        return got, mon.comm.collectives - before
+    finally:
+        mon.close()
+
+
+def test_the_sample_spike_verdict_is_the_job_s_through_one_all_reduce():
+    """A job's detector asks whether any rank holds a surprise outlier through the real JobComm (gloo):
+    rank 1's flag reaches rank 0, one collective per question (tests/detector/test_sensitivity.py has
+    the rule itself)."""
+    res = run(_agree, 2, timeout_s=120)
+    assert res == [([True, False], 2), ([True, False], 2)]
