@@ -45,6 +45,7 @@ class JobSetup:
 
 def resolve(model: nn.Module, cfg: WatchConfig) -> JobSetup:
     comm = JobComm.detect(cfg.collective_timeout_s) if cfg.distributed == "auto" else None
+    model = uncompiled(model)
     inner, ctx, kind = model, contextlib.nullcontext, "single"
     if is_deepspeed(model):
         inner, kind = model.module, "deepspeed"
@@ -136,9 +137,13 @@ def check_model(model: nn.Module, cfg: WatchConfig) -> nn.Module:
         raise UnsupportedModelError(f"gradloc.watch expects a torch.nn.Module, got {type(model).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModelError("the model has no trainable parameters")
-    if cfg.token_stats and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        raise UnsupportedModelError(
-            "per-token hooks do not run inside a torch.compile graph: watch the model before compiling "
-            "with WatchConfig(token_stats=False) for per-layer statistics, or watch model._orig_mod "
-            "and run it uncompiled")
+    return uncompiled(model)
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module under a ``torch.compile(model)`` wrapper (the same parameters, hooks and names, no
+    "_orig_mod." prefix); any other module as it is. Hooks registered on it before the wrapper's first
+    call are traced into the graph (collector/compiled.py)."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
     return model

@@ -61,7 +61,8 @@ class Monitor:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: WatchConfig | None = None, decode: Callable[[list[int]], str] | Any = None,
                  sinks: Sequence[Sink] = ()) -> None:
-        self.model, self.optimizer = job_setup.check_model(model, config or WatchConfig()), optimizer
+        model = job_setup.check_model(model, config or WatchConfig())  # a torch.compile wrapper: its module
+        self.model, self.optimizer = model, optimizer
         job = job_setup.resolve(model, config or WatchConfig())
         self.config = cfg = job.config
         self.comm, self.job_kind = job.comm, job.kind  # a DDP/FSDP2 job: one collective per step, spikes together
@@ -229,6 +230,15 @@ class Monitor:
             log.warning("gradloc: RL fields of micro-batch %d dropped", meta.index, exc_info=True)
 
     def _check_wiring(self, buf: MicroBatchScores) -> None:
+        if self.hooks.silent(buf):  # no hook ran at all: a graph compiled before the hooks existed
+            buf.lost_modules.update(self.hooks.covered_modules)  # their gradient: unattributed, never guessed
+            self.counters["silent_micro_batches"] += 1
+            if self.counters["silent_micro_batches"] == 1:
+                log.warning("gradloc: no watched module's forward hook ran in micro-batch %d. A model that torch.compile "
+                            "already ran before watch() keeps its graph without gradloc's hooks (pytorch#117758): "
+                            "watch it before its first compiled call, or call torch._dynamo.reset() after watch(). "
+                            "Per-layer statistics go on; per-token statistics are off (all unattributed).", buf.index)
+            return
         if buf.dropped_calls == 0 or buf.matched_calls > 0:
             return
         msg = (f"token_ids describe a ({buf.batch}, {buf.seq}) micro-batch, but no watched module saw "
@@ -332,6 +342,9 @@ class Monitor:
     def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
         if not parts or self.hooks is None:
             return None
+        for _, buf in parts:
+            if buf is not None:
+                buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
         return stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self._watched)
 
     def pause_token_hooks(self, on: bool) -> None:

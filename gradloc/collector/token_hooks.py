@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from gradloc.collector import compiled
 from gradloc.collector.rules import rule_for
 from gradloc.collector.rules.registry import TokenRule
 
@@ -59,6 +60,24 @@ class MicroBatchScores:
     head_u: torch.Tensor | None = None
     calls: int = 0  # grad-tracking forward calls captured so far (the last one is the head's)
     last_call: int = 0
+    # under torch.compile (collector/compiled.py): one (B, T) sink leaf per watched module, whose
+    # .grad holds that module's scores once backward ran; folded into ``scores`` by ``fold``
+    sinks: list[torch.Tensor] | None = None
+    sink_last: int = -1
+
+    def fold(self, watched: list["WatchedModule"]) -> None:
+        """Add the compiled taps' scores (``sinks``) into the buffer, once, after backward."""
+        sinks, self.sinks = self.sinks, None
+        if sinks is None:
+            return
+        if 0 <= self.sink_last < len(watched) and self.last_layer is None:
+            self.last_layer = watched[self.sink_last].layer
+        for w, sink in zip(watched, sinks):
+            self.matched_modules.add(w.name)  # called or not: one without a gradient adds nothing unattributed
+            if sink.grad is not None:
+                self.matched_calls += 1
+                self.add(w.layer, sink.grad.detach())
+                self.scored_modules.add(w.name)
 
     @property
     def unscored(self) -> set[str]:
@@ -109,7 +128,19 @@ class TokenHooks:
             self.watched.append(WatchedModule(name, module, rule, self.layers.index(group)))
         self._handles: list[Any] = []
         self.current: MicroBatchScores | None = None
-        self.suspended = False
+        self._suspended = False
+        self.taps = compiled.TapState()  # what hooks traced by torch.compile read (compiled.py)
+        self._tap_fns = [compiled.make_tap(w.rule, w.module) for w in self.watched]
+        self._devices = [next(w.module.parameters()).device for w in self.watched]
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
+
+    @suspended.setter
+    def suspended(self, on: bool) -> None:
+        self._suspended = on
+        self.taps.active = self.current is not None and not on
 
     @property
     def covered_modules(self) -> set[str]:
@@ -127,10 +158,27 @@ class TokenHooks:
     def begin(self, index: int, batch: int, seq: int, breakdown: bool = True,
               labels: torch.Tensor | None = None) -> None:
         self.current = MicroBatchScores(index, batch, seq, len(self.layers), breakdown, labels=labels)
+        t = self.taps
+        t.batch, t.seq, t.last = batch, seq, -1
+        t.sinks = compiled.new_sinks(self._devices, batch, seq) if t.wanted else None
+        t.active = not self._suspended
+        self.current.sinks = t.sinks
 
     def end(self) -> MicroBatchScores | None:
         current, self.current = self.current, None
+        t = self.taps
+        if current is not None:
+            current.sink_last = t.last
+            if current.sinks is None and t.wanted and not current.forward_calls:  # traced before sinks existed
+                current.lost_modules.update(self.covered_modules)  # nothing scored: unattributed, not zero
+        t.active, t.sinks = False, None
         return current
+
+    def silent(self, buf: MicroBatchScores) -> bool:
+        """No watched module's hook ran in the micro-batch, eagerly or traced (a graph compiled before
+        the hooks were registered runs without them)."""
+        return not (buf.forward_calls or buf.recompute_calls or buf.matched_calls or buf.dropped_calls
+                    or buf.hook_errors or buf.sinks is not None or self.taps.wanted)
 
     def external(self, module: nn.Module) -> Callable[[torch.Tensor], None] | None:
         """Scores for a watched module whose weight a fused kernel uses without calling the module
@@ -163,7 +211,11 @@ class TokenHooks:
         return add
 
     def _make_hook(self, w: WatchedModule):
-        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+        index, fn = self.watched.index(w), self._tap_fns[self.watched.index(w)]
+
+        def hook(module: nn.Module, args: tuple, out: Any) -> torch.Tensor | None:
+            if torch.compiler.is_compiling():  # traced into a graph: the tap (compiled.py), never self.current
+                return compiled.tap(self.taps, index, w.rule, w.module, fn, args, out)
             buf = self.current
             if buf is None or self.suspended or not torch.is_grad_enabled():
                 return
@@ -179,11 +231,6 @@ class TokenHooks:
 
 def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> None:
     if not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
-        return
-    if torch.compiler.is_compiling():
-        buf.dropped_calls += 1
-        buf.dropped_layers.add(w.layer)
-        buf.lost_modules.add(w.name)
         return
     recompute = _graph_task_id() != -1  # a forward run by the autograd engine: activation checkpointing
     calls = buf.recompute_calls if recompute else buf.forward_calls

@@ -208,8 +208,6 @@ class GradlocTrainerMixin:
         self._gradloc_parts, self._gradloc_loss, self._gradloc_stepped = [], None, False
 
     def _gradloc_degrade_reason(self, inputs: Mapping[str, Any]) -> str | None:
-        if self.args.torch_compile:
-            return "torch_compile=True (per-token hooks do not run inside a compiled graph)"
         if causal_view(inputs) is None:
             return "the batch has no 2-D integer labels (per-token statistics need the token each position scores)"
         if not self._gradloc_is_causal_lm():

@@ -224,6 +224,26 @@ def test_gradient_checkpointing_localizes_the_same_token(world: World, gradloc_r
     assert set(trainer.exact_layers) == {"lm_head"}  # the position-exact layer is not a re-run decoder layer
 
 
+def test_torch_compile_localizes_the_same_token(world: World, gradloc_run: GradlocTrainer, tmp_path: Path):
+    """``torch_compile=True``: the Trainer compiles the whole model (accelerate's dynamo plugin, inductor)
+    before its first call; gradloc attaches on the first training step, before that call, so its
+    hooks are traced into the graph (collector/compiled.py): the same token, the same norms."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = GradlocTrainer(model=causal_lm(world), args=args(tmp_path, torch_compile=True),
+                             train_dataset=dataset(world), processing_class=world.tok, gradloc=GRADLOC,
+                             gradloc_sample_ids="uid")
+    trainer.train()
+    assert trainer.gradloc_degraded is None and trainer.gradloc.hooks is not None
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    check_planted(trainer, sample_id=str(UID0 + planted_index()))
+    assert [r.global_norm for r in trainer.gradloc.history] == pytest.approx(
+        [r.global_norm for r in gradloc_run.gradloc.history], rel=1e-4)
+    assert all(r.tokens.unattributed_share == 0.0 for r in list(trainer.gradloc.history)[1:])
+
+
 def test_bf16_autocast_localizes(world: World, tmp_path: Path):
     """``bf16=True`` on CPU: the Trainer runs forward and loss under autocast (no GradScaler)."""
     trainer = GradlocTrainer(model=causal_lm(world), args=args(tmp_path, bf16=True), train_dataset=dataset(world),
