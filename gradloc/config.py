@@ -232,7 +232,7 @@ class WatchConfig:
 
     job: str = "default"
     rank: int = 0
-    token_stats: bool = True
+    token_stats: bool | str = True  # True | False | "on_spike" (hooks only to re-run a flagged step: adapters/on_spike.py)
     top_k: int = 16  # tokens kept (with per-layer breakdown) in every StepRecord
     layer_grouping: LayerGrouping = "module"
     update_ratio: str | bool = "lean"  # "lean" | "full" | "off" (see the class docstring)
@@ -277,6 +277,8 @@ class WatchConfig:
         _check(self.memory_budget_bytes is None or self.memory_budget_bytes >= 0,
                f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
         _check(self.max_overhead is None or self.max_overhead > 0, f"max_overhead must be > 0, got {self.max_overhead}")
+        _check(self.token_stats in (True, False, "on_spike"),
+               f"token_stats must be True, False or 'on_spike', got {self.token_stats!r}")
         _check(self.remedy is None or self.remedy in REMEDIES, f"remedy must be None or one of {REMEDIES}, got {self.remedy!r}")
         _check(self.remedy != "drop_culprits" or self.token_stats,
                "remedy='drop_culprits' needs token_stats=True (culprits are located from per-token statistics)")

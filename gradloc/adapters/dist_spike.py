@@ -54,8 +54,7 @@ class DistSpikePath(SpikePath):
 
     def _job_localize(self, x: SpikeInputs) -> LocalizeResult:
         rec = x.record
-        view = token_view(x.scores, self.token_layers, x.scale, rec.tokens.unattributed_share if rec.tokens else 1.0,
-                          x.rl)
+        view = token_view(x.scores, self.token_layers, x.scale, x.unattributed_share, x.rl)
         stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale, rec.global_norm)
         ctx = SpikeContext(x.spike.mean, x.job_loss, x.spike.loss_mean, x.spike.std, self.cfg.detector.z_threshold,
                            outliers=outlier_samples(rec))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradloc.adapters import job_setup
+from gradloc.adapters import job_setup, on_spike
 from gradloc.adapters.dist import CollectiveTimeout
 from gradloc.adapters.dist_spike import DistSpikePath
 from gradloc.adapters.fanout import Fanout
@@ -71,6 +71,11 @@ class Monitor:
         if job.kind == "deepspeed":
             self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
+        self.on_spike = cfg.token_stats == on_spike.MODE  # hooks only to re-run a flagged step's micro-batches
+        if self.on_spike and job.kind not in ("single", "ddp"):
+            raise ConfigError(f"token_stats='on_spike' re-runs a flagged step's micro-batches; under {job.kind} every "
+                              "forward is a collective over all ranks: use token_stats=True there")
+        self._probe_context = job.probe_context
         if self.hooks is not None and not self.hooks.watched:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
@@ -127,7 +132,7 @@ class Monitor:
             except CollectiveTimeout as exc:
                 raise AttachError(f"gradloc: the ranks did not all attach within {self.config.collective_timeout_s:g} s "
                                   f"(call gradloc.watch on every rank): {exc}") from exc
-        if self.hooks:
+        if self.hooks and not self.on_spike:
             self.hooks.attach()
         self._updates.attach(self.optimizer)
         _ATTACHED[self.model] = self
@@ -138,7 +143,7 @@ class Monitor:
         """Remove every hook; the model and optimizer are left exactly as before ``attach``."""
         if not self.attached:
             raise AttachError("this monitor is not attached")
-        if self.hooks:
+        if self.hooks and not self.on_spike:
             self.hooks.detach()
         self._updates.detach()
         _ATTACHED.pop(self.model, None)
@@ -190,7 +195,7 @@ class Monitor:
         t0 = self.meter.begin()
         meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids,
                          sample_infos)
-        if self.hooks:
+        if self._live:
             breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
             self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=self.samples.labels(meta))
         self.meter.end(t0)
@@ -198,14 +203,14 @@ class Monitor:
         try:
             yield meta
         except BaseException:
-            if self.hooks:
+            if self._live:
                 self.hooks.end()
             self._open = None
             self._rl.pop(meta.index, None)
             self.counters["failed_micro_batches"] += 1  # e.g. an OOM the user retries: not part of the step
             raise
         self._open = None
-        buf = self.hooks.end() if self.hooks else None
+        buf = self.hooks.end() if self._live else None
         self._parts.append((meta, buf))
         if buf is not None:
             self._check_wiring(buf)
@@ -296,9 +301,16 @@ class Monitor:
         incident = None
         if opens_incident(spike):  # not when the step is the run reacting to an earlier incident
             t2 = time.perf_counter()
+            reruns, unattributed = 0, None
+            if self.on_spike and probe is not None:
+                scores, reruns = self._rerun([m for m, _ in parts], probe), len(parts)
+                unattributed = self._unattributed(scores) if scores is not None else None
             incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
                                                         scale is not None, rl,
-                                                        assembled.job.loss if assembled.job else record.loss))
+                                                        assembled.job.loss if assembled.job else record.loss,
+                                                        unattributed))
+            if reruns:
+                incident = on_spike.with_reruns(incident, reruns)
             self.meter.exclude(time.perf_counter() - t2)
             self.incidents.append(incident)
             if self.comm is None or self.config.rank == 0:  # a job's incident is emitted once, by rank 0
@@ -339,8 +351,31 @@ class Monitor:
             self._leave_job()
             return flag
 
-    def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]]) -> StepScores | None:
-        if not parts or self.hooks is None:
+    @property
+    def _live(self) -> bool:
+        """Per-token hooks run during training (not off, not only to re-run a flagged step)."""
+        return self.hooks is not None and not self.on_spike
+
+    def _rerun(self, metas: list[MicroBatchMeta], probe: ProbeFn) -> StepScores | None:
+        """token_stats='on_spike': the flagged step's scores, from re-running its micro-batches."""
+        breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
+        parts = on_spike.rerun(self.hooks, self.spikes.model, self.layer_stats.params, metas, probe, breakdown,
+                               self.samples.labels, self._probe_context)
+        if parts is None:
+            self.counters["on_spike_rerun_failed"] += 1
+            return None
+        return self._stack(parts, rerun=True)
+
+    def _unattributed(self, scores: StepScores) -> float:
+        """Share of ‖∇‖² no per-token score covers (no rule, or its module unscored): one host read."""
+        unscored = [i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())]
+        pack = self.layer_stats.grad_pack(1.0, unscored)  # [grad_sq(L) | ... | uncovered_sq]
+        total = float(pack[: self.layer_stats.n_layers].sum())
+        return float(pack[-1]) / total if total > 0 else 0.0
+
+    def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]], rerun: bool = False
+               ) -> StepScores | None:
+        if not parts or self.hooks is None or (self.on_spike and not rerun):
             return None
         for _, buf in parts:
             if buf is not None:

@@ -37,6 +37,14 @@ class SpikeInputs:
     has_scaler: bool
     rl: dict[str, torch.Tensor] | None = None  # the step's RL fields over its positions (device), if given
     job_loss: float | None = None  # a multi-rank job's mean loss (the detector's view); None: the record's
+    unattributed: float | None = None  # the scores' unattributed share when not the record's (on_spike re-runs)
+
+    @property
+    def unattributed_share(self) -> float:
+        """The share of ‖∇‖² the scores do not cover (1 without token statistics)."""
+        if self.unattributed is not None:
+            return self.unattributed
+        return self.record.tokens.unattributed_share if self.record.tokens else 1.0
 
 
 class SpikePath:
@@ -79,8 +87,7 @@ class SpikePath:
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
         rec = x.record
         try:
-            view = token_view(x.scores, self.token_layers, x.scale,
-                              rec.tokens.unattributed_share if rec.tokens else 1.0, x.rl)
+            view = token_view(x.scores, self.token_layers, x.scale, x.unattributed_share, x.rl)
             stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale,
                                     rec.global_norm)
             opener = None

@@ -94,3 +94,23 @@ def test_the_sample_spike_verdict_is_the_job_s_through_one_all_reduce():
     the rule itself)."""
     res = run(_agree, 2, timeout_s=120)
     assert res == [([True, False], 2), ([True, False], 2)]
+
+
+def _lazy(rank, world):
+    out = train(rank, world, "ddp", STEPS, (1, SPIKE, 1, 2, 5), token_stats="on_spike")
+    return [(r.record.tokens, r.incident.localization if r.incident else None) for r in out["reports"]], out["params"]
+
+
+def test_on_spike_re_runs_each_rank_s_micro_batches_and_names_the_culprit():
+    """token_stats='on_spike' under DDP: no per-token statistics on healthy steps; at the spike every rank
+    re-runs its own micro-batches (in no_sync) and the job localizes as with the hooks always on."""
+    res = run(_lazy, 2, timeout_s=300)
+    always = run(_ddp, 2, (1, SPIKE, 1, 2, 5), True, timeout_s=300)
+    for (reports, params), ref in zip(res, always):
+        assert all(tokens is None for tokens, _ in reports)
+        loc = reports[SPIKE][1]
+        assert loc.status == "located" and loc.probes <= 3, loc.note
+        assert [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits] == [(1, 1, 2, 5)]
+        assert "re-run" in loc.note and loc.passes >= 2
+        for name, p in ref["params"].items():
+            assert torch.equal(p, params[name]), name
