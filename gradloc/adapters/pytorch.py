@@ -30,6 +30,7 @@ from gradloc.adapters.dist_spike import DistSpikePath
 from gradloc.adapters.fanout import Fanout
 from gradloc.adapters.samples import SampleWatch
 from gradloc.adapters.spike import SpikeInputs, SpikePath, heads_of, scaler_state
+from gradloc.adapters.token_path import TokenPath
 from gradloc.adapters.update_hooks import UpdateHooks
 from gradloc.collector import rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
@@ -37,7 +38,6 @@ from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
-from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.collector.update_ratio import UpdateRatioTracker, window_bytes
 from gradloc.config import WatchConfig
 from gradloc.detector import SpikeDetector, opens_incident
@@ -71,11 +71,9 @@ class Monitor:
         if job.kind == "deepspeed":
             self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
-        self.on_spike = cfg.token_stats == on_spike.MODE  # hooks only to re-run a flagged step's micro-batches
-        if self.on_spike and job.kind not in ("single", "ddp"):
+        if cfg.token_stats == on_spike.MODE and job.kind not in ("single", "ddp"):
             raise ConfigError(f"token_stats='on_spike' re-runs a flagged step's micro-batches; under {job.kind} every "
                               "forward is a collective over all ranks: use token_stats=True there")
-        self._probe_context = job.probe_context
         if self.hooks is not None and not self.hooks.watched:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
@@ -84,7 +82,6 @@ class Monitor:
         covered = self.hooks.covered_modules if self.hooks else set()
         owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
         self.layer_stats.set_uncovered([o not in covered for o in owners])
-        self._watched = frozenset(covered)
         self._params_of: dict[str, list[int]] = {}  # module name -> indices of its direct parameters
         for i, o in enumerate(owners):
             self._params_of.setdefault(o, []).append(i)
@@ -93,6 +90,8 @@ class Monitor:
                                                 self.layer_stats.n_layers, window_bytes(self.config, self.layer_stats),
                                                 self.layer_stats.device)
         self.counters: Counter[str] = Counter()
+        self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job.probe_context,
+                                self.counters)
         self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,
                                     lambda: self._pending.record.step if self._pending is not None else None)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
@@ -132,7 +131,7 @@ class Monitor:
             except CollectiveTimeout as exc:
                 raise AttachError(f"gradloc: the ranks did not all attach within {self.config.collective_timeout_s:g} s "
                                   f"(call gradloc.watch on every rank): {exc}") from exc
-        if self.hooks and not self.on_spike:
+        if self.tokens.live:
             self.hooks.attach()
         self._updates.attach(self.optimizer)
         _ATTACHED[self.model] = self
@@ -143,7 +142,7 @@ class Monitor:
         """Remove every hook; the model and optimizer are left exactly as before ``attach``."""
         if not self.attached:
             raise AttachError("this monitor is not attached")
-        if self.hooks and not self.on_spike:
+        if self.tokens.live:
             self.hooks.detach()
         self._updates.detach()
         _ATTACHED.pop(self.model, None)
@@ -195,7 +194,7 @@ class Monitor:
         t0 = self.meter.begin()
         meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids,
                          sample_infos)
-        if self._live:
+        if self.tokens.live:
             breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
             self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=self.samples.labels(meta))
         self.meter.end(t0)
@@ -203,14 +202,14 @@ class Monitor:
         try:
             yield meta
         except BaseException:
-            if self._live:
+            if self.tokens.live:
                 self.hooks.end()
             self._open = None
             self._rl.pop(meta.index, None)
             self.counters["failed_micro_batches"] += 1  # e.g. an OOM the user retries: not part of the step
             raise
         self._open = None
-        buf = self.hooks.end() if self._live else None
+        buf = self.hooks.end() if self.tokens.live else None
         self._parts.append((meta, buf))
         if buf is not None:
             self._check_wiring(buf)
@@ -272,7 +271,7 @@ class Monitor:
                               "without probes no culprit set is verified and ∇_C is unknown")
         t0 = self.meter.begin()
         parts, self._parts = self._parts, []
-        scores = self._stack(parts)
+        scores = self.tokens.stack(parts)
         scale, unscaled = scaler_state(scaler, self.optimizer)
         upd = self._updates.take(self._pending.record.step if self._pending is not None else None)
         unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
@@ -302,9 +301,11 @@ class Monitor:
         if opens_incident(spike):  # not when the step is the run reacting to an earlier incident
             t2 = time.perf_counter()
             reruns, unattributed = 0, None
-            if self.on_spike and probe is not None:
-                scores, reruns = self._rerun([m for m, _ in parts], probe), len(parts)
-                unattributed = self._unattributed(scores) if scores is not None else None
+            if self.tokens.on_spike and probe is not None:
+                breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
+                scores = self.tokens.rerun(self.spikes.model, [m for m, _ in parts], probe, breakdown,
+                                           self.samples.labels)
+                reruns, unattributed = len(parts), self.tokens.unattributed(scores) if scores is not None else None
             incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
                                                         scale is not None, rl,
                                                         assembled.job.loss if assembled.job else record.loss,
@@ -350,37 +351,6 @@ class Monitor:
         except CollectiveTimeout:
             self._leave_job()
             return flag
-
-    @property
-    def _live(self) -> bool:
-        """Per-token hooks run during training (not off, not only to re-run a flagged step)."""
-        return self.hooks is not None and not self.on_spike
-
-    def _rerun(self, metas: list[MicroBatchMeta], probe: ProbeFn) -> StepScores | None:
-        """token_stats='on_spike': the flagged step's scores, from re-running its micro-batches."""
-        breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
-        parts = on_spike.rerun(self.hooks, self.spikes.model, self.layer_stats.params, metas, probe, breakdown,
-                               self.samples.labels, self._probe_context)
-        if parts is None:
-            self.counters["on_spike_rerun_failed"] += 1
-            return None
-        return self._stack(parts, rerun=True)
-
-    def _unattributed(self, scores: StepScores) -> float:
-        """Share of ‖∇‖² no per-token score covers (no rule, or its module unscored): one host read."""
-        unscored = [i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())]
-        pack = self.layer_stats.grad_pack(1.0, unscored)  # [grad_sq(L) | ... | uncovered_sq]
-        total = float(pack[: self.layer_stats.n_layers].sum())
-        return float(pack[-1]) / total if total > 0 else 0.0
-
-    def _stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]], rerun: bool = False
-               ) -> StepScores | None:
-        if not parts or self.hooks is None or (self.on_spike and not rerun):
-            return None
-        for _, buf in parts:
-            if buf is not None:
-                buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
-        return stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self._watched)
 
     def pause_token_hooks(self, on: bool) -> None:
         """Pause (True) or resume (False) per-token capture, e.g. around extra forward/backward

@@ -1,0 +1,60 @@
+"""The per-token side of a monitor: its hooks (on during training, or only to re-run a flagged step:
+``token_stats="on_spike"``, adapters/on_spike.py), a step's scores, and the share of ‖∇‖² they leave
+unattributed."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, ContextManager
+
+from torch import nn
+
+from gradloc.adapters import on_spike
+from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.layer_stats import LayerStatsCollector
+from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
+from gradloc.collector.token_summary import StepScores, stack_step
+from gradloc.localizer.probes import ProbeFn
+
+
+class TokenPath:
+    def __init__(self, hooks: TokenHooks | None, mode: bool | str, layer_stats: LayerStatsCollector,
+                 params_of: dict[str, list[int]], probe_context: Callable[[], ContextManager[Any]],
+                 counters: Counter[str]) -> None:
+        self.hooks, self.on_spike = hooks, mode == on_spike.MODE
+        self.layer_stats, self.params_of, self.probe_context, self.counters = layer_stats, params_of, probe_context, counters
+        self.watched = frozenset(hooks.covered_modules) if hooks else frozenset()
+
+    @property
+    def live(self) -> bool:
+        """Per-token hooks run during training (not off, not only to re-run a flagged step)."""
+        return self.hooks is not None and not self.on_spike
+
+    def stack(self, parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]], rerun: bool = False
+              ) -> StepScores | None:
+        """The step's scores (None without hooks running, or on an on_spike step that was not re-run)."""
+        if not parts or self.hooks is None or (self.on_spike and not rerun):
+            return None
+        for _, buf in parts:
+            if buf is not None:
+                buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
+        return stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
+
+    def rerun(self, model: nn.Module, metas: list[MicroBatchMeta], probe: ProbeFn, breakdown: bool,
+              labels: Callable[[MicroBatchMeta], Any]) -> StepScores | None:
+        """token_stats='on_spike': the flagged step's scores, from re-running its micro-batches."""
+        parts = on_spike.rerun(self.hooks, model, self.layer_stats.params, metas, probe, breakdown, labels,
+                               self.probe_context)
+        if parts is None:
+            self.counters["on_spike_rerun_failed"] += 1
+            return None
+        return self.stack(parts, rerun=True)
+
+    def unattributed(self, scores: StepScores) -> float:
+        """Share of ‖∇‖² no per-token score covers (no rule, or its module unscored): one host read."""
+        unscored = [i for m in sorted(scores.unscored_modules) for i in self.params_of.get(m, ())]
+        pack = self.layer_stats.grad_pack(1.0, unscored)  # [grad_sq(L) | ... | uncovered_sq]
+        total = float(pack[: self.layer_stats.n_layers].sum())
+        return float(pack[-1]) / total if total > 0 else 0.0
+
+
+__all__ = ["TokenPath"]
