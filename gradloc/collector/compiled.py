@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules.registry import TokenRule
 
 
@@ -46,18 +47,18 @@ def make_tap(rule: TokenRule, module: torch.nn.Module) -> type[torch.autograd.Fu
 
     class Tap(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, out: torch.Tensor, sink: torch.Tensor, saved: Any) -> torch.Tensor:
-            ctx.shape = sink.shape
+        def forward(ctx: Any, out: torch.Tensor, sink: torch.Tensor, saved: Any, extra: int) -> torch.Tensor:
+            ctx.shape, ctx.extra = sink.shape, extra
             ctx.has_saved = isinstance(saved, torch.Tensor)
             if ctx.has_saved:
                 ctx.save_for_backward(saved)
             return out.view_as(out)
 
         @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
             saved = ctx.saved_tensors[0] if ctx.has_saved else None
-            score = rule.score(module, saved, g).float().reshape(ctx.shape)  # lead -> (B, T)
-            return g, score, None
+            s = score(rule, module, saved, g, ctx.extra).float().reshape(ctx.shape)  # lead -> (B, T)
+            return g, s, None, None
 
     return Tap
 
@@ -70,14 +71,13 @@ def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, f
     if state.sinks is None:
         state.wanted = True
         return None
-    x = args[0]
-    lead = rule.lead_shape(module, x, out)
-    if lead != (state.batch, state.seq) and lead != (state.batch * state.seq,):
+    fit = fit_call(rule, module, args[0], out, state.batch, state.seq)
+    if fit is None:
         return None  # not scorable per position: the module stays unscored (its gradient unattributed)
     with torch.no_grad():
-        saved = rule.capture(module, x, out)
+        saved = rule.capture(module, fit.x, fit.out)
     state.last = index
-    return fn.apply(out, state.sinks[index], saved)
+    return fn.apply(fit.out, state.sinks[index], saved, fit.extra)
 
 
 def new_sinks(devices: list[torch.device], batch: int, seq: int) -> list[torch.Tensor]:

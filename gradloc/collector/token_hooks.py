@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gradloc.collector import compiled
+from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules import rule_for
 from gradloc.collector.rules.registry import TokenRule
 
@@ -220,7 +221,7 @@ class TokenHooks:
             if buf is None or self.suspended or not torch.is_grad_enabled():
                 return
             try:
-                _capture(w, buf, args, out)
+                return _capture(w, buf, args, out)
             except Exception:  # never raise into the training loop
                 buf.hook_errors += 1
                 buf.lost_modules.add(w.name)
@@ -229,21 +230,22 @@ class TokenHooks:
         return hook
 
 
-def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> None:
+def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> torch.Tensor | None:
+    """Capture one call; returns the output to hand on in place of the module's (fit.py), or None."""
     if not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
-        return
+        return None
     recompute = _graph_task_id() != -1  # a forward run by the autograd engine: activation checkpointing
     calls = buf.recompute_calls if recompute else buf.forward_calls
     calls[w.name] = n = calls.get(w.name, 0) + 1
     if recompute and n <= buf.forward_calls.get(w.name, 0):
-        return  # non-reentrant: the original forward's output receives the gradient, not this re-run
-    x = args[0]
-    lead = w.rule.lead_shape(w.module, x, out)
-    if lead != (buf.batch, buf.seq) and lead != (buf.batch * buf.seq,):  # (B, T) or flattened (B·T,)
+        return None  # non-reentrant: the original forward's output receives the gradient, not this re-run
+    fit = fit_call(w.rule, w.module, args[0], out, buf.batch, buf.seq)
+    if fit is None:  # not (B, T) positions
         buf.dropped_calls += 1
         buf.dropped_layers.add(w.layer)
         buf.lost_modules.add(w.name)
-        return
+        return None
+    x, out, extra = fit.x, fit.out, fit.extra
     with torch.no_grad():
         saved = w.rule.capture(w.module, x, out)
     buf.matched_calls += 1
@@ -260,13 +262,14 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
             with torch.no_grad():
                 if call and call == buf.last_call and buf.labels is not None:
                     buf.head_u = _head_u(g, buf.labels, buf.batch, buf.seq)
-                buf.add(w.layer, w.rule.score(w.module, saved, g))
+                buf.add(w.layer, score(w.rule, w.module, saved, g, extra))
             buf.scored_modules.add(w.name)
         except Exception:
             buf.hook_errors += 1
             log.debug("gradloc: backward hook failed on %s", w.name, exc_info=True)
 
     out.register_hook(on_grad)
+    return out if fit.replaced else None
 
 
 def _head_u(g: torch.Tensor, labels: torch.Tensor, batch: int, seq: int) -> torch.Tensor:

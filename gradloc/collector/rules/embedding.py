@@ -12,6 +12,8 @@ from gradloc.collector.rules.registry import register_rule, sq_norm_last
 
 @register_rule(nn.Embedding)
 class EmbeddingRule:
+    broadcasts = True  # called with ids (1, T) broadcast over the batch: collector/fit.py expands the output
+
     def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
         return tuple(x.shape)  # ids (*lead) -> y (*lead, d)
 

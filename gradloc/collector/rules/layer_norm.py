@@ -27,12 +27,20 @@ class LayerNormRule:
         return x.detach()  # shares storage with the tensor autograd already saved
 
     def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return self.score_grouped(module, saved, g, 0)
+
+    def score_grouped(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor, extra: int) -> torch.Tensor:
+        """With ``extra`` position-sharing dims after (B, T) (a norm per head), the weight and bias
+        receive Σ_h of the heads' contributions: summed before squaring."""
         n = len(module.normalized_shape)
-        g_sq = sq_norm_last(g, n)  # (*lead, *normalized_shape) -> (*lead)
+        lead = g.dim() - n - extra
+        share = tuple(range(lead, lead + extra))  # the position-sharing dims
+        gb = g.float().sum(dim=share) if extra else g  # (*lead, *h, *feat) -> (*lead, *feat)
+        g_sq = sq_norm_last(gb, n)  # (*lead, *normalized_shape) -> (*lead)
         score = torch.zeros_like(g_sq)
         if module.weight is not None and module.weight.requires_grad:
-            x_hat = layer_norm_hat(saved, n, module.eps)
-            score = score + sq_norm_last(g.float() * x_hat, n)
+            v = g.float() * layer_norm_hat(saved, n, module.eps)
+            score = score + sq_norm_last(v.sum(dim=share) if extra else v, n)  # (*lead, *h, *feat) -> (*lead)
         if module.bias is not None and module.bias.requires_grad:
             score = score + g_sq
         return score

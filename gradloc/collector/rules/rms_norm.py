@@ -25,10 +25,17 @@ def rms_hat(x: torch.Tensor, n_dims: int, eps: float, out_dtype: torch.dtype) ->
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)).to(out_dtype).float()
 
 
-def _weight_score(weight: nn.Parameter | None, x_hat: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+def _weight_score(weight: nn.Parameter | None, x_hat: torch.Tensor, g: torch.Tensor, n: int,
+                  extra: int = 0) -> torch.Tensor:
+    """‖g ⊙ x̂‖² per position; with ``extra`` position-sharing dims after (B, T) (a norm applied per
+    head), ‖Σ_h g ⊙ x̂‖²: the weight receives the sum of the heads' contributions."""
+    lead = g.dim() - n - extra
     if weight is None or not weight.requires_grad:
-        return torch.zeros(g.shape[: g.dim() - n], device=g.device)
-    return sq_norm_last(g.float() * x_hat, n)  # (*lead, *feat) -> (*lead)
+        return torch.zeros(g.shape[:lead], device=g.device)
+    v = g.float() * x_hat  # (*lead, *h, *feat)
+    if extra:
+        v = v.sum(dim=tuple(range(lead, lead + extra)))  # (*lead, *h, *feat) -> (*lead, *feat)
+    return sq_norm_last(v, n)  # (*lead, *feat) -> (*lead)
 
 
 @register_rule(nn.RMSNorm)
@@ -43,8 +50,12 @@ class TorchRMSNormRule:
         n = len(module.normalized_shape)
         # eps=None: torch uses the epsilon of its computation dtype (float32 for bf16/fp16/fp32 input,
         # float64 for float64), not of the input dtype (bf16's would be ~6e4× too large).
+        return self.score_grouped(module, saved, g, 0)
+
+    def score_grouped(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor, extra: int) -> torch.Tensor:
+        n = len(module.normalized_shape)
         eps = module.eps if module.eps is not None else torch.finfo(torch.promote_types(saved.dtype, torch.float32)).eps
-        return _weight_score(module.weight, rms_hat(saved, n, eps, torch.float32), g, n)
+        return _weight_score(module.weight, rms_hat(saved, n, eps, torch.float32), g, n, extra)
 
 
 def is_hf_rms_norm(module: nn.Module) -> bool:
@@ -68,7 +79,10 @@ class HFRMSNormRule:
         return x.detach()
 
     def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return self.score_grouped(module, saved, g, 0)
+
+    def score_grouped(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor, extra: int) -> torch.Tensor:
         eps = getattr(module, "variance_epsilon", None)
         if eps is None:
             eps = getattr(module, "eps", 1e-6)
-        return _weight_score(module.weight, rms_hat(saved, 1, float(eps), saved.dtype), g, 1)
+        return _weight_score(module.weight, rms_hat(saved, 1, float(eps), saved.dtype), g, 1, extra)
