@@ -79,6 +79,10 @@ class Monitor:
                 f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
                 "nn.LayerNorm, nn.RMSNorm, *RMSNorm, HF Conv1D); pass WatchConfig(token_stats=False) for "
                 "per-layer statistics only, or register a rule with gradloc.register_rule")
+        if self.hooks is not None and self.hooks.unruled:
+            log.warning("gradloc: no per-token rule for %s (an unknown layout, or a parameter used inside another "
+                        "module's computation): their gradient is reported as unattributed_share, never guessed; "
+                        "gradloc.register_rule adds one", ", ".join(sorted(self.hooks.unruled)))
         covered = self.hooks.covered_modules if self.hooks else set()
         owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
         self.layer_stats.set_uncovered([o not in covered for o in owners])

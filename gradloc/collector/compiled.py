@@ -66,7 +66,10 @@ def make_tap(rule: TokenRule, module: torch.nn.Module) -> type[torch.autograd.Fu
 def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, fn: type, args: tuple,
         out: Any) -> torch.Tensor | None:
     """The compiled path of a watched module's forward hook: the tapped output, or None (unchanged)."""
-    if not state.active or not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
+    whole = out
+    out = rule.output(out) if hasattr(rule, "output") else out  # a router's logits, first of a tuple
+    if (not state.active or not args or not isinstance(out, torch.Tensor) or not out.requires_grad
+            or not getattr(rule, "compilable", True)):
         return None
     if state.sinks is None:
         state.wanted = True
@@ -77,7 +80,8 @@ def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, f
     with torch.no_grad():
         saved = rule.capture(module, fit.x, fit.out)
     state.last = index
-    return fn.apply(fit.out, state.sinks[index], saved, fit.extra)
+    tapped = fn.apply(fit.out, state.sinks[index], saved, fit.extra)
+    return (tapped, *whole[1:]) if whole is not out else tapped
 
 
 def new_sinks(devices: list[torch.device], batch: int, seq: int) -> list[torch.Tensor]:

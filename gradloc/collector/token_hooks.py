@@ -119,9 +119,13 @@ class TokenHooks:
         """``layer_of`` maps a module name to its layer group (the per-layer stats' grouping)."""
         self.layers: list[str] = []
         self.watched: list[WatchedModule] = []
+        self.unruled: set[str] = set()  # classes with trainable parameters of their own and no rule
         for name, module in model.named_modules():
+            trains = any(p.requires_grad for p in module.parameters(recurse=False))
             rule = rule_for(module)
-            if rule is None or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            if rule is None and trains:
+                self.unruled.add(type(module).__name__)
+            if rule is None or not trains:
                 continue
             group = layer_of.get(name, name or "<root>")
             if group not in self.layers:
@@ -232,6 +236,7 @@ class TokenHooks:
 
 def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> torch.Tensor | None:
     """Capture one call; returns the output to hand on in place of the module's (fit.py), or None."""
+    out = w.rule.output(out) if hasattr(w.rule, "output") else out  # a router's logits, first of a tuple
     if not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
         return None
     recompute = _graph_task_id() != -1  # a forward run by the autograd engine: activation checkpointing
@@ -247,7 +252,8 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
         return None
     x, out, extra = fit.x, fit.out, fit.extra
     with torch.no_grad():
-        saved = w.rule.capture(w.module, x, out)
+        saved = w.rule.capture_call(w.module, args, out) if hasattr(w.rule, "capture_call") else \
+            w.rule.capture(w.module, x, out)
     buf.matched_calls += 1
     buf.matched_modules.add(w.name)
     if not recompute:  # reentrant re-runs go in reverse block order: they never name the last layer

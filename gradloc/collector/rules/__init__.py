@@ -1,5 +1,13 @@
 """Per-token rules; importing this package registers every built-in rule."""
-from gradloc.collector.rules import conv1d, embedding, layer_norm, linear, rms_norm  # noqa: F401  (registers)
+from gradloc.collector.rules import (  # noqa: F401  (registers)
+    conv1d,
+    embedding,
+    experts,
+    layer_norm,
+    linear,
+    rms_norm,
+    router,
+)
 from gradloc.collector.rules.registry import (
     TokenRule,
     register_duck_rule,
