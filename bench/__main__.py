@@ -31,9 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="name", required=True)
 
     ov = sub.add_parser("overhead", help="step-time overhead: plain vs per-layer vs per-token, interleaved")
-    ov.add_argument("--model", choices=["tinygpt", "llama", "all"], default=None,
-                    help="TinyGPT, a random-initialized HF Llama, or both side by side (default: all; "
-                         "tinygpt with --peers and --profile)")
+    ov.add_argument("--model", choices=["tinygpt", "llama", "qwen3moe", "all"], default=None,
+                    help="TinyGPT, a random-initialized HF Llama, an HF Qwen3-MoE, or all three side by side "
+                         "(default: TinyGPT and Llama; tinygpt with --peers and --profile)")
     ov.add_argument("--rounds", type=int, default=None,
                     help="measured rounds (default 40 for TinyGPT, 20 for Llama; 10 with --quick; steps per "
                          "variant with --profile: 10, 3 with --quick)")
@@ -53,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="add Opacus ghost norms, BackPACK BatchL2Grad and wandb.watch to the TinyGPT run")
     mode.add_argument("--ddp", type=int, default=None, metavar="N",
                       help="run the variants as N DDP ranks of one gloo job (CPU; TinyGPT unless --model llama)")
+    ov.add_argument("--on-spike", action="store_true",
+                    help="add on_spike: token_stats='on_spike' (no module hook on healthy steps)")
+    ov.add_argument("--compile", action="store_true",
+                    help="run every variant's step through torch.compile(model) (inductor); adds on_spike")
     ov.add_argument("--repeats", type=int, default=None,
                     help="--memory: processes per variant and allocator setting (default 2; 1 with --quick)")
 
@@ -185,16 +189,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from bench.models import MODELS
+    from bench.models import ALL_MODELS, MODELS
 
     if args.repeats is not None and not args.memory:
         parser.error("--repeats is for --memory")
     single = args.peers or args.profile
-    model = args.model or ("tinygpt" if single else "all")
+    model = args.model or ("tinygpt" if single else "default")
     if single and model != "tinygpt" and not (args.profile and model == "llama"):
         parser.error(f"--{'peers' if args.peers else 'profile'} runs on one model"
                      f"{' (TinyGPT)' if args.peers else ''}: not --model {model}")
-    models = MODELS if model == "all" else (model,)
+    models = MODELS if model == "default" else ALL_MODELS if model == "all" else (model,)
     threads = None if args.threads == 0 else (args.threads or 1)
     if args.memory:
         from bench.memory import MemoryConfig, format_memory, run_memory
@@ -212,10 +216,11 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from bench.overhead import OverheadConfig, format_table, run_overhead
 
     if args.ddp is not None:
-        if args.ddp < 2 or model == "all" and args.model is not None or args.device != "cpu" or args.rl:
-            parser.error("--ddp N needs N >= 2, one model (TinyGPT by default), the CPU and no --rl")
-        models = (args.model or "tinygpt",) if model == "all" else (model,)
-    kw = {"models": models, "threads": threads, "peers": args.peers, "rl": args.rl, "device": args.device}
+        if args.ddp < 2 or model == "all" or args.device != "cpu" or args.rl or args.compile:
+            parser.error("--ddp N needs N >= 2, one model (TinyGPT by default), the CPU, no --rl and no --compile")
+        models = ("tinygpt",) if model == "default" else (model,)
+    kw = {"models": models, "threads": threads, "peers": args.peers, "rl": args.rl, "device": args.device,
+          "on_spike": args.on_spike, "compile": args.compile}
     kw.update({k: getattr(args, k) for k in ("rounds", "warmup") if getattr(args, k) is not None})
     try:
         cfg = OverheadConfig.quick_config(**kw) if args.quick else OverheadConfig(**kw)

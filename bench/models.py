@@ -1,4 +1,5 @@
-"""The models the overhead benchmark runs: the demo TinyGPT and a random-initialized HF Llama.
+"""The models the overhead benchmark runs: the demo TinyGPT, a random-initialized HF Llama and, with
+``--model qwen3moe`` or ``all``, a random-initialized HF Qwen3-MoE (fused experts, top-k routers).
 
 Both are built offline from a seed (no download) and trained on uniformly random token ids with
 the same per-token cross-entropy (``gradloc.demo.model.token_losses``) on their (B, T, V) logits.
@@ -12,7 +13,8 @@ from torch import nn
 
 from gradloc.demo.model import GPTConfig, TinyGPT
 
-MODELS = ("tinygpt", "llama")
+MODELS = ("tinygpt", "llama")  # the default run
+ALL_MODELS = (*MODELS, "qwen3moe")
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,9 @@ class ModelConfig:
     n_heads: int
     vocab: int
     kv_heads: int | None = None  # llama: grouped-query attention's key/value heads
-    ffn: int | None = None  # llama: the SwiGLU MLP's intermediate size
+    ffn: int | None = None  # llama: the SwiGLU MLP's intermediate size; qwen3moe: each expert's
+    experts: int | None = None  # qwen3moe: experts per layer
+    top_k: int | None = None  # qwen3moe: experts per token
     rounds: int = 40  # measured rounds by default (``--rounds`` overrides every model's)
 
     @property
@@ -37,8 +41,10 @@ class ModelConfig:
         out: dict[str, object] = {"model": self.kind, "micro_batches": self.micro_batches, "batch": self.batch,
                                   "seq": self.seq, "d_model": self.d_model, "n_layers": self.n_layers,
                                   "n_heads": self.n_heads, "vocab": self.vocab}
-        if self.kind == "llama":
+        if self.kind in ("llama", "qwen3moe"):
             out.update(kv_heads=self.kv_heads, ffn=self.ffn, tied_embeddings=True)
+        if self.kind == "qwen3moe":
+            out.update(experts=self.experts, top_k=self.top_k)
         return out
 
 
@@ -49,13 +55,20 @@ TINYGPT = ModelConfig("tinygpt", micro_batches=2, batch=4, seq=256, d_model=256,
 # About 4 s per step on one thread here: 20 rounds keep `--model all` near 10 minutes.
 LLAMA = ModelConfig("llama", micro_batches=2, batch=4, seq=256, d_model=512, n_layers=6, n_heads=8, vocab=4096,
                     kv_heads=2, ffn=1408, rounds=20)
+# Qwen3-MoE-shaped: the Llama's attention and width, 8 SwiGLU experts of 176 per layer and 2 per token
+# (Qwen3-30B-A3B's 128 of 768 and 8, scaled), top-k routers, per-head q/k norms, tied embeddings;
+# 19.0 M parameters, as many as the Llama.
+QWEN3MOE = ModelConfig("qwen3moe", micro_batches=2, batch=4, seq=256, d_model=512, n_layers=6, n_heads=8, vocab=4096,
+                       kv_heads=2, ffn=176, experts=8, top_k=2, rounds=20)
 QUICK = {
     "tinygpt": ModelConfig("tinygpt", micro_batches=1, batch=2, seq=64, d_model=64, n_layers=2, n_heads=4,
                            vocab=512, rounds=10),
     "llama": ModelConfig("llama", micro_batches=1, batch=2, seq=64, d_model=64, n_layers=2, n_heads=4, vocab=512,
                          kv_heads=2, ffn=176, rounds=10),
+    "qwen3moe": ModelConfig("qwen3moe", micro_batches=1, batch=2, seq=64, d_model=64, n_layers=2, n_heads=4,
+                            vocab=512, kv_heads=2, ffn=48, experts=4, top_k=2, rounds=10),
 }
-FULL = {"tinygpt": TINYGPT, "llama": LLAMA}
+FULL = {"tinygpt": TINYGPT, "llama": LLAMA, "qwen3moe": QWEN3MOE}
 
 
 def model_config(kind: str, quick: bool) -> ModelConfig:
@@ -68,6 +81,16 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
     if cfg.kind == "tinygpt":
         return TinyGPT(GPTConfig(vocab=cfg.vocab, seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers,
                                  n_heads=cfg.n_heads))
+    if cfg.kind == "qwen3moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(vocab_size=cfg.vocab, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+                                num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+                                head_dim=cfg.d_model // cfg.n_heads, moe_intermediate_size=cfg.ffn,
+                                num_experts=cfg.experts, num_experts_per_tok=cfg.top_k, decoder_sparse_step=1,
+                                mlp_only_layers=[], max_position_embeddings=cfg.seq, tie_word_embeddings=True,
+                                use_cache=False)
+        return Qwen3MoeForCausalLM(config)
     LlamaConfig, LlamaForCausalLM = _import_llama()
     config = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.ffn,
                          num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,

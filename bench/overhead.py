@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench import torch_threads
-from bench.models import MODELS, ModelConfig, build_model, model_config, param_bytes
+from bench.models import ALL_MODELS, MODELS, ModelConfig, build_model, model_config, param_bytes
 from bench.variants import GRADLOC_VARIANTS, Variant, computes, make_variant
 
 VARIANTS = ("plain", "per_layer", "per_token")
@@ -49,11 +49,15 @@ class OverheadConfig:
     quick: bool = False  # the small models of bench.models.QUICK
     peers: bool = False  # add the peer tools' variants (TinyGPT only)
     rl: bool = False  # add per_token_rl: the default monitor with per-token RL fields
+    on_spike: bool = False  # add on_spike: token_stats="on_spike" (no module hook on healthy steps)
+    compile: bool = False  # every variant's step calls torch.compile(model) (inductor); adds on_spike
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if not self.models or any(m not in MODELS for m in self.models):
-            raise ValueError(f"models must be a non-empty subset of {MODELS}, got {self.models}")
+        if not self.models or any(m not in ALL_MODELS for m in self.models):
+            raise ValueError(f"models must be a non-empty subset of {ALL_MODELS}, got {self.models}")
+        if self.compile and (self.peers or self.rl):
+            raise ValueError("--compile times plain, per_layer, per_token and on_spike (no peers, no --rl)")
         if self.peers and self.models != ("tinygpt",):
             raise ValueError("the peer tools run on TinyGPT only (Opacus' ghost clipping refuses tied embeddings)")
         if (self.rounds is not None and self.rounds < 1) or self.warmup < 0:
@@ -71,7 +75,8 @@ class OverheadConfig:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        return VARIANTS + (("per_token_rl",) if self.rl else ()) + (PEER_VARIANTS if self.peers else ())
+        return (VARIANTS + (("on_spike",) if self.on_spike or self.compile else ())
+                + (("per_token_rl",) if self.rl else ()) + (PEER_VARIANTS if self.peers else ()))
 
 
 def _ms(xs: list[float]) -> float:
@@ -96,6 +101,7 @@ def run_overhead(cfg: OverheadConfig, progress: Any = None) -> dict[str, Any]:
                                "computes": res["computes"][name], "identical_to_plain": res["identical_to_plain"][name]}
                         for name in PEER_VARIANTS}
     out.update({"torch_threads": threads, "torch_version": torch.__version__, "device": cfg.device,
+                "compiled": cfg.compile,
                 "nproc": os.cpu_count(), "wall_s": round(time.perf_counter() - start, 1),
                 "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)]})  # at start, at end
     return out
@@ -108,7 +114,7 @@ def _run_model(kind: str, cfg: OverheadConfig, progress: Any) -> dict[str, Any]:
     load_start, start = os.getloadavg()[0], time.perf_counter()
     try:
         for name in cfg.variants:
-            variants.append(make_variant(name, copy.deepcopy(base), cfg.lr, cfg.device))
+            variants.append(make_variant(name, copy.deepcopy(base), cfg.lr, cfg.device, cfg.compile))
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         for r in range(cfg.warmup + rounds):
             batches = make_batches(mcfg, gen, cfg.device)

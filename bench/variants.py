@@ -28,6 +28,7 @@ GRADLOC_VARIANTS: dict[str, dict[str, Any]] = {
     "per_token_full": {"update_ratio": "full"},  # a full parameter snapshot every step
     "per_token_off": {"update_ratio": "off"},  # no optimizer hooks, no snapshot
     "per_token_rl": {},  # the default, plus per-token RL fields every micro-batch (RLVariant)
+    "on_spike": {"token_stats": "on_spike"},  # no module hook on healthy steps (adapters/on_spike.py)
 }
 COMPUTES = {
     "plain": "nothing (baseline)",
@@ -35,6 +36,8 @@ COMPUTES = {
     "per_token": "gradloc default: per-layer + per-token gradient scores (top-k tokens per step), detector",
     "per_token_full": "gradloc default with update_ratio='full' (full parameter snapshot per step)",
     "per_token_off": "gradloc default with update_ratio='off' (no update-to-weight ratios)",
+    "on_spike": "gradloc token_stats='on_spike': per-layer statistics and the detector on healthy steps, no module "
+                "hook; per-token statistics from re-running a flagged step",
     "per_token_rl": "gradloc default + RL fields (logp, old/rollout logp, advantages, ratio, clipped) and their "
                     "per-step distributions",
 }
@@ -48,19 +51,27 @@ def sync(device: str) -> None:
 class Variant:
     """Plain training: no monitoring. Subclasses add their tool's work to the same step."""
 
-    def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu") -> None:
-        self.name, self.model, self.device = name, model, device
+    def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu", compile: bool = False) -> None:
+        self.name, self.model, self.device, self.compile = name, model, device, compile
+        self.run = model  # what the step calls: the model, or its torch.compile wrapper (set by ``compiled``)
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
         self.step_s: list[float] = []
         self.cpu_s: list[float] = []  # process CPU time of the step: insensitive to preemption
         self.phase_s: dict[str, list[float]] = {"fwd_bwd": [], "end_step": [], "opt_step": []}
         self.extra: dict[str, Any] = {}  # per-variant facts for the JSON (spikes flagged, service CPU…)
 
+    def compiled(self) -> "Variant":
+        """With ``compile``: the step calls ``torch.compile(model)`` (inductor), created after any monitor
+        is attached, so hooks registered before its first call are traced (collector/compiled.py)."""
+        if self.compile:
+            self.run = torch.compile(self.model)
+        return self
+
     def params(self) -> list[torch.Tensor]:
         return list(self.model.parameters())
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        loss = token_losses(logits(self.model, x), y).sum() / n_tokens
+        loss = token_losses(logits(self.run, x), y).sum() / n_tokens
         loss.backward()
         return loss.detach()
 
@@ -98,8 +109,8 @@ class Variant:
 
 
 class GradlocVariant(Variant):
-    def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu") -> None:
-        super().__init__(name, model, lr, device)
+    def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu", compile: bool = False) -> None:
+        super().__init__(name, model, lr, device, compile)
         fields = dict(GRADLOC_VARIANTS[name])
         self.store = os.path.join(tempfile.gettempdir(), f"gradloc-bench-{os.getpid()}-{name}.db")
         config = gradloc.WatchConfig(job="bench", store_path=self.store, **fields)
@@ -113,6 +124,8 @@ class GradlocVariant(Variant):
     def end_step(self, total: torch.Tensor) -> None:
         report = self.mon.end_step(total)
         self.extra["spikes_flagged"] += int(report.spike.is_spike)
+        tokens = report.record.tokens  # the last step's: per-token statistics really computed, and complete
+        self.extra["unattributed_share"] = None if tokens is None else round(tokens.unattributed_share, 6)
 
     def close(self) -> None:
         self.mon.close()
@@ -128,7 +141,7 @@ class RLVariant(GradlocVariant):
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
         with self.mon.micro_batch(y):
-            per_token = token_losses(logits(self.model, x), y)  # (B, T)
+            per_token = token_losses(logits(self.run, x), y)  # (B, T)
             loss = per_token.sum() / n_tokens
             logp = -per_token.detach()
             ones = torch.ones_like(logp)
@@ -138,13 +151,15 @@ class RLVariant(GradlocVariant):
             return loss.detach()
 
 
-def make_variant(name: str, model: nn.Module, lr: float, device: str = "cpu") -> Variant:
+def make_variant(name: str, model: nn.Module, lr: float, device: str = "cpu", compile: bool = False) -> Variant:
     if name == "plain":
-        return Variant(name, model, lr, device)
+        return Variant(name, model, lr, device, compile).compiled()
     if name == "per_token_rl":
-        return RLVariant(name, model, lr, device)
+        return RLVariant(name, model, lr, device, compile).compiled()
     if name in GRADLOC_VARIANTS:
-        return GradlocVariant(name, model, lr, device)
+        return GradlocVariant(name, model, lr, device, compile).compiled()
+    if compile:
+        raise ValueError(f"{name}: the peer tools are not run compiled")
     from bench.peers import PEERS  # opacus, backpack, wandb: imported only when asked for
 
     return PEERS[name](name, model, lr, device)

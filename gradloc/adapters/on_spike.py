@@ -17,8 +17,8 @@ from the probes, in ``Localization.passes`` and the note.
 
 One process and DDP (the re-runs in ``no_sync``). Not under FSDP2 or DeepSpeed, where every forward
 is a collective over ranks holding different numbers of micro-batches: refused at ``watch()``.
-Without token statistics on healthy steps there is no ``token_spike`` kind and no per-sample
-surprise finding; ``grad_spike``, ``loss_spike``, ``sample_spike``-free detection runs as usual.
+Without token statistics on healthy steps there is no ``token_spike``, no ``sample_spike`` and no
+per-sample surprise finding; ``grad_spike``, ``loss_spike`` and the non-finite kinds run as usual.
 """
 from __future__ import annotations
 

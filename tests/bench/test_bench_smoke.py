@@ -159,3 +159,18 @@ def test_soak_quick_json(encode):
     assert 0 < res["rss_mb_after_warmup"] and 0 < res["rss_mb_end"]
     assert res["rss_windows_s"] == [[8.0, 10.0], [18.0, 20.0]]  # 40% of the 20 s run, then its last 10%
     assert len(res["timeline"]) == 20
+
+
+@needs("transformers")
+def test_overhead_compiled_and_moe_quick_json():
+    """--compile: every variant's step through torch.compile, on_spike added, updates identical to plain;
+    --model qwen3moe --on-spike: the MoE model with the on_spike variant."""
+    res = run_bench("overhead", "--quick", "--json", "--compile", "--model", "tinygpt", timeout=600)
+    m = res["models"]["tinygpt"]
+    assert res["compiled"] is True
+    assert m["identical_to_plain"] == {"per_layer": True, "per_token": True, "on_spike": True}
+    assert all(math.isfinite(m[f"{v}_ratio"]) for v in ("per_layer", "per_token", "on_spike"))
+    res = run_bench("overhead", "--quick", "--json", "--model", "qwen3moe", "--on-spike", timeout=600)
+    m = res["models"]["qwen3moe"]
+    assert m["model"] == "qwen3moe" and m["experts"] == 4 and res["compiled"] is False
+    assert m["identical_to_plain"] == {"per_layer": True, "per_token": True, "on_spike": True}

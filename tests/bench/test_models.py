@@ -27,3 +27,14 @@ def test_quick_llama_builds_tied_gqa_rotary_and_gives_logits():
     assert param_bytes(model) == 4 * sum(p.numel() for p in model.parameters())
     again = build_model(cfg, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))  # seeded
+
+
+def test_qwen3moe_builds_fused_experts_and_routers_and_its_stated_size():
+    pytest.importorskip("transformers")
+    quick = build_model(QUICK["qwen3moe"], seed=0)
+    experts = [m for m in quick.modules() if type(m).__name__ == "Qwen3MoeExperts"]
+    assert len(experts) == QUICK["qwen3moe"].n_layers and experts[0].gate_up_proj.dim() == 3
+    x = torch.randint(QUICK["qwen3moe"].vocab, (2, QUICK["qwen3moe"].seq))
+    assert logits(quick, x).shape == (2, QUICK["qwen3moe"].seq, QUICK["qwen3moe"].vocab)
+    full = build_model(FULL["qwen3moe"], seed=0)
+    assert 18.95e6 < sum(p.numel() for p in full.parameters()) < 19.05e6  # "19.0 M parameters" (bench/models.py)
