@@ -3,6 +3,7 @@
 unattributed."""
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any, Callable, ContextManager
 
@@ -14,6 +15,8 @@ from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.localizer.probes import ProbeFn
+
+log = logging.getLogger("gradloc")
 
 
 class TokenPath:
@@ -36,8 +39,22 @@ class TokenPath:
             return None
         for _, buf in parts:
             if buf is not None:
+                self._say_uncompilable(buf)
                 buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
         return stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
+
+    def _say_uncompilable(self, buf: MicroBatchScores) -> None:
+        """Once: watched modules whose rule cannot run inside a compiled graph (MoE experts) went unscored."""
+        if buf.sinks is None or self.counters["uncompilable_said"]:
+            return
+        names = [w.name for w, sink in zip(self.hooks.watched, buf.sinks)
+                 if sink.grad is None and not getattr(w.rule, "compilable", True)]
+        if names:
+            self.counters["uncompilable_said"] += 1
+            log.warning("gradloc: %d watched module(s) ran inside a torch.compile graph where their per-token rule "
+                        "cannot (%s%s: data-dependent recomputation); their gradient is reported as unattributed_share. "
+                        "Compile per block around them, or use token_stats='on_spike'", len(names),
+                        ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
 
     def rerun(self, model: nn.Module, metas: list[MicroBatchMeta], probe: ProbeFn, breakdown: bool,
               labels: Callable[[MicroBatchMeta], Any]) -> StepScores | None:

@@ -68,12 +68,13 @@ def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, f
     """The compiled path of a watched module's forward hook: the tapped output, or None (unchanged)."""
     whole = out
     out = rule.output(out) if hasattr(rule, "output") else out  # a router's logits, first of a tuple
-    if (not state.active or not args or not isinstance(out, torch.Tensor) or not out.requires_grad
-            or not getattr(rule, "compilable", True)):
+    if not state.active or not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
         return None
     if state.sinks is None:
         state.wanted = True
         return None
+    if not getattr(rule, "compilable", True):
+        return None  # its sink gets no gradient: unscored, said once (adapters/token_path.py)
     fit = fit_call(rule, module, args[0], out, state.batch, state.seq)
     if fit is None:
         return None  # not scorable per position: the module stays unscored (its gradient unattributed)

@@ -152,3 +152,28 @@ def test_an_experts_module_of_an_unknown_layout_is_said_once_and_left_unattribut
     assert not any(n.endswith("experts") for n in covered)
     assert 0 < reports[-1].record.tokens.unattributed_share < 1
     assert any(s.layer.endswith("experts") and s.grad_norm > 0 for s in reports[-1].record.layers)
+
+
+def test_experts_inside_a_compiled_graph_are_said_once_and_left_unattributed(caplog):
+    """The experts' rule recomputes data-dependently: inside torch.compile it cannot run. gradloc says so
+    once, the experts' gradient is unattributed (never guessed), everything else is scored."""
+    import logging
+
+    torch._dynamo.reset()
+    model = build("qwen3moe")
+    model.set_experts_implementation("grouped_mm")
+    mon = gradloc.watch(model, store=False, detector=gradloc.DetectorConfig(warmup=2))
+    for layer in model.model.layers:
+        layer.mlp.experts.compile()
+    g = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.WARNING, logger="gradloc"):
+        for _ in range(3):
+            x = torch.randint(VOCAB, (4, 17), generator=g)
+            with mon.micro_batch(x[:, 1:]):
+                token_losses(model(x[:, :-1]).logits, x[:, 1:]).mean().backward()
+            rep = mon.end_step(None)
+            model.zero_grad()
+    mon.close()
+    said = [r for r in caplog.records if "per-token rule cannot" in r.getMessage()]
+    assert len(said) == 1 and "mlp.experts" in said[0].getMessage()
+    assert 0 < rep.record.tokens.unattributed_share < 1
