@@ -216,7 +216,7 @@ class Monitor:
         buf = self.hooks.end() if self.tokens.live else None
         self._parts.append((meta, buf))
         if buf is not None:
-            self._check_wiring(buf)
+            self.tokens.check_wiring(buf, setup=self.config.strict and not self.history and self._pending is None)
 
     def rl_fields(self, **fields: torch.Tensor | None) -> None:
         """Per-token RL fields of the current micro-batch, from tensors the loss already has; call
@@ -236,25 +236,6 @@ class Monitor:
                 raise
             self.counters["dropped_rl_fields"] += 1
             log.warning("gradloc: RL fields of micro-batch %d dropped", meta.index, exc_info=True)
-
-    def _check_wiring(self, buf: MicroBatchScores) -> None:
-        if self.hooks.silent(buf):  # no hook ran at all: a graph compiled before the hooks existed
-            buf.lost_modules.update(self.hooks.covered_modules)  # their gradient: unattributed, never guessed
-            self.counters["silent_micro_batches"] += 1
-            if self.counters["silent_micro_batches"] == 1:
-                log.warning("gradloc: no watched module's forward hook ran in micro-batch %d. A model that torch.compile "
-                            "already ran before watch() keeps its graph without gradloc's hooks (pytorch#117758): "
-                            "watch it before its first compiled call, or call torch._dynamo.reset() after watch(). "
-                            "Per-layer statistics go on; per-token statistics are off (all unattributed).", buf.index)
-            return
-        if buf.dropped_calls == 0 or buf.matched_calls > 0:
-            return
-        msg = (f"token_ids describe a ({buf.batch}, {buf.seq}) micro-batch, but no watched module saw "
-               "activations of that shape: pass the ids of the batch this block runs")
-        if self.config.strict and not self.history and self._pending is None:
-            raise BatchMetadataError(msg)  # first step = setup: fail loudly
-        self.counters["dropped_micro_batches"] += 1
-        log.warning("gradloc: %s (micro-batch dropped from per-token stats)", msg)
 
     # -- per optimizer step ---------------------------------------------------------------------
     def end_step(self, loss: float | torch.Tensor | None = None, *, probe: ProbeFn | None = None,

@@ -14,6 +14,7 @@ from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
+from gradloc.errors import BatchMetadataError
 from gradloc.localizer.probes import ProbeFn
 
 log = logging.getLogger("gradloc")
@@ -42,6 +43,28 @@ class TokenPath:
                 self._say_uncompilable(buf)
                 buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
         return stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
+
+    def check_wiring(self, buf: MicroBatchScores, setup: bool) -> None:
+        """At a micro-batch block's exit: hooks that never ran (a graph compiled before they existed)
+        or a (B, T) no watched module saw. ``setup``: the first step of a strict monitor, where a
+        wiring mistake raises ``BatchMetadataError``; later it is counted and logged."""
+        if self.hooks.silent(buf):  # no hook ran at all: a graph compiled before the hooks existed
+            buf.lost_modules.update(self.hooks.covered_modules)  # their gradient: unattributed, never guessed
+            self.counters["silent_micro_batches"] += 1
+            if self.counters["silent_micro_batches"] == 1:
+                log.warning("gradloc: no watched module's forward hook ran in micro-batch %d. A model that torch.compile "
+                            "already ran before watch() keeps its graph without gradloc's hooks (pytorch#117758): "
+                            "watch it before its first compiled call, or call torch._dynamo.reset() after watch(). "
+                            "Per-layer statistics go on; per-token statistics are off (all unattributed).", buf.index)
+            return
+        if buf.dropped_calls == 0 or buf.matched_calls > 0:
+            return
+        msg = (f"token_ids describe a ({buf.batch}, {buf.seq}) micro-batch, but no watched module saw "
+               "activations of that shape: pass the ids of the batch this block runs")
+        if setup:
+            raise BatchMetadataError(msg)  # first step = setup: fail loudly
+        self.counters["dropped_micro_batches"] += 1
+        log.warning("gradloc: %s (micro-batch dropped from per-token stats)", msg)
 
     def _say_uncompilable(self, buf: MicroBatchScores) -> None:
         """Once: watched modules whose rule cannot run inside a compiled graph (MoE experts) went unscored."""
