@@ -21,6 +21,7 @@ def _profile_targets() -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of the gradloc functions to time; owners are looked up at call
     time by their callers, so wrapping the attribute times every call."""
     from gradloc.adapters import pytorch as adapter
+    from gradloc.adapters import token_path
     from gradloc.collector import layer_stats, step, token_hooks, update_ratio
     from gradloc.collector.rules import embedding, layer_norm, linear, rms_norm
     from gradloc.detector.detector import SpikeDetector
@@ -32,7 +33,7 @@ def _profile_targets() -> list[tuple[Any, str, str]]:
         (layer_stats, "foreach_norms", "layer_stats.foreach_norms"),  # split by ord below
         (step, "summary_pack", "token_summary.summary_pack"),
         (step, "_parse", "collector.step._parse"),
-        (adapter, "stack_step", "token_summary.stack_step"),
+        (token_path, "stack_step", "token_summary.stack_step"),
         (SpikeDetector, "observe", "SpikeDetector.observe"),
         (adapter.Monitor, "_emit_pending", "Monitor._emit_pending"),
         (update_ratio.UpdateRatioTracker, "before_step", "UpdateRatioTracker.before_step (optimizer pre-hook)"),

@@ -53,7 +53,7 @@ class Variant:
 
     def __init__(self, name: str, model: nn.Module, lr: float, device: str = "cpu", compile: bool = False) -> None:
         self.name, self.model, self.device, self.compile = name, model, device, compile
-        self.run = model  # what the step calls: the model, or its torch.compile wrapper (set by ``compiled``)
+        self.net = model  # what the step calls: the model, or its torch.compile wrapper (set by ``compiled``)
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
         self.step_s: list[float] = []
         self.cpu_s: list[float] = []  # process CPU time of the step: insensitive to preemption
@@ -64,14 +64,14 @@ class Variant:
         """With ``compile``: the step calls ``torch.compile(model)`` (inductor), created after any monitor
         is attached, so hooks registered before its first call are traced (collector/compiled.py)."""
         if self.compile:
-            self.run = torch.compile(self.model)
+            self.net = torch.compile(self.model)
         return self
 
     def params(self) -> list[torch.Tensor]:
         return list(self.model.parameters())
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        loss = token_losses(logits(self.run, x), y).sum() / n_tokens
+        loss = token_losses(logits(self.net, x), y).sum() / n_tokens
         loss.backward()
         return loss.detach()
 
@@ -141,7 +141,7 @@ class RLVariant(GradlocVariant):
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
         with self.mon.micro_batch(y):
-            per_token = token_losses(logits(self.run, x), y)  # (B, T)
+            per_token = token_losses(logits(self.net, x), y)  # (B, T)
             loss = per_token.sum() / n_tokens
             logp = -per_token.detach()
             ones = torch.ones_like(logp)
