@@ -146,3 +146,40 @@ def test_broadcast_positions_train_bitwise_the_same_and_are_attributed():
     for name, p in plain.items():
         assert torch.equal(p, watched[name]), name
     assert rec.tokens.unattributed_share == 0.0
+
+
+def test_a_compiled_hf_gpt2_with_broadcast_positions_trains_bitwise_the_same():
+    """HF GPT-2 through torch.compile (inductor): wpe's expanded output inside the graph leaves the
+    parameters bitwise those of the same compiled run without gradloc, and everything is scored."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from gradloc.demo.model import token_losses
+    from tests.collector.rules.hf_zoo import VOCAB, build
+
+    def run(monitor: bool):
+        torch._dynamo.reset()
+        model = build("gpt2")
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=2)) if monitor else None
+        compiled = torch.compile(model)
+        g = torch.Generator().manual_seed(1)
+        rec = None
+        for _ in range(4):
+            x = torch.randint(VOCAB, (4, 17), generator=g)
+            with mon.micro_batch(x[:, 1:]) if mon else torch.enable_grad():
+                loss = token_losses(compiled(x[:, :-1]).logits, x[:, 1:]).mean()
+                loss.backward()
+            rec = mon.end_step(loss).record if mon else None
+            opt.step()
+            opt.zero_grad()
+        if mon:
+            mon.close()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, rec
+
+    counters.clear()
+    (watched, rec), (plain, _) = run(True), run(False)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for name, p in plain.items():
+        assert torch.equal(p, watched[name]), name
+    assert rec.tokens.unattributed_share == 0.0
