@@ -153,7 +153,16 @@ class TokenHooks:
 
     def attach(self) -> None:
         for w in self.watched:
-            self._handles.append(w.module.register_forward_hook(self._make_hook(w)))
+            hook = self._make_hook(w)
+            if getattr(w.rule, "wants_kwargs", False):  # a module called with keywords (HF attention)
+                call_args = w.rule.call_args
+
+                def kw_hook(module: nn.Module, args: tuple, kwargs: dict, out: Any, hook=hook,  # noqa: ANN001
+                            call_args=call_args) -> torch.Tensor | None:
+                    return hook(module, call_args(args, kwargs), out)
+                self._handles.append(w.module.register_forward_hook(kw_hook, with_kwargs=True))
+            else:
+                self._handles.append(w.module.register_forward_hook(hook))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -236,6 +245,7 @@ class TokenHooks:
 
 def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> torch.Tensor | None:
     """Capture one call; returns the output to hand on in place of the module's (fit.py), or None."""
+    whole = out
     out = w.rule.output(out) if hasattr(w.rule, "output") else out  # a router's logits, first of a tuple
     if not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
         return None
@@ -252,7 +262,7 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
         return None
     x, out, extra = fit.x, fit.out, fit.extra
     with torch.no_grad():
-        saved = w.rule.capture_call(w.module, args, out) if hasattr(w.rule, "capture_call") else \
+        saved = w.rule.capture_call(w.module, args, out, whole) if hasattr(w.rule, "capture_call") else \
             w.rule.capture(w.module, x, out)
     buf.matched_calls += 1
     buf.matched_modules.add(w.name)

@@ -7,6 +7,7 @@ from gradloc.collector.rules import (  # noqa: F401  (registers)
     linear,
     rms_norm,
     router,
+    sinks,
 )
 from gradloc.collector.rules.registry import (
     TokenRule,

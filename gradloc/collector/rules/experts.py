@@ -76,7 +76,7 @@ class FusedExpertsRule:
     def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
         return feature_lead(y)  # (N, H) -> (N,)
 
-    def capture_call(self, module: nn.Module, args: tuple, y: torch.Tensor) -> Any:
+    def capture_call(self, module: nn.Module, args: tuple, y: torch.Tensor, whole: Any = None) -> Any:
         if len(args) < 3:
             raise ValueError("experts called without (hidden, top_k_index, top_k_weights) positionally")
         x, idx, w = args[0], args[1], args[2]
