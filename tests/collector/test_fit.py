@@ -122,27 +122,35 @@ def test_an_embedding_called_with_broadcast_positions_scores_each_position():
     torch.testing.assert_close(got.double(), g.pow(2).sum(-1), rtol=1e-6, atol=1e-12)
 
 
-def test_broadcast_positions_train_bitwise_the_same_and_are_attributed():
-    def run(monitor: bool):
-        torch.manual_seed(0)
-        model = LearnedPositions()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=2)) if monitor else None
-        g = torch.Generator().manual_seed(1)
-        rec = None
-        for _ in range(4):
-            ids = torch.randint(11, (B, T + 1), generator=g)
-            with mon.micro_batch(ids[:, 1:]) if mon else torch.enable_grad():
-                loss = nn.functional.cross_entropy(model(ids[:, :-1]).reshape(-1, 11), ids[:, 1:].reshape(-1))
-                loss.backward()
-            rec = mon.end_step(loss).record if mon else None
-            opt.step()
-            opt.zero_grad()
-        if mon:
-            mon.close()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}, rec
+def _train(build, logits, vocab: int, monitor: bool, compile: bool = False) -> tuple[dict, object]:  # noqa: ANN001
+    """Four AdamW steps on random ids (B, T + 1), with or without gradloc: (final parameters, last record)."""
+    torch._dynamo.reset()
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=2)) if monitor else None
+    run = torch.compile(model) if compile else model
+    g = torch.Generator().manual_seed(1)
+    rec = None
+    for _ in range(4):
+        ids = torch.randint(vocab, (B, T + 1), generator=g)
+        with mon.micro_batch(ids[:, 1:]) if mon else torch.enable_grad():
+            loss = nn.functional.cross_entropy(logits(run, ids[:, :-1]).reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            loss.backward()
+        rec = mon.end_step(loss).record if mon else None
+        opt.step()
+        opt.zero_grad()
+    if mon:
+        mon.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, rec
 
-    (watched, rec), (plain, _) = run(True), run(False)
+
+def _seeded_positions() -> nn.Module:
+    torch.manual_seed(0)
+    return LearnedPositions()
+
+
+def test_broadcast_positions_train_bitwise_the_same_and_are_attributed():
+    (watched, rec), (plain, _) = (_train(_seeded_positions, lambda m, x: m(x), 11, on) for on in (True, False))
     for name, p in plain.items():
         assert torch.equal(p, watched[name]), name
     assert rec.tokens.unattributed_share == 0.0
@@ -154,31 +162,11 @@ def test_a_compiled_hf_gpt2_with_broadcast_positions_trains_bitwise_the_same():
     pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
-    from gradloc.demo.model import token_losses
     from tests.collector.rules.hf_zoo import VOCAB, build
 
-    def run(monitor: bool):
-        torch._dynamo.reset()
-        model = build("gpt2")
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=2)) if monitor else None
-        compiled = torch.compile(model)
-        g = torch.Generator().manual_seed(1)
-        rec = None
-        for _ in range(4):
-            x = torch.randint(VOCAB, (4, 17), generator=g)
-            with mon.micro_batch(x[:, 1:]) if mon else torch.enable_grad():
-                loss = token_losses(compiled(x[:, :-1]).logits, x[:, 1:]).mean()
-                loss.backward()
-            rec = mon.end_step(loss).record if mon else None
-            opt.step()
-            opt.zero_grad()
-        if mon:
-            mon.close()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}, rec
-
     counters.clear()
-    (watched, rec), (plain, _) = run(True), run(False)
+    (watched, rec), (plain, _) = (_train(lambda: build("gpt2"), lambda m, x: m(x).logits, VOCAB, on, compile=True)
+                                  for on in (True, False))
     assert not counters["graph_break"], dict(counters["graph_break"])
     for name, p in plain.items():
         assert torch.equal(p, watched[name]), name

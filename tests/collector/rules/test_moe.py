@@ -99,25 +99,30 @@ def test_a_planted_culprit_in_an_moe_model_is_localized(family):
     assert loc.explained_share > 0.5
 
 
+def _one_micro_batch(model, x: torch.Tensor):  # noqa: ANN001, ANN202
+    """(scores buffer, token layers) of one micro-batch x (B, T + 1) through gradloc's hooks (summed loss)."""
+    from gradloc.collector.layer_stats import module_layer_map
+    from gradloc.collector.token_hooks import TokenHooks
+
+    hooks = TokenHooks(model, module_layer_map(model, "module"))
+    hooks.attach()
+    try:
+        hooks.begin(0, x.shape[0], x.shape[1] - 1)
+        token_losses(model(x[:, :-1]).logits, x[:, 1:]).sum().backward()
+        return hooks.end(), hooks.layers
+    finally:
+        hooks.detach()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "gptoss"])
 def test_router_scores_match_per_token_autograd(family):
     """The router's score of token p is ‖∂L/∂W_router restricted to p‖² (and its bias): δ_p = ∂L/∂logits_p
     gathers the gradient through the top-k weights; brute force per token through the logits."""
-    from gradloc.collector.layer_stats import module_layer_map
-    from gradloc.collector.token_hooks import TokenHooks
-
     model = build(family)
     router_name, router = next((n, m) for n, m in model.named_modules() if type(m).__name__.endswith("Router"))
     x = torch.randint(VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    hooks = TokenHooks(model, module_layer_map(model, "module"))
-    hooks.attach()
-    try:
-        hooks.begin(0, 2, 8)
-        token_losses(model(x[:, :-1]).logits, x[:, 1:]).sum().backward()
-        buf = hooks.end()
-    finally:
-        hooks.detach()
-    got = buf.rows()[2][hooks.layers.index(router_name)].reshape(-1)  # (B, T) -> (N,)
+    buf, layers = _one_micro_batch(model, x)
+    got = buf.rows()[2][layers.index(router_name)].reshape(-1)  # (B, T) -> (N,)
 
     model.zero_grad()
     seen = {}
@@ -180,25 +185,15 @@ def test_experts_inside_a_compiled_graph_are_said_once_and_left_unattributed(cap
 def test_attention_sink_scores_match_per_position_autograd():
     """gpt-oss's sinks (eager attention, which returns the weights): the score of query position (b, t)
     is ‖∂⟨y_bt, G_bt⟩/∂sinks‖² for the attention output y with the upstream gradient G held fixed."""
-    from gradloc.collector.layer_stats import module_layer_map
-    from gradloc.collector.token_hooks import TokenHooks
-
     model = build("gptoss")
     model.set_attn_implementation("eager")
     name, attn = next((n, m) for n, m in model.named_modules() if type(m).__name__ == "GptOssAttention")
     with torch.no_grad():
         attn.sinks.copy_(torch.randn(attn.sinks.shape, generator=torch.Generator().manual_seed(5)))
     x = torch.randint(VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    hooks = TokenHooks(model, module_layer_map(model, "module"))
-    hooks.attach()
-    try:
-        hooks.begin(0, 2, 8)
-        token_losses(model(x[:, :-1]).logits, x[:, 1:]).sum().backward()
-        buf = hooks.end()
-    finally:
-        hooks.detach()
+    buf, layers = _one_micro_batch(model, x)
     assert buf.hook_errors == 0 and name in buf.scored_modules
-    got = buf.rows()[2][hooks.layers.index(name)]  # (B, T)
+    got = buf.rows()[2][layers.index(name)]  # (B, T)
 
     model.zero_grad()
     seen = {}
