@@ -40,7 +40,7 @@ from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.update_ratio import UpdateRatioTracker, window_bytes
 from gradloc.config import WatchConfig
-from gradloc.detector import SpikeDetector, opens_incident
+from gradloc.detector import LOCALIZE, SpikeDetector, opens_incident
 from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
 from gradloc.localizer import Localizer, ProbeFn
 from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord
@@ -286,7 +286,7 @@ class Monitor:
         if opens_incident(spike):  # not when the step is the run reacting to an earlier incident
             t2 = time.perf_counter()
             reruns, unattributed = 0, None
-            if self.tokens.on_spike and probe is not None:
+            if self.tokens.on_spike and probe is not None and LOCALIZE.intersection(spike.kinds):
                 breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
                 scores = self.tokens.rerun(self.spikes.model, [m for m, _ in parts], probe, breakdown,
                                            self.samples.labels)
