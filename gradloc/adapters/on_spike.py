@@ -7,8 +7,8 @@ per-layer cost only on healthy steps. A healthy step then costs what per-layer s
 gradients are read after backward, one host transfer per step, nothing inside the captured region.
 
 On a step that opens an incident the localizer runs on (every rank of a job together: the spike is
-the job's), each micro-batch is re-run eagerly through the probe closure with every token's loss term on and the
-hooks attached, inside a probe session (the training gradient set aside, buffers and RNG restored,
+the job's), each micro-batch is re-run eagerly through the probe closure with every token's loss
+term on and the hooks attached, inside a probe session (the training gradient set aside, buffers and RNG restored,
 each micro-batch's RNG as it was in training), so its scores are the scores an always-on run
 would have had. Compiled code runs eagerly for the re-run (``torch.compiler.set_stance
 ("force_eager")``), so the hooks fire even where the training step is compiled or captured. Then
