@@ -152,8 +152,8 @@ class TokenHooks:
         return {w.name for w in self.watched}
 
     def attach(self) -> None:
-        for w in self.watched:
-            hook = self._make_hook(w)
+        for index, w in enumerate(self.watched):
+            hook = self._make_hook(w, index)
             if getattr(w.rule, "wants_kwargs", False):  # a module called with keywords (HF attention)
                 call_args = w.rule.call_args
 
@@ -224,8 +224,8 @@ class TokenHooks:
 
         return add
 
-    def _make_hook(self, w: WatchedModule):
-        index, fn = self.watched.index(w), self._tap_fns[self.watched.index(w)]
+    def _make_hook(self, w: WatchedModule, index: int):
+        fn = self._tap_fns[index]
 
         def hook(module: nn.Module, args: tuple, out: Any) -> torch.Tensor | None:
             if torch.compiler.is_compiling():  # traced into a graph: the tap (compiled.py), never self.current
