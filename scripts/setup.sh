@@ -29,7 +29,7 @@ stamp=.venv/.gradloc-setup
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test,hf,bench,bench-peers]"
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test,hf,bench,bench-peers,titan]"
   # backpack-for-pytorch (bench-peers) requires torchvision, but uses it only in an examples module.
   # PyPI's torchvision build does not load against the CPU torch served here ("operator
   # torchvision::nms does not exist"), and transformers then fails to import any model: remove it

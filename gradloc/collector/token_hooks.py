@@ -112,6 +112,7 @@ class WatchedModule:
     module: nn.Module
     rule: TokenRule
     layer: int  # index into the token-layer list
+    site: nn.Module  # the module whose forward is hooked: ``module``, or the caller that carries its routing
 
 
 class TokenHooks:
@@ -120,9 +121,14 @@ class TokenHooks:
         self.layers: list[str] = []
         self.watched: list[WatchedModule] = []
         self.unruled: set[str] = set()  # classes with trainable parameters of their own and no rule
-        for name, module in model.named_modules():
+        by_name = dict(model.named_modules())
+        for name, module in by_name.items():
             trains = any(p.requires_grad for p in module.parameters(recurse=False))
             rule = rule_for(module)
+            site = module
+            if rule is not None and hasattr(rule, "site"):  # hooked on the caller that holds its routing
+                site = rule.site(module, by_name.get(name.rsplit(".", 1)[0]) if "." in name else None)
+                rule = rule if site is not None else None
             if rule is None and trains:
                 self.unruled.add(type(module).__name__)
             if rule is None or not trains:
@@ -130,7 +136,7 @@ class TokenHooks:
             group = layer_of.get(name, name or "<root>")
             if group not in self.layers:
                 self.layers.append(group)
-            self.watched.append(WatchedModule(name, module, rule, self.layers.index(group)))
+            self.watched.append(WatchedModule(name, module, rule, self.layers.index(group), site))
         self._handles: list[Any] = []
         self.current: MicroBatchScores | None = None
         self._suspended = False
@@ -160,9 +166,9 @@ class TokenHooks:
                 def kw_hook(module: nn.Module, args: tuple, kwargs: dict, out: Any, hook=hook,  # noqa: ANN001
                             call_args=call_args) -> torch.Tensor | None:
                     return hook(module, call_args(args, kwargs), out)
-                self._handles.append(w.module.register_forward_hook(kw_hook, with_kwargs=True))
+                self._handles.append(w.site.register_forward_hook(kw_hook, with_kwargs=True))
             else:
-                self._handles.append(w.module.register_forward_hook(hook))
+                self._handles.append(w.site.register_forward_hook(hook))
 
     def detach(self) -> None:
         for h in self._handles:

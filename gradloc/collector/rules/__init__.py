@@ -3,6 +3,7 @@ from gradloc.collector.rules import (  # noqa: F401  (registers)
     conv1d,
     embedding,
     experts,
+    grouped_experts,
     layer_norm,
     linear,
     rms_norm,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradloc.collector.rules.registry import register_rule, sq_norm_last
+from gradloc.collector.rules.registry import register_duck_rule, register_rule, sq_norm_last
 
 
 @register_rule(nn.Embedding)
@@ -25,3 +25,30 @@ class EmbeddingRule:
     def score(self, module: nn.Module, saved: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
         g_sq = sq_norm_last(g)  # (*lead, d) -> (*lead)
         return g_sq if saved is None else g_sq * saved
+
+
+def is_vocab_parallel_embedding(module: nn.Module) -> bool:
+    """torchtitan's ``Embedding``: an nn.Embedding whose own forward splits the vocabulary over a TP group
+    (``tp_group``; None: a plain lookup)."""
+    return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward \
+        and hasattr(module, "tp_group")
+
+
+@register_duck_rule(is_vocab_parallel_embedding)
+class VocabParallelEmbeddingRule(EmbeddingRule):
+    """Rank r holds rows [offset, offset + rows) of a vocabulary split in chunks of ⌈V/tp⌉: position p
+    routes g_p into this rank's ∇E only when its id falls there (the forward masks the others' output), so
+    the score is ‖g_p‖² there and 0 elsewhere; the TP group's scores add up to the whole table's."""
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        keep = EmbeddingRule.capture(self, module, x, y)
+        group = module.tp_group
+        if group is None:
+            return keep
+        import torch.distributed as dist
+
+        rows = module.weight.to_local().shape[0] if hasattr(module.weight, "to_local") else module.weight.shape[0]
+        offset = dist.get_rank(group) * ((module.num_embeddings + dist.get_world_size(group) - 1)
+                                         // dist.get_world_size(group))
+        mine = (x >= offset) & (x < offset + rows)  # (*lead) bool
+        return mine if keep is None else mine & keep

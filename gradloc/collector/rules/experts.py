@@ -5,20 +5,13 @@ its kernels).
 The module holds every expert in 3D parameters: ``gate_up_proj`` (E, 2I, H) and ``down_proj``
 (E, H, I) (gpt-oss transposed, (E, H, 2I) and (E, I, H), with per-expert biases and interleaved
 gate/up columns), and is called as ``experts(x (N, H), top_k_index (N, K), top_k_weights (N, K))``,
-returning y_p = Σ_k w_pk · f_{e_pk}(x_p). Token p routes, through each of its experts e = e_pk
-(distinct slices, so the squares add):
-
-- into ∇down[e]: δ_pk h_pkᵀ with δ_pk = w_pk g_p (g = ∂L/∂y) and h_pk = act(u_pk), u_pk = W_gu[e] x_p:
-  ‖δ_pk‖²‖h_pk‖² (+ ‖δ_pk‖² for down's bias);
-- into ∇gate_up[e]: ε_pk x_pᵀ with ε_pk = act'(u_pk)ᵀ (W_down[e]ᵀ δ_pk): ‖ε_pk‖²‖x_p‖² (+ ‖ε_pk‖²).
-
-The backward hook recomputes u and h for the routed tokens, expert by expert as HF's eager
-implementation does (its host syncs included: which experts were hit), and takes ε by autograd
-through the module's own activation (``act_fn`` on the two halves, or gpt-oss's ``_apply_gate``):
-about the cost of the experts' forward once more, on flagged and healthy steps alike. Checked
-against per-token autograd for every layout and implementation (tests/collector/rules/test_moe.py).
-The routing weights' gradient reaches the router (rules/router.py). Not under torch.compile (the
-recomputation is data-dependent): there the experts stay unscored, their gradient unattributed.
+returning y_p = Σ_k w_pk · f_{e_pk}(x_p). The score is ``rules/routed.py``'s, with ε taken by
+autograd through the module's own activation (``act_fn`` on the two halves, or gpt-oss's
+``_apply_gate``): about the cost of the experts' forward once more, on flagged and healthy steps
+alike. Checked against per-token autograd for every layout and implementation
+(tests/collector/rules/test_moe.py). The routing weights' gradient reaches the router
+(rules/router.py). Not under torch.compile (the recomputation is data-dependent): there the experts
+stay unscored, their gradient unattributed.
 """
 from __future__ import annotations
 
@@ -27,7 +20,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gradloc.collector.rules.registry import feature_lead, register_duck_rule, sq_norm_last
+from gradloc.collector.rules.registry import feature_lead, register_duck_rule
+from gradloc.collector.rules.routed import ExpertMath, glu, routed_scores
 
 
 def _layout(module: nn.Module) -> str | None:
@@ -52,12 +46,7 @@ def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | N
     if callable(getattr(module, "_apply_gate", None)):  # gpt-oss: interleaved gate/up, clamped GLU
         return module._apply_gate
     act = getattr(module, "act_fn", None)
-    if callable(act):
-        def glu(u: torch.Tensor) -> torch.Tensor:
-            gate, up = u.chunk(2, dim=-1)
-            return act(gate) * up
-        return glu
-    return None
+    return glu(act) if callable(act) else None
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -88,36 +77,16 @@ class FusedExpertsRule:
     def score(self, module: nn.Module, saved: Any, g: torch.Tensor) -> torch.Tensor:
         x, idx, w = saved  # (N, H), (N, K), (N, K)
         rows = _layout(module) == "rows"
-        act = _activation(module)
         gu, dn = module.gate_up_proj, module.down_proj
-        gu_b, dn_b = _bias(module, "gate_up_proj_bias"), _bias(module, "down_proj_bias")
-        out = torch.zeros(x.shape[0], dtype=torch.float32, device=g.device)
-        x_sq = sq_norm_last(x)  # (N, H) -> (N,)
-        E = gu.shape[0]
-        for e in torch.unique(idx).tolist():  # the experts hit (host sync, as HF's eager experts)
-            if not 0 <= e < E:
-                continue  # an index outside the experts: a dropped token (HF masks with E)
-            tok, slot = torch.where(idx == e)  # the (token, slot) pairs routed to e
-            xe = x[tok]  # (n, H)
-            u = xe @ (gu[e].t() if rows else gu[e])  # (n, 2I)
-            if getattr(module, "gate_up_proj_bias", None) is not None:
-                u = u + module.gate_up_proj_bias[e]
-            d_out = g[tok] * w[tok, slot].unsqueeze(-1).to(g.dtype)  # (n, H): ∂L/∂(expert e's output)
-            with torch.enable_grad():
-                u_ = u.detach().requires_grad_(True)
-                h = act(u_)  # (n, I)
-                d_h = d_out.to(h.dtype) @ (dn[e] if rows else dn[e].t())  # (n, I)
-                (d_u,) = torch.autograd.grad(h, u_, d_h)  # (n, 2I)
-            d_sq = sq_norm_last(d_out)  # (n,)
-            s = torch.zeros_like(d_sq)
-            if dn.requires_grad:
-                s = s + d_sq * sq_norm_last(h.detach())
-            if dn_b is not None:
-                s = s + d_sq
-            e_sq = sq_norm_last(d_u)
-            if gu.requires_grad:
-                s = s + e_sq * x_sq[tok]
-            if gu_b is not None:
-                s = s + e_sq
-            out.index_add_(0, tok, s)
-        return out
+        gu_b = getattr(module, "gate_up_proj_bias", None)
+
+        def up(e: int, xe: torch.Tensor) -> torch.Tensor:
+            u = xe @ (gu[e].t() if rows else gu[e])  # (n, H) -> (n, 2I)
+            return u + gu_b[e] if gu_b is not None else u
+
+        math = ExpertMath(n_experts=gu.shape[0], up=up, act=_activation(module),
+                          down_t=lambda e, d: d @ (dn[e] if rows else dn[e].t()),  # (n, H) -> (n, I)
+                          down_trains=dn.requires_grad,
+                          down_bias=_bias(module, "down_proj_bias") is not None, up_trains=gu.requires_grad,
+                          up_bias=_bias(module, "gate_up_proj_bias") is not None)
+        return routed_scores(x, idx, w, g, math)

@@ -146,3 +146,27 @@ def test_padding_idx_positions_score_zero_through_hooks():
     finally:
         handle.remove()
         mon.close()
+
+
+class _VocabSlice(nn.Embedding):
+    """The vocab-parallel shape of torchtitan's Embedding (its own forward, ``tp_group``); with no group it is
+    a plain lookup. The TP case is checked against a single-process reference in tests/distributed."""
+
+    tp_group = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        return nn.functional.embedding(input, self.weight, self.padding_idx)
+
+
+@SETTINGS
+@given(lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), vocab=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_vocab_parallel_embedding_without_a_group_matches_per_position_autograd(lead, vocab, seed):
+    from gradloc.collector.rules.embedding import VocabParallelEmbeddingRule
+
+    torch.manual_seed(seed)
+    emb = _VocabSlice(vocab, 3).double()
+    ids = torch.randint(0, vocab, tuple(lead))
+    g = torch.randn(*lead, 3, dtype=torch.float64)
+    rule, _, _, score = rule_score(emb, ids, g)
+    assert isinstance(rule, VocabParallelEmbeddingRule)
+    torch.testing.assert_close(score.double(), per_position_reference(emb, ids, g, 0), rtol=1e-5, atol=1e-9)
