@@ -24,9 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradloc.adapters import job_setup, on_spike
-from gradloc.adapters.dist import CollectiveTimeout
-from gradloc.adapters.dist_spike import DistSpikePath
+from gradloc.adapters import on_spike
 from gradloc.adapters.fanout import Fanout
 from gradloc.adapters.samples import SampleWatch
 from gradloc.adapters.spike import SpikeInputs, SpikePath, heads_of, scaler_state
@@ -34,6 +32,7 @@ from gradloc.adapters.token_path import TokenPath
 from gradloc.adapters.update_hooks import UpdateHooks
 from gradloc.collector import rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
+from gradloc.collector.job import as_judged
 from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
@@ -43,6 +42,8 @@ from gradloc.config import WatchConfig
 from gradloc.detector import LOCALIZE, SpikeDetector, opens_incident
 from gradloc.errors import AttachError, BatchMetadataError, ConfigError, UnsupportedModelError
 from gradloc.localizer import Localizer, ProbeFn
+from gradloc.parallel.comm import CollectiveTimeout
+from gradloc.parallel.job import check_model, resolve
 from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord
 from gradloc.sinks import Sink, default_sinks
 
@@ -61,19 +62,20 @@ class Monitor:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: WatchConfig | None = None, decode: Callable[[list[int]], str] | Any = None,
                  sinks: Sequence[Sink] = ()) -> None:
-        model = job_setup.check_model(model, config or WatchConfig())  # a torch.compile wrapper: its module
+        model = check_model(model)  # a torch.compile wrapper: its module
         self.model, self.optimizer = model, optimizer
-        job = job_setup.resolve(model, config or WatchConfig())
+        self.job = job = resolve(model, config or WatchConfig())
         self.config = cfg = job.config
-        self.comm, self.job_kind = job.comm, job.kind  # a DDP/FSDP2 job: one collective per step, spikes together
-        watched = job.model  # DDP, DeepSpeed: the inner module (the same parameters, no "module." prefix)
-        self.layer_stats = job_setup.layer_stats(model, watched, cfg, job.kind, job.comm)
+        self.comm, self.job_kind = job.world, job.kind  # a job: one gather per step, spikes together
+        watched = job.model  # DDP, DeepSpeed, a pipeline stage: the inner module (the same parameters)
+        self.layer_stats = job.layer_stats()
         if job.kind == "deepspeed":
             self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
-        if cfg.token_stats == on_spike.MODE and job.kind not in ("single", "ddp"):
-            raise ConfigError(f"token_stats='on_spike' re-runs a flagged step's micro-batches; under {job.kind} every "
-                              "forward is a collective over all ranks: use token_stats=True there")
+        if cfg.token_stats == on_spike.MODE and (job.kind not in ("single", "ddp") or job.parts):
+            what = job.kind if not job.parts else " × ".join(b.name for b in job.parts)
+            raise ConfigError(f"token_stats='on_spike' re-runs a flagged step's micro-batches; under {what} every "
+                              "forward is a collective over several ranks: use token_stats=True there")
         if self.hooks is not None and not self.hooks.watched:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
@@ -83,6 +85,11 @@ class Monitor:
             log.warning("gradloc: no per-token rule for %s (an unknown layout, or a parameter used inside another "
                         "module's computation): their gradient is reported as unattributed_share, never guessed; "
                         "gradloc.register_rule adds one", ", ".join(sorted(self.hooks.unruled)))
+        try:  # every rank together: layout, the job's layers, replica weights (one gather)
+            job.attach_collectors(self.layer_stats, self.hooks)
+        except CollectiveTimeout as exc:
+            raise AttachError(f"gradloc: the ranks did not all attach within {cfg.collective_timeout_s:g} s "
+                              f"(call gradloc.watch on every rank): {exc}") from exc
         covered = self.hooks.covered_modules if self.hooks else set()
         owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
         self.layer_stats.set_uncovered([o not in covered for o in owners])
@@ -92,31 +99,30 @@ class Monitor:
         self.meter = OverheadMeter(cfg.max_overhead, cuda=self.layer_stats.device.type == "cuda")
         self.update_ratios = UpdateRatioTracker(self.layer_stats.params, self.layer_stats.group_of,
                                                 self.layer_stats.n_layers, window_bytes(self.config, self.layer_stats),
-                                                self.layer_stats.device)
+                                                self.layer_stats.device, self.job.weights,
+                                                self.layer_stats.numel if self.job.weights is not None else None)
         self.counters: Counter[str] = Counter()
-        self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job.probe_context,
+        self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job,
                                 self.counters)
         self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,
                                     lambda: self._pending.record.step if self._pending is not None else None)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         if self.comm is not None:
             self.detector.agree = self._any_rank
-        spike_args = (watched if job.kind == "deepspeed" else model, self.layer_stats.params, self.hooks.layers if self.hooks else [],
-                      Localizer(cfg.localizer, getattr(decode, "decode", decode)), cfg, self.pause_token_hooks,
-                      self.counters)
-        heads = heads_of(self.hooks.watched) if self.hooks else {}
-        self.spikes = SpikePath(*spike_args, heads=heads) if self.comm is None else \
-            DistSpikePath(*spike_args, heads=heads, comm=self.comm, kind=self.job_kind, probe_context=job.probe_context,
-                          deepspeed=self.layer_stats if job.kind == "deepspeed" else None)
+        self.spikes = SpikePath(job, self.layer_stats, self.hooks.layers if self.hooks else [],
+                                Localizer(cfg.localizer, getattr(decode, "decode", decode)), self.pause_token_hooks,
+                                self.counters, heads=heads_of(self.hooks.watched) if self.hooks else {})
         self._fanout = Fanout([*sinks, *default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)],
                               self.counters)
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
-        self.samples = SampleWatch(cfg.samples, getattr(decode, "decode", decode), self.counters)  # outlier findings
+        self.samples = SampleWatch(cfg.samples if job.judges_samples else replace(cfg.samples, enabled=False),
+                                   getattr(decode, "decode", decode), self.counters)  # outlier findings
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
         self._parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]] = []
         self._open: MicroBatchMeta | None = None  # the micro-batch block being run
+        self.pending_probe: ProbeFn | None = None  # a pipeline step's probe (parallel/pp.py), for end_step
         self._rl: dict[int, rl_fields.RLTensors] = {}  # micro-batch index -> its RL fields
         self._pending: Assembled | None = None
         self.attached = False
@@ -128,13 +134,6 @@ class Monitor:
     def attach(self) -> "Monitor":
         if self.attached or self.model in _ATTACHED:
             raise AttachError("this model already has a gradloc monitor attached; detach() it first")
-        if self.comm is not None:
-            try:
-                job_setup.check_consistent(self.comm, self.config, self.layer_stats.layers,
-                                           self.hooks.layers if self.hooks else [])
-            except CollectiveTimeout as exc:
-                raise AttachError(f"gradloc: the ranks did not all attach within {self.config.collective_timeout_s:g} s "
-                                  f"(call gradloc.watch on every rank): {exc}") from exc
         if self.tokens.live:
             self.hooks.attach()
         self._updates.attach(self.optimizer)
@@ -195,28 +194,57 @@ class Monitor:
         ``gradloc.SampleInfo`` per sample: request, completion, prompt and response spans) ride
         along into incidents; ``gradloc.adapters.rl`` builds them from rollouts.
         """
-        t0 = self.meter.begin()
         meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids,
                          sample_infos)
+        self.open_block(meta)
+        try:
+            yield meta
+        except BaseException:
+            self.close_block(failed=True)
+            raise
+        self.close_block()
+
+    def open_block(self, meta: MicroBatchMeta) -> None:
+        """Start capturing micro-batch ``meta`` (``micro_batch`` does it; a pipeline step per chunk)."""
+        t0 = self.meter.begin()
         if self.tokens.live:
             breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
             self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=self.samples.labels(meta))
         self.meter.end(t0)
         self._open = meta
-        try:
-            yield meta
-        except BaseException:
+
+    @property
+    def block_open(self) -> bool:
+        return self._open is not None
+
+    def close_block(self, failed: bool = False) -> None:
+        meta, self._open = self._open, None
+        if failed:
             if self.tokens.live:
                 self.hooks.end()
-            self._open = None
             self._rl.pop(meta.index, None)
             self.counters["failed_micro_batches"] += 1  # e.g. an OOM the user retries: not part of the step
-            raise
-        self._open = None
+            return
         buf = self.hooks.end() if self.tokens.live else None
         self._parts.append((meta, buf))
         if buf is not None:
             self.tokens.check_wiring(buf, setup=self.config.strict and not self.history and self._pending is None)
+
+    def pipeline_step(self, schedule: Any, *, inputs: Any = None, target: Any = None, token_ids: Any = None,
+                      loss_mask: Any = None, sample_ids: Sequence[object] | None = None, token_loss: Any = None,
+                      **step_kwargs: Any) -> list:
+        """One step of a pipeline-parallel job (``watch(stage)``), in place of ``schedule.step`` on every stage:
+        ``inputs`` (the first stage's batch), ``target`` (the last stage's), ``token_ids`` (the ids each loss
+        position scores; default ``target``; give them on every stage), ``token_loss(output, target)``: the
+        per-token loss terms (B, T) whose sum is the schedule's ``loss_fn`` (for probes). Returns the last
+        stage's per-micro-batch losses ([] elsewhere). See gradloc/parallel/pp.py."""
+        from gradloc.parallel.pp import PipelineStep
+
+        backend = self.job.part("pp")
+        if backend is None:
+            raise ConfigError("pipeline_step needs a monitor watching a pipeline stage: gradloc.watch(stage)")
+        return PipelineStep(self, backend, schedule).run(inputs, target, token_ids, loss_mask, sample_ids,
+                                                         token_loss, step_kwargs)
 
     def rl_fields(self, **fields: torch.Tensor | None) -> None:
         """Per-token RL fields of the current micro-batch, from tensors the loss already has; call
@@ -251,6 +279,9 @@ class Monitor:
             self._leave_job()
         if self.job_kind == "deepspeed":
             probe = self._deepspeed_checks(probe)
+        if probe is None and self.pending_probe is not None:  # a pipeline step's own probe (parallel/pp.py)
+            probe = self.pending_probe
+        self.pending_probe = None
         if self._ended == 0 and self.config.remedy == "drop_culprits" and probe is None:
             raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
                               "without probes no culprit set is verified and ∇_C is unknown")
@@ -278,8 +309,10 @@ class Monitor:
         self._emit_pending(ratios)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None)
+        if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
+            record, scores = self.tokens.checked(record, scores, assembled.check)
         record = self.samples.judge_step(record, assembled.samples, [m for m, _ in parts])
-        spike = self.detector.observe(job_setup.as_judged(record, assembled.job))
+        spike = self.detector.observe(as_judged(record, assembled.job))
         self._pending = replace(assembled, record=replace(record, **self.detector.band(spike)))
         self.meter.end(t1)
         incident = None
@@ -323,9 +356,8 @@ class Monitor:
         self.counters["left_job"] += 1
         self.comm = None
         self.detector.agree = None
-        spikes = self.spikes
-        self.spikes = SpikePath(spikes.model, spikes.params, spikes.token_layers, spikes.localizer, spikes.cfg,
-                                spikes.pause_hooks, spikes.counters, heads=spikes.heads)
+        self.spikes.alone = True
+        self.tokens.alone = True
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank of the job: one all-reduce, on a step above the detector's

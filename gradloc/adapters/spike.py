@@ -1,7 +1,13 @@
 """A flagged step → :class:`~gradloc.records.Incident`: localize (probes), then the opt-in remedy.
 
-Runs on the training thread inside ``Monitor.end_step``, on spike steps only. Never raises: a
-failed localization becomes an ``unavailable`` localization with the error in its note.
+One path for one process and for a job of W ranks (W = 1 is a job too, of one rank): the one
+:class:`~gradloc.localizer.Localizer` with a scope — one process: its own probes against its own
+gradient (``localizer/scope.SoloScope``); a job: ``parallel/scope.py``, where every rank enters together
+(the spike is judged on the job's step) and takes the same path, and rank 0 emits the incident.
+
+Runs on the training thread inside ``Monitor.end_step``, on spike steps only. Never raises: a failed
+localization becomes an ``unavailable`` localization with the error in its note (in a job: a
+collective past its deadline, or a probe that raised on some rank, naming it).
 """
 from __future__ import annotations
 
@@ -9,19 +15,23 @@ import logging
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from gradloc.collector.token_summary import StepScores
-from gradloc.config import WatchConfig
 from gradloc.detector import LOCALIZE
 from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
 from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.remedy import apply_remedy
+from gradloc.localizer.scope import ProbeFailed
+from gradloc.parallel.comm import CollectiveTimeout
 from gradloc.records import Incident, IncidentScope, Localization, Method, SpikeEvent, Status, StepRecord
+
+if TYPE_CHECKING:
+    from gradloc.parallel.job import Job
 
 log = logging.getLogger("gradloc")
 
@@ -48,14 +58,19 @@ class SpikeInputs:
 
 
 class SpikePath:
-    scope = IncidentScope.RANK  # the incidents' scope (records.Incident.scope)
-
-    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], token_layers: Sequence[str],
-                 localizer: Localizer, cfg: WatchConfig, pause_hooks: Callable[[bool], None],
-                 counters: Counter[str], heads: dict[int, nn.Module] | None = None) -> None:
-        self.model, self.params, self.token_layers = model, list(params), list(token_layers)
-        self.localizer, self.cfg, self.pause_hooks, self.counters = localizer, cfg, pause_hooks, counters
+    def __init__(self, job: "Job", layer_stats: Any, token_layers: Sequence[str], localizer: Localizer,
+                 pause_hooks: Callable[[bool], None], counters: Counter[str],
+                 heads: dict[int, nn.Module] | None = None) -> None:
+        self.job, self.layer_stats, self.token_layers = job, layer_stats, list(token_layers)
+        self.params = list(layer_stats.params)
+        self.localizer, self.cfg, self.pause_hooks, self.counters = localizer, job.config, pause_hooks, counters
         self.heads = dict(heads or {})  # token-layer index -> its one module (for the decomposition probe)
+        self.alone = job.world is None  # one process, or a rank that left its job after a failed collective
+        self.model = job.model  # the watched module: probes save and restore its buffers
+
+    @property
+    def scope(self) -> IncidentScope:
+        return IncidentScope.RANK if self.alone else IncidentScope.JOB  # the incidents' scope
 
     def head_for(self, view: TokenView | None) -> nn.Module | None:
         """The module of the view's exact (loss-head) layer, when that layer is one module."""
@@ -86,27 +101,51 @@ class SpikePath:
 
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
         rec = x.record
+        where = "" if self.alone else f" on rank {self.job.config.rank}"
         try:
             view = token_view(x.scores, self.token_layers, x.scale, x.unattributed_share, x.rl)
             stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale,
                                     rec.global_norm)
-            opener = None
-            if x.probe is not None and x.scores is not None:
-                scores, probe = x.scores, x.probe
-
-                def opener() -> ProbeSession:
-                    return ProbeSession(self.model, self.params, scores.metas, probe, self.pause_hooks)
             s = x.spike
-            ctx = SpikeContext(s.mean, rec.loss, s.loss_mean, s.std, self.cfg.detector.z_threshold,
-                               outliers=outlier_samples(rec))
-            return self.localizer.localize(rec.step, view, stored, opener, ctx,
-                                           keep_grad=self.cfg.remedy == "drop_culprits", head=self.head_for(view))
-        except Exception as exc:  # never raise into the training loop
+            ctx = SpikeContext(s.mean, x.job_loss if not self.alone else rec.loss, s.loss_mean, s.std,
+                               self.cfg.detector.z_threshold, outliers=outlier_samples(rec))
+            keep = self.cfg.remedy == "drop_culprits"
+            if self.alone:
+                return self.localizer.localize(rec.step, view, stored, self._opener(x), ctx, keep_grad=keep,
+                                               head=self.head_for(view))
+            return self.localizer.localize(rec.step, view, stored, None, ctx, keep_grad=keep, head=self.head_for(view),
+                                           scope=self._job_scope(x, stored), has_probe=x.probe is not None)
+        except CollectiveTimeout as exc:
+            self.counters["collective_timeouts"] += 1
+            note = f"localization failed: {exc}"
+        except ProbeFailed as exc:  # every rank got here together: the job's collectives stay in lockstep
+            self.counters["probe_errors"] += 1
+            note = f"localization failed: {exc}"
+        except Exception as exc:  # never raise into the training loop (in a job: the other ranks time out)
             self.counters["localize_errors"] += 1
-            log.warning("gradloc: localization of step %d failed: %s", rec.step, exc, exc_info=True)
-            return LocalizeResult(Localization(step=rec.step, method=Method.NONE, status=Status.UNAVAILABLE, probes=0,
-                                               global_norm=rec.global_norm,
-                                               note=f"localization failed: {type(exc).__name__}: {exc}"))
+            log.warning("gradloc: localization of step %d failed%s: %s", rec.step, where, exc, exc_info=True)
+            note = f"localization failed{where}: {type(exc).__name__}: {exc}"
+        return LocalizeResult(Localization(step=rec.step, method=Method.NONE, status=Status.UNAVAILABLE, probes=0,
+                                           global_norm=rec.global_norm, note=note))
+
+    def _opener(self, x: SpikeInputs) -> Callable[[], ProbeSession] | None:
+        if x.probe is None or x.scores is None:
+            return None
+        scores, probe = x.scores, x.probe
+
+        def opener() -> ProbeSession:
+            return ProbeSession(self.model, self.params, scores.metas, probe, self.pause_hooks)
+        return opener
+
+    def _job_scope(self, x: SpikeInputs, stored: StoredGradient) -> Any:
+        from gradloc.parallel.scope import JobScope, ZeroScope
+
+        args = dict(job=self.job, params=self.params, metas=x.scores.metas if x.scores is not None else (),
+                    probe=x.probe, pause_hooks=self.pause_hooks, grads=stored.grads, inv_scale=stored.inv_scale,
+                    norm=stored.norm)
+        if self.job.kind == "deepspeed":
+            return ZeroScope(deepspeed=self.layer_stats, **args)
+        return JobScope(view=self.job.grad_view, loss_weight=self.job.loss_weight, **args)
 
 
 def heads_of(watched: Sequence[object]) -> dict[int, nn.Module]:

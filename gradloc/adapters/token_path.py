@@ -22,10 +22,11 @@ log = logging.getLogger("gradloc")
 
 class TokenPath:
     def __init__(self, hooks: TokenHooks | None, mode: bool | str, layer_stats: LayerStatsCollector,
-                 params_of: dict[str, list[int]], probe_context: Callable[[], ContextManager[Any]],
-                 counters: Counter[str]) -> None:
+                 params_of: dict[str, list[int]], job: Any, counters: Counter[str]) -> None:
         self.hooks, self.on_spike = hooks, mode == on_spike.MODE
-        self.layer_stats, self.params_of, self.probe_context, self.counters = layer_stats, params_of, probe_context, counters
+        self.layer_stats, self.params_of, self.job, self.counters = layer_stats, params_of, job, counters
+        self.probe_context = job.probe_context
+        self.alone = job.world is None  # set when the rank leaves its job: no token-group collective
         self.watched = frozenset(hooks.covered_modules) if hooks else frozenset()
 
     @property
@@ -42,7 +43,31 @@ class TokenPath:
             if buf is not None:
                 self._say_uncompilable(buf)
                 buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
-        return stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
+        scores = stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
+        layout = self.job.layout
+        if layout is None or layout.token is None or self.alone:
+            return scores
+        from gradloc.parallel.tokens import combine  # the token group (tp, pp ranks): their scores add up
+
+        last = layout.coord.get("pp", 0) == layout.size("pp") - 1
+        return combine(scores, layout.token, len(self.hooks.layers), self.job.config.layer_breakdown, last,
+                       layout.size("tp"))
+
+    def checked(self, record: Any, scores: StepScores | None, check: list[float]) -> tuple[Any, StepScores | None]:
+        """After the step's host transfer: a token group whose ranks saw different tokens has no token view
+        this step (every rank of it drops it, counted and said once); else the exact layer's index."""
+        from dataclasses import replace
+
+        from gradloc.parallel.tokens import exact_layer, mismatch
+
+        if mismatch(check):
+            self.counters["token_group_mismatch"] += 1
+            if self.counters["token_group_mismatch"] == 1:
+                log.warning("gradloc: the tensor/pipeline-parallel ranks of a data index were given different token "
+                            "ids or loss masks (step %d): their per-token statistics are dropped for such steps; every "
+                            "tp/pp rank must see the same micro-batches", record.step)
+            return replace(record, tokens=None), None
+        return record, (replace(scores, exact_layer=exact_layer(check)) if scores is not None else None)
 
     def check_wiring(self, buf: MicroBatchScores, setup: bool) -> None:
         """At a micro-batch block's exit: hooks that never ran (a graph compiled before they existed)

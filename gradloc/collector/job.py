@@ -13,11 +13,14 @@ floats; nothing else communicates on a healthy step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from gradloc.records import StepRecord
 
 
 class Gather(Protocol):
@@ -73,3 +76,14 @@ def job_view(rows: np.ndarray) -> JobView:
     total = float(np.nansum(rows[:, 2]))
     top = float(np.nanmax(rows[:, 1])) if np.isfinite(rows[:, 1]).any() else 0.0
     return JobView(float(losses.mean()) if losses.size else None, top / total if total > 0 else 0.0)
+
+
+def as_judged(record: "StepRecord", job: JobView | None) -> "StepRecord":
+    """What the detector sees: in a multi-rank job the job's loss and top-token share, so that every
+    rank's detector gets the same inputs and every rank takes the same path at a spike. Each rank's
+    samples stay its own: the detector asks the job whether any rank holds an outlier
+    (``SpikeDetector.agree``) on a step above its sample band."""
+    if job is None:
+        return record
+    tokens = replace(record.tokens, top_share=job.top_share) if record.tokens is not None else None
+    return replace(record, loss=job.loss, tokens=tokens)

@@ -3,17 +3,23 @@
 Layout of :meth:`LayerStatsCollector.grad_pack` (all float32, length 4·L + 1 for L layer groups):
 ``[grad_sq(L) | grad_max_abs(L) | param_sq(L) | present(L) | uncovered_sq]``. Exact non-finite
 counts are only computed on the rare path where a norm came out non-finite.
+
+In a job (``parallel/job.py``, :meth:`LayerStatsCollector.relayout`) L is the job's layer list (every
+pipeline stage's layers) and each parameter's squares are multiplied by its replica weight (1 / the
+ranks holding the same slice), so that the world-wide sum of the ranks' packs is the job's exact pack.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from gradloc.config import LayerGrouping
 from gradloc.records import LayerStats
+
+GradViewFn = Callable[[list, list], tuple[list, list[float]]]  # (grads, params) -> (local values, weight factors)
 
 
 def group_name(param_name: str, grouping: LayerGrouping) -> str:
@@ -74,6 +80,21 @@ class _DeviceGroup:
     group_index: torch.Tensor  # (len(members),) long: layer group of each member
     uncovered: torch.Tensor | None = None  # (len(members),) 0/1: no per-token rule attributes it
     partial: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    weight: torch.Tensor | None = None  # (len(members),) each parameter's replica weight (1 outside a job)
+
+    def __post_init__(self) -> None:
+        if self.weight is None:
+            self.weight = torch.ones(len(self.members), device=self.device)
+        self._factors: dict[tuple[float, ...], torch.Tensor] = {}
+
+    def factor(self, factors: tuple[float, ...]) -> torch.Tensor:
+        """The gradients' placement factors as a device tensor (cached: they repeat every step)."""
+        t = self._factors.get(factors)
+        if t is None:
+            if len(self._factors) >= 16:
+                self._factors.clear()
+            t = self._factors[factors] = torch.tensor(factors, device=self.device)
+        return t
 
 
 class LayerStatsCollector:
@@ -87,16 +108,36 @@ class LayerStatsCollector:
     def __init__(self, model: nn.Module, grouping: LayerGrouping) -> None:
         g = ParamGroups.of(model, grouping)
         self.names, self.params, self.layers, self.group_of, self.numel = g.names, g.params, g.layers, g.group_of, g.numel
+        self.local_layers, self.local_numel = list(g.layers), list(g.numel)  # this rank's own, before relayout
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        # FSDP2: parameters and gradients are DTensors; statistics are of this rank's shards, summed
-        # over ranks by one collective per step (adapters/dist_step.py)
-        self.sharded = any(hasattr(p, "to_local") for p in self.params)
+        # in a job whose ranks hold slices (FSDP2, TP, PP): this rank's weighted share, summed over the
+        # world by the step's one gather (collector/job.py); False: every rank's pack is the job's
+        self.sharded = False
+        self.weights: list[float] = [1.0] * len(self.params)
+        self.grad_view: GradViewFn | None = None  # set in a job whose gradients are DTensors (parallel/placement.py)
+        self._build_groups()
+
+    def _build_groups(self) -> None:
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(self.params):
             by_device.setdefault(p.device, []).append(i)
         self._groups = [_DeviceGroup(dev, members, torch.tensor([self.group_of[i] for i in members],
-                                                                dtype=torch.long, device=dev))
+                                                                dtype=torch.long, device=dev),
+                                     weight=torch.tensor([self.weights[i] for i in members], device=dev))
                         for dev, members in by_device.items()]
+
+    def relayout(self, layers: Sequence[str], numel: Sequence[int], index: Sequence[int],
+                 weights: Sequence[float] | None, grad_view: GradViewFn | None = None) -> None:
+        """The job's layers (this rank's layer i is the job's ``index[i]``) and each parameter's replica
+        weight (None: every rank's pack is the job's already). ``grad_view(grads, params)``: the gradients'
+        local values, with DTensor Partial placements summed over their group (a collective), and the factor
+        of each parameter's weight for its gradient's placement (parallel/placement.GradView)."""
+        self.layers, self.numel = list(layers), list(numel)
+        self.group_of = [int(index[g]) for g in self.group_of]
+        self.sharded = weights is not None
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.params)
+        self.grad_view = grad_view
+        self._build_groups()
 
     @property
     def n_layers(self) -> int:
@@ -146,17 +187,26 @@ class LayerStatsCollector:
         if isinstance(inv_scale, torch.Tensor):  # a float64 GradScaler scale would promote the packs
             inv_scale = inv_scale.to(g.device, torch.float32)
         present = [j for j, i in enumerate(g.members) if self.params[i].grad is not None]
-        idx = g.group_index if len(present) == len(g.members) else self._index_for(g, tuple(present))
-        grads = [local(self.params[g.members[j]].grad) for j in present]
-        params = [local(self.params[g.members[j]].detach()) for j in present]
+        whole = len(present) == len(g.members)
+        idx = g.group_index if whole else self._index_for(g, tuple(present))
+        raw = [self.params[g.members[j]].grad for j in present]
         zeros = torch.zeros(L, device=g.device)
-        if not grads:
+        if not raw:
             return torch.cat([zeros, zeros, zeros, zeros, zeros[:1]])
+        w = g.weight if whole else g.weight[present]  # (P_present,) the parameters' replica weights
+        wg = w
+        if self.grad_view is not None:  # DTensor gradients: local values, and their own placements' weights
+            grads, factors = self.grad_view(raw, [self.params[g.members[j]] for j in present])
+            if any(f != 1.0 for f in factors):
+                wg = w * g.factor(tuple(factors))
+        else:
+            grads = [local(t) for t in raw]
+        params = [local(self.params[g.members[j]].detach()) for j in present]
         g_norm = foreach_norms(grads)  # (P_present,)
-        g_sq = g_norm.pow(2) * inv_scale**2
+        g_sq = g_norm.pow(2) * inv_scale**2 * wg
         grad_sq = zeros.index_add(0, idx, g_sq)
         grad_max = zeros.scatter_reduce(0, idx, max_abs(grads) * inv_scale, "amax", include_self=True)
-        param_sq = zeros.index_add(0, idx, foreach_norms(params).pow(2))
+        param_sq = zeros.index_add(0, idx, foreach_norms(params).pow(2) * w)
         has = zeros.index_add(0, idx, torch.ones_like(g_norm))
         unc = g.uncovered if g.uncovered is not None else torch.zeros(len(g.members), device=g.device)
         unc = unc if len(present) == len(g.members) else unc[present]

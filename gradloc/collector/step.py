@@ -1,7 +1,8 @@
 """Assemble one optimizer step's measurements into a :class:`StepRecord` with one host transfer.
 
 Packed layout (float64): ``[layer pack (4L) | uncovered_sq | scale | loss? | token summary? |
-RL pack? | per-sample surprise pack? | previous step's update sums (3L)? | every rank's job vector (3W)?]``. In a multi-rank job
+RL pack? | per-sample surprise pack? | token group check (4)? | previous step's update sums (3L)? |
+every rank's job vector (3W)?]``. In a multi-rank job
 one collective precedes the transfer (collector/job.py); on one rank there is none.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class StepInputs:
     rl: torch.Tensor | None = None  # the step's RL distributions pack (collector.rl_fields.rl_pack)
     comm: Gather | None = None  # a multi-rank job: one all_gather per step (collector/job.py)
     samples: torch.Tensor | None = None  # the per-sample surprise pack (collector/surprise.py)
+    score_weight: float = 1.0  # this rank's share of the job's token scores (1 / its token group's ranks)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Assembled:
     scale: float  # host GradScaler scale (1.0 without a scaler)
     job: JobView | None = None  # a multi-rank job's step, identical on every rank
     samples: np.ndarray | None = None  # host copy of StepInputs.samples
+    check: list[float] | None = None  # host copy of the token group's check (parallel/tokens.py)
 
 
 def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
@@ -63,7 +66,7 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     rows = None
     if x.comm is not None:
         top, total = (summary[len(x.scores.metas)], summary[-1]) if summary is not None else (0.0, 0.0)
-        job = job_vector(loss_t if loss_t is not None else x.loss, top, total, dev)
+        job = job_vector(loss_t if loss_t is not None else x.loss, top, total * x.score_weight, dev)
         shared_pack, shared_update, rows = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None,
                                                        update if layers.sharded else None, job)
         pack = shared_pack if shared_pack is not None else pack
@@ -77,6 +80,8 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
         parts.append(x.rl)
     if x.samples is not None:
         parts.append(x.samples)
+    if x.scores is not None and x.scores.check is not None:
+        parts.append(x.scores.check)  # (4,)
     if update is not None:
         parts.append(update)
     if rows is not None:
@@ -112,6 +117,10 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
     if x.samples is not None:
         samples = host[pos:pos + x.samples.numel()].copy()
         pos += x.samples.numel()
+    check = None
+    if x.scores is not None and x.scores.check is not None:
+        check = [float(v) for v in host[pos:pos + 4]]
+        pos += 4
     record = StepRecord(
         job=x.job, rank=x.rank, step=x.step, time_unix=time.time(),
         global_norm=math.sqrt(total_sq) if finite else float("nan"), loss=loss,
@@ -125,7 +134,7 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
         previous = host[pos:pos + 3 * L].copy()
         pos += 3 * L
     job = job_view(host[pos:].reshape(-1, 3)) if x.comm is not None else None  # (3W,) -> (W, 3)
-    return Assembled(record, previous, scale, job, samples)
+    return Assembled(record, previous, scale, job, samples, check)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

@@ -8,7 +8,7 @@ hook: failures and shape mismatches are counted in the buffer instead.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -18,6 +18,7 @@ from gradloc.collector import compiled
 from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules import rule_for
 from gradloc.collector.rules.registry import TokenRule
+from gradloc.collector.shards import Span, TPContext, local
 
 log = logging.getLogger("gradloc")
 # Id of the backward the calling thread is executing, -1 outside backward (torch >= 2.1).
@@ -84,18 +85,25 @@ class MicroBatchScores:
     def unscored(self) -> set[str]:
         return (self.matched_modules | self.lost_modules) - self.scored_modules
 
-    def add(self, layer: int, score: torch.Tensor) -> None:
-        s = score.reshape(self.batch, self.seq)  # (*lead) -> (B, T)
+    def add(self, layer: int, score: torch.Tensor, span: Span | None = None, factor: float = 1.0) -> None:
+        """``span``: the score covers only these positions (a sequence-sharded call under TP);
+        ``factor``: what this rank's score counts (1/tp where every tp rank computes the same)."""
+        if span is None:
+            s = score.reshape(self.batch, self.seq)  # (*lead) -> (B, T)
+        else:
+            s = score.reshape((self.batch, span.length) if span.dim == 1 else (span.length, self.seq))  # -> its slice
+        if factor != 1.0:
+            s = s * factor
         if self.scores is None:
             rows = self.n_layers if self.breakdown else 2
             self.scores = torch.zeros(rows, self.batch, self.seq, device=s.device)
         s = s.to(self.scores.device)  # a model spread over devices: the scores gather on one of them
-        if self.breakdown:
-            self.scores[layer] += s
-            return
-        self.scores[0] += s
-        if layer == self.last_layer:
-            self.scores[1] += s
+        rows = [layer] if self.breakdown else ([0, 1] if layer == self.last_layer else [0])
+        for r in rows:
+            target = self.scores[r]
+            if span is not None:
+                target = target.narrow(span.dim, span.offset, span.length)  # (B, T) -> this rank's positions
+            target += s
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(Σ over layers (B, T), exact layer (B, T) or None, per layer (L, B, T) or None)."""
@@ -138,11 +146,17 @@ class TokenHooks:
                 self.layers.append(group)
             self.watched.append(WatchedModule(name, module, rule, self.layers.index(group), site))
         self._handles: list[Any] = []
+        self.tp: TPContext | None = None  # tensor parallelism (the TP backend sets it): hooks see DTensors
         self.current: MicroBatchScores | None = None
         self._suspended = False
         self.taps = compiled.TapState()  # what hooks traced by torch.compile read (compiled.py)
         self._tap_fns = [compiled.make_tap(w.rule, w.module) for w in self.watched]
         self._devices = [next(w.module.parameters()).device for w in self.watched]
+
+    def relayer(self, names: list[str], index: list[int]) -> None:
+        """The job's token layers (every pipeline stage's): this rank's token layer i is ``names[index[i]]``."""
+        self.layers = list(names)
+        self.watched = [replace(w, layer=int(index[w.layer])) for w in self.watched]
 
     @property
     def suspended(self) -> bool:
@@ -166,9 +180,9 @@ class TokenHooks:
                 def kw_hook(module: nn.Module, args: tuple, kwargs: dict, out: Any, hook=hook,  # noqa: ANN001
                             call_args=call_args) -> torch.Tensor | None:
                     return hook(module, call_args(args, kwargs), out)
-                self._handles.append(w.site.register_forward_hook(kw_hook, with_kwargs=True))
-            else:
-                self._handles.append(w.site.register_forward_hook(hook))
+                self._handles.append(w.site.register_forward_hook(kw_hook, with_kwargs=True, prepend=self.tp is not None))
+            else:  # under TP: before the parallel styles' output hooks, to see the module's own DTensor output
+                self._handles.append(w.site.register_forward_hook(hook, prepend=self.tp is not None))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -240,7 +254,7 @@ class TokenHooks:
             if buf is None or self.suspended or not torch.is_grad_enabled():
                 return
             try:
-                return _capture(w, buf, args, out)
+                return _capture(w, buf, args, out, self.tp)
             except Exception:  # never raise into the training loop
                 buf.hook_errors += 1
                 buf.lost_modules.add(w.name)
@@ -249,7 +263,8 @@ class TokenHooks:
         return hook
 
 
-def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> torch.Tensor | None:
+def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
+             tp: TPContext | None = None) -> torch.Tensor | None:
     """Capture one call; returns the output to hand on in place of the module's (fit.py), or None."""
     whole = out
     out = w.rule.output(out) if hasattr(w.rule, "output") else out  # a router's logits, first of a tuple
@@ -260,16 +275,24 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
     calls[w.name] = n = calls.get(w.name, 0) + 1
     if recompute and n <= buf.forward_calls.get(w.name, 0):
         return None  # non-reentrant: the original forward's output receives the gradient, not this re-run
-    fit = fit_call(w.rule, w.module, args[0], out, buf.batch, buf.seq)
+    x, y, span, factor = args[0], out, None, 1.0
+    if tp is not None:  # DTensor input/output: score this rank's shards (collector/shards.py)
+        lead = len(w.rule.lead_shape(w.module, local(x), local(out)))
+        view = tp.view(w.module, x, out, lead)
+        x, y, span, factor = view.x, view.out, view.span, view.factor
+    B, T = buf.batch, buf.seq
+    if span is not None:
+        B, T = (B, span.length) if span.dim == 1 else (span.length, T)
+    fit = fit_call(w.rule, w.module, x, y, B, T)
     if fit is None:  # not (B, T) positions
         buf.dropped_calls += 1
         buf.dropped_layers.add(w.layer)
         buf.lost_modules.add(w.name)
         return None
-    x, out, extra = fit.x, fit.out, fit.extra
+    x, y, extra = fit.x, fit.out, fit.extra
     with torch.no_grad():
-        saved = w.rule.capture_call(w.module, args, out, whole) if hasattr(w.rule, "capture_call") else \
-            w.rule.capture(w.module, x, out)
+        saved = w.rule.capture_call(w.module, args, y, whole) if hasattr(w.rule, "capture_call") else \
+            w.rule.capture(w.module, x, y)
     buf.matched_calls += 1
     buf.matched_modules.add(w.name)
     if not recompute:  # reentrant re-runs go in reverse block order: they never name the last layer
@@ -282,16 +305,17 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any) -> 
     def on_grad(g: torch.Tensor) -> None:
         try:
             with torch.no_grad():
-                if call and call == buf.last_call and buf.labels is not None:
+                g = local(g)
+                if call and call == buf.last_call and buf.labels is not None and span is None:
                     buf.head_u = _head_u(g, buf.labels, buf.batch, buf.seq)
-                buf.add(w.layer, score(w.rule, w.module, saved, g, extra))
+                buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
             buf.scored_modules.add(w.name)
         except Exception:
             buf.hook_errors += 1
             log.debug("gradloc: backward hook failed on %s", w.name, exc_info=True)
 
-    out.register_hook(on_grad)
-    return out if fit.replaced else None
+    (fit.out if fit.replaced else out).register_hook(on_grad)  # under TP: the DTensor output (its gradient flows)
+    return fit.out if fit.replaced else None
 
 
 def _head_u(g: torch.Tensor, labels: torch.Tensor, batch: int, seq: int) -> torch.Tensor:

@@ -25,6 +25,8 @@ class StepScores:
     dropped_layers: frozenset[int]
     unscored_modules: frozenset[str]  # watched but not scored this step: their ‖g‖² is unattributed
     exact_layer: int | None  # last watched layer in forward order (the LM head): position-exact
+    # a token group's checks (parallel/tokens.py), read with the step's host transfer; None alone
+    check: torch.Tensor | None = None
 
     @property
     def offsets(self) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ class Window:
     """One step's copy plan: the pieces, and how many elements of each layer they cover."""
 
     pieces: tuple[Piece, ...]
-    layer_elems: np.ndarray  # (L,) int64
+    layer_elems: np.ndarray  # (L,) float64: elements covered (times their replica weight)
 
 
 @dataclass
@@ -61,18 +61,25 @@ class _Live:
 
 class UpdateRatioTracker:
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], n_layers: int,
-                 window_bytes: int | None, primary: torch.device) -> None:
+                 window_bytes: int | None, primary: torch.device, weights: Sequence[float] | None = None,
+                 layer_numel: Sequence[int] | None = None) -> None:
+        """In a job whose sums are summed over the world: ``weights`` (each parameter's replica weight, so
+        that replicas count once) and ``layer_numel`` (the job's elements per layer, every stage's)."""
         self.params, self.group_of, self.n_layers = list(params), list(group_of), n_layers
         self.primary = primary
-        self.layer_numel = np.zeros(n_layers, dtype=np.int64)
-        for p, g in zip(self.params, self.group_of):
-            self.layer_numel[g] += p.numel()  # a DTensor's global count: shards' sums are summed over ranks
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.params)
+        self.layer_numel = np.zeros(n_layers, dtype=np.float64)
+        if layer_numel is not None:
+            self.layer_numel[:] = layer_numel
+        else:
+            for p, g in zip(self.params, self.group_of):
+                self.layer_numel[g] += p.numel()  # a DTensor's global count: shards' sums are summed over ranks
         total = sum(local(p).numel() * p.element_size() for p in self.params)
         self.window_bytes = total if window_bytes is None else max(0, min(int(window_bytes), total))
         self.full = self.window_bytes >= total
         self._cursor = (0, 0)  # (parameter index, element offset) where the next window starts
         self._plans: dict[tuple[int, int], tuple[Window, tuple[int, int]]] = {}
-        self._layer_index: dict[tuple[int, torch.device], torch.Tensor] = {}  # (id(window), device)
+        self._layer_index: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # (id(window), device)
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._live: _Live | None = None
         self._acc = np.zeros((3, n_layers))  # Σ‖Δ‖², Σ‖θ‖², elements covered in the current sweep
@@ -111,7 +118,7 @@ class UpdateRatioTracker:
     def _plan(self, start: tuple[int, int]) -> tuple[Window, tuple[int, int]]:
         pieces, left = [], self.window_bytes
         i, off = start
-        elems = np.zeros(self.n_layers, dtype=np.int64)
+        elems = np.zeros(self.n_layers, dtype=np.float64)
         for _ in range(2 * len(self.params) + 1):
             p = local(self.params[i])
             es, rest = p.element_size(), p.numel() - off
@@ -119,7 +126,7 @@ class UpdateRatioTracker:
             if take <= 0:
                 break
             pieces.append(Piece(i, off, take))
-            elems[self.group_of[i]] += take
+            elems[self.group_of[i]] += take * self.weights[i]  # replicas' elements count once
             left -= take * es
             off += take
             if off >= p.numel():
@@ -145,13 +152,15 @@ class UpdateRatioTracker:
             out.append(buf[o:o + pc.count * p.element_size()].view(p.dtype))  # (bytes,) -> (count,)
         return out
 
-    def _layers_of(self, window: Window, dev: torch.device, pieces: list[Piece]) -> torch.Tensor:
+    def _layers_of(self, window: Window, dev: torch.device, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer of each piece, its replica weight) on ``dev``, cached per window."""
         key = (id(window), dev)
-        idx = self._layer_index.get(key)
-        if idx is None:
-            idx = self._layer_index[key] = torch.tensor([self.group_of[pc.param] for pc in pieces],
-                                                        dtype=torch.long, device=dev)
-        return idx
+        got = self._layer_index.get(key)
+        if got is None:
+            got = self._layer_index[key] = (
+                torch.tensor([self.group_of[pc.param] for pc in pieces], dtype=torch.long, device=dev),
+                torch.tensor([self.weights[pc.param] for pc in pieces], device=dev))
+        return got
 
     def _sources(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
         return [local(self.params[pc.param].detach()).reshape(-1)[pc.start:pc.start + pc.count]  # (*shape) -> (numel,)
@@ -184,12 +193,12 @@ class UpdateRatioTracker:
         L = self.n_layers
         out = torch.zeros(3 * L, device=self.primary)
         out[2 * L:] = torch.from_numpy(live.window.layer_elems.astype(np.float32)).to(self.primary)
-        for (idx, dst, layer), before_sq in zip(live.by_device, live.before_sq):
+        for (idx, dst, (layer, w)), before_sq in zip(live.by_device, live.before_sq):
             pieces = [live.window.pieces[j] for j in idx]
             torch._foreach_sub_(dst, self._sources(pieces))  # θ_before − θ_after
             delta_sq = foreach_norms(dst).pow(2)  # (pieces,)
             part = torch.zeros(3 * L, device=layer.device)
-            part.index_add_(0, layer, delta_sq).index_add_(0, layer + L, before_sq)
+            part.index_add_(0, layer, delta_sq * w).index_add_(0, layer + L, before_sq * w)
             out += part.to(self.primary, non_blocking=True)
         return live.window, out
 
@@ -204,7 +213,7 @@ class UpdateRatioTracker:
         self._acc[0, covered] += sums[:L][covered]
         self._acc[1, covered] += sums[L:2 * L][covered]
         self._acc[2, covered] += elems[covered]
-        done = covered & (self._acc[2] >= self.layer_numel)
+        done = covered & (self._acc[2] >= self.layer_numel * (1 - 1e-5))  # float32 counts, weighted replicas
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.sqrt(self._acc[0] / self._acc[1])
         out[done] = np.where(self._acc[1][done] > 0, ratio[done], np.nan)

@@ -68,6 +68,9 @@ class ProbeSession:
         self.count += 1
         try:
             loss = self.closure(micro_batch, token_mask)
+            if getattr(self.closure, "runs_backward", False):  # a pipeline probe: its own schedule ran backward
+                self.losses.append(float(loss))
+                return [p.grad for p in self.params]
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise ProbeError("the probe closure must return a scalar loss tensor that requires grad")
             self.losses.append(float(loss.detach()))

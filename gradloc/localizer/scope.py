@@ -2,10 +2,10 @@
 
 One :class:`~gradloc.localizer.localizer.Localizer` serves a single process and a job of W ranks
 alike: a single process is W = 1 (:class:`SoloScope`, whose collectives are the identity). A scope
-owns what differs between parallelisms (``adapters/dist_scope.py`` holds DDP, FSDP2 and ZeRO):
+owns what differs between parallelisms (``parallel/scope.py`` holds the job's):
 
 - ``comm``: the collectives every rank enters together (all-gather of a fixed-size tensor or of a
-  picklable object, all-reduce); ``adapters.dist.JobComm`` puts a deadline on each;
+  picklable object, all-reduce); ``parallel.comm.JobComm`` puts a deadline on each;
 - ``session()``: a probe session in whatever context the probes need (DDP: ``no_sync``);
 - ``lockstep``: every rank must take part in every probe (FSDP2, ZeRO-3: a probe's forward gathers
   parameters), with an all-false token mask when it has nothing to probe;

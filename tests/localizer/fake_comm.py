@@ -1,6 +1,6 @@
 """An in-process job of W ranks for the localizer's unit tests: one thread per rank, collectives by
 exchange through a barrier (every call has a deadline, so a rank that takes another path fails the
-test instead of hanging it). It stands in for ``adapters.dist.JobComm`` (gloo): the decisions under
+test instead of hanging it). It stands in for ``parallel.comm.JobComm`` (gloo): the decisions under
 test are the localizer's, identical whatever carries the bytes; the real collectives are tested by
 tests/distributed/."""
 from __future__ import annotations

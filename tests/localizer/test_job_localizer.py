@@ -12,7 +12,11 @@ import contextlib
 import pytest
 import torch
 
-from gradloc.adapters.dist_scope import DDPScope
+from gradloc.config import WatchConfig
+from gradloc.parallel.data import DDP
+from gradloc.parallel.job import Job
+from gradloc.parallel.layout import Layout
+from gradloc.parallel.scope import JobScope
 from gradloc.config import LocalizerConfig
 from gradloc.localizer.localizer import Localizer, StoredGradient
 from gradloc.localizer.scope import ProbeFailed
@@ -21,6 +25,20 @@ from tests.localizer.builders import Toy, basis, ctx, planted
 from tests.localizer.fake_comm import FakeJob
 
 D, M, W = 8, 3, 2
+
+
+class _DDP(DDP):
+    """DDP's scope without a wrapper to ask for ``no_sync`` (the toy's backward never all-reduces)."""
+
+    def probe_context(self):  # noqa: ANN201
+        return contextlib.nullcontext()
+
+
+def DDPScope(*, comm, model, params, metas, probe, pause_hooks, probe_context, grads, inv_scale, norm):  # noqa: N802
+    """DDP's job scope over the in-process ranks' communicator (the data group and the world alike)."""
+    job = Job(model, model, WatchConfig(), comm, _DDP(None), layout=Layout.flat(comm))
+    return JobScope(job=job, params=params, metas=metas, probe=probe, pause_hooks=pause_hooks, grads=grads,
+                    inv_scale=inv_scale, norm=norm)
 
 
 def decode(ids: list[int]) -> str:

@@ -18,13 +18,27 @@ class EmbeddingRule:
         return tuple(x.shape)  # ids (*lead) -> y (*lead, d)
 
     def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        if module.padding_idx is None:
-            return None
-        return x != module.padding_idx  # (*lead) bool
+        keep = None if module.padding_idx is None else x != module.padding_idx  # (*lead) bool
+        rows = _row_shard(module.weight)
+        if rows is not None:  # a vocabulary shard (TP): only ids in this rank's rows reach its gradient
+            mine = (x >= rows[0]) & (x < rows[0] + rows[1])  # (*lead) bool
+            keep = mine if keep is None else keep & mine
+        return keep
 
     def score(self, module: nn.Module, saved: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
         g_sq = sq_norm_last(g)  # (*lead, d) -> (*lead)
         return g_sq if saved is None else g_sq * saved
+
+
+def _row_shard(weight: torch.Tensor) -> tuple[int, int] | None:
+    """(first row, rows) of this rank's shard of a DTensor table split by rows; None when whole."""
+    placements = getattr(weight, "placements", None)
+    if not placements or not any(p.is_shard() and p.dim == 0 for p in placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
+    return int(offset[0]), int(shape[0])
 
 
 def is_vocab_parallel_embedding(module: nn.Module) -> bool:
@@ -43,7 +57,7 @@ class VocabParallelEmbeddingRule(EmbeddingRule):
     def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         keep = EmbeddingRule.capture(self, module, x, y)
         group = module.tp_group
-        if group is None:
+        if group is None or _row_shard(module.weight) is not None:  # no TP, or the DTensor said where
             return keep
         import torch.distributed as dist
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gradloc.collector.rules.registry import feature_lead, register_rule, sq_norm_last
+from gradloc.collector.shards import row_bias_factor
 
 
 def affine_score(weight: torch.Tensor, bias: torch.Tensor | None, a_sq: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -19,7 +20,7 @@ def affine_score(weight: torch.Tensor, bias: torch.Tensor | None, a_sq: torch.Te
     g_sq = sq_norm_last(g)  # (*lead, d_out) -> (*lead)
     score = g_sq * a_sq if weight.requires_grad else torch.zeros_like(g_sq)
     if bias is not None and bias.requires_grad:
-        score = score + g_sq
+        score = score + g_sq * row_bias_factor(weight, bias)  # a row-parallel bias: once over the tp ranks
     return score
 
 

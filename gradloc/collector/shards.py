@@ -1,0 +1,106 @@
+"""A watched module's call under tensor parallelism: what this rank's piece of each position's score is.
+
+Under DTensor TP the hooks run before the parallel styles' own output hooks (``TokenHooks.prepend``),
+so they see the module's input and output as DTensors on the tp mesh. Scores are computed from the
+local shards, and the token group sums them once per step; what a rank's local score is:
+
+- **features split** (a column-parallel output, a row-parallel input, a vocabulary shard's rows): each
+  rank routes a disjoint part of position p's contribution into its own shard of the parameters, so
+  the ranks' scores add up to the whole — factor 1;
+- **positions split** (an output DTensor ``Shard`` on a lead dim, SequenceParallel's norms): each rank
+  scores its own positions, placed at their offset in the micro-batch's (B, T) — factor 1;
+- **computed the same on every rank** (every parameter ``Replicate`` on tp, or plain tensors, and a
+  replicated output): every rank's score is the whole, so each counts 1/tp.
+
+``Partial`` outputs (a row-parallel linear's before its reduction) carry a replicated gradient: its
+weight is split by input features (factor 1); its replicated bias is counted once by the linear rule
+(``rules/linear.py``: ``row_bias_factor``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_dtensor(t: Any) -> bool:
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def local(t: Any) -> Any:
+    return t.to_local() if is_dtensor(t) else t
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a call's positions sit in the micro-batch: ``length`` of them along lead ``dim`` from ``offset``."""
+
+    dim: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ShardView:
+    x: Any  # the call's first input, local
+    out: torch.Tensor  # its output, local
+    factor: float  # this rank's score counts this much (1/tp when every tp rank computes the same)
+    span: Span | None  # positions split over the tp ranks: this rank's
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """What the hooks need of the tensor-parallel layout (set by the TP backend; None outside TP)."""
+
+    size: int  # tp ranks
+    dim_name: str = "tp"
+
+    def view(self, module: nn.Module, x: Any, out: torch.Tensor, lead: int) -> ShardView:
+        """``lead``: the number of position dims of ``out`` (its dims before the features)."""
+        span, replicated = None, True
+        if is_dtensor(out):
+            i = _dim(out, self.dim_name)
+            p = out.placements[i] if i is not None else None
+            if p is not None and p.is_shard():
+                d = p.dim if p.dim >= 0 else p.dim + out.dim()
+                if d < lead:  # positions split: this rank's slice of the lead dim
+                    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                    shape, offset = compute_local_shape_and_global_offset(out.shape, out.device_mesh, out.placements)
+                    span = Span(d, int(offset[d]), int(shape[d]))
+                replicated = False
+            elif p is not None and not p.is_replicate():
+                replicated = False  # Partial: the parameters split it (a row-parallel weight)
+        if replicated and any(_sharded(q, self.dim_name) for q in module.parameters(recurse=False)):
+            replicated = False
+        return ShardView(local(x), local(out), 1.0 / self.size if replicated else 1.0, span)
+
+
+def _dim(t: Any, name: str) -> int | None:
+    names = getattr(t.device_mesh, "mesh_dim_names", None) or ()
+    return names.index(name) if name in names else None
+
+
+def _sharded(param: torch.Tensor, name: str) -> bool:
+    """Whether ``param`` is split (Shard) along the mesh dim ``name``."""
+    if not is_dtensor(param):
+        return False
+    i = _dim(param, name)
+    return i is not None and param.placements[i].is_shard()
+
+
+def row_bias_factor(weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+    """1/n for the bias of a row-parallel linear (weight split by input features along a mesh dim of n
+    ranks, bias replicated there: added once, after the reduction, its gradient whole on every rank)."""
+    if bias is None or not is_dtensor(weight) or not is_dtensor(bias):
+        return 1.0
+    f = 1.0
+    for i, p in enumerate(weight.placements):
+        if p.is_shard() and p.dim in (1, -1) and bias.placements[i].is_replicate():
+            f /= weight.device_mesh.size(i)
+    return f
+
+
+__all__ = ["ShardView", "Span", "TPContext", "is_dtensor", "local", "row_bias_factor"]

@@ -1,0 +1,105 @@
+"""The data-parallel backends: how the ranks of a data group hold the gradient and combine a probe's.
+
+- **ddp** (``DistributedDataParallel``): every rank holds the averaged gradient whole. Hooks go on
+  ``model.module`` (the same parameters, no ``module.`` prefix); a probe runs the user's closure under
+  ``no_sync()`` (its backward must not start the gradient all-reduce on one rank only), ranks without
+  candidates idle, and ∇_C is summed over the group by one all-reduce per tensor and divided by dp, as
+  DDP averages the training gradient. The decomposition probe runs on the rank that holds the
+  micro-batch (the stored gradient is whole there).
+- **fsdp** (FSDP2 ``fully_shard``): parameters and gradients are DTensor shards; a probe's forward and
+  backward are collectives (all-gather, reduce-scatter), so every rank takes part in every probe
+  (lockstep) and the reduce-scatter already combined ∇_C (linear).
+- **deepspeed** (a ``DeepSpeedEngine``, duck-typed: deepspeed is never imported here): hooks on
+  ``engine.module``; the gradient read where each ZeRO stage keeps it (adapters/deepspeed), probes by
+  ``torch.autograd.grad`` (no ZeRO hook fires), lockstep under ZeRO-3; its own scope
+  (``parallel/scope.py``: ``ZeroScope``). The engine always has a process group, so even one rank is a
+  job of W = 1.
+- **none**: one rank's own gradient (a data group of one rank: TP or PP alone).
+"""
+from __future__ import annotations
+
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+from gradloc.localizer.probes import Grads
+from gradloc.parallel.backend import DataBackend, register_backend
+
+
+def is_deepspeed(model: object) -> bool:
+    """A deepspeed.DeepSpeedEngine (duck-typed, so that deepspeed is imported only by its adapter)."""
+    return all(hasattr(model, a) for a in ("module", "is_gradient_accumulation_boundary", "zero_optimization_stage",
+                                           "gradient_accumulation_steps"))
+
+
+@register_backend
+class DDP(DataBackend):
+    name, order, decomposes = "ddp", 20, True
+
+    def __init__(self, wrapper: nn.Module) -> None:
+        self.wrapper = wrapper
+
+    @classmethod
+    def detect(cls, model: nn.Module, world: Any) -> "DDP | None":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return cls(model) if isinstance(model, DistributedDataParallel) else None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if model is self.wrapper else model
+
+    def probe_context(self) -> ContextManager[Any]:
+        return self.wrapper.no_sync()
+
+    def combine(self, acc: Grads, data: Any, params: list[nn.Parameter]) -> Grads:
+        full = [g if g is not None else torch.zeros_like(p) for g, p in zip(acc, params)]
+        if data.world_size > 1:
+            data.all_reduce_(full, "gradloc probe combine")  # Σ over ranks …
+        torch._foreach_div_(full, float(data.world_size))  # … averaged, as DDP averages the training gradient
+        return full
+
+    def contribution(self, dp: int) -> float:
+        return 1.0 / dp
+
+
+@register_backend
+class FSDP(DataBackend):
+    name, order, lockstep, linear = "fsdp", 30, True, True
+
+    @classmethod
+    def detect(cls, model: nn.Module, world: Any) -> "FSDP | None":
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            return None
+        return cls() if any(isinstance(m, FSDPModule) for m in model.modules()) else None
+
+
+@register_backend
+class DeepSpeed(DataBackend):
+    name, order = "deepspeed", 10
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @classmethod
+    def detect(cls, model: nn.Module, world: Any) -> "DeepSpeed | None":
+        return cls(model) if is_deepspeed(model) else None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.engine.module if model is self.engine else model
+
+
+@register_backend
+class Alone(DataBackend):
+    """A data group of one rank (TP or PP without data parallelism): this rank's gradient is the group's."""
+
+    name, order, linear, decomposes = "none", 90, True, True
+
+    @classmethod
+    def detect(cls, model: nn.Module, world: Any) -> None:
+        return None  # never detected: the job falls back to it
+
+
+__all__ = ["DDP", "FSDP", "DeepSpeed", "Alone", "is_deepspeed"]

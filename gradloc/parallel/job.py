@@ -1,0 +1,277 @@
+"""Watching one rank of a job: which backends, which groups, which layers, which weights.
+
+:func:`resolve` walks the model from the outside in — a pipeline stage, a DeepSpeed engine, DDP,
+FSDP2, DTensor tensor parallelism, Megatron's parallel layers, expert parallelism — letting each
+registered backend (``parallel/backend.py``) claim and unwrap it. The result is a :class:`Job`: the
+module the hooks watch, one data backend, the model backends, and (for a multi-rank job) the world
+communicator. A plain model in a multi-rank job (no wrapper, no DTensor) is watched rank by rank, as
+separate processes of one job, with no collective.
+
+:meth:`Job.setup` runs once, when the monitor is built, on every rank together: it builds the layout
+(``parallel/layout.py``) and makes **one** gather of what every rank watches — its layer names and
+sizes, its token layers, its settings and the slice of every parameter it holds — from which every
+rank derives the same global layer list (under PP: the stages' layers in stage order), checks that
+the ranks of each data group watch the same layers with the same settings (a mismatch raises the same
+:class:`AttachError` on every rank), and the replica weight of each parameter (``placement.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+import gradloc.parallel.data  # noqa: F401  (registers the data backends)
+from gradloc.config import WatchConfig
+from gradloc.errors import AttachError, ConfigError, UnsupportedModelError
+from gradloc.parallel.backend import Backend, DataBackend, ModelBackend, backends, default_slice_key
+from gradloc.parallel.comm import JobComm
+from gradloc.parallel.data import Alone, DeepSpeed
+from gradloc.parallel.layout import Layout
+from gradloc.parallel.placement import GradView, replica_weights
+
+_LOADED = False
+
+
+def _load_backends() -> None:
+    """The model backends (imported here: they import the collector, which must not import them)."""
+    global _LOADED
+    if not _LOADED:
+        import gradloc.parallel.ep  # noqa: F401
+        import gradloc.parallel.megatron  # noqa: F401
+        import gradloc.parallel.pp  # noqa: F401
+        import gradloc.parallel.tp  # noqa: F401
+        _LOADED = True
+
+
+@dataclass(frozen=True)
+class GlobalLayers:
+    """The job's layer list (identical on every rank) and where this rank's own layers sit in it."""
+
+    names: tuple[str, ...]
+    numel: tuple[int, ...]
+    index: tuple[int, ...]  # this rank's layer i -> its global index
+    token_names: tuple[str, ...]
+    token_index: tuple[int, ...]  # this rank's token layer i -> its global index
+
+
+@dataclass
+class Job:
+    model: nn.Module  # what hooks and statistics watch (DDP's inner module, a stage's submodule …)
+    outer: nn.Module  # what the user passed (uncompiled)
+    config: WatchConfig  # with the job's rank and world size
+    world: JobComm | None  # None: one process, or ranks watched independently
+    data: DataBackend
+    parts: tuple[ModelBackend, ...] = ()
+    layout: Layout | None = None  # set by setup()
+    weights: list[float] | None = None  # per watched parameter (setup); None: every rank's own
+    layers: GlobalLayers | None = None
+    grad_view: GradView | None = None  # DTensor gradients: local values and placement factors (attach_collectors)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """"single" (one rank, or ranks watched independently), else the data backend's name."""
+        return "single" if self.world is None else self.data.name
+
+    def part(self, name: str) -> ModelBackend | None:
+        return next((b for b in self.parts if b.name == name), None)
+
+    @property
+    def probe_context(self) -> Callable[[], ContextManager[Any]]:
+        return self.data.probe_context
+
+    @property
+    def lockstep(self) -> bool:
+        """Every rank of a data group takes part in every probe (its forward or backward is a collective)."""
+        return self.data.lockstep or any(getattr(b, "lockstep", False) for b in self.parts)
+
+    @property
+    def loss_weight(self) -> float:
+        """What this rank's loss counts in a sum over the world that counts each data index once: 1/tp on the
+        stage that computes the loss (the last; every rank without PP), 0 on the others."""
+        if self.layout is None:
+            return 1.0
+        last = self.layout.coord.get("pp", 0) == self.layout.size("pp") - 1
+        return 1.0 / self.layout.size("tp") if last else 0.0
+
+    @property
+    def judges_samples(self) -> bool:
+        """This rank judges its samples' surprise: it has the loss head's output gradient at the labels (the
+        last pipeline stage; not under TP, where the head's output is split), once per data index."""
+        if self.layout is None:
+            return True
+        return self.layout.size("tp") == 1 and self.layout.coord.get("pp", 0) == self.layout.size("pp") - 1
+
+    @property
+    def summed(self) -> bool:
+        """The per-layer pack is this rank's weighted share, summed over the world each step (otherwise every
+        rank's pack is the job's already: DDP's replicas, ZeRO's combined partitions)."""
+        return self.weights is not None
+
+    def setup(self, params: list[tuple[str, nn.Parameter]], layers: list[str], numel: list[int],
+              token_layers: list[str]) -> None:
+        """Layout, global layers and replica weights (one gather; every rank together, at attach)."""
+        if self.world is None:
+            self.layers = GlobalLayers(tuple(layers), tuple(numel), tuple(range(len(layers))), tuple(token_layers),
+                                       tuple(range(len(token_layers))))
+            return
+        coords = {k: v for b in self.parts for k, v in b.coords().items()}
+        self.layout = Layout.build(self.world, coords) if coords else Layout.flat(self.world)
+        if isinstance(self.data, Alone) and self.layout.dp > 1:
+            raise AttachError(f"gradloc: {self.layout.dp} data-parallel groups but no data-parallel wrapper (DDP, "
+                              "FSDP2, DeepSpeed): their gradients are never combined, so they are not one job")
+        stage = self.layout.coord.get("pp", 0)
+        keys = None
+        if not isinstance(self.data, DeepSpeed):  # ZeRO reads and combines its own partitions
+            keys = [next((k for b in self.parts if (k := b.slice_key(n, p)) is not None), None)
+                    or default_slice_key(n, p, stage) for n, p in params]
+        settings = {f.name: repr(getattr(self.config, f.name)) for f in fields(self.config)
+                    if f.repr and f.name not in ("rank", "store_path", "metrics_address")}  # no secrets travel
+        mine = (tuple(self.layout.coord.items()), tuple(layers), tuple(numel), tuple(token_layers), settings,
+                keys)
+        every = self.world.all_gather_object(mine, "gradloc attach check")
+        _check(every, self.layout)
+        self.layers = _global_layers(every, self.world.rank)
+        if keys is not None:
+            w = replica_weights(keys, self.world)
+            self.weights = None if all(x == 1.0 / self.world.world_size for x in w) and not self.parts else w
+
+
+    # -- the collectors' side --------------------------------------------------------------------
+    def layer_stats(self) -> Any:
+        """This rank's per-layer statistics collector (DeepSpeed: read from ZeRO's buffers)."""
+        if not isinstance(self.data, DeepSpeed):
+            from gradloc.collector.layer_stats import LayerStatsCollector
+
+            return LayerStatsCollector(self.model, self.config.layer_grouping)
+        if self.config.remedy is not None:
+            raise ConfigError(f"remedy={self.config.remedy!r} is not supported under DeepSpeed (the gradient lives in "
+                              "ZeRO's buffers); leave remedy=None")
+        from gradloc.adapters.deepspeed.stats import DeepSpeedLayerStats
+
+        return DeepSpeedLayerStats(self.data.engine, self.config.layer_grouping, self.world)
+
+    def attach_collectors(self, layer_stats: Any, hooks: Any) -> None:
+        """:meth:`setup` from the collectors' local view, then point them at the job's layers and weights."""
+        self.setup(list(zip(layer_stats.names, layer_stats.params)), layer_stats.local_layers, layer_stats.local_numel,
+                   list(hooks.layers) if hooks is not None else [])
+        if self.world is None or isinstance(self.data, DeepSpeed):
+            return
+        g = self.layers
+        if any(hasattr(p, "placements") for p in layer_stats.params):  # DTensor parameters: gradients may differ
+            self.grad_view = GradView(self.comm_for)
+        layer_stats.relayout(g.names, g.numel, g.index, self.weights, self.grad_view)
+        if hooks is not None:
+            hooks.relayer(list(g.token_names), list(g.token_index))
+            for b in self.parts:
+                b.configure_hooks(hooks, self.layout)
+
+    def comm_for(self, mesh: Any, dim: int) -> JobComm:
+        """The deadline-guarded communicator of one DeviceMesh dim's group (cached)."""
+        key = (id(mesh), dim)
+        got = self.extra.setdefault("mesh_comms", {}).get(key)
+        if got is None:
+            names = getattr(mesh, "mesh_dim_names", None)
+            got = self.extra["mesh_comms"][key] = self.world.sub(mesh.get_group(dim),
+                                                                 names[dim] if names else f"mesh dim {dim}")
+        return got
+
+
+
+def _check(every: list[tuple], layout: Layout) -> None:
+    """Same settings on every rank; same layers across each data group (rank r vs its group's first)."""
+    base = every[0][4]
+    diff = sorted(k for k in base if any(e[4].get(k) != base.get(k) for e in every))
+    if diff:
+        bad = [r for r, e in enumerate(every) if e[4] != base]
+        raise AttachError(f"gradloc: ranks {bad} do not match rank 0 (settings differ: {diff}); every rank must "
+                          "watch the same model with the same WatchConfig")
+    first: dict[tuple, int] = {}
+    bad = []
+    for r, e in enumerate(every):
+        model_coord = tuple((k, c) for k, c in e[0] if k != "dp")
+        f = first.setdefault(model_coord, r)
+        if (e[1], e[3]) != (every[f][1], every[f][3]):
+            bad.append((r, f))
+    if bad:
+        what = ", ".join(f"rank {r}: {len(every[r][1])} layers / {len(every[r][3])} token layers vs rank {f}: "
+                         f"{len(every[f][1])} / {len(every[f][3])}" for r, f in bad)
+        raise AttachError(f"gradloc: ranks {[r for r, _ in bad]} do not match their data group (the watched layers "
+                          f"differ: {what}); every rank must watch the same model with the same WatchConfig")
+
+
+def _global_layers(every: list[tuple], rank: int) -> GlobalLayers:
+    """Layers of every pipeline stage in stage order (one stage: this rank's own), the same on every rank."""
+    names: dict[str, int] = {}
+    tokens: dict[str, None] = {}
+    for e in sorted(every, key=lambda e: dict(e[0]).get("pp", 0)):  # a stable sort: rank order within a stage
+        for n, k in zip(e[1], e[2]):
+            names.setdefault(n, k)
+        for t in e[3]:
+            tokens.setdefault(t, None)
+    order = {n: i for i, n in enumerate(names)}
+    t_order = {n: i for i, n in enumerate(tokens)}
+    mine = every[rank]
+    return GlobalLayers(tuple(names), tuple(names.values()), tuple(order[n] for n in mine[1]), tuple(tokens),
+                        tuple(t_order[n] for n in mine[3]))
+
+
+def resolve(model: nn.Module, cfg: WatchConfig) -> Job:
+    _load_backends()
+    world = JobComm.detect(cfg.collective_timeout_s) if cfg.distributed == "auto" else None
+    outer = model = uncompiled(model)
+    found: list[Backend] = []
+    for cls in sorted(backends().values(), key=lambda c: c.order):
+        got = cls.detect(model, world)
+        if got is not None:
+            found.append(got)
+            model = uncompiled(got.unwrap(model))
+    data = [b for b in found if isinstance(b, DataBackend)]
+    if len(data) > 1:
+        raise UnsupportedModelError(f"gradloc: {' and '.join(b.name for b in data)} both wrap this model; one "
+                                    "data-parallel wrapper is supported")
+    parts = tuple(b for b in found if isinstance(b, ModelBackend))
+    if isinstance(data[0] if data else None, DeepSpeed):
+        world = world or _one_rank_job(cfg.collective_timeout_s)
+        if parts:
+            raise UnsupportedModelError("gradloc: a DeepSpeed engine combined with "
+                                        f"{', '.join(b.name for b in parts)}: not supported (ZeRO data parallelism only)")
+    if world is None or (not data and not parts):
+        return Job(model, outer, cfg, None, data[0] if data else Alone())  # ranks watched independently
+    if cfg.world_size not in (1, world.world_size) or (cfg.world_size == world.world_size and cfg.rank != world.rank):
+        raise ConfigError(f"WatchConfig says rank {cfg.rank} of {cfg.world_size}, but this process is rank "
+                          f"{world.rank} of {world.world_size} in the process group: leave rank/world_size unset")
+    cfg = replace(cfg, rank=world.rank, world_size=world.world_size)
+    return Job(model, outer, cfg, world, data[0] if data else Alone(), parts)
+
+
+def _one_rank_job(timeout_s: float) -> JobComm:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UnsupportedModelError("a DeepSpeed engine without an initialized process group: create it with "
+                                    "deepspeed.initialize (which calls deepspeed.init_distributed)")
+    return JobComm(dist.get_rank(), dist.get_world_size(), timeout_s)
+
+
+def check_model(model: nn.Module) -> nn.Module:
+    if not isinstance(model, nn.Module) and not hasattr(model, "submod"):
+        raise UnsupportedModelError(f"gradloc.watch expects a torch.nn.Module, got {type(model).__name__}")
+    inner = getattr(model, "submod", model)  # a pipeline stage: its submodule's parameters
+    if not any(p.requires_grad for p in inner.parameters()):
+        raise UnsupportedModelError("the model has no trainable parameters")
+    return uncompiled(model) if isinstance(model, nn.Module) else model
+
+
+def uncompiled(model: Any) -> Any:
+    """The module under a ``torch.compile(model)`` wrapper (the same parameters, hooks and names, no
+    "_orig_mod." prefix); anything else as it is. Hooks registered on it before the wrapper's first
+    call are traced into the graph (collector/compiled.py)."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
+__all__ = ["GlobalLayers", "Job", "check_model", "resolve", "uncompiled"]
