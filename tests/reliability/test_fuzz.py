@@ -135,7 +135,7 @@ def test_ingest_fuzz_gets_clean_codes_and_stores_whole_records(tmp_path: Path) -
         t_send = time.monotonic() - t0 - t_gen
         final = numbered(bases[1], N_MESSAGES + 1).SerializeToString()
         assert daemon.alive() and daemon.send_retrying(final) == OK, daemon._tail()
-        metrics = raw_get(*daemon.http, "/metrics")[1].decode()
+        metrics = raw_get(*daemon.http, "/metrics", timeout=120.0)[1].decode()  # 10,000 jobs: a slow scrape when loaded
     finally:
         rc = daemon.stop()
     log = daemon.log.read_text(errors="replace")
