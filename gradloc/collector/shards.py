@@ -104,3 +104,41 @@ def row_bias_factor(weight: torch.Tensor, bias: torch.Tensor | None) -> float:
 
 
 __all__ = ["ShardView", "Span", "TPContext", "is_dtensor", "local", "row_bias_factor"]
+
+
+def redistributes_inside(module: nn.Module) -> bool:
+    """A module that redistributes its inputs and outputs inside its own forward (torchtitan 0.3's
+    ``Module`` with a sharding config: ``forward_with_redistribution`` calls ``_redistribute_inputs`` and
+    ``_redistribute_outputs``), so its forward hooks see the inputs before and the output after them."""
+    return "forward" in vars(module) and getattr(module, "_sharding_config", None) is not None \
+        and callable(getattr(module, "_redistribute_outputs", None))
+
+
+class InnerSite:
+    """Capture a :func:`redistributes_inside` module's call between its two redistributions: ``on_call(args,
+    raw_output)`` sees the inputs its forward computes on and the output it produced (a DTensor whose
+    gradient is what the parameters' gradient is made of), as TP styles' hooks let a prepended forward hook
+    see. Installed as instance attributes over the two methods; ``remove`` restores the class's."""
+
+    def __init__(self, module: nn.Module, on_call: Any) -> None:
+        self.module = module
+        inputs, outputs = module._redistribute_inputs, module._redistribute_outputs
+        seen: list[tuple] = []
+
+        def redistribute_inputs(parallel_dims: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            args, kwargs = inputs(parallel_dims, args, kwargs)
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            seen[:] = [(first,)]
+            return args, kwargs
+
+        def redistribute_outputs(parallel_dims: Any, out: Any) -> Any:
+            if seen:
+                on_call(seen.pop(), out)
+            return outputs(parallel_dims, out)
+
+        module._redistribute_inputs = redistribute_inputs
+        module._redistribute_outputs = redistribute_outputs
+
+    def remove(self) -> None:
+        for name in ("_redistribute_inputs", "_redistribute_outputs"):
+            vars(self.module).pop(name, None)

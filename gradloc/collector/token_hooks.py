@@ -18,7 +18,7 @@ from gradloc.collector import compiled
 from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules import rule_for
 from gradloc.collector.rules.registry import TokenRule
-from gradloc.collector.shards import Span, TPContext, local
+from gradloc.collector.shards import InnerSite, Span, TPContext, local, redistributes_inside
 
 log = logging.getLogger("gradloc")
 # Id of the backward the calling thread is executing, -1 outside backward (torch >= 2.1).
@@ -174,6 +174,9 @@ class TokenHooks:
     def attach(self) -> None:
         for index, w in enumerate(self.watched):
             hook = self._make_hook(w, index)
+            if self.tp is not None and redistributes_inside(w.site):  # torchtitan: between its redistributions
+                self._handles.append(InnerSite(w.site, lambda args, out, hook=hook, w=w: hook(w.site, args, out)))
+                continue
             if getattr(w.rule, "wants_kwargs", False):  # a module called with keywords (HF attention)
                 call_args = w.rule.call_args
 

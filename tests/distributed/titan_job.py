@@ -1,0 +1,139 @@
+"""torchtitan jobs for the distributed tests: its own Llama 3 / Qwen3-MoE, parallelized by its own functions
+(tests/titan.py), trained a few AdamW steps with gradloc watching, next to references.
+
+``kind``: "tp" (TP alone), "fsdp-tp" (FSDP2 × TP on (dp 2, tp 2)), "ep" (Qwen3-MoE, EP over the data
+shard dim). Each data rank trains on its own micro-batches (the tp ranks of a data index on the same ones);
+the loss of micro-batch i is Σ w·mask·ce / (B·T·M·dp), torchtitan's way (its FSDP sums: the loss is divided
+by the job's token count). ``plant`` = (data rank, step, micro-batch, sample, position): that token's loss
+weight × 3000.
+
+The reference the test holds gradloc's numbers against: torchtitan's own placement-aware norm
+(``clip_grad_norm_`` with max_norm=inf) for the global norm, and each layer's norm from its parameters'
+``full_tensor()`` gradients (a collective per parameter: test code only).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tests import titan
+
+SEQ, B, M = 16, 4, 2
+KINDS = {"tp": dict(tp=2), "fsdp-tp": dict(dp_shard=2, tp=2), "ep": dict(dp_shard=2, ep=2)}
+
+
+def build(world: int, kind: str, seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    spec = KINDS[kind]
+    dims = titan.parallel_dims(world, **spec)
+    pc = titan.parallelism_config(**spec)
+    model_kind = "qwen3" if kind == "ep" else "llama3"
+    model = (titan.qwen3_moe if model_kind == "qwen3" else titan.llama3)(seed, parallelism=pc)
+    return titan.parallelize(model, dims, model_kind), dims
+
+
+def data(dp_rank: int, steps: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1000 * dp_rank)
+    tokens = torch.randint(titan.VOCAB, (steps, M, B, SEQ + 1), generator=g)
+    return tokens[..., :-1].clone(), tokens[..., 1:].clone(), torch.ones(steps, M, B, SEQ)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # vocab-parallel logits: whole
+    Bl, T, V = logits.shape
+    return F.cross_entropy(logits.reshape(Bl * T, V).float(), targets.reshape(Bl * T), reduction="none").view(Bl, T)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = None, monitor: bool = True,
+          **watch: Any) -> dict[str, Any]:
+    import gradloc
+
+    model, dims = build(world, kind)
+    dp = dims.dp_shard * dims.dp_replicate
+    dp_rank = rank // (world // dp)  # tp (and ep within dp) innermost
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y, w = data(dp_rank, steps)
+    if plant is not None and plant[0] == dp_rank:
+        _, s, mb, b, t = plant
+        w[s, mb, b, t] = 3000.0
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
+        if monitor else None
+    out: dict[str, Any] = {"reports": []}
+    for s in range(steps):
+        def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
+            terms = token_losses(model(x[s, i]), y[s, i]) * w[s, i]
+            if mask is not None:
+                terms = terms * mask
+            return terms.sum() / (terms.numel() * M * dp)
+
+        total = torch.zeros(())
+        for i in range(M):
+            block = mon.micro_batch(y[s, i]) if mon is not None else _null()
+            with block:
+                loss = loss_for(i)
+                loss.backward()
+            total += loss.detach()
+        if s == 0:
+            out["titan_norm"] = float(titan.grad_norm(model, dims))
+            sq: dict[str, float] = {}
+            for n, p in model.named_parameters():
+                mod = n.rsplit(".", 1)[0]
+                sq[mod] = sq.get(mod, 0.0) + float(_whole(p.grad).double().pow(2).sum())
+            out["ref_layers"] = {k: v ** 0.5 for k, v in sq.items()}
+        if mon is not None:
+            rep = mon.end_step(total, probe=loss_for)
+            rec = rep.record
+            loc = rep.incident.localization if rep.incident is not None else None
+            out["reports"].append({
+                "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
+                "unattributed": rec.tokens.unattributed_share if rec.tokens else None,
+                "top": [(t.micro_batch, t.sample, t.position, t.score) for t in (rec.tokens.top if rec.tokens else ())],
+                "loc": None if loc is None else {
+                    "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
+                    "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}})
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: _whole(p).detach().clone() for n, p in model.named_parameters()}
+    if mon is not None:
+        out["counters"] = dict(mon.counters)
+        mon.close()
+    return out
+
+
+def train_both(rank: int, world: int, kind: str, steps: int, plant: tuple | None = None) -> dict[str, Any]:
+    """Without gradloc, then with it: the watched run's results and whether the parameters are bitwise equal."""
+    plain = train(rank, world, kind, steps, plant, monitor=False)
+    watched = train(rank, world, kind, steps, plant)
+    watched["bitwise"] = all(torch.equal(plain["params"][n], watched["params"][n]) for n in plain["params"])
+    del watched["params"]
+    return watched
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def reference_top(kind: str, steps: int) -> list[tuple]:
+    """gradloc's top tokens of data rank 0's first step on the same torchtitan model in one process, unparallelized
+    (same seed, same loss scaling): what the TP ranks' summed scores must equal."""
+    import gradloc
+
+    dp = KINDS[kind].get("dp_shard", 1)
+    model = (titan.qwen3_moe if kind == "ep" else titan.llama3)(0)
+    x, y, w = data(0, steps)
+    mon = gradloc.watch(model, store=False)
+    for i in range(M):
+        with mon.micro_batch(y[0, i]):
+            (token_losses(model(x[0, i]), y[0, i]) * w[0, i]).sum().div(B * SEQ * M * dp).backward()
+    top = [(t.micro_batch, t.sample, t.position, t.score) for t in mon.end_step(None).record.tokens.top]
+    mon.close()
+    return top
