@@ -203,19 +203,29 @@ def _check(every: list[tuple], layout: Layout) -> None:
 
 
 def _global_layers(every: list[tuple], rank: int) -> GlobalLayers:
-    """Layers of every pipeline stage in stage order (one stage: this rank's own), the same on every rank."""
+    """Layers of every pipeline stage in stage order (one stage: this rank's own), the same on every rank. A
+    name two stages both use (each stage's module numbering its blocks from 0) is two layers: ``stage{s}.name``."""
+    stage_of = [dict(e[0]).get("pp", 0) for e in every]
+    owners: dict[str, set[int]] = {}
+    for e, st in zip(every, stage_of):
+        for n in (*e[1], *e[3]):
+            owners.setdefault(n, set()).add(st)
+
+    def named(n: str, st: int) -> str:
+        return f"stage{st}.{n}" if len(owners[n]) > 1 else n
+
     names: dict[str, int] = {}
     tokens: dict[str, None] = {}
-    for e in sorted(every, key=lambda e: dict(e[0]).get("pp", 0)):  # a stable sort: rank order within a stage
-        for n, k in zip(e[1], e[2]):
-            names.setdefault(n, k)
-        for t in e[3]:
-            tokens.setdefault(t, None)
+    for r in sorted(range(len(every)), key=lambda r: stage_of[r]):  # a stable sort: rank order within a stage
+        for n, k in zip(every[r][1], every[r][2]):
+            names.setdefault(named(n, stage_of[r]), k)
+        for t in every[r][3]:
+            tokens.setdefault(named(t, stage_of[r]), None)
     order = {n: i for i, n in enumerate(names)}
     t_order = {n: i for i, n in enumerate(tokens)}
-    mine = every[rank]
-    return GlobalLayers(tuple(names), tuple(names.values()), tuple(order[n] for n in mine[1]), tuple(tokens),
-                        tuple(t_order[n] for n in mine[3]))
+    mine, st = every[rank], stage_of[rank]
+    return GlobalLayers(tuple(names), tuple(names.values()), tuple(order[named(n, st)] for n in mine[1]),
+                        tuple(tokens), tuple(t_order[named(t, st)] for t in mine[3]))
 
 
 def resolve(model: nn.Module, cfg: WatchConfig) -> Job:

@@ -1,0 +1,180 @@
+"""Pipeline-parallel jobs for the distributed tests (2 stages, ``torch.distributed.pipelining``).
+
+- ``titan``: torchtitan's own Llama 3 split by its own ``pipeline_llm`` (its stages, its FSDP2 over the
+  data dim, "alone" on a data group of one), run by a torch schedule (``ScheduleGPipe`` / ``Schedule1F1B``)
+  whose loss is ours: the per-token loss weights travel in the target, so a culprit can be planted.
+- ``toy``: tests/distributed/tp_job.Toy cut by hand in two stages, each stage's module under DDP over its
+  data group (4 processes: dp 2 × pp 2), with ``static_graph=True``: without it DDP's first-step bucket
+  rebuild fails under pipelining's no_sync backwards (PyTorch's own limitation: "rebuilt parameter indices
+  size is not same as original model parameters size", with or without gradloc).
+
+The rank layout is pp-major (ranks 0..dp-1 hold stage 0): torchtitan's mesh order, and the toy's. Micro-batches
+are the schedule's: each rank's batch of B rows split in ``M`` chunks along dim 0. A micro-batch's per-token
+loss is w · ce / (B·T·dp) (every chunk of every data rank: the mean over the job's tokens); the schedule sums
+the chunks' losses (``scale_grads=False``) and FSDP/DDP combine the data ranks (FSDP sums here, DDP averages: the
+toy's loss is not divided by dp).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests import titan
+
+SEQ, B, M = 16, 4, 4
+
+
+def data(dp_rank: int, steps: int, vocab: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1000 * dp_rank)
+    tokens = torch.randint(vocab, (steps, B, SEQ + 1), generator=g)
+    return tokens[..., :-1].clone(), tokens[..., 1:].clone()
+
+
+def _target(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.stack([y.double(), w.double()], dim=-1)  # (B, T) ids and (B, T) weights -> (B, T, 2)
+
+
+class TokenLoss:
+    """(stage output (B, T, V), target (B, T, 2)) -> (B, T) per-token terms w · ce · scale: the schedule's loss is
+    their sum."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        ids, w = target[..., 0].long(), target[..., 1].float()
+        Bl, T, V = out.shape
+        ce = F.cross_entropy(out.reshape(Bl * T, V).float(), ids.reshape(Bl * T), reduction="none").view(Bl, T)
+        return ce * w * self.scale
+
+
+def _titan_stage(world: int, dp: int, schedule: str) -> tuple[Any, nn.Module, Any]:
+    dims = titan.parallel_dims(world, dp_shard=dp, pp=2)
+    model = titan.llama3(0, parallelism=titan.parallelism_config(dp_shard=dp, pp=2, schedule=schedule))
+    _, stage, part = titan.pipeline(model, dims, schedule=schedule, local_batch=B)
+    return stage, part, dims
+
+
+class _Half(nn.Module):
+    """One half of the toy: the embedding and first block (stage 0) or the last block, norm and head (stage 1)."""
+
+    def __init__(self, toy: nn.Module, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        if first:
+            self.tok, self.layers = toy.tok, nn.ModuleList([toy.layers[0]])
+        else:
+            self.layers, self.norm, self.head = nn.ModuleList([toy.layers[1]]), toy.norm, toy.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) if self.first else x
+        for layer in self.layers:
+            h = layer(h)
+        return h if self.first else self.head(self.norm(h))
+
+
+def _toy_stage(rank: int, world: int, dp: int) -> tuple[Any, nn.Module, Any]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from tests.distributed.tp_job import Toy
+
+    pp_rank, dp_rank = rank // dp, rank % dp
+    pp_groups = [dist.new_group([d + s * dp for s in range(2)]) for d in range(dp)]
+    dp_groups = [dist.new_group([d + s * dp for d in range(dp)]) for s in range(2)]
+    part: nn.Module = _Half(Toy(0), pp_rank == 0)
+    if dp > 1:
+        part = nn.parallel.DistributedDataParallel(part, process_group=dp_groups[pp_rank], static_graph=True)
+    stage = PipelineStage(part, pp_rank, 2, torch.device("cpu"), group=pp_groups[dp_rank])
+    return stage, part, None
+
+
+def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: tuple | None = None,
+          monitor: bool = True) -> dict[str, Any]:
+    import gradloc
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    dp = world // 2
+    if model == "titan":
+        stage, part, dims = _titan_stage(world, dp, schedule)
+        vocab, scale = titan.VOCAB, 1.0 / (B * SEQ * dp)
+    else:
+        stage, part, dims = _toy_stage(rank, world, dp)
+        vocab, scale = 128, 1.0 / (B * SEQ)
+    dp_rank = rank % dp
+    token_loss = TokenLoss(scale)
+    sched = (ScheduleGPipe if schedule == "GPipe" else Schedule1F1B)(
+        stage, M, loss_fn=lambda out, tgt: token_loss(out, tgt).sum(), scale_grads=False)
+    opt = torch.optim.AdamW(part.parameters(), lr=1e-3)
+    x, y = data(dp_rank, steps, vocab)
+    w = torch.ones(steps, B, SEQ)
+    if plant is not None and plant[0] == dp_rank:
+        _, s, b, t = plant
+        w[s, b, t] = 3000.0
+    emitted = Emitted()
+    mon = gradloc.watch(stage, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), sinks=[emitted]) \
+        if monitor else None
+    out: dict[str, Any] = {"reports": [], "stage": stage.stage_index}
+    for s in range(steps):
+        target = _target(y[s], w[s])
+        if mon is not None:
+            losses = mon.pipeline_step(sched, inputs=x[s], target=target, token_ids=y[s], token_loss=token_loss)
+        else:
+            losses = []
+            args = (x[s],) if stage.is_first else ()
+            sched.step(*args, **({"target": target, "losses": losses} if stage.is_last else {}))
+        if s == 0 and dims is not None:
+            out["titan_norm"] = float(titan.grad_norm(part, dims))
+        if mon is not None:
+            rep = mon.end_step(torch.stack(losses).sum() if losses else None)
+            rec = rep.record
+            loc = rep.incident.localization if rep.incident is not None else None
+            out["reports"].append({
+                "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
+                "unattributed": rec.tokens.unattributed_share if rec.tokens else None,
+                "top": [(t.micro_batch, t.sample, t.position, t.score) for t in (rec.tokens.top if rec.tokens else ())],
+                "incidents": 1 if rep.incident is not None else 0,
+                "loc": None if loc is None else {
+                    "status": str(loc.status), "probes": loc.probes, "note": loc.note,
+                    "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}})
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                     for n, p in part.named_parameters()}
+    if mon is not None:
+        out["counters"] = dict(mon.counters)
+        out["emitted"] = emitted.incidents
+        out["own_layers"] = len(mon.layer_stats.local_layers)
+        mon.close()
+    return out
+
+
+class Emitted:
+    """A sink counting the incidents this rank emits (a job's incident is emitted once, by rank 0)."""
+
+    def __init__(self) -> None:
+        self.incidents = 0
+
+    def on_step(self, record: Any) -> None:
+        pass
+
+    def on_incident(self, incident: Any) -> None:
+        self.incidents += 1
+
+    def force_flush(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def train_both(rank: int, world: int, model: str, schedule: str, steps: int, plant: tuple | None = None) -> dict:
+    plain = train(rank, world, model, schedule, steps, plant, monitor=False)
+    watched = train(rank, world, model, schedule, steps, plant)
+    watched["bitwise"] = all(torch.equal(plain["params"][n], watched["params"][n]) for n in plain["params"])
+    del watched["params"]
+    return watched
