@@ -287,7 +287,11 @@ class Monitor:
                               "without probes no culprit set is verified and ∇_C is unknown")
         t0 = self.meter.begin()
         parts, self._parts = self._parts, []
-        scores = self.tokens.stack(parts)
+        try:
+            scores = self.tokens.stack(parts)
+        except CollectiveTimeout:  # the token group's or the expert group's exchange failed: this rank goes on alone
+            self._leave_job()
+            scores = None
         scale, unscaled = scaler_state(scaler, self.optimizer)
         upd = self._updates.take(self._pending.record.step if self._pending is not None else None)
         unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()

@@ -16,6 +16,7 @@ from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.errors import BatchMetadataError
 from gradloc.localizer.probes import ProbeFn
+from gradloc.parallel.comm import CollectiveTimeout
 
 log = logging.getLogger("gradloc")
 
@@ -43,15 +44,26 @@ class TokenPath:
             if buf is not None:
                 self._say_uncompilable(buf)
                 buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
-        scores = stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
-        layout = self.job.layout
-        if layout is None or layout.token is None or self.alone:
-            return scores
-        from gradloc.parallel.tokens import combine  # the token group (tp, pp ranks): their scores add up
+        try:
+            if self.hooks.routed is not None and not self.alone:  # expert parallelism: rows' scores home
+                self.hooks.routed.settle(parts)
+            scores = stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
+            layout = self.job.layout
+            if layout is None or layout.token is None or self.alone:
+                return scores
+            from gradloc.parallel.tokens import combine  # the token group (tp, pp ranks): their scores add up
 
-        last = layout.coord.get("pp", 0) == layout.size("pp") - 1
-        return combine(scores, layout.token, len(self.hooks.layers), self.job.config.layer_breakdown, last,
-                       layout.size("tp"))
+            last = layout.coord.get("pp", 0) == layout.size("pp") - 1
+            return combine(scores, layout.token, len(self.hooks.layers), self.job.config.layer_breakdown, last,
+                           layout.size("tp"))
+        except CollectiveTimeout:
+            raise  # the monitor leaves the job: its ranks are out of lockstep
+        except Exception:  # noqa: BLE001 - never raise into the training loop
+            self.counters["token_errors"] += 1
+            if self.counters["token_errors"] == 1:
+                log.warning("gradloc: the step's per-token scores could not be assembled; this step has none",
+                            exc_info=True)
+            return None
 
     def checked(self, record: Any, scores: StepScores | None, check: list[float]) -> tuple[Any, StepScores | None]:
         """After the step's host transfer: a token group whose ranks saw different tokens has no token view

@@ -66,6 +66,8 @@ class MicroBatchScores:
     # .grad holds that module's scores once backward ran; folded into ``scores`` by ``fold``
     sinks: list[torch.Tensor] | None = None
     sink_last: int = -1
+    # scores that reach their tokens only after the step's exchange (expert parallelism: parallel/ep.py)
+    routed: list = field(default_factory=list)
 
     def fold(self, watched: list["WatchedModule"]) -> None:
         """Add the compiled taps' scores (``sinks``) into the buffer, once, after backward."""
@@ -147,6 +149,7 @@ class TokenHooks:
             self.watched.append(WatchedModule(name, module, rule, self.layers.index(group), site))
         self._handles: list[Any] = []
         self.tp: TPContext | None = None  # tensor parallelism (the TP backend sets it): hooks see DTensors
+        self.routed: Any = None  # expert parallelism (the EP backend sets it): experts scored where they live
         self.current: MicroBatchScores | None = None
         self._suspended = False
         self.taps = compiled.TapState()  # what hooks traced by torch.compile read (compiled.py)
@@ -172,6 +175,8 @@ class TokenHooks:
         return {w.name for w in self.watched}
 
     def attach(self) -> None:
+        if self.routed is not None:
+            self.routed.install()
         for index, w in enumerate(self.watched):
             hook = self._make_hook(w, index)
             if self.tp is not None and redistributes_inside(w.site):  # torchtitan: between its redistributions
@@ -191,6 +196,8 @@ class TokenHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.routed is not None:
+            self.routed.remove()
 
     def begin(self, index: int, batch: int, seq: int, breakdown: bool = True,
               labels: torch.Tensor | None = None) -> None:
@@ -278,6 +285,9 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
     calls[w.name] = n = calls.get(w.name, 0) + 1
     if recompute and n <= buf.forward_calls.get(w.name, 0):
         return None  # non-reentrant: the original forward's output receives the gradient, not this re-run
+    if getattr(w.rule, "takes_over", False):  # rows, not positions: scored and routed elsewhere (parallel/ep.py)
+        w.rule.capture_routed(w, buf, args, out)
+        return None
     x, y, span, factor = args[0], out, None, 1.0
     if tp is not None:  # DTensor input/output: score this rank's shards (collector/shards.py)
         lead = len(w.rule.lead_shape(w.module, local(x), local(out)))

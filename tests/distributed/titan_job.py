@@ -93,6 +93,7 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
                 "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
                 "unattributed": rec.tokens.unattributed_share if rec.tokens else None,
                 "top": [(t.micro_batch, t.sample, t.position, t.score) for t in (rec.tokens.top if rec.tokens else ())],
+                "top_layers": [[(ls.layer, ls.share * t.score) for ls in t.layers] for t in (rec.tokens.top if rec.tokens else ())],
                 "loc": None if loc is None else {
                     "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
                     "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}})
@@ -134,6 +135,8 @@ def reference_top(kind: str, steps: int) -> list[tuple]:
     for i in range(M):
         with mon.micro_batch(y[0, i]):
             (token_losses(model(x[0, i]), y[0, i]) * w[0, i]).sum().div(B * SEQ * M * dp).backward()
-    top = [(t.micro_batch, t.sample, t.position, t.score) for t in mon.end_step(None).record.tokens.top]
+    rec = mon.end_step(None).record
+    top = [(t.micro_batch, t.sample, t.position, t.score, [(ls.layer, ls.share * t.score) for ls in t.layers])
+           for t in rec.tokens.top]
     mon.close()
     return top

@@ -30,15 +30,22 @@ class EmbeddingRule:
         return g_sq if saved is None else g_sq * saved
 
 
-def _row_shard(weight: torch.Tensor) -> tuple[int, int] | None:
-    """(first row, rows) of this rank's shard of a DTensor table split by rows; None when whole."""
+def _row_shard(weight: torch.Tensor, dim_name: str = "tp") -> tuple[int, int] | None:
+    """(first row, rows) of this rank's vocabulary shard when a DTensor table is split by rows along the tensor-
+    parallel mesh dim (the lookup itself split: each rank sees only its ids); None otherwise. A split along any
+    other dim is FSDP's storage, gathered whole for the lookup."""
     placements = getattr(weight, "placements", None)
-    if not placements or not any(p.is_shard() and p.dim == 0 for p in placements):
+    names = getattr(getattr(weight, "device_mesh", None), "mesh_dim_names", None) or ()
+    if not placements or dim_name not in names:
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
-    return int(offset[0]), int(shape[0])
+    i = names.index(dim_name)
+    p = placements[i]
+    if not (p.is_shard() and p.dim == 0):
+        return None
+    n, rank = weight.device_mesh.size(i), weight.device_mesh.get_local_rank(i)
+    chunk = -(-weight.shape[0] // n)  # torch.chunk's split: ceil(V / n) rows per rank
+    start = min(rank * chunk, weight.shape[0])
+    return start, max(0, min(chunk, weight.shape[0] - start))
 
 
 def is_vocab_parallel_embedding(module: nn.Module) -> bool:
