@@ -84,7 +84,10 @@ def _dim(t: Any, name: str) -> int | None:
 
 
 def _sharded(param: torch.Tensor, name: str) -> bool:
-    """Whether ``param`` is split (Shard) along the mesh dim ``name``."""
+    """Whether ``param`` is split along the tensor-parallel dim: a DTensor ``Shard`` on the mesh dim ``name``,
+    or a plain tensor Megatron marks as partitioned (``tensor_model_parallel``)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
     if not is_dtensor(param):
         return False
     i = _dim(param, name)

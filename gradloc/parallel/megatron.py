@@ -55,6 +55,11 @@ class MegatronTP(ModelBackend):
     def coords(self) -> dict[str, tuple[int, int]]:
         return {"tp": (self.rank, self.size)}
 
+    def configure_hooks(self, hooks: Any, layout: Any) -> None:
+        from gradloc.collector.shards import TPContext
+
+        hooks.tp = TPContext(size=self.size)  # a module left whole (replicated over tp) counts 1/tp
+
     def slice_key(self, name: str, param: nn.Parameter) -> SliceKey | None:
         if not getattr(param, "tensor_model_parallel", False):
             return None
