@@ -30,7 +30,7 @@ def _rank(rank: int, world: int, stages: list[int], d_model: int, layers: int, r
     import torch
     from deepspeed.utils import safe_get_full_grad
 
-    from gradloc.adapters.deepspeed import DeepSpeedGradAccess
+    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.collector.layer_stats import foreach_norms
     from gradloc.demo.model import GPTConfig, TinyGPT
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Protocol
 from gradloc.agent.activity import Activity
 from gradloc.errors import ConfigError
 from gradloc.exporters.state import StateConfig, TelemetryState
-from gradloc.localizer.correlator import Correlator, CorrelatorConfig
+from gradloc.agent.correlator import Correlator, CorrelatorConfig
 from gradloc.records import Incident, StepRecord
 from gradloc.reports import CorrelatedIncident, StepSummary, summarize
 

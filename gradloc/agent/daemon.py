@@ -24,7 +24,7 @@ from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport, Journ
 from gradloc.agent.http import AgentHttpServer
 from gradloc.agent.limits import IncidentLimits
 from gradloc.exporters.state import StateConfig
-from gradloc.localizer.correlator import CorrelatorConfig
+from gradloc.agent.correlator import CorrelatorConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-from gradloc.exporters.jsonl import JsonlSink, Sink, read_incidents
+from gradloc.exporters.jsonl import JsonlSink, read_incidents
 
-__all__ = ["JsonlSink", "Sink", "read_incidents"]
+__all__ = ["JsonlSink", "read_incidents"]

@@ -12,7 +12,6 @@ import threading
 from typing import IO
 
 from gradloc.records import Incident, StepRecord, to_dict
-from gradloc.sinks import Sink  # noqa: F401  (re-exported: the protocol this sink implements)
 
 
 class JsonlSink:

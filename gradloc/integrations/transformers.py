@@ -46,6 +46,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from gradloc.adapters.pytorch import Monitor, watch
 from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
 from gradloc.errors import BatchMetadataError, ConfigError, GradlocError, UnsupportedModelError
+from gradloc.parallel.job import uncompiled
 from gradloc.integrations.hf_batch import batch_shape, causal_view, mask_labels, pop_sample_ids
 
 log = logging.getLogger("gradloc")
@@ -203,9 +204,19 @@ class GradlocTrainerMixin:
         opt = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's wrapper
         tok = self.processing_class
         decode = getattr(tok, "decode", None) or getattr(getattr(tok, "tokenizer", None), "decode", None)
-        self.gradloc = watch(self.accelerator.unwrap_model(model), opt, config=cfg, decode=decode,
+        self.gradloc = watch(self._gradloc_job_model(model), opt, config=cfg, decode=decode,
                              sinks=self.gradloc_sinks)
         self._gradloc_parts, self._gradloc_loss, self._gradloc_stepped = [], None, False
+
+    def _gradloc_job_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """What gradloc watches: the job the Trainer trains. Under multi-process DDP that is the
+        ``DistributedDataParallel`` wrapper itself (under a compile wrapper too), which gradloc makes a DDP
+        job: spikes judged on the job's gradient, probes in ``no_sync`` combined over the ranks, one incident
+        naming the rank. Anything else: the model under accelerate's wrappers."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = uncompiled(model)
+        return inner if isinstance(inner, DistributedDataParallel) else self.accelerator.unwrap_model(model)
 
     def _gradloc_degrade_reason(self, inputs: Mapping[str, Any]) -> str | None:
         if causal_view(inputs) is None:
@@ -271,7 +282,9 @@ class GradlocTrainerMixin:
         mon = self.gradloc
         probe = None
         if mon.hooks is not None and parts:
-            probe_model = self.accelerator.unwrap_model(model)  # no DDP wrapper: a probe never syncs gradients
+            # the module under DDP: a probe's forward must not broadcast buffers (DDP's forward does, a collective
+            # the other ranks are not in: only the rank holding the candidates probes); gradloc runs it in no_sync
+            probe_model = self.accelerator.unwrap_model(model)
 
             def probe(i: int, token_mask: torch.Tensor) -> torch.Tensor:
                 p = parts[i]

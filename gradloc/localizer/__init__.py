@@ -1,7 +1,7 @@
-"""Localization: one spike → the token spans behind it (per rank), and across ranks (correlator).
+"""Localization: one spike → the token spans behind it, on one rank or a job's ranks together (the
+cross-job correlation of records the agent receives is the agent's: ``agent/correlator.py``).
 
-The per-rank localizer needs torch (probes); the correlator runs in the agent daemon, which must not
-import torch — so the torch-side names are imported on first use.
+Names are imported on first use (the localizer needs torch; importing the package alone does not).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@
   backward are collectives (all-gather, reduce-scatter), so every rank takes part in every probe
   (lockstep) and the reduce-scatter already combined ∇_C (linear).
 - **deepspeed** (a ``DeepSpeedEngine``, duck-typed: deepspeed is never imported here): hooks on
-  ``engine.module``; the gradient read where each ZeRO stage keeps it (adapters/deepspeed), probes by
+  ``engine.module``; the gradient read where each ZeRO stage keeps it (parallel/zero), probes by
   ``torch.autograd.grad`` (no ZeRO hook fires), lockstep under ZeRO-3; its own scope
   (``parallel/scope.py``: ``ZeroScope``). The engine always has a process group, so even one rank is a
   job of W = 1.

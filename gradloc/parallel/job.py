@@ -149,7 +149,7 @@ class Job:
         if self.config.remedy is not None:
             raise ConfigError(f"remedy={self.config.remedy!r} is not supported under DeepSpeed (the gradient lives in "
                               "ZeRO's buffers); leave remedy=None")
-        from gradloc.adapters.deepspeed.stats import DeepSpeedLayerStats
+        from gradloc.parallel.zero.stats import DeepSpeedLayerStats
 
         return DeepSpeedLayerStats(self.data.engine, self.config.layer_grouping, self.world)
 

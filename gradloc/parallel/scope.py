@@ -108,7 +108,7 @@ class ZeroScope(JobScope):
     ⟨∇_C, ∇⟩ from each rank's gradient slices (``deepspeed/stats.zero_combine``)."""
 
     def __init__(self, *, deepspeed: Any, **kwargs: Any) -> None:
-        from gradloc.adapters.deepspeed.stats import AutogradProbeSession
+        from gradloc.parallel.zero.stats import AutogradProbeSession
 
         gas = int(deepspeed.engine.gradient_accumulation_steps())
         super().__init__(session=lambda *a: AutogradProbeSession(*a, loss_factor=1.0 / gas), **kwargs)
@@ -117,7 +117,7 @@ class ZeroScope(JobScope):
         self.contribution = 1.0 / self.comm.world_size
 
     def measure(self, acc: Grads, loss: float, error: str) -> tuple[float, float]:
-        from gradloc.adapters.deepspeed.stats import zero_combine
+        from gradloc.parallel.zero.stats import zero_combine
 
         explained, _, _, loss_c, failed = zero_combine(self.deepspeed.access, self.comm, acc, loss, bool(error),
                                                        self.norm ** 2)

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gradloc.adapters.deepspeed import DeepSpeedGradAccess
+from gradloc.parallel.zero import DeepSpeedGradAccess
 from gradloc.errors import UnsupportedModelError
 
 
 def test_importing_the_adapter_does_not_import_deepspeed():
-    code = "import sys, gradloc, gradloc.adapters.deepspeed; assert 'deepspeed' not in sys.modules, 'imported'"
+    code = "import sys, gradloc, gradloc.parallel.zero; assert 'deepspeed' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -56,6 +56,6 @@ def test_serve_reports_a_bad_flag_without_a_traceback() -> None:
 def test_the_daemon_never_imports_torch() -> None:
     """Its memory budget (300 MB) cannot afford torch; the agent side must stay torch-free."""
     code = ("import sys, gradloc.agent.cli, gradloc.agent.daemon, gradloc.transport.server, "
-            "gradloc.exporters.otlp, gradloc.localizer.correlator; print('torch' in sys.modules)")
+            "gradloc.exporters.otlp, gradloc.agent.correlator; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

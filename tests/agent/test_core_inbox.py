@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gradloc.agent.core import AgentCore, CoreConfig, Declare, Journaled
-from gradloc.localizer.correlator import CorrelatorConfig
+from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.store.incident_json import incident_to_json
 from gradloc.store.sqlite import IncidentStore
 from tests.store.fixtures import BELL, T0, finding

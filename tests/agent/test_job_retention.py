@@ -14,7 +14,7 @@ from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport
 from gradloc.agent.daemon import Daemon
 from gradloc.errors import ConfigError
 from gradloc.exporters.prometheus import render
-from gradloc.localizer.correlator import CorrelatorConfig
+from gradloc.agent.correlator import CorrelatorConfig
 from tests.exporters.builders import columns, step
 from tests.localizer.builders import finding
 

@@ -92,7 +92,7 @@ def _nonfinite_case(rank: int, stage: int) -> dict:
     import torch
     from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
-    from gradloc.adapters.deepspeed import DeepSpeedGradAccess
+    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.demo.model import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
@@ -170,7 +170,7 @@ def _run_case(rank: int, world: int, stage: int, dtype: str) -> dict:
     import torch
     from deepspeed.utils import safe_get_full_grad
 
-    from gradloc.adapters.deepspeed import DeepSpeedGradAccess
+    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.collector.layer_stats import group_name
     from gradloc.demo.model import GPTConfig, TinyGPT
     from tests.distributed import collectives

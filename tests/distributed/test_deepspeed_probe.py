@@ -91,7 +91,7 @@ def _train(rank: int, stage: int, kind: str | None, probers: tuple[int, ...]) ->
     import deepspeed
     import torch
 
-    from gradloc.adapters.deepspeed import DeepSpeedGradAccess
+    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.demo.model import GPTConfig, TinyGPT
 
     torch.manual_seed(0)

@@ -125,7 +125,7 @@ def test_embedded_store_keeps_an_incident_of_a_killed_training_process(tmp_path:
     assert _stored(db) == []  # killed before the worker could correlate it
     code2 = ("from gradloc.agent.core import CoreConfig\n"
              "from gradloc.agent.embedded import EmbeddedAgent\n"
-             "from gradloc.localizer.correlator import CorrelatorConfig\n"
+             "from gradloc.agent.correlator import CorrelatorConfig\n"
              f"agent = EmbeddedAgent(job='other', store_path={str(db)!r}, core_config=CoreConfig("
              "correlator=CorrelatorConfig(straggler_deadline_s=0.2)))\n"
              "import time; time.sleep(1.0)\n"

@@ -6,6 +6,7 @@ from gradloc.collector.rules import (  # noqa: F401  (registers)
     grouped_experts,
     layer_norm,
     linear,
+    megatron,
     rms_norm,
     router,
     sinks,

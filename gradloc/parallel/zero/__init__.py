@@ -1,5 +1,5 @@
 """DeepSpeed adapter (the ``deepspeed`` extra). Importing this package does not import deepspeed: the
 functions that need it import it when an engine is handed to them."""
-from gradloc.adapters.deepspeed.grads import DeepSpeedGradAccess
+from gradloc.parallel.zero.grads import DeepSpeedGradAccess
 
 __all__ = ["DeepSpeedGradAccess"]

@@ -3,7 +3,7 @@
 :class:`DeepSpeedLayerStats` is what ``Monitor`` uses in place of ``LayerStatsCollector`` when
 ``gradloc.watch`` is handed a ``DeepSpeedEngine``: the same layer names (``engine.module``'s
 parameters grouped as on a plain model), but the (4L + 1,) pack comes from
-:class:`~gradloc.adapters.deepspeed.grads.DeepSpeedGradAccess`, which reads the gradient where each
+:class:`~gradloc.parallel.zero.grads.DeepSpeedGradAccess`, which reads the gradient where each
 ZeRO stage keeps it and combines the ranks' partitions (one all_gather, partitioned stages only).
 The pack is already the job's, identical on every rank, so the step gather does not sum it again.
 
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from gradloc.adapters.deepspeed.grads import PARTITIONS, DeepSpeedGradAccess
+from gradloc.parallel.zero.grads import PARTITIONS, DeepSpeedGradAccess
 from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.config import LayerGrouping
 from gradloc.errors import ProbeError

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from gradloc.errors import ConfigError
-from gradloc.localizer.merge import RankView, merge_incident
+from gradloc.agent.merge import RankView, merge_incident
 from gradloc.records import Incident
 from gradloc.reports import CorrelatedIncident, StepSummary
 

@@ -1,0 +1,112 @@
+"""Megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` (``megatron.core.tensor_parallel``): plain
+``nn.Module``s computing y_p = W a_p (+ b) on **sequence-first** activations ``[s, b, h]`` and returning a tuple
+``(output, output_bias)``. Recognised by duck typing (class name + module path ``megatron.*``); megatron is
+never imported here.
+
+Positions. The hooks place a rule's scores by the micro-batch's (B, T); Megatron's lead is (s, b), so this
+rule reports its lead as (b, s) and returns its scores transposed to (b, s). Only 3-D ``[s, b, h]`` calls are
+placed: a flattened ``[s·b, h]`` call (MoE experts' routed token rows) reports lead () and is dropped, its
+gradient counted unattributed, never misplaced.
+
+What one tp rank r scores (its weight is ``tensor_model_parallel``: the TP view counts it with factor 1, so
+these terms are exactly r's share, and the tp group's sum is the whole layer's ‖g_p a_pᵀ‖² + ‖g_p‖²):
+
+- **column-parallel** (W split by output features): r computes y_p^(r) = W_r a_p + b_r on the whole input, so
+  it routes g_p^(r) a_pᵀ into ∇W_r and g_p^(r) into ∇b_r (the bias is split too): ‖g_p^(r)‖²·‖a_p‖² +
+  ‖g_p^(r)‖². With ``gather_output=True`` (or ``runtime_gather_output``) the output is all-gathered and the
+  hook's gradient is the whole g_p, identical on every rank; the weight only ever sees r's slice
+  (``mappings._split_along_last_dim`` in the gather's backward), so the rule narrows g to that slice —
+  recognised by the output's width (``output_size`` instead of ``output_size_per_partition``);
+- **row-parallel** (W split by input features): r computes W_r a_p^(r) on its input slice, all-reduced, then
+  adds the replicated bias. g_p (after the reduction) is whole and the same on every rank: ‖g_p‖²·‖a_p^(r)‖²
+  for the weight (the ranks' input slices add up to ‖a_p‖²), and ‖g_p‖²/tp for the bias, whose gradient is
+  whole on every rank (counted once over the group). With ``input_is_parallel=False`` the layer scatters a
+  whole input itself: the rule narrows a to r's slice (the input's width says which case it is).
+
+``skip_bias_add=True``: the layer returns the bias for the caller to add (Megatron's bias-GELU/SwiGLU and
+bias-dropout-add fusions compute ``output + bias`` per position). Then ∂L/∂b = Σ_p ∂L/∂(output + b)_p = Σ_p g_p
+with g_p the gradient the hook sees on ``output``, so the bias term is the same ‖g_p‖² (/tp for the
+row-parallel one) and is **exact when the caller adds the bias to the output unchanged**; a caller that uses
+the returned bias any other way makes that term an attribution (it is never left out: a missing term would
+vanish from the token scores without being counted unattributed).
+
+Exactness is §3 of DESIGN.md's: each term is the exact norm² of what position p routes into that parameter;
+for layers before the last cross-position mixing it is an attribution of the step's gradient.
+
+Not covered: ``sequence_parallel=True`` is refused by the Megatron backend at attach. There the column-parallel
+input is a sequence shard ``[s/tp, b, h]`` all-gathered *inside* the layer's autograd function, so the hook
+never sees the a_p of the other ranks' positions that this rank's weight shard uses, and the row-parallel
+output is reduce-scattered, so the hook sees g_p only for this rank's positions while its weight gradient uses
+every position's (all-gathered in backward); both would need a collective inside the hooks. A layer whose
+weight is passed to ``forward`` (``skip_weight_param_allocation=True``: Megatron's tied output layer) has no
+weight of its own: only its bias (if any) is scored here.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradloc.collector.rules.registry import register_duck_rule, sq_norm_last
+
+_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
+
+
+def is_megatron_linear(module: nn.Module) -> bool:
+    return type(module).__name__ in _CLASSES and type(module).__module__.startswith("megatron.")
+
+
+def _column(module: nn.Module) -> bool:
+    return type(module).__name__ == "ColumnParallelLinear"
+
+
+def tp_rank_size(module: nn.Module) -> tuple[int, int]:
+    """(rank, size) of the layer's tensor-parallel group, from its own partition sizes and ``tp_group``."""
+    if _column(module):
+        size = module.output_size // module.output_size_per_partition
+    else:
+        size = module.input_size // module.input_size_per_partition
+    group = getattr(module, "tp_group", None)
+    return (group.rank() if size > 1 and group is not None else 0), size
+
+
+def _own_slice(t: torch.Tensor, whole: int, rank: int, size: int) -> torch.Tensor:
+    """[s, b, whole] -> [s, b, whole/tp]: rank's chunk of the features (Megatron's split along the last dim)."""
+    if size == 1 or t.shape[-1] != whole:
+        return t  # already this rank's slice
+    n = whole // size
+    return t.narrow(-1, rank * n, n)  # [s, b, h] -> [s, b, h/tp]
+
+
+@register_duck_rule(is_megatron_linear)
+class MegatronLinearRule:
+    def output(self, out: object) -> object:
+        """The tensor the rule scores: ``output``, first of ``(output, output_bias)``."""
+        return out[0] if isinstance(out, tuple) and out else out
+
+    def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
+        if y.dim() != 3:
+            return ()  # not [s, b, h]: no (b, s) positions to report (dropped, counted unattributed)
+        return (y.shape[1], y.shape[0])  # [s, b, h] -> (b, s)
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """‖a_p^(r)‖² [s, b]: the input features this rank's weight multiplies (float32)."""
+        if not _column(module):  # row-parallel: a whole input is scattered inside (input_is_parallel=False)
+            rank, size = tp_rank_size(module)
+            x = _own_slice(x, module.input_size, rank, size)  # [s, b, h] -> [s, b, h/tp]
+        return sq_norm_last(x)  # [s, b, h_in] -> [s, b]
+
+    def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """This rank's share of each position's ‖∇‖² contribution, float32 (b, s)."""
+        rank, size = tp_rank_size(module)
+        column = _column(module)
+        if column:  # a gathered output's gradient is whole: the weight sees this rank's slice
+            g = _own_slice(g, module.output_size, rank, size)  # [s, b, h] -> [s, b, h/tp]
+        g_sq = sq_norm_last(g)  # [s, b, h_out] -> [s, b]
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        score = g_sq * saved if isinstance(weight, nn.Parameter) and weight.requires_grad else torch.zeros_like(g_sq)
+        if isinstance(bias, nn.Parameter) and bias.requires_grad:
+            score = score + (g_sq if column else g_sq / size)  # the row-parallel bias: once over the tp ranks
+        return score.t().contiguous()  # [s, b] -> (b, s)
+
+
+__all__ = ["MegatronLinearRule", "is_megatron_linear", "tp_rank_size"]

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The real-verl test tier's environment: .venv-verl in the repo root (tests/verl_tier runs in it).
+#
+# Why a separate environment and not `pip install --no-deps verl` into .venv: the tier drives verl's
+# own FSDP engine (FSDPEngineWithLMHead) on CPU, and `from verl import DataProto` alone imports ray,
+# tensordict and hydra; the engine adds omegaconf, codetiming, peft and transformers internals. verl
+# 0.9.1 requires transformers < 5.11 and tensordict <= 0.10, while .venv keeps transformers 5.2x for
+# the other tests (docs/hf-trainer.md, TRL). A --no-deps install would have to hand-pick ~15 packages
+# and still run verl against a transformers it does not support. So: its own venv, like .venv-vllm.
+# Cost measured on a fresh 2-core machine: see tests/verl_tier/README.md (about 1 min, ~2 GB).
+#
+# Contents: verl==0.9.1 with its dependencies (ray, transformers 5.10, tensordict 0.10), torch pinned
+# to the local CPU wheel through constraints.txt (an unpinned torch would pull multi-GB CUDA wheels),
+# gradloc itself (editable, no extras), pytest and pytest-timeout.
+# Idempotent: a stamp in the venv records a hash of the inputs (this script, pyproject.toml,
+# constraints.txt, the Python version); when it matches, nothing runs. No root needed.
+# Python: python3.11 from PATH, or $PYTHON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv-verl
+VERL_SPEC="verl==0.9.1"
+EXTRA_TOOLS=("pytest>=8" "pytest-timeout>=2.3")
+PY=${PYTHON:-python3.11}
+
+say() { echo "setup_verl: $*"; }
+fail() { echo "setup_verl: ERROR: $*" >&2; exit 1; }
+
+command -v "$PY" >/dev/null || fail "no '$PY' on PATH (set PYTHON=/path/to/python3.11)"
+pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || fail "'$PY' does not run"
+
+stamp=$VENV/.gradloc-verl-setup
+want=$( (cat scripts/setup_verl.sh pyproject.toml constraints.txt; echo "$pyver") | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  say "up to date ($VENV, stamp $want); nothing to do"
+  exit 0
+fi
+
+start=$(date +%s)
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV with $PY (Python $pyver)"
+  "$PY" -m venv "$VENV" || fail "could not create the virtual environment $VENV"
+else
+  say "reusing $VENV (inputs changed or the last run did not finish)"
+fi
+# git ignores the whole environment through its own .gitignore (the repository's .gitignore does not
+# list .venv-verl/; Python 3.13's venv writes the same file itself).
+echo '*' > "$VENV/.gitignore"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+
+say "installing $VERL_SPEC, gradloc (editable) and ${EXTRA_TOOLS[*]}, torch pinned by constraints.txt"
+pip install --quiet -c constraints.txt "$VERL_SPEC" -e . "${EXTRA_TOOLS[@]}" \
+  || fail "pip install failed (see pip's output above); $VENV is left as is, re-run to retry"
+
+say "checking the environment imports"
+versions=$("$VENV/bin/python" - <<'EOF'
+import importlib.metadata as md
+import torch, transformers, tensordict, verl, gradloc  # noqa: F401  (import check)
+from verl import DataProto  # noqa: F401  (imports ray)
+from verl.trainer.ppo import core_algos  # noqa: F401
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: F401
+print(f"verl {md.version('verl')}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"tensordict {md.version('tensordict')}, ray {md.version('ray')}, gradloc {md.version('gradloc')}")
+EOF
+) || fail "the environment installed but importing verl/torch/transformers/gradloc fails (output above)"
+say "$versions"
+
+echo "$want" > "$stamp"
+say "done in $(( $(date +%s) - start )) s; $VENV is $(du -sh "$VENV/" | cut -f1)"

@@ -1,0 +1,134 @@
+"""A real ``transformers.Trainer`` (GradlocTrainer) on 2 gloo CPU processes: DDP through accelerate.
+
+Each rank (launched by tests/distributed/launch.py, process group already initialized) builds the same
+byte-level BPE tokenizer and the same tiny random ``LlamaForCausalLM`` from a config, pre-trains it for
+``PRETRAIN`` plain-loop steps on a cycle of two sentences (identical on every rank: same seed, one
+thread), then fine-tunes it with ``TrainingArguments(use_cpu=True)``: accelerate sees ``LOCAL_RANK``
+and the initialized gloo group, so the Trainer wraps the model in ``DistributedDataParallel`` and
+shards the batches (rank r gets global batch ``j·W + r`` as its micro-batch j).
+
+The planted culprit (``plant``): rank 1's micro-batch ``MB`` of step ``K``, row ``ROW``, input index
+``POS`` replaced by ``Z``, a byte that never occurs in the corpus — a corrupted token on one rank.
+Logits position ``POS - 1`` scores it. ``train`` returns what the test checks, by value.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+SEQ, PROMPT, B, GA = 24, 8, 4, 2
+K, MB, ROW, POS = 12, 1, 2, 17  # planted on rank 1: step K, micro-batch MB, row ROW, input index POS
+STEPS = K + 2
+WARMUP = 8  # detector warm-up steps (the default 25 would double the run)
+PRETRAIN = 60
+UID0 = 1000  # dataset row k has uid UID0 + k
+
+
+def _world() -> tuple[Any, Any, int, Any, dict]:
+    """(tokenizer, cycle, period, config, pre-trained weights): identical on every rank."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from gradloc.demo.data import SENTENCES
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(SENTENCES[:2], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
+    stream = tok(" ".join(SENTENCES[:2]))["input_ids"]
+    cycle = torch.tensor(stream * 3)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(PRETRAIN):  # a fine-tune starts from a model that knows its data
+        x = _windows(cycle, torch.randint(0, len(stream), (8,), generator=gen))
+        model(input_ids=x, labels=_labels(x)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return tok, cycle, len(stream), config, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _windows(cycle: Any, starts: Any) -> Any:
+    import torch
+
+    return torch.stack([cycle[s:s + SEQ] for s in starts.tolist()])  # (N, SEQ)
+
+
+def _labels(x: Any) -> Any:
+    lab = x.clone()
+    lab[..., :PROMPT] = -100  # the "prompt" carries no loss
+    return lab
+
+
+def planted_row(world: int) -> int:
+    """The dataset row of the culprit: rank 1's micro-batch j = K·GA + MB is global batch j·W + 1."""
+    return ((K * GA + MB) * world + 1) * B + ROW
+
+
+def _dataset(tok: Any, cycle: Any, period: int, world: int, plant: bool) -> list[dict]:
+    import torch
+
+    n = STEPS * GA * B * world
+    x = _windows(cycle, torch.randint(0, period, (n,), generator=torch.Generator().manual_seed(0)))
+    if plant:
+        x[planted_row(world), POS] = tok.convert_tokens_to_ids("Z")
+    return [dict(input_ids=x[i], attention_mask=torch.ones(SEQ, dtype=torch.long), labels=_labels(x[i]),
+                 uid=UID0 + i) for i in range(n)]
+
+
+def train(rank: int, world: int, out_dir: str, plant: bool = True) -> dict:
+    """Fine-tune with gradloc and, from the same weights and data, without it; returns what the test checks."""
+    import torch
+    import transformers
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    import gradloc
+    from gradloc.integrations.transformers import GradlocTrainer
+
+    transformers.logging.set_verbosity_error()
+    t0 = time.monotonic()
+    tok, cycle, period, config, weights = _world()
+    rows = _dataset(tok, cycle, period, world, plant)
+    t_setup = time.monotonic() - t0
+
+    def run(trainer_cls: type, **kw: Any) -> tuple[Trainer, dict, float, str]:
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(weights)
+        args = TrainingArguments(output_dir=os.path.join(out_dir, f"{trainer_cls.__name__}-{rank}"), use_cpu=True,
+                                 report_to="none", per_device_train_batch_size=B, gradient_accumulation_steps=GA,
+                                 max_steps=STEPS, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
+                                 save_strategy="no", train_sampling_strategy="sequential", max_grad_norm=1.0, seed=0,
+                                 disable_tqdm=True, dataloader_num_workers=0)
+        trainer = trainer_cls(model=model, args=args, train_dataset=rows, processing_class=tok, **kw)
+        t = time.monotonic()
+        trainer.train()
+        wrapped = type(trainer.model_wrapped).__name__
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        return trainer, params, time.monotonic() - t, wrapped
+
+    watched, params, t_watched, wrapped = run(
+        GradlocTrainer, gradloc=dict(job="hf-ddp", store=False, detector=gradloc.DetectorConfig(warmup=WARMUP)),
+        gradloc_sample_ids="uid")
+    mon = watched.gradloc
+    _, plain_params, t_plain, _ = run(Trainer)
+    return {
+        "wrapped": wrapped, "ddp": wrapped == DistributedDataParallel.__name__,
+        "distributed_type": str(watched.accelerator.distributed_type), "world": watched.args.world_size,
+        "kind": mon.job_kind, "errors": watched.gradloc_errors, "counters": dict(mon.counters),
+        "incidents": [(i.step, i.scope, i.localization) for i in mon.incidents],
+        "norms": [r.global_norm for r in mon.history],
+        "logged": [h["grad_norm"] for h in watched.state.log_history if "grad_norm" in h],
+        "same_params": all(torch.equal(p, params[n]) for n, p in plain_params.items()),
+        "seconds": {"setup": t_setup, "watched": t_watched, "plain": t_plain},
+    }
