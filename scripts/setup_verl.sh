@@ -52,6 +52,16 @@ say "installing $VERL_SPEC, gradloc (editable) and ${EXTRA_TOOLS[*]}, torch pinn
 pip install --quiet -c constraints.txt "$VERL_SPEC" -e . "${EXTRA_TOOLS[@]}" \
   || fail "pip install failed (see pip's output above); $VENV is left as is, re-run to retry"
 
+# verl's wheel also installs a top-level `tests` package (its own unit tests) into site-packages. A regular
+# package there wins over this repository's `tests`, a namespace package (no __init__.py), whatever the
+# order of sys.path: `import tests.distributed` would then fail inside this environment. Nothing imports
+# verl's tests, so they are removed.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -f "$site/tests/__init__.py" ]; then
+  say "removing the top-level 'tests' package verl installs into $site (it shadows this repository's tests)"
+  rm -rf "$site/tests"
+fi
+
 say "checking the environment imports"
 versions=$("$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
@@ -59,6 +69,7 @@ import torch, transformers, tensordict, verl, gradloc  # noqa: F401  (import che
 from verl import DataProto  # noqa: F401  (imports ray)
 from verl.trainer.ppo import core_algos  # noqa: F401
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: F401
+import tests.distributed.launch  # noqa: F401  (this repository's tests, not a site-packages one)
 print(f"verl {md.version('verl')}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"tensordict {md.version('tensordict')}, ray {md.version('ray')}, gradloc {md.version('gradloc')}")
 EOF

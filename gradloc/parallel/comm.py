@@ -34,6 +34,7 @@ class CommState:
 
     collectives: int = 0  # issued so far, over every group (the tests count them)
     broken: str = ""  # why gradloc's collectives stopped (a timeout: the ranks are out of lockstep)
+    trace: list[tuple[str, str]] | None = None  # when a list: (group, purpose) of each one, in order (tests)
 
 
 class JobComm:
@@ -75,8 +76,10 @@ class JobComm:
         backend = dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, traced: bool = True) -> None:
         self.state.collectives += 1
+        if traced and self.state.trace is not None:
+            self.state.trace.append((self.name, what))
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
@@ -117,8 +120,10 @@ class JobComm:
         import torch.distributed as dist
 
         works = [(t, dist.all_reduce(t, group=self.group, async_op=True)) for t in tensors]
+        if self.state.trace is not None:  # one call, however many tensors (the count differs between groups)
+            self.state.trace.append((self.name, what))
         for _, w in works:
-            self._wait(w, what)
+            self._wait(w, what, traced=False)
 
     def all_to_all(self, t: torch.Tensor, send: Sequence[int], recv: Sequence[int],
                    what: str = "all_to_all") -> torch.Tensor:

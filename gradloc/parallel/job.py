@@ -117,6 +117,11 @@ class Job:
             self.layers = GlobalLayers(tuple(layers), tuple(numel), tuple(range(len(layers))), tuple(token_layers),
                                        tuple(range(len(token_layers))))
             return
+        unclaimed = self.unclaimed_dims(params)
+        if unclaimed:
+            raise AttachError(f"gradloc: {unclaimed}; no parallel backend claims it, so its per-token scores and "
+                              "statistics cannot be combined right (tp, ep and FSDP2's data dims are known; context "
+                              "parallelism is not supported)")
         coords = {k: v for b in self.parts for k, v in b.coords().items()}
         self.layout = Layout.build(self.world, coords) if coords else Layout.flat(self.world)
         if isinstance(self.data, Alone) and self.layout.dp > 1:
@@ -138,6 +143,28 @@ class Job:
             w = replica_weights(keys, self.world)
             self.weights = None if all(x == 1.0 / self.world.world_size for x in w) and not self.parts else w
 
+
+    def unclaimed_dims(self, params: list[tuple[str, nn.Parameter]]) -> str:
+        """The first parameter split along a mesh dim no backend of this job claims ('' when none is): ``tp``
+        needs the TP backend, ``ep`` the EP one, any other name (and an unnamed 1-D mesh) FSDP2's."""
+        from gradloc.parallel.data import FSDP
+
+        claimed = {b.dim for b in self.parts}
+        fsdp = isinstance(self.data, FSDP)
+        for name, p in params:
+            placements = getattr(p, "placements", None)
+            if not placements:
+                continue
+            dims = getattr(p.device_mesh, "mesh_dim_names", None)
+            for i, pl in enumerate(placements):
+                if pl.is_replicate():
+                    continue
+                dim = dims[i] if dims else None
+                ok = dim in claimed if dim in ("tp", "ep") else fsdp and dim not in ("pp", "cp") and \
+                    (dim is not None or p.device_mesh.ndim == 1)
+                if not ok:
+                    return f"parameter {name!r} is {pl} along mesh dim {dim or i!r} ({dims or 'unnamed'})"
+        return ""
 
     # -- the collectors' side --------------------------------------------------------------------
     def layer_stats(self) -> Any:

@@ -94,7 +94,7 @@ def _toy_stage(rank: int, world: int, dp: int) -> tuple[Any, nn.Module, Any]:
 
 
 def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: tuple | None = None,
-          monitor: bool = True) -> dict[str, Any]:
+          monitor: bool = True, invariants: bool = False) -> dict[str, Any]:
     import gradloc
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -118,6 +118,9 @@ def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: t
     emitted = Emitted()
     mon = gradloc.watch(stage, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), sinks=[emitted]) \
         if monitor else None
+    from tests.distributed.invariants import Watch
+
+    inv = Watch(mon) if invariants and mon is not None else None
     out: dict[str, Any] = {"reports": [], "stage": stage.stage_index}
     for s in range(steps):
         target = _target(y[s], w[s])
@@ -130,7 +133,7 @@ def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: t
         if s == 0 and dims is not None:
             out["titan_norm"] = float(titan.grad_norm(part, dims))
         if mon is not None:
-            rep = mon.end_step(torch.stack(losses).sum() if losses else None)
+            rep = (inv.end_step if inv is not None else mon.end_step)(torch.stack(losses).sum() if losses else None)
             rec = rep.record
             loc = rep.incident.localization if rep.incident is not None else None
             out["reports"].append({
@@ -145,6 +148,8 @@ def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: t
         opt.zero_grad()
     out["params"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                      for n, p in part.named_parameters()}
+    if inv is not None:
+        out["steps"], out["trace"] = inv.steps, list(mon.comm.state.trace)
     if mon is not None:
         out["counters"] = dict(mon.counters)
         out["emitted"] = emitted.incidents

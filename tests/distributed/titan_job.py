@@ -49,7 +49,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = None, monitor: bool = True,
+def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = None, monitor: bool = True, invariants: bool = False,
           **watch: Any) -> dict[str, Any]:
     import gradloc
 
@@ -63,6 +63,9 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
         w[s, mb, b, t] = 3000.0
     mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
         if monitor else None
+    from tests.distributed.invariants import Watch
+
+    inv = Watch(mon) if invariants and mon is not None else None
     out: dict[str, Any] = {"reports": []}
     for s in range(steps):
         def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
@@ -86,7 +89,7 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
                 sq[mod] = sq.get(mod, 0.0) + float(_whole(p.grad).double().pow(2).sum())
             out["ref_layers"] = {k: v ** 0.5 for k, v in sq.items()}
         if mon is not None:
-            rep = mon.end_step(total, probe=loss_for)
+            rep = (inv.end_step if inv is not None else mon.end_step)(total, probe=loss_for)
             rec = rep.record
             loc = rep.incident.localization if rep.incident is not None else None
             out["reports"].append({
@@ -100,6 +103,8 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
         opt.step()
         opt.zero_grad()
     out["params"] = {n: _whole(p).detach().clone() for n, p in model.named_parameters()}
+    if inv is not None:
+        out["steps"], out["trace"] = inv.steps, list(mon.comm.state.trace)
     if mon is not None:
         out["counters"] = dict(mon.counters)
         mon.close()

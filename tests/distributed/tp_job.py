@@ -112,7 +112,7 @@ __all__ = ["Toy", "build", "data", "token_losses", "B", "D", "M", "SEQ", "VOCAB"
 
 
 def train(rank: int, world: int, tp: int, sp: bool, steps: int, plant: tuple | None = None,
-          monitor: bool = True, **watch: Any) -> dict[str, Any]:
+          monitor: bool = True, invariants: bool = False, **watch: Any) -> dict[str, Any]:
     """Train ``steps`` AdamW steps; returns the reports' essentials, the final parameters (whole) and, on the
     first step, the per-layer gradient norms a placement-aware reduction gives (torchtitan's way)."""
     import gradloc
@@ -126,6 +126,9 @@ def train(rank: int, world: int, tp: int, sp: bool, steps: int, plant: tuple | N
         w[s, mb, b, t] = 3000.0
     mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
         if monitor else None
+    from tests.distributed.invariants import Watch
+
+    inv = Watch(mon) if invariants and mon is not None else None
     out: dict[str, Any] = {"reports": [], "collectives": []}
     for s in range(steps):
         def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
@@ -148,7 +151,7 @@ def train(rank: int, world: int, tp: int, sp: bool, steps: int, plant: tuple | N
             out["norms"] = {n: float(_whole(p.grad).double().norm()) for n, p in model.named_parameters()}
         if mon is not None:
             before = mon.comm.collectives
-            rep = mon.end_step(total, probe=loss_for)
+            rep = (inv.end_step if inv is not None else mon.end_step)(total, probe=loss_for)
             out["collectives"].append(mon.comm.collectives - before)
             rec = rep.record
             loc = rep.incident.localization if rep.incident is not None else None
@@ -164,6 +167,8 @@ def train(rank: int, world: int, tp: int, sp: bool, steps: int, plant: tuple | N
         opt.step()
         opt.zero_grad()
     out["params"] = {n: _whole(p).detach().clone() for n, p in model.named_parameters()}
+    if inv is not None:
+        out["steps"], out["trace"] = inv.steps, list(mon.comm.state.trace)
     if mon is not None:
         out["counters"] = dict(mon.counters)
         mon.close()

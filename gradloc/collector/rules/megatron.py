@@ -23,6 +23,9 @@ these terms are exactly r's share, and the tp group's sum is the whole layer's �
   whole on every rank (counted once over the group). With ``input_is_parallel=False`` the layer scatters a
   whole input itself: the rule narrows a to r's slice (the input's width says which case it is).
 
+A column-parallel bias added inside the layer (``skip_bias_add=False``) while the weight is frozen gets no
+gradient at all (Megatron's ``LinearWithFrozenWeight`` returns None for it): scored 0, as it trains.
+
 ``skip_bias_add=True``: the layer returns the bias for the caller to add (Megatron's bias-GELU/SwiGLU and
 bias-dropout-add fusions compute ``output + bias`` per position). Then ∂L/∂b = Σ_p ∂L/∂(output + b)_p = Σ_p g_p
 with g_p the gradient the hook sees on ``output``, so the bias term is the same ‖g_p‖² (/tp for the
@@ -77,6 +80,13 @@ def _own_slice(t: torch.Tensor, whole: int, rank: int, size: int) -> torch.Tenso
     return t.narrow(-1, rank * n, n)  # [s, b, h] -> [s, b, h/tp]
 
 
+def _bias_gets_gradient(module: nn.Module, column: bool, weight: object) -> bool:
+    """False for a column-parallel bias added inside the layer while its weight is frozen: Megatron then runs
+    ``LinearWithFrozenWeight``, whose backward returns no bias gradient (the bias never trains)."""
+    frozen = isinstance(weight, nn.Parameter) and not weight.requires_grad
+    return not (column and frozen and not getattr(module, "skip_bias_add", False))
+
+
 @register_duck_rule(is_megatron_linear)
 class MegatronLinearRule:
     def output(self, out: object) -> object:
@@ -103,8 +113,9 @@ class MegatronLinearRule:
             g = _own_slice(g, module.output_size, rank, size)  # [s, b, h] -> [s, b, h/tp]
         g_sq = sq_norm_last(g)  # [s, b, h_out] -> [s, b]
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        score = g_sq * saved if isinstance(weight, nn.Parameter) and weight.requires_grad else torch.zeros_like(g_sq)
-        if isinstance(bias, nn.Parameter) and bias.requires_grad:
+        w_trains = isinstance(weight, nn.Parameter) and weight.requires_grad
+        score = g_sq * saved if w_trains else torch.zeros_like(g_sq)
+        if isinstance(bias, nn.Parameter) and bias.requires_grad and _bias_gets_gradient(module, column, weight):
             score = score + (g_sq if column else g_sq / size)  # the row-parallel bias: once over the tp ranks
         return score.t().contiguous()  # [s, b] -> (b, s)
 

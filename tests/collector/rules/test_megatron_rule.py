@@ -1,10 +1,13 @@
 """Megatron-core's ColumnParallelLinear / RowParallelLinear per-token rule vs a brute-force autograd reference.
 
-One process, tensor-parallel size 1, no process group: without ``torch.distributed`` Megatron builds the layers
-with ``tp_group=None``, and its size-1 mappings bypass every collective but still ask the group its size, so
-each layer gets a stand-in group that says "1 rank" (``_Group``). The same stand-in saying "rank r of 2", set on
-a layer holding one rank's shard, checks the rule's tp>1 slicing (a gathered output's gradient, a scattered
-input) without running a collective.
+One process, tensor-parallel size 1: Megatron's mappings need a tp group even at size 1 (without
+``torch.distributed`` they get ``None`` and fail on it), so the module opens a 1-rank gloo group (an in-memory
+store: no port) and ``initialize_model_parallel(1)``, and closes both afterwards (``_one_rank``). megatron is
+imported there too, not at collection: ``import megatron.core`` replaces ``torch.storage._load_from_bytes``
+process-wide (every tensor pickled afterwards names ``megatron.core.safe_globals``, so whoever unpickles it
+imports megatron), which the fixture puts back when the module is done. A stand-in
+group saying "rank r of 2" (``_Group``), set on a layer holding one rank's shard, checks the rule's tp>1 slicing
+(a gathered output's gradient, a scattered input) without running a collective.
 
 Reference: every position p = (s, b) gets its own private copy of the layer's trainable parameters, the layer
 runs on a_p alone, ⟨output + (returned bias, when ``skip_bias_add``: what the caller adds), g_p⟩ is
@@ -22,16 +25,39 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
 
+from gradloc.collector.rules import rule_for
+from gradloc.collector.rules.megatron import MegatronLinearRule
 from tests.collector.rules.reference import SETTINGS
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
-    layers = pytest.importorskip("megatron.core.tensor_parallel.layers",
-                                 reason="needs megatron-core (scripts/setup.sh)")
-    from megatron.core.model_parallel_config import ModelParallelConfig
+pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")  # megatron's own calls
+mc: dict = {}  # megatron's modules, imported by ``_one_rank``
 
-from gradloc.collector.rules import rule_for  # noqa: E402
-from gradloc.collector.rules.megatron import MegatronLinearRule  # noqa: E402
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_rank():
+    """megatron imported, and a 1-rank gloo job with Megatron's tp size 1, for this module only."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already open in this process")
+    load_from_bytes = torch.storage._load_from_bytes
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
+            layers = pytest.importorskip("megatron.core.tensor_parallel.layers",
+                                         reason="needs megatron-core (scripts/setup.sh)")
+            from megatron.core import parallel_state as ps
+            from megatron.core.model_parallel_config import ModelParallelConfig
+        mc.update(layers=layers, ps=ps, Config=ModelParallelConfig)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            ps.initialize_model_parallel(tensor_model_parallel_size=1)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+    finally:
+        torch.storage._load_from_bytes = load_from_bytes  # what importing megatron.core replaced
 
 
 class _Group:
@@ -50,15 +76,16 @@ class _Group:
 def _layer(kind: str, d_in: int, d_out: int, bias: bool, skip: bool, flag: bool,
            dtype: torch.dtype = torch.float64) -> nn.Module:
     """``flag``: gather_output (column) / input_is_parallel (row)."""
-    cfg = ModelParallelConfig(use_cpu_initialization=True, params_dtype=dtype)
+    layers = mc["layers"]
+    cfg = mc["Config"](use_cpu_initialization=True, params_dtype=dtype)
     init = lambda w: nn.init.normal_(w, std=0.7)  # noqa: E731
+    tp = mc["ps"].get_tensor_model_parallel_group()
     if kind == "column":
         layer = layers.ColumnParallelLinear(d_in, d_out, config=cfg, init_method=init, bias=bias,
-                                            skip_bias_add=skip, gather_output=flag)
+                                            skip_bias_add=skip, gather_output=flag, tp_group=tp)
     else:
         layer = layers.RowParallelLinear(d_in, d_out, config=cfg, init_method=init, bias=bias,
-                                         input_is_parallel=flag, skip_bias_add=skip)
-    layer.tp_group = _Group()
+                                         input_is_parallel=flag, skip_bias_add=skip, tp_group=tp)
     if bias:
         with torch.no_grad():
             layer.bias.normal_()  # Megatron zeroes biases; the gradient does not care, the output does
@@ -83,8 +110,8 @@ def reference(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tenso
                 continue
             copies = {k: p.detach().clone().requires_grad_(True) for k, p in trainable.items()}
             y = _apply(layer, {**frozen, **copies}, x[i:i + 1, j:j + 1])  # [1, 1, h_out]
-            grads = torch.autograd.grad((y * g[i:i + 1, j:j + 1]).sum(), list(copies.values()))
-            out[i, j] = sum(gr.double().pow(2).sum() for gr in grads)
+            grads = torch.autograd.grad((y * g[i:i + 1, j:j + 1]).sum(), list(copies.values()), allow_unused=True)
+            out[i, j] = sum(gr.double().pow(2).sum() for gr in grads if gr is not None)  # None: it never trains
     return out
 
 
@@ -248,7 +275,9 @@ def test_hooks_place_sequence_first_scores_at_batch_positions():
         assert buf.dropped_calls == 0 and buf.hook_errors == 0
         for name in ("fc1", "fc2"):
             x, g = seen[name]  # [s, b, h], [s, b, h_out]
-            ref = reference(copy.deepcopy(getattr(model, name)).double(), x.double(), g.double())  # [s, b]
+            layer = getattr(model, name)
+            twin = copy.deepcopy(layer, memo={id(layer.tp_group): layer.tp_group}).double()  # the group is shared
+            ref = reference(twin, x.double(), g.double())  # [s, b]
             got = buf.scores[mon.hooks.layers.index(name)]  # (B, T)
             torch.testing.assert_close(got.double(), ref.t(), rtol=1e-4, atol=1e-10)  # [s, b] -> (B, T)
         tok = mon.end_step(loss.detach()).record.tokens

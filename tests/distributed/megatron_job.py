@@ -1,0 +1,278 @@
+"""A small Megatron-core tensor-parallel job for the distributed tests: blocks built from ``ColumnParallelLinear``
+/ ``RowParallelLinear`` on sequence-first activations ``[s, b, h]``, with ordinary torch modules (embedding,
+LayerNorms, LM head) replicated over tp.
+
+The three blocks use the parallel linears three ways: ``inside`` (biases added by the layers), ``caller``
+(``skip_bias_add=True``: the caller adds the returned biases, as Megatron's bias-GELU / bias-dropout-add
+fusions do), ``gathered`` (the column-parallel output all-gathered, ``gather_output=True``, and the
+row-parallel layer scattering its whole input itself, ``input_is_parallel=False``). Attention projects q/k/v
+with one column-parallel layer whose output features are laid out [head, (q, k, v), hd], so a tp rank's slice
+holds whole heads. The torch LayerNorms run on a batch-first view: gradloc's torch-module rules place (B, T)
+leads only (only the Megatron rule knows [s, b]).
+
+Weights: ``use_cpu_initialization=True`` makes every rank draw the whole master weight from the CPU generator
+and keep its partition (``_initialize_affine_weight_cpu``), so the same seed gives the tp=1 model (the
+reference) exactly the unpartitioned weights — checked by gathering the partitions (``whole_params``).
+
+Data: every tp rank sees the same micro-batches. Micro-batch i's loss is Σ w·mask·ce / (B·T·M); ``plant`` =
+(step, micro-batch, sample, position) multiplies one token's loss weight by 3000 there.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, B, M, D, HEADS, FF = 64, 12, 3, 2, 32, 4, 64  # B != SEQ: a transposed score would not fit
+HD = D // HEADS
+BLOCKS = ("inside", "caller", "gathered")
+
+
+def megatron() -> Any:
+    """The megatron-core modules used here (imported in the ranks only; ~6 s)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed", tp_group deprecations
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.model_parallel_config import ModelParallelConfig
+    return parallel_state, tensor_parallel, ModelParallelConfig
+
+
+def cpu_gather_shim() -> None:
+    """Megatron-core 0.19.2's ``mappings._gather_along_last_dim`` allocates its receive buffer on
+    ``torch.cuda.current_device()``, which fails without CUDA; it runs for ``gather_output=True`` (forward) and
+    for ``input_is_parallel=False`` (the scatter's backward). This is the same function with the buffer on the
+    input's device (the autograd functions look it up by module global, so replacing it is enough)."""
+    from megatron.core.tensor_parallel import mappings
+
+    def gather_along_last_dim(input_: torch.Tensor, group: Any) -> torch.Tensor:
+        world_size = group.size()
+        if world_size == 1:
+            return input_
+        shape = list(input_.size())
+        shape[0] *= world_size
+        output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
+        mappings.dist_all_gather_func(output, input_.contiguous(), group=group)
+        return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()  # [w·s, b, h/w] -> [s, b, h]
+
+    mappings._gather_along_last_dim = gather_along_last_dim
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, tp_mod: Any, tp_group: Any) -> None:
+        super().__init__()
+        init = _init()
+        self.qkv = tp_mod.ColumnParallelLinear(D, 3 * D, config=cfg, init_method=init, bias=True,
+                                               gather_output=False, tp_group=tp_group)
+        self.proj = tp_mod.RowParallelLinear(D, D, config=cfg, init_method=init, bias=True, input_is_parallel=True,
+                                             skip_bias_add=False, tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv(x)  # [s, b, 3·D/tp]
+        s, b, width = qkv.shape
+        heads = width // (3 * HD)
+        q, k, v = qkv.view(s, b, heads, 3, HD).unbind(3)  # [s, b, 3·D/tp] -> 3 × [s, b, H/tp, hd]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, H/tp, hd] -> [b, H/tp, s, hd]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.permute(2, 0, 1, 3).reshape(s, b, heads * HD)  # [b, H/tp, s, hd] -> [s, b, D/tp]
+        return self.proj(y)[0]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any, tp_mod: Any, tp_group: Any, kind: str) -> None:
+        super().__init__()
+        init, self.kind = _init(), kind
+        skip = kind == "caller"
+        self.fc1 = tp_mod.ColumnParallelLinear(D, FF, config=cfg, init_method=init, bias=True, skip_bias_add=skip,
+                                               gather_output=kind == "gathered", tp_group=tp_group)
+        self.fc2 = tp_mod.RowParallelLinear(FF, D, config=cfg, init_method=init, bias=True,
+                                            input_is_parallel=kind != "gathered", skip_bias_add=skip,
+                                            tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, b1 = self.fc1(x)  # [s, b, FF/tp] ([s, b, FF] gathered)
+        h = F.gelu(h if b1 is None else h + b1)
+        y, b2 = self.fc2(h)  # [s, b, D], whole after the all-reduce
+        return y if b2 is None else y + b2
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Any, tp_mod: Any, tp_group: Any, kind: str) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = Attention(cfg, tp_mod, tp_group)
+        self.mlp = MLP(cfg, tp_mod, tp_group, kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, D]
+        x = x + self.attn(_batch_first(self.norm1, x))
+        return x + self.mlp(_batch_first(self.norm2, x))
+
+
+def _batch_first(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return norm(x.transpose(0, 1)).transpose(0, 1)  # [s, b, D] -> (B, T, D) -> normed -> [s, b, D]
+
+
+def _init() -> Any:
+    return lambda w: nn.init.normal_(w, std=0.08)
+
+
+class MegatronToy(nn.Module):
+    def __init__(self, tp: int, seed: int = 0) -> None:
+        super().__init__()
+        ps, tp_mod, Config = megatron()
+        cfg = Config(tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32)
+        group = ps.get_tensor_model_parallel_group()
+        torch.manual_seed(seed)  # every rank (and the tp=1 reference) draws the same master weights
+        self.tok = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(Block(cfg, tp_mod, group, kind) for kind in BLOCKS)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx).transpose(0, 1).contiguous()  # (B, T, D) -> [s, b, D], as Megatron's embedding does
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x.transpose(0, 1)))  # [s, b, D] -> (B, T, D) -> (B, T, V)
+
+
+def setup(tp: int) -> Any:
+    """Megatron's parallel state for tp (the default gloo group is the launcher's) and the CPU shim."""
+    ps, _, _ = megatron()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    cpu_gather_shim()
+    return ps
+
+
+def whole_params(model: nn.Module, ps: Any, grads: bool = False) -> dict[str, Any]:
+    """Every parameter (or gradient) whole, as a numpy array: a partitioned one gathered over the tp group along
+    its ``partition_dim`` (rank order), a replicated one as it is. numpy, not torch: once megatron.core is
+    imported every pickled tensor names ``megatron.core.safe_globals`` (it replaces
+    ``torch.storage._load_from_bytes``), so a tensor returned to the test would import megatron there."""
+    import torch.distributed as dist
+
+    group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for n, p in model.named_parameters():
+        t = (p.grad if grads else p).detach()
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        out[n] = t.numpy().copy()
+    return out
+
+
+def data(steps: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(VOCAB, (steps, M, B, SEQ + 1), generator=g)
+    return tokens[..., :-1].clone(), tokens[..., 1:].clone(), torch.ones(steps, M, B, SEQ)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    Bl, T, V = logits.shape
+    return F.cross_entropy(logits.reshape(Bl * T, V), targets.reshape(Bl * T), reduction="none").view(Bl, T)
+
+
+def module_norms(grads: dict[str, Any]) -> dict[str, float]:
+    """Per-module gradient norms (the "module" layer grouping) from whole per-parameter gradients, float64."""
+    sq: dict[str, float] = {}
+    for name, g in grads.items():
+        mod = name.rsplit(".", 1)[0]
+        sq[mod] = sq.get(mod, 0.0) + float((g.astype("float64") ** 2).sum())
+    return {k: v ** 0.5 for k, v in sq.items()}
+
+
+def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None,
+          monitor: bool = True) -> dict[str, Any]:
+    """``steps`` AdamW steps; the reports' essentials, the whole initial and final parameters, and the first
+    step's whole per-module gradient norms (the partitions gathered)."""
+    import gradloc
+
+    ps = setup(tp)
+    model = MegatronToy(tp)
+    out: dict[str, Any] = {"reports": [], "init": whole_params(model, ps)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y, w = data(steps)
+    if plant is not None:
+        s, mb, b, t = plant
+        w[s, mb, b, t] = 3000.0
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5)) if monitor else None
+    for s in range(steps):
+        def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
+            terms = token_losses(model(x[s, i]), y[s, i]) * w[s, i]
+            if mask is not None:
+                terms = terms * mask
+            return terms.sum() / (terms.numel() * M)
+
+        total = torch.zeros(())
+        for i in range(M):
+            if mon is not None:
+                with mon.micro_batch(y[s, i]):
+                    loss = loss_for(i)
+                    loss.backward()
+            else:
+                loss = loss_for(i)
+                loss.backward()
+            total += loss.detach()
+        if s == 0:
+            out["norms"] = module_norms(whole_params(model, ps, grads=True))
+        if mon is not None:
+            rep = mon.end_step(total, probe=loss_for)
+            out["reports"].append(_report(rep))
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}  # this rank's partitions
+    if mon is not None:
+        mon.close()
+    return out
+
+
+def _report(rep: Any) -> dict[str, Any]:
+    rec = rep.record
+    loc = rep.incident.localization if rep.incident is not None else None
+    tok = rec.tokens
+    return {
+        "step": rec.step, "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
+        "top": [(t.micro_batch, t.sample, t.position, t.score) for t in (tok.top if tok else ())],
+        "total_score": tok.total_score if tok else None, "dropped": tok.dropped_calls if tok else None,
+        "unattributed": tok.unattributed_share if tok else None,
+        "loc": None if loc is None else {
+            "status": str(loc.status), "probes": loc.probes, "explained": loc.explained_share,
+            "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}}
+
+
+def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple) -> dict[str, Any]:
+    """Train without gradloc, then with it (the same seed and data): the watched run's results, and whether
+    this rank's parameters came out bitwise the same."""
+    plain = train(rank, world, tp, steps, plant=plant, monitor=False)
+    watched = train(rank, world, tp, steps, plant=plant)
+    mine = watched.pop("params")  # tensors stay here (whole_params says why)
+    return {**watched, "bitwise": all(torch.equal(plain["params"][n], mine[n]) for n in mine)}
+
+
+def reference(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """The same model at tp=1 in one process (launched alone): its initial weights, the first step's per-module
+    gradient norms (from ``.grad``) and gradloc's per-layer norms and top tokens."""
+    import gradloc
+
+    ps = setup(1)
+    model = MegatronToy(1)
+    out: dict[str, Any] = {"init": whole_params(model, ps)}
+    x, y, w = data(steps)
+    mon = gradloc.watch(model, store=False)
+    total = torch.zeros(())
+    for i in range(M):
+        with mon.micro_batch(y[0, i]):
+            loss = (token_losses(model(x[0, i]), y[0, i]) * w[0, i]).sum().div(B * SEQ * M)
+            loss.backward()
+        total += loss.detach()
+    out["norms"] = module_norms({n: p.grad.numpy() for n, p in model.named_parameters()})
+    out["report"] = _report(mon.end_step(total))
+    mon.close()
+    return out
+
+
+__all__ = ["MegatronToy", "bitwise", "data", "reference", "train", "B", "D", "M", "SEQ", "VOCAB"]

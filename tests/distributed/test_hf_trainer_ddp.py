@@ -1,0 +1,59 @@
+"""GradlocTrainer under DDP: a real ``transformers.Trainer`` on 2 gloo CPU processes (accelerate's MULTI_CPU).
+
+The Trainer wraps the model in ``DistributedDataParallel``; GradlocTrainer hands gradloc that wrapper, so
+the monitor is a DDP job: every rank judges the job's (all-reduced) gradient, the rank holding the
+candidates probes in ``no_sync`` and gradloc combines the probe gradients over the ranks. A corrupted
+token planted on rank 1 (tests/distributed/hf_trainer_job.py) is one job incident on both ranks, naming
+rank 1, with ≤ 3 probes and the share measured against the job's gradient; the parameters after
+training are bitwise those of a plain ``Trainer`` on the same data.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.hf_trainer_job import MB, POS, ROW, STEPS, K, UID0, planted_row
+from tests.distributed.launch import run
+
+pytest.importorskip("transformers")
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    from tests.distributed.hf_trainer_job import train
+
+    return run(train, WORLD, str(tmp_path_factory.mktemp("hf-ddp")), timeout_s=420)
+
+
+def test_the_trainer_runs_ddp_and_gradloc_watches_it_as_one_job(ranks):
+    for r in ranks:
+        assert r["ddp"] and r["distributed_type"] == "DistributedType.MULTI_CPU" and r["world"] == WORLD, r
+        assert r["kind"] == "ddp"  # not "single": the job path, not the unwrapped module rank by rank
+        assert r["errors"] == 0 and not r["counters"], r["counters"]
+        assert len(r["norms"]) == STEPS
+        assert r["norms"] == pytest.approx(r["logged"], rel=1e-5)  # the job's norm = the Trainer's grad_norm
+    assert ranks[0]["norms"] == ranks[1]["norms"]  # every rank judges the same (all-reduced) gradient
+
+
+def test_a_token_planted_on_rank_1_is_one_job_incident_naming_rank_1(ranks):
+    locs = []
+    for r in ranks:
+        assert [(step, scope) for step, scope, _ in r["incidents"]] == [(K, "job")], r["incidents"]
+        loc = r["incidents"][0][2]
+        assert loc.status == "located" and 1 <= loc.probes <= 3, loc.note
+        assert {c.rank for c in loc.culprits} == {1}
+        top = loc.culprits[0]
+        assert (top.micro_batch, top.sample, top.sample_id) == (MB, ROW, str(UID0 + planted_row(WORLD)))
+        by_pos = {c.position: c for c in loc.culprits}
+        assert POS - 1 in by_pos and by_pos[POS - 1].text == "Z"  # position POS - 1 scores the garbage token
+        assert set(by_pos) <= {POS - 1, POS}
+        # the share of the job's gradient: the probe gradients combined over ranks (÷ W as DDP averages);
+        # rank-local probes against the averaged gradient would read ~W× (2.0 here, measured)
+        assert 0.5 < loc.explained_share < 1.1, loc.explained_share
+        locs.append(loc)
+    assert repr(locs[0]) == repr(locs[1])  # the same localization on every rank
+
+
+def test_parameters_are_bitwise_those_of_a_plain_trainer(ranks):
+    assert all(r["same_params"] for r in ranks)

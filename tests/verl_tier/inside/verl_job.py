@@ -1,0 +1,165 @@
+"""verl 0.9.1's own FSDP2 engine on gloo CPU processes, driven the way verl's actor update drives it.
+
+Each rank (launched by tests/distributed/launch.py with ``VERL_PLATFORM=cpu``) registers the CPU
+platform (verl_cpu.py), installs gradloc with ``gradloc.adapters.rl.verl.install(FSDPEngineWithLMHead)``
+— what a user's ``external_lib`` does — and builds ``FSDPEngineWithLMHead`` from verl's own configs
+(``HFModelConfig``, ``FSDPEngineConfig(strategy="fsdp2")``, ``FSDPOptimizerConfig``) on a tiny random
+Qwen2 saved with ``save_pretrained``: the engine shards it with ``fully_shard`` over the ranks.
+
+Per step, like ``RayPPOTrainer`` + ``TrainingWorker``: each rank draws its own prompts (``N_PROMPTS`` × ``N``
+samples), computes old log-probs with ``engine.infer_batch`` (verl's compute_log_prob), rewards → GRPO
+advantages (``core_algos.compute_grpo_outcome_advantage``), rollout log-probs = old + engine noise, IS
+weights from verl's ``compute_rollout_correction_weights`` (token TIS, threshold 1e4), a ``DataProto``
+→ ``to_tensordict`` → ``left_right_2_no_padding``, then ``engine.train_batch`` with verl's ``ppo_loss``
+(``core_algos`` vanilla policy loss × ``rollout_is_weights``, ``agg_loss`` token-mean).
+
+``plant`` = (rank, step): on that rank and step, sample ``PLANT_SAMPLE``'s response token ``PLANT_TOKEN``
+gets a rollout log-prob 8 nats below the trainer's (an IS weight of e^8).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+VOCAB, N_PROMPTS, N, MICRO = 96, 4, 2, 4  # 8 sequences per rank and step, micro-batches of 4
+PLANT_SAMPLE, PLANT_TOKEN = 5, 2  # micro-batch 1, its sample 1, response token 2
+WATCH = dict(update_ratio="off", store=False)
+
+
+def save_model(path: str) -> str:
+    """A tiny random Qwen2 (2 layers, hidden 32, untied head) written as a Hugging Face checkpoint."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def build_engine(model_dir: str, lr: float) -> Any:
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    # eager attention and no remove-padding: flash-attention's varlen kernels do not exist on CPU
+    model = HFModelConfig(path=model_dir, load_tokenizer=False, override_config={"attn_implementation": "eager"},
+                          use_remove_padding=False, enable_gradient_checkpointing=False)
+    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    engine = FSDPEngineWithLMHead(model, FSDPEngineConfig(strategy="fsdp2", mixed_precision=fp32,
+                                                          use_torch_compile=False),
+                                  FSDPOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=100),
+                                  CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def actor_config() -> Any:
+    from verl.workers.config import FSDPActorConfig
+
+    return FSDPActorConfig(strategy="fsdp2", rollout_n=N, ppo_mini_batch_size=N_PROMPTS,
+                           ppo_micro_batch_size_per_gpu=MICRO, use_torch_compile=False, clip_ratio=0.2)
+
+
+def _rows(g: Any) -> list[tuple[list[int], list[int], str]]:
+    import torch
+
+    rows = []
+    for q in range(N_PROMPTS):
+        prompt = torch.randint(VOCAB, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(N):
+            r = int(torch.randint(4, 10, (1,), generator=g))
+            rows.append((prompt, torch.randint(VOCAB, (r,), generator=g).tolist(), f"p{q}"))
+    return rows
+
+
+def _no_padding(batch: Any, world: int) -> Any:
+    """DataProto → the TensorDict the actor's engine receives (RayPPOTrainer._update_actor + TrainingWorker)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=N_PROMPTS * N * world, use_remove_padding=False,
+                         use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO, use_fused_kernels=False,
+                         max_token_len_per_gpu=16384)
+    return td
+
+
+def make_batch(g: Any, engine: Any, world: int, plant: bool) -> tuple[Any, Any]:
+    """One rank's step batch: (DataProto with old/rollout log-probs, advantages, IS weights; its TensorDict)."""
+    import numpy as np
+    import torch
+
+    from verl import DataProto
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    rows = _rows(g)
+    B, P, R = len(rows), max(len(p) for p, _, _ in rows), max(len(r) for _, r, _ in rows)
+    prompts, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
+    attention = torch.zeros(B, P + R, dtype=torch.long)
+    for i, (p, r, _) in enumerate(rows):
+        prompts[i, P - len(p):], responses[i, :len(r)] = torch.tensor(p), torch.tensor(r)  # left / right padded
+        attention[i, P - len(p):P + len(r)] = 1
+    response_mask = attention[:, P:].float()
+    uid = np.array([u for _, _, u in rows], dtype=object)
+    tensors = dict(prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
+                   attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+                   response_mask=response_mask)
+    probe = DataProto.from_dict(tensors=dict(tensors), non_tensors={"uid": uid}, meta_info={"temperature": 1.0})
+    out = engine.infer_batch(_no_padding(probe, world))  # verl's compute_log_prob: the current policy's log-probs
+    old = no_padding_2_padding(out["model_output"]["log_probs"], probe.to_tensordict()) * response_mask  # (B, R)
+    reward = torch.zeros(B, R)
+    reward[torch.arange(B), response_mask.sum(1).long() - 1] = torch.randint(0, 2, (B,), generator=g).float()
+    advantages, _ = core_algos.compute_grpo_outcome_advantage(reward, response_mask, uid)
+    rollout = old + 0.01 * torch.randn(B, R, generator=g) * response_mask
+    if plant:
+        rollout[PLANT_SAMPLE, PLANT_TOKEN] -= 8.0  # the inference engine's log-prob, 8 nats off: IS weight e^8
+    weights, _ = compute_rollout_correction_weights(old - rollout, response_mask, rollout_is="token",
+                                                    rollout_is_threshold=1e4)
+    tensors.update(old_log_probs=old, advantages=advantages, rollout_log_probs=rollout, rollout_is_weights=weights)
+    batch = DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}, meta_info={"temperature": 1.0})
+    return batch, _no_padding(batch, world)
+
+
+def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, int] | None, watched: bool,
+          lr: float = 1e-2, **watch: Any) -> dict:
+    """``steps`` PPO updates (one mini-batch each) on this rank; what the tests check, by value."""
+    import torch
+
+    from tests.verl_tier.inside.verl_cpu import install_cpu_platform
+
+    install_cpu_platform()
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils.losses import ppo_loss
+
+    import gradloc
+    from gradloc.adapters.rl.verl import install
+
+    uninstall = install(FSDPEngineWithLMHead, **{**WATCH, "detector": gradloc.DetectorConfig(warmup=5), **watch}) \
+        if watched else (lambda: None)
+    try:
+        engine = build_engine(model_dir, lr)
+    finally:
+        uninstall()
+    hooks = getattr(engine, "gradloc", None)
+    loss_fn = partial(ppo_loss, config=actor_config())
+    g = torch.Generator().manual_seed(100 + rank)
+    grad_norms = []
+    with engine.train_mode():
+        for step in range(steps):
+            _, td = make_batch(g, engine, world, plant is not None and plant == (rank, step))
+            out = engine.train_batch(td, loss_function=loss_fn)
+            grad_norms.append(float(out["metrics"]["grad_norm"]))
+    params = {n: p.full_tensor().detach().clone() for n, p in engine.module.named_parameters()}
+    result = {"grad_norms": grad_norms, "params": params, "watched": hooks is not None}
+    if hooks is not None:
+        result.update(kind=hooks.mon.job_kind, probes=hooks.probes, errors=hooks.blocks.errors,
+                      counters=dict(hooks.mon.counters),
+                      reports=[(r.record.global_norm, r.spike.kinds, r.incident.scope if r.incident else None,
+                                r.incident.localization if r.incident else None) for r in hooks.reports])
+        hooks.detach()
+    return result
