@@ -56,6 +56,30 @@ if [ ! -f .torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so ] && .venv/
     "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None" >/dev/null
 fi
 
+# --- RL framework integrations (gradloc/adapters/rl: OpenRLHF, verl) ---------------------------------
+# OpenRLHF 0.11.2 for tests/distributed/test_openrlhf_zero.py (its Experience, PolicyLoss, Actor and
+# DeepspeedStrategy around a real ZeRO-2 engine), installed into .venv with --no-deps: a full install
+# cannot work here (flash-attn builds from source) and would replace .venv's transformers 5.2x by 5.15 and
+# its deepspeed by 0.19.6. What the test imports needs only torch, transformers, deepspeed, sympy (already
+# in .venv), peft and pylatexenc (added, also --no-deps: their own dependencies are all in .venv) and
+# flash_attn (a stub in the test). About 2 MB, a few seconds; nothing else in .venv changes.
+# Its wheel also installs a top-level `tests` package into site-packages. A regular package there wins
+# over this repository's `tests` (a namespace package, no __init__.py) whatever sys.path says, and every
+# `from tests.… import …` of the suite would then fail: it is removed (nothing imports OpenRLHF's tests).
+if ! .venv/bin/python -m pip show -q openrlhf peft pylatexenc >/dev/null 2>&1; then
+  .venv/bin/python -m pip install --quiet --no-deps openrlhf==0.11.2 peft==0.21.2 pylatexenc==2.11
+fi
+site_packages=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -f "$site_packages/tests/__init__.py" ]; then
+  rm -rf "$site_packages/tests"
+fi
+# verl 0.9.1 for the real-verl tier (tests/verl_tier): it needs transformers < 5.11, tensordict <= 0.10
+# and ray, so it gets its own environment, .venv-verl (~1.9 GB; a no-op when up to date; see the reasons
+# in scripts/setup_verl.sh). GRADLOC_SKIP_VERL=1 leaves it out (tests/verl_tier/test_tier.py then skips).
+if [ "${GRADLOC_SKIP_VERL:-0}" != 1 ]; then
+  bash scripts/setup_verl.sh
+fi
+
 # The real-vLLM test tier's own environment (.venv-vllm, ~3.4 GB, ~3 min on a fresh machine; a no-op
 # when up to date). GRADLOC_SKIP_VLLM=1 leaves it out (tests/vllm_tier/test_tier.py then skips).
 if [ "${GRADLOC_SKIP_VLLM:-0}" != 1 ]; then

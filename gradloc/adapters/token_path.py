@@ -44,6 +44,7 @@ class TokenPath:
             if buf is not None:
                 self._say_uncompilable(buf)
                 buf.fold(self.hooks.watched)  # the compiled taps' scores, now that backward ran
+                self._say_errors(buf)
         try:
             if self.hooks.routed is not None and not self.alone:  # expert parallelism: rows' scores home
                 self.hooks.routed.settle(parts)
@@ -102,6 +103,17 @@ class TokenPath:
             raise BatchMetadataError(msg)  # first step = setup: fail loudly
         self.counters["dropped_micro_batches"] += 1
         log.warning("gradloc: %s (micro-batch dropped from per-token stats)", msg)
+
+    def _say_errors(self, buf: MicroBatchScores) -> None:
+        """Hook errors: counted (``hook_errors``), the first said at warning level; the modules they hit count as
+        unscored, so their gradient is reported unattributed — never as if it had been scored."""
+        if not buf.hook_errors:
+            return
+        first = self.counters["hook_errors"] == 0
+        self.counters["hook_errors"] += buf.hook_errors
+        if first:
+            log.warning("gradloc: a per-token hook failed (%s); the module's gradient is reported as unattributed "
+                        "for such calls; counted in mon.counters['hook_errors'] (said once)", buf.first_error)
 
     def _say_uncompilable(self, buf: MicroBatchScores) -> None:
         """Once: watched modules whose rule cannot run inside a compiled graph (MoE experts) went unscored."""

@@ -44,6 +44,7 @@ class MicroBatchScores:
     dropped_calls: int = 0  # module calls whose shape did not map onto (B, T)
     matched_calls: int = 0
     hook_errors: int = 0
+    first_error: str = ""  # the first hook error's module and exception (said once by the monitor)
     dropped_layers: set[int] = field(default_factory=set)
     last_layer: int | None = None  # token layer of the last watched module called in forward
     forward_calls: dict[str, int] = field(default_factory=dict)  # module -> grad-tracking calls in forward
@@ -265,8 +266,9 @@ class TokenHooks:
                 return
             try:
                 return _capture(w, buf, args, out, self.tp)
-            except Exception:  # never raise into the training loop
+            except Exception as exc:  # never raise into the training loop
                 buf.hook_errors += 1
+                buf.first_error = buf.first_error or f"{w.name} (forward): {type(exc).__name__}: {exc}"
                 buf.lost_modules.add(w.name)
                 log.debug("gradloc: forward hook failed on %s", w.name, exc_info=True)
 
@@ -323,8 +325,9 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
                     buf.head_u = _head_u(g, buf.labels, buf.batch, buf.seq)
                 buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
             buf.scored_modules.add(w.name)
-        except Exception:
+        except Exception as exc:  # never raise into the training loop: counted, the module left unscored
             buf.hook_errors += 1
+            buf.first_error = buf.first_error or f"{w.name} (backward): {type(exc).__name__}: {exc}"
             log.debug("gradloc: backward hook failed on %s", w.name, exc_info=True)
 
     (fit.out if fit.replaced else out).register_hook(on_grad)  # under TP: the DTensor output (its gradient flows)

@@ -89,6 +89,17 @@ class JobComm:
                                  f"{self.timeout_s:g} s (a rank crashed, hangs, or took another path): {exc}")
             raise CollectiveTimeout(self.state.broken) from exc
 
+    def wait_p2p(self, work: Any, peer: int, what: str) -> None:
+        """Wait on a point-to-point ``work`` (a pipeline probe's send/recv with rank ``peer``) under the deadline;
+        past it, gradloc's collectives are off (the ranks are out of lockstep) and the peer is named."""
+        self._check()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            self.state.broken = (f"{what} did not complete within {self.timeout_s:g} s on rank {self.rank} "
+                                 f"(rank {peer} crashed, hangs, or took another path): {exc}")
+            raise CollectiveTimeout(self.state.broken) from exc
+
     def _check(self) -> None:
         if self.state.broken:
             raise CollectiveTimeout(f"gradloc's collectives are off after an earlier failure: {self.state.broken}")

@@ -21,7 +21,9 @@ in place of ``schedule.step`` (:class:`PipelineStep`)::
   gradient (÷ n_microbatches under ``scale_grads``). ``token_loss(output, target)`` returns the per-token
   terms (B, T) whose sum is the schedule's ``loss_fn``. Under DDP the probe's backward runs without the
   gradient all-reduce (gradloc combines ∇_C); under FSDP2 the stage's gradient reduction runs after it
-  (a collective over the data group: lockstep).
+  (a collective over the data group: lockstep). Every send/recv of a probe is waited on with the job's
+  deadline (the schedule's own waits have none): a stage that died leaves the others with an
+  ``unavailable`` localization naming the rank that did not answer, and the job's collectives off.
 """
 from __future__ import annotations
 
@@ -86,18 +88,19 @@ class PipelineProbe:
     runs_backward = True  # ProbeSession: the probe ran its own backward
 
     def __init__(self, stage: Any, n: int, scale: float, token_loss: TokenLoss | None, inputs: Sequence[Any],
-                 targets: Sequence[Any], fsdp: bool) -> None:
+                 targets: Sequence[Any], fsdp: bool, comm: Any) -> None:
         self.stage, self.n, self.scale, self.token_loss = stage, n, scale, token_loss
-        self.inputs, self.targets, self.fsdp = inputs, targets, fsdp
+        self.inputs, self.targets, self.fsdp, self.comm = inputs, targets, fsdp, comm
 
     def __call__(self, i: int, mask: torch.Tensor) -> float:
-        from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
+        from torch.distributed.pipelining.schedules import _sorted_batch_p2p
 
         st = self.stage
 
-        def run(ops: list) -> None:
-            for work in _sorted_batch_p2p(ops, desc="gradloc probe").values():
-                _wait_batch_p2p(work)
+        def run(ops: list) -> None:  # the stages' send/recv, each waited on with the job's deadline
+            for peer, works in _sorted_batch_p2p(ops, desc="gradloc probe").items():
+                for work in works:
+                    self.comm.wait_p2p(work, peer, f"the pipeline probe's send/recv with rank {peer}")
 
         run(st.get_fwd_recv_ops(i))
         args = (self.inputs[i],) if st.is_first else ()
@@ -169,7 +172,7 @@ class PipelineStep:
             raise ConfigError(f"pipeline_step: the stage ran {len(seen)} forwards for {n} micro-batches")
         scale = 1.0 / n if getattr(self.schedule, "scale_grads", True) else 1.0
         mon.pending_probe = PipelineProbe(st, n, scale, token_loss, chunks(inputs, n), chunks(target, n),
-                                          self.backend.fsdp)
+                                          self.backend.fsdp, mon.job.layout.world)
         return losses
 
 

@@ -254,3 +254,37 @@ def test_float64_model_end_step():
         assert rec.global_norm > 0 and rec.tokens.total_score > 0
     finally:
         mon.close()
+
+
+# -- an error inside a hook: counted, said once, never reported as if scored ---------------------------------------
+def test_a_failing_rule_is_counted_said_once_and_its_gradient_left_unattributed(model, caplog):
+    """A rule that raises in backward (every call): training goes on bitwise, the error is counted and said once at
+    warning level, and the module's gradient is the step's unattributed share — never reported as scored."""
+    import logging
+
+    from gradloc.collector.rules.linear import LinearRule
+
+    calls = []
+
+    def broken(self, module, saved, g):  # noqa: ANN001, ANN202
+        calls.append(1)
+        raise RuntimeError("the rule broke")
+
+    original = LinearRule.score
+    LinearRule.score = broken
+    try:
+        mon = gradloc.watch(model, store=False)
+        with caplog.at_level(logging.WARNING, logger="gradloc"):
+            for _ in range(3):
+                x, y = _batch()
+                with mon.micro_batch(y):
+                    _token_ce(model(x), y).mean().backward()
+                rec = mon.end_step(None).record
+                model.zero_grad()
+        mon.close()
+    finally:
+        LinearRule.score = original
+    assert calls and mon.counters["hook_errors"] == len(calls)
+    said = [r for r in caplog.records if "per-token hook failed" in r.getMessage()]
+    assert len(said) == 1 and "the rule broke" in said[0].getMessage()
+    assert rec.tokens.unattributed_share > 0.5  # the linears' gradient: unattributed, not silently zero

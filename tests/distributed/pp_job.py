@@ -42,9 +42,13 @@ class TokenLoss:
     their sum."""
 
     def __init__(self, scale: float) -> None:
-        self.scale = scale
+        self.scale, self.die = scale, False
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.die:
+            import os
+
+            os._exit(3)  # a stage dying in the middle of a probe
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         ids, w = target[..., 0].long(), target[..., 1].float()
         Bl, T, V = out.shape
@@ -94,7 +98,9 @@ def _toy_stage(rank: int, world: int, dp: int) -> tuple[Any, nn.Module, Any]:
 
 
 def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: tuple | None = None,
-          monitor: bool = True, invariants: bool = False) -> dict[str, Any]:
+          monitor: bool = True, invariants: bool = False, die: tuple[int, int] | None = None,
+          **watch: Any) -> dict[str, Any]:
+    """``die`` = (rank, step): that rank exits inside the step's first probe (a stage dying mid-probe)."""
     import gradloc
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -116,8 +122,8 @@ def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: t
         _, s, b, t = plant
         w[s, b, t] = 3000.0
     emitted = Emitted()
-    mon = gradloc.watch(stage, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), sinks=[emitted]) \
-        if monitor else None
+    mon = gradloc.watch(stage, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), sinks=[emitted],
+                        **watch) if monitor else None
     from tests.distributed.invariants import Watch
 
     inv = Watch(mon) if invariants and mon is not None else None
@@ -132,10 +138,16 @@ def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: t
             sched.step(*args, **({"target": target, "losses": losses} if stage.is_last else {}))
         if s == 0 and dims is not None:
             out["titan_norm"] = float(titan.grad_norm(part, dims))
+        if die is not None and die == (rank, s):
+            token_loss.die = True  # its next call is the probe's, on this (last) stage
         if mon is not None:
             rep = (inv.end_step if inv is not None else mon.end_step)(torch.stack(losses).sum() if losses else None)
             rec = rep.record
             loc = rep.incident.localization if rep.incident is not None else None
+            if die is not None and s == die[1]:
+                out["dead_peer"] = {"status": str(rep.incident.localization.status),
+                                    "note": rep.incident.localization.note, "left": mon.comm is None}
+                return out  # the peer is dead: the job's own next collective would wait on it, not gradloc
             out["reports"].append({
                 "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
                 "unattributed": rec.tokens.unattributed_share if rec.tokens else None,

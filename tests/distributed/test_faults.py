@@ -72,3 +72,18 @@ def test_a_rank_that_crashes_mid_probe_does_not_hang_the_others():
     assert (step, status) == (SPIKE, "unavailable")
     assert "did not complete within 4 s" in note
     assert res[0]["left_job"]
+
+
+def _pp_dies(rank, world):
+    from tests.distributed.pp_job import train
+
+    return train(rank, world, "toy", "GPipe", STEPS, plant=(0, SPIKE, 2, 7), die=(1, SPIKE), collective_timeout_s=4)
+
+
+def test_a_pipeline_stage_that_dies_mid_probe_does_not_hang_the_others():
+    """The last stage exits inside a probe's loss: the first stage's probe send/recv is waited on with the job's
+    deadline, so it leaves with an unavailable localization that names the rank that did not answer."""
+    res = run(_pp_dies, 2, timeout_s=180, may_die=(1,))
+    assert res[1] is None
+    dead = res[0]["dead_peer"]
+    assert dead["status"] == "unavailable" and "rank 1" in dead["note"] and "within 4 s" in dead["note"], dead

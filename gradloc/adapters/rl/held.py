@@ -14,17 +14,9 @@ import logging
 from collections import deque
 from typing import Any, Callable
 
-import torch
-
 from gradloc.errors import BatchMetadataError, GradlocError
 
 log = logging.getLogger("gradloc")
-
-
-def world_size() -> int:
-    """Ranks in the default process group (1 without torch.distributed)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class HeldBlocks:

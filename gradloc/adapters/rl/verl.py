@@ -25,8 +25,12 @@ What it patches, on the engine *instance* (``detach()`` restores the class metho
 
 A probe re-runs the original ``forward_step`` on the stored micro-batch with
 :func:`~gradloc.adapters.rl.verl_batch.masked_loss_function` (``rollout_is_weights`` × mask, same
-``agg_loss`` normalization). Probes are forward + backward passes: under FSDP with more than one
-rank every rank must run the same ones (lockstep), which gradloc does not coordinate yet.
+``agg_loss`` normalization). The monitor watches ``engine.module``: verl's FSDP2 engine shards it with
+``fully_shard``, so gradloc makes it a job of kind "fsdp" (``gradloc/parallel``): every rank judges the
+job's gradient, and since a probe's forward all-gathers parameters and its backward reduce-scatters,
+every rank runs every probe in lockstep (a rank with nothing to probe runs its first micro-batch with an
+empty mask); the reduce-scatter combines the probe gradients over the ranks. FSDP1 (verl's
+``strategy: fsdp``: flat parameters) is refused at attach: use ``strategy=fsdp2``.
 """
 from __future__ import annotations
 
@@ -36,11 +40,11 @@ from typing import Any, Callable
 
 import torch
 
-from gradloc.adapters.rl.held import HeldBlocks, world_size
+from gradloc.adapters.rl.held import HeldBlocks
 from gradloc.adapters.rl.patch import run_after
 from gradloc.adapters.rl.verl_batch import PAD_SAMPLE, VerlLayout, layout, masked_loss_function, rl_fields
 from gradloc.config import WatchConfig
-from gradloc.errors import AttachError, ConfigError, UnsupportedModelError
+from gradloc.errors import AttachError, UnsupportedModelError
 
 __all__ = ["GradlocVerlHooks", "PAD_SAMPLE", "VerlLayout", "install", "layout", "masked_loss_function", "rl_fields"]
 
@@ -63,10 +67,8 @@ class GradlocVerlHooks:
     engine.optimizer, config=config, **overrides)`` (rank and world size from torch.distributed).
     ``clip_ratio``: (low, high) for ``clipped``; by default read from the loss function's actor
     config (``partial(ppo_loss, config=...)``: clip_ratio_low/high or clip_ratio).
-    ``probes``: verify culprits with masked-loss probes (extra forward/backward passes). Default: on
-    for a single rank. With more ranks every probe's forward all-gathers FSDP parameters, so all
-    ranks would have to run the same probes in lockstep, which gradloc does not coordinate yet: off
-    by default, and ``probes=True`` is refused. Off, incidents come from attribution alone.
+    ``probes``: verify culprits with masked-loss probes (extra forward/backward passes; default on,
+    on every rank of an FSDP2 job in lockstep). Off, incidents come from attribution alone.
     """
 
     def __init__(self, engine: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool | None = None,
@@ -81,12 +83,11 @@ class GradlocVerlHooks:
         for name in ("module", *_PATCHED):
             if not hasattr(engine, name):
                 raise UnsupportedModelError(f"{type(engine).__name__} has no {name}: not a verl FSDP engine")
-        ranks = world_size()
-        if probes and ranks > 1:
-            raise ConfigError(f"probes on FSDP with {ranks} ranks need every rank to run the same probes in lockstep "
-                              "(each forward all-gathers parameters), which gradloc does not coordinate yet; pass "
-                              "probes=False for attribution-only incidents")
-        probes = ranks == 1 if probes is None else probes
+        if _is_fsdp1(engine.module):
+            raise UnsupportedModelError("verl's FSDP1 engine (strategy=fsdp) flattens parameters, which gradloc does "
+                                        "not read; set actor.strategy=fsdp2 (fully_shard), which gradloc watches as "
+                                        "one job")
+        probes = True if probes is None else bool(probes)
         self.engine = engine
         self.own_monitor = mon is None
         self.mon = mon if mon is not None else _watch(engine, config, overrides)
@@ -205,6 +206,14 @@ def _wrapper(orig: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., 
 
     wrapped._gradloc = True
     return wrapped
+
+
+def _is_fsdp1(module: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without FSDP
+        return False
+    return isinstance(module, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
 
 
 def _watch(engine: Any, config: WatchConfig | None, overrides: dict[str, Any]) -> Any:

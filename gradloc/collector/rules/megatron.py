@@ -117,7 +117,7 @@ class MegatronLinearRule:
         score = g_sq * saved if w_trains else torch.zeros_like(g_sq)
         if isinstance(bias, nn.Parameter) and bias.requires_grad and _bias_gets_gradient(module, column, weight):
             score = score + (g_sq if column else g_sq / size)  # the row-parallel bias: once over the tp ranks
-        return score.t().contiguous()  # [s, b] -> (b, s)
+        return score.contiguous()  # [s, b] -> (b, s)
 
 
 __all__ = ["MegatronLinearRule", "is_megatron_linear", "tp_rank_size"]

@@ -113,7 +113,11 @@ def make_batch(g: Any, engine: Any, world: int, plant: bool) -> tuple[Any, Any]:
     out = engine.infer_batch(_no_padding(probe, world))  # verl's compute_log_prob: the current policy's log-probs
     old = no_padding_2_padding(out["model_output"]["log_probs"], probe.to_tensordict()) * response_mask  # (B, R)
     reward = torch.zeros(B, R)
-    reward[torch.arange(B), response_mask.sum(1).long() - 1] = torch.randint(0, 2, (B,), generator=g).float()
+    score = torch.randint(0, 2, (B,), generator=g).float()  # one outcome reward per sequence, at its last token
+    if plant:
+        score[PLANT_SAMPLE - PLANT_SAMPLE % N: PLANT_SAMPLE - PLANT_SAMPLE % N + N] = torch.arange(N) % 2
+        # its group's answers differ, so its GRPO advantage is not 0
+    reward[torch.arange(B), response_mask.sum(1).long() - 1] = score
     advantages, _ = core_algos.compute_grpo_outcome_advantage(reward, response_mask, uid)
     rollout = old + 0.01 * torch.randn(B, R, generator=g) * response_mask
     if plant:
