@@ -61,13 +61,18 @@ class AgentBenchConfig:
 
 def template(layers: int, top_k: int, rank: int) -> StepRecord:
     """One realistic record: ``layers`` layer stats, token stats with ``top_k`` tokens."""
-    ls = tuple(LayerStats(f"model.layers.{i // 8}.mlp.proj{i % 8}", 0.01 * (1 + i % 7), 1e-3 * (1 + i % 5), 0,
-                          1.0 + i % 3, 4096 * (1 + i % 4), 1e-3) for i in range(layers))
+    ls = tuple(LayerStats(layer=f"model.layers.{i // 8}.mlp.proj{i % 8}", grad_norm=0.01 * (1 + i % 7),
+                          grad_max_abs=1e-3 * (1 + i % 5), nonfinite=0, param_norm=1.0 + i % 3,
+                          numel=4096 * (1 + i % 4), update_ratio=1e-3) for i in range(layers))
     shares = tuple(LayerShare(ls[j].layer, 1 / 3) for j in range(3))
-    top = tuple(TokenScore(k % 4, k % 8, 10 + k, 1.0 / (k + 1), 0.02, 1000 + k, f"s{rank}-{k}", shares)
+    top = tuple(TokenScore(micro_batch=k % 4, sample=k % 8, position=10 + k, score=1.0 / (k + 1), share=0.02,
+                           token_id=1000 + k, sample_id=f"s{rank}-{k}", layers=shares)
                 for k in range(top_k))
-    tokens = TokenStats(8192, 12.5, top, 0.02, (0.25, 0.25, 0.25, 0.25), 0.01)
-    return StepRecord("bench", rank, 0, time.time(), 1.0, 2.5, 4, ls, tokens)
+    tokens = TokenStats(tokens=8192, total_score=12.5, top=top, top_share=0.02,
+                        micro_batch_shares=(0.25, 0.25, 0.25, 0.25), unattributed_share=0.01)
+    return StepRecord(job="bench", rank=rank, step=0, time_unix=time.time(), global_norm=1.0, loss=2.5,
+                      micro_batches=4, layers=ls, tokens=tokens)
+
 
 
 def _raw_batches(cfg: AgentBenchConfig, rank: int) -> list[bytes]:

@@ -70,12 +70,15 @@ class ReplayClient(AgentClient):
 
 
 def incident(job: str, rank: int, step: int) -> Incident:
-    spike = SpikeEvent(step, ("grad_spike",), 50.0, 12.0, 1.0, 0.3, layers=("model.layers.0.mlp.proj0",))
+    spike = SpikeEvent(step=step, kinds=("grad_spike",), global_norm=50.0, z=12.0, mean=1.0, std=0.3,
+                       layers=("model.layers.0.mlp.proj0",))
     span = CulpritSpan(0, 1, 7, 9, 0.8, (42, 43), " bad", "before", "after", f"{job}-{step}")
     loc = Localization(step=step, method="attribution", status="located", level="span", probes=2,
                        explained_share=0.8, global_norm=50.0, culprit_norm=40.0, norm_without_culprits=10.0,
                        spans=(span,))
-    return Incident(uuid.uuid4().hex, job, rank, step, time.time(), spike, loc)
+    return Incident(incident_id=uuid.uuid4().hex, job=job, rank=rank, step=step, time_unix=time.time(), spike=spike,
+                    localization=loc)
+
 
 
 class Job:

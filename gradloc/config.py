@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Callable, ClassVar, Union
 
 from gradloc.errors import ConfigError
@@ -15,6 +16,56 @@ LayerGrouping = Union[str, int, Callable[[str], str]]
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+# -- the closed sets of string options (each field also takes the plain string; it becomes the member) -----
+class Sensitivity(StrEnum):
+    """``DetectorConfig.sensitivity``: the preset of the detector's thresholds (DetectorConfig.PRESETS)."""
+
+    LOW = "low"
+    DEFAULT = "default"
+    HIGH = "high"
+    ZCLIP = "zclip"  # the plain ZClip rule: every 2.5σ excursion an incident, no episodes
+
+
+class BisectionPolicy(StrEnum):
+    """``LocalizerConfig.bisection``: when GradLoc-style probe bisection runs."""
+
+    OFF = "off"
+    FALLBACK = "fallback"  # only when attribution is unavailable
+    ON_FAILURE = "on_failure"  # also when the attributed candidates fail verification
+
+
+class UpdateRatioMode(StrEnum):
+    """``WatchConfig.update_ratio``: how the update-to-weight ratios are measured."""
+
+    LEAN = "lean"  # a rotating window of pre-step parameter copies within the memory budget
+    FULL = "full"  # every parameter copied every step
+    OFF = "off"
+
+
+class RemedyAction(StrEnum):
+    """``WatchConfig.remedy`` (and ``Remedy.action`` of the incidents it acted on)."""
+
+    DROP_CULPRITS = "drop_culprits"  # the gradient becomes ∇ − ∇_C
+    SKIP_STEP = "skip_step"  # every gradient set to None
+
+
+class TokenStatsMode(StrEnum):
+    """``WatchConfig.token_stats`` besides True (always) and False (never)."""
+
+    ON_SPIKE = "on_spike"  # hooks only to re-run a flagged step's micro-batches (gradloc/adapters/on_spike.py)
+
+
+class DistributedMode(StrEnum):
+    """``WatchConfig.distributed``."""
+
+    AUTO = "auto"  # an initialised torch.distributed job of > 1 rank is watched as one
+    OFF = "off"
+
+
+def _values(kind: type[StrEnum]) -> tuple[str, ...]:
+    return tuple(m.value for m in kind)
 
 
 @dataclass(frozen=True)
@@ -39,9 +90,9 @@ class DetectorConfig:
     }
     FIELDS: ClassVar[tuple[str, ...]] = ("spike_ratio", "loss_z_threshold", "token_share", "episode_steps",
                                          "sample_ratio")
-    SENSITIVITIES: ClassVar[tuple[str, ...]] = ("low", "default", "high", "zclip")
+    SENSITIVITIES: ClassVar[tuple[str, ...]] = _values(Sensitivity)  # ("low", "default", "high", "zclip")
 
-    sensitivity: str = "default"
+    sensitivity: Sensitivity = Sensitivity.DEFAULT
     warmup: int = 25
     alpha: float = 0.97
     z_threshold: float = 2.5  # the ZClip band: z of the global norm (also the EMA clamp and the localizer's line)
@@ -66,6 +117,7 @@ class DetectorConfig:
     def __post_init__(self) -> None:
         _check(self.sensitivity in self.SENSITIVITIES,
                f"sensitivity must be one of {self.SENSITIVITIES}, got {self.sensitivity!r}")
+        object.__setattr__(self, "sensitivity", Sensitivity(self.sensitivity))
         _check(self.warmup >= 2, f"warmup must be >= 2 steps, got {self.warmup}")
         _check(0.0 < self.alpha < 1.0, f"alpha must be in (0, 1), got {self.alpha}")
         for name in ("z_threshold", "layer_z_threshold", "loss_z_threshold", "token_z_threshold"):
@@ -90,7 +142,7 @@ class DetectorConfig:
         return replace(self, **{k: v for k, v in preset.items() if getattr(self, k) is None})
 
 
-BISECTION_POLICIES = ("off", "fallback", "on_failure")
+BISECTION_POLICIES = _values(BisectionPolicy)  # ("off", "fallback", "on_failure")
 
 
 @dataclass(frozen=True)
@@ -137,7 +189,7 @@ class LocalizerConfig:
     max_candidates: int = 32
     candidate_rel_score: float = 0.1  # a candidate's score must be >= this × the top score
     candidate_outlier_factor: float = 20.0  # ... and >= this × the median token score
-    bisection: str = "fallback"
+    bisection: BisectionPolicy = BisectionPolicy.FALLBACK
     bisection_budget: int = 48
     bisection_sigma: float = 4.0  # a token subset is hot above sigma × the healthy-noise level
     context_tokens: int = 8
@@ -151,6 +203,7 @@ class LocalizerConfig:
         _check(0 < self.candidate_rel_score <= 1, "candidate_rel_score must be in (0, 1]")
         _check(self.candidate_outlier_factor >= 1, "candidate_outlier_factor must be >= 1")
         _check(self.bisection in BISECTION_POLICIES, f"bisection must be one of {BISECTION_POLICIES}, got {self.bisection!r}")
+        object.__setattr__(self, "bisection", BisectionPolicy(self.bisection))
         _check(self.bisection_budget >= 1, "bisection_budget must be >= 1")
         _check(self.bisection_sigma > 0, "bisection_sigma must be > 0")
         _check(self.context_tokens >= 0, "context_tokens must be >= 0")
@@ -198,8 +251,8 @@ class SampleConfig:
                                          f"per step), got {self.max_outliers}")
 
 
-UPDATE_RATIO_MODES = ("lean", "full", "off")
-REMEDIES = ("drop_culprits", "skip_step")
+UPDATE_RATIO_MODES = _values(UpdateRatioMode)  # ("lean", "full", "off")
+REMEDIES = _values(RemedyAction)  # ("drop_culprits", "skip_step")
 MIN_MEMORY_BUDGET = 64 * 2**20  # bytes: the persistent-memory floor for small models
 MEMORY_BUDGET_FRACTION = 0.02  # of the trainable parameters' bytes
 MEMORY_RESERVE = 16 * 2**20  # bytes of the budget kept for gradloc's other state (history, token buffers, agent)
@@ -232,16 +285,16 @@ class WatchConfig:
 
     job: str = "default"
     rank: int = 0
-    token_stats: bool | str = True  # True | False | "on_spike" (hooks only to re-run a flagged step: adapters/on_spike.py)
+    token_stats: bool | TokenStatsMode = True  # True | False | "on_spike" (hooks only to re-run a flagged step: adapters/on_spike.py)
     top_k: int = 16  # tokens kept (with per-layer breakdown) in every StepRecord
     layer_grouping: LayerGrouping = "module"
-    update_ratio: str | bool = "lean"  # "lean" | "full" | "off" (see the class docstring)
+    update_ratio: UpdateRatioMode | bool = UpdateRatioMode.LEAN  # "lean" | "full" | "off" (see the class docstring)
     memory_budget_bytes: int | None = None  # None: max(2% of trainable parameter bytes, 64 MiB)
     layer_breakdown: bool = True  # keep each token's score per layer (memory: layers × tokens × 4 B)
     max_overhead: float | None = 0.5  # shed optional work above this fraction of the step's time (None: never)
-    remedy: str | None = None  # None | "drop_culprits" | "skip_step"
+    remedy: RemedyAction | None = None  # None | "drop_culprits" | "skip_step"
     history: int = 256  # StepRecords kept in Monitor.history
-    distributed: str = "auto"  # "auto": an initialised torch.distributed job of > 1 rank is watched as one; "off"
+    distributed: DistributedMode = DistributedMode.AUTO  # "auto": an initialised torch.distributed job of > 1 rank is watched as one; "off"
     collective_timeout_s: float = 60.0  # every gradloc collective is waited on at most this long
     close_timeout_s: float = 1.0  # Monitor.close() (and interpreter exit) waits at most this long on the agent
     strict: bool = True  # wiring mistakes (shape mismatch) raise BatchMetadataError at block exit
@@ -273,17 +326,23 @@ class WatchConfig:
         _check(ok, f"layer_grouping must be 'module', 'parameter', an int >= 1 or a callable, got {g!r}")
         ratio = ("lean" if self.update_ratio else "off") if isinstance(self.update_ratio, bool) else self.update_ratio
         _check(ratio in UPDATE_RATIO_MODES, f"update_ratio must be one of {UPDATE_RATIO_MODES} (or a bool), got {self.update_ratio!r}")
-        object.__setattr__(self, "update_ratio", ratio)
+        object.__setattr__(self, "update_ratio", UpdateRatioMode(ratio))
         _check(self.memory_budget_bytes is None or self.memory_budget_bytes >= 0,
                f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
         _check(self.max_overhead is None or self.max_overhead > 0, f"max_overhead must be > 0, got {self.max_overhead}")
         _check(self.token_stats in (True, False, "on_spike"),
                f"token_stats must be True, False or 'on_spike', got {self.token_stats!r}")
+        if isinstance(self.token_stats, str):
+            object.__setattr__(self, "token_stats", TokenStatsMode(self.token_stats))
         _check(self.remedy is None or self.remedy in REMEDIES, f"remedy must be None or one of {REMEDIES}, got {self.remedy!r}")
+        if self.remedy is not None:
+            object.__setattr__(self, "remedy", RemedyAction(self.remedy))
         _check(self.remedy != "drop_culprits" or self.token_stats,
                "remedy='drop_culprits' needs token_stats=True (culprits are located from per-token statistics)")
         _check(self.history >= 1, f"history must be >= 1, got {self.history}")
         _check(self.distributed in ("auto", "off"), f"distributed must be 'auto' or 'off', got {self.distributed!r}")
+        object.__setattr__(self, "distributed", DistributedMode(self.distributed))
+
         _check(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         _check(self.close_timeout_s > 0, f"close_timeout_s must be > 0, got {self.close_timeout_s}")
         _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the Python code of the wire schema: proto/**/*.proto -> gradloc/transport/_generated/.
-# Run it after editing a .proto and commit both; tests/transport/test_generated.py fails when the
+# Run it after editing a .proto and commit both; tests/transport/test_generated_code.py fails when the
 # committed generated files differ from what this script produces.
 #
 # Usage: scripts/gen_proto.sh [OUT_DIR]

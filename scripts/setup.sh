@@ -45,6 +45,16 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet setuptools wheel
     DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation -c constraints.txt -e ".[deepspeed]"
   fi
+  # megatron-core 0.19.2 (tests/collector/rules/test_megatron_rule.py, tests/distributed/test_megatron.py;
+  # DESIGN.md §8): it declares Python >= 3.12 although a cp311 wheel exists, and imports triton at load
+  # without declaring it, so: what it imports first (numpy, packaging, triton; torch stays pinned), then the
+  # package alone (--no-deps --ignore-requires-python). Its tensor-parallel layers import on CPU without any
+  # shim (the check below); one all-gather needs one to run there (tests/distributed/megatron_job.py).
+  if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('megatron-core') == '0.19.2'" 2>/dev/null; then
+    .venv/bin/python -m pip install --quiet -c constraints.txt numpy packaging triton
+    .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps --ignore-requires-python megatron-core==0.19.2
+    NO_VCS_VERSION=1 .venv/bin/python -W ignore -c "import megatron.core.tensor_parallel"
+  fi
   echo "$want" > "$stamp"
 fi
 
@@ -62,7 +72,7 @@ fi
 # cannot work here (flash-attn builds from source) and would replace .venv's transformers 5.2x by 5.15 and
 # its deepspeed by 0.19.6. What the test imports needs only torch, transformers, deepspeed, sympy (already
 # in .venv), peft and pylatexenc (added, also --no-deps: their own dependencies are all in .venv) and
-# flash_attn (a stub in the test). About 2 MB, a few seconds; nothing else in .venv changes.
+# flash_attn (a stub in the test). About 10 MB, 3 s; nothing else in .venv changes (checked: pip list).
 # Its wheel also installs a top-level `tests` package into site-packages. A regular package there wins
 # over this repository's `tests` (a namespace package, no __init__.py) whatever sys.path says, and every
 # `from tests.… import …` of the suite would then fail: it is removed (nothing imports OpenRLHF's tests).

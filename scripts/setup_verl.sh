@@ -7,7 +7,9 @@
 # 0.9.1 requires transformers < 5.11 and tensordict <= 0.10, while .venv keeps transformers 5.2x for
 # the other tests (docs/hf-trainer.md, TRL). A --no-deps install would have to hand-pick ~15 packages
 # and still run verl against a transformers it does not support. So: its own venv, like .venv-vllm.
-# Cost measured on a fresh 2-core machine: see tests/verl_tier/README.md (about 1 min, ~2 GB).
+# Cost: 1.9 GB; from scratch 3.5 min wall (1.9 min CPU) on the shared 2-core machine at load 6-7, mostly
+# unpacking torch (754 MB), ray, pyarrow and transformers; a no-op when the stamp matches
+# (tests/verl_tier/README.md).
 #
 # Contents: verl==0.9.1 with its dependencies (ray, transformers 5.10, tensordict 0.10), torch pinned
 # to the local CPU wheel through constraints.txt (an unpinned torch would pull multi-GB CUDA wheels),

@@ -44,7 +44,7 @@ from gradloc.errors import AttachError, BatchMetadataError, ConfigError, Unsuppo
 from gradloc.localizer import Localizer, ProbeFn
 from gradloc.parallel.comm import CollectiveTimeout
 from gradloc.parallel.job import check_model, resolve
-from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord
+from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord, event_counts
 from gradloc.sinks import Sink, default_sinks
 
 log = logging.getLogger("gradloc")
@@ -309,7 +309,7 @@ class Monitor:
         self.meter.end(t0)
         own, step_s, ratio = self.meter.finish_step()
         t1 = self.meter.begin()
-        ratios = self.update_ratios.ratios(assembled.previous_update) if upd else None
+        ratios = self.update_ratios.ratios(assembled.previous_update) if assembled.previous_update is not None else None
         self._emit_pending(ratios)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None)
@@ -385,7 +385,11 @@ class Monitor:
         rec = self._pending.record
         if ratios is not None:
             rec = with_update_ratios(rec, self.layer_stats.layers, ratios)
+        if self.counters:  # the cumulative counts of what was dropped or degraded so far (gradloc/records/events.py)
+            rec = replace(rec, events=event_counts(self.counters))
+
         self._pending = None
+
         self.history.append(rec)
         self._fanout.on_step(rec)
 

@@ -96,8 +96,10 @@ class SpikePath:
             self.counters[f"remedy_{'applied' if remedy.applied else 'refused'}"] += 1
         rec = x.record
         top = tuple(sorted(rec.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:5])
-        return Incident(uuid.uuid4().hex, rec.job, rec.rank, rec.step, rec.time_unix, x.spike, loc,
+        return Incident(incident_id=uuid.uuid4().hex, job=rec.job, rank=rec.rank, step=rec.step,
+                        time_unix=rec.time_unix, spike=x.spike, localization=loc,
                         top_layers=top, remedy=remedy, classification=classification, scope=self.scope)
+
 
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
         rec = x.record

@@ -52,9 +52,10 @@ def main() -> None:
 @click.option("--world-size", default=1, show_default=True,
               help="Ranks in the job. With --backend the demo starts them itself; without, this process is one "
                    "of them (--rank) and the agent waits for the others.")
-@click.option("--backend", type=click.Choice(["ddp", "fsdp", "deepspeed"]), default=None,
-              help="Start --world-size ranks of one gloo job on this machine (DDP, FSDP2 or a DeepSpeed engine), "
-                   "plant the culprit on rank 1 and localize it across the ranks.")
+@click.option("--backend", type=click.Choice(["ddp", "fsdp", "deepspeed", "tp", "fsdp-tp", "pp"]), default=None,
+              help="Start --world-size ranks of one gloo job on this machine (DDP, FSDP2 or a DeepSpeed engine; "
+                   "tensor parallel × replicate, FSDP2 × tensor parallel, or 2 pipeline stages × DDP on an even "
+                   "world size >= 4), plant the culprit on (data) rank 1 and localize it across the ranks.")
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
               help="With --backend deepspeed: the ZeRO stage. [default: 2]")
 @click.option("--threads", default=1, show_default=True,

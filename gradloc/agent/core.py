@@ -218,6 +218,8 @@ class AgentCore:
             self._done()
 
     def _item(self, item: Any, received: float) -> None:
+        # the monitor's event counts: a StepRecord's own (embedded), or a decoded step's (transport DecodedStep)
+        events, events_dropped = getattr(item, "events", ()), getattr(item, "events_dropped", 0)
         if isinstance(item, StepRecord):
             item = summarize(item)
         if not isinstance(item, _ITEMS):
@@ -226,6 +228,9 @@ class AgentCore:
         self.activity.touch(who.job, who.rank, received)
         if isinstance(item, StepSummary):
             self.state.observe_step(item, received)
+            if events or events_dropped:
+                self.state.observe_events(item.job, item.rank, events, events_dropped)
+
             if item.samples is not None:
                 self.recent_outliers.extend(item.samples.outliers)
             self.correlator.on_step(item)

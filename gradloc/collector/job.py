@@ -49,14 +49,20 @@ def job_vector(loss: torch.Tensor | float | None, top: torch.Tensor | float, tot
 
 def gather_step(comm: Gather, n_layers: int, layer_pack: torch.Tensor | None, update: torch.Tensor | None,
                 job: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """All-gather this rank's job vector (and, sharded, its layer pack and update sums) in one
-    collective. Returns the job's layer pack and update sums (None when not given) and the (W, 3) job rows."""
+    """All-gather this rank's job vector (and, when the job sums its ranks' packs, its layer pack and update
+    sums) in one collective. Returns the job's layer pack, the job's update sums and the (W, 3) job rows.
+
+    The vector's layout must be the same on every rank whatever each rank's optional state: with a layer
+    pack, the update segment is always there — (3L,) sums, zeros where this rank measured none this step
+    (its meter shed the update ratios, say), and a 1/0 — and the returned (3L + 1,) sums end with the number
+    of ranks that had one (collector/step.py uses them only when that is every rank)."""
     L = n_layers
     parts = [job]
     if layer_pack is not None:
-        parts.append(layer_pack.to(job.device, torch.float64))
-    if update is not None:
-        parts.append(update.to(job.device, torch.float64))
+        upd = update.to(job.device, torch.float64) if update is not None else \
+            torch.zeros(3 * L, dtype=torch.float64, device=job.device)
+        has = torch.ones(1, dtype=torch.float64, device=job.device) * float(update is not None)
+        parts += [layer_pack.to(job.device, torch.float64), upd, has]
     rows = comm.all_gather(torch.cat(parts), "gradloc step gather")  # (W, n)
     out_pack = out_update = None
     pos = 3
@@ -65,8 +71,7 @@ def gather_step(comm: Gather, n_layers: int, layer_pack: torch.Tensor | None, up
         out_pack = packs.sum(0)
         out_pack[L:2 * L] = packs[:, L:2 * L].amax(0)  # max |g| combines by max
         pos += 4 * L + 1
-    if update is not None:
-        out_update = rows[:, pos:pos + update.numel()].sum(0)
+        out_update = rows[:, pos:pos + 3 * L + 1].sum(0)  # (W, 3L + 1) -> (3L + 1,): [sums | ranks that had one]
     return out_pack, out_update, rows[:, :3]
 
 

@@ -68,9 +68,9 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
         top, total = (summary[len(x.scores.metas)], summary[-1]) if summary is not None else (0.0, 0.0)
         job = job_vector(loss_t if loss_t is not None else x.loss, top, total * x.score_weight, dev)
         shared_pack, shared_update, rows = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None,
-                                                       update if layers.sharded else None, job)
+                                                       update, job)
         pack = shared_pack if shared_pack is not None else pack
-        update = shared_update if shared_update is not None else update
+        update = shared_update if shared_update is not None else update  # summed: (3L + 1,), ends with a count
     parts = [pack, scale]  # (4L + 1,), (1,)
     if loss_t is not None:
         parts.append(loss_t.detach().reshape(1))
@@ -130,7 +130,11 @@ def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_los
         skipped=x.scale is not None and not finite, rl=rl,
     )
     previous = None
-    if x.previous_update is not None:
+    if x.comm is not None and layers.sharded:  # the job's sums, and how many ranks measured an update
+        if host[pos + 3 * L] == x.comm.world_size:
+            previous = host[pos:pos + 3 * L].copy()
+        pos += 3 * L + 1
+    elif x.previous_update is not None:
         previous = host[pos:pos + 3 * L].copy()
         pos += 3 * L
     job = job_view(host[pos:].reshape(-1, 3)) if x.comm is not None else None  # (3W,) -> (W, 3)

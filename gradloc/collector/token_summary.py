@@ -115,9 +115,12 @@ def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str
         b, t = meta.locate(local)
         col = breakdown[:, j]
         lshares = tuple(LayerShare(layers[i], float(col[i] / vals[j])) for i in np.argsort(-col)[:5] if col[i] > 0)
-        top.append(TokenScore(meta.index, b, t, float(vals[j]), float(vals[j] / total) if total > 0 else 0.0,
-                              int(tok_ids[j]) if tok_ids[j] >= 0 else None,
-                              meta.sample_id(b), lshares))
+        top.append(TokenScore(micro_batch=meta.index, sample=b, position=t, score=float(vals[j]),
+                              share=float(vals[j] / total) if total > 0 else 0.0,
+                              token_id=int(tok_ids[j]) if tok_ids[j] >= 0 else None,
+                              sample_id=meta.sample_id(b), layers=lshares))
     mb_shares = tuple(float(x / total) if total > 0 else 0.0 for x in mb)
-    return TokenStats(int(s.totals.numel()), total, tuple(top), top[0].share if top else 0.0,
-                      mb_shares, unattributed_share, s.dropped_calls)
+    return TokenStats(tokens=int(s.totals.numel()), total_score=total, top=tuple(top),
+                      top_share=top[0].share if top else 0.0, micro_batch_shares=mb_shares,
+                      unattributed_share=unattributed_share, dropped_calls=s.dropped_calls)
+

@@ -19,7 +19,8 @@ from gradloc.errors import ConfigError
 from gradloc.records import Incident, StepRecord
 
 INJECT_KINDS = ("advantage", "label", "none")
-BACKENDS = ("ddp", "fsdp", "deepspeed")
+BACKENDS = ("ddp", "fsdp", "deepspeed", "tp", "fsdp-tp", "pp")
+MODEL_PARALLEL = ("tp", "fsdp-tp", "pp")  # gradloc/demo/parallel.py: the culprit on data rank 1
 PLANT_RANK = 1  # a multi-rank demo plants its culprit on rank 1: the incident must name it
 
 
@@ -70,6 +71,9 @@ class DemoConfig:
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.backend is not None and self.world_size < 2:
             raise ConfigError(f"backend={self.backend!r} needs world_size >= 2 (the demo plants on rank {PLANT_RANK})")
+        if self.backend in MODEL_PARALLEL and (self.world_size < 4 or self.world_size % 2):
+            raise ConfigError(f"backend={self.backend!r} needs an even world_size >= 4: two tp ranks or pipeline "
+                              f"stages per data rank, and the culprit goes on data rank {PLANT_RANK}")
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,21 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 def run_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None = None) -> DemoResult:
     with torch_threads(cfg.threads):
-        return _run(cfg, on_step)
+        return _run_model_parallel(cfg, on_step) if cfg.backend in MODEL_PARALLEL else _run(cfg, on_step)
+
+
+def _run_model_parallel(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> DemoResult:
+    """One rank of the tp / fsdp-tp / pp demo (gradloc/demo/parallel.py), on the same text as the core demo."""
+    from gradloc.demo.parallel import run_rank
+
+    corpus = cl100k_corpus()
+    wcfg = WatchConfig(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, incident_path=cfg.incident_path,
+                       agent=cfg.agent, store_path=cfg.store_path, metrics_address=cfg.metrics_address,
+                       detector=DetectorConfig(alpha=cfg.detector_alpha))
+    mon, planted = run_rank(cfg, corpus.vocab, on_step,
+                            lambda gen: [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)],
+                            lambda model, opt: watch(model, opt, config=wcfg, decode=corpus.to_text))
+    return DemoResult([Planted(*p) for p in planted], list(mon.incidents), [], corpus.to_text, store_path(mon))
 
 
 def _wrap(cfg: DemoConfig, model: nn.Module) -> nn.Module:

@@ -34,11 +34,14 @@ import numpy as np
 
 from gradloc.config import DetectorConfig
 from gradloc.detector.ema import EmaZ
-from gradloc.records import SpikeEvent, StepRecord
+from gradloc.records import OutlierKind, SpikeEvent, SpikeKind, StepRecord
 
-LOCALIZE = frozenset({"grad_spike", "abs_threshold", "nonfinite_grad", "loss_spike", "token_spike", "sample_spike"})
-INCIDENT = LOCALIZE | {"nonfinite_loss", "divergence"}
-NONFINITE = frozenset({"nonfinite_grad", "nonfinite_loss"})
+
+K = SpikeKind
+LOCALIZE: frozenset[SpikeKind] = frozenset({K.GRAD_SPIKE, K.ABS_THRESHOLD, K.NONFINITE_GRAD, K.LOSS_SPIKE,
+                                            K.TOKEN_SPIKE, K.SAMPLE_SPIKE})
+INCIDENT: frozenset[SpikeKind] = LOCALIZE | {K.NONFINITE_LOSS, K.DIVERGENCE}
+NONFINITE: frozenset[SpikeKind] = frozenset({K.NONFINITE_GRAD, K.NONFINITE_LOSS})
 ESCALATION = 2.0  # inside an episode, a global norm above this × the episode's largest opens a new incident
 _FAST_ALPHA = 0.7
 
@@ -92,45 +95,45 @@ class SpikeDetector:
 
     def observe(self, rec: StepRecord) -> SpikeEvent:
         c = self.config
-        kinds: list[str] = []
+        kinds: list[SpikeKind] = []
         g = rec.global_norm
         mean, loss_mean = self.healthy_norm(), self.healthy_loss()
         std = float(self._global.std[0]) if mean is not None else None
         if rec.skipped:
-            kinds.append("skipped_step")
+            kinds.append(K.SKIPPED_STEP)
         elif rec.nonfinite > 0 or not math.isfinite(g):
-            kinds.append("nonfinite_grad")
+            kinds.append(K.NONFINITE_GRAD)
         if rec.loss is not None and not math.isfinite(rec.loss):
-            kinds.append("nonfinite_loss")
+            kinds.append(K.NONFINITE_LOSS)
         z = self.z_of(g) if math.isfinite(g) else None
         if z is not None and z > c.z_threshold and mean is not None and g >= c.spike_ratio * mean:
-            kinds.append("grad_spike")
+            kinds.append(K.GRAD_SPIKE)
         elif z is not None and z > c.z_threshold and self._outlier_sample(rec, mean):
-            kinds.append("sample_spike")
+            kinds.append(K.SAMPLE_SPIKE)
         if c.abs_threshold is not None and math.isfinite(g) and g > c.abs_threshold:
-            kinds.append("abs_threshold")
+            kinds.append(K.ABS_THRESHOLD)
         hot_layers = self._layer_spikes(rec)
         if hot_layers:
-            kinds.append("layer_spike")
+            kinds.append(K.LAYER_SPIKE)
         if self._token_spike(rec, mean):
-            kinds.append("token_spike")
+            kinds.append(K.TOKEN_SPIKE)
         loss_z = None
         if _finite(rec.loss) and rec.loss > 0:
             log_loss = np.array([math.log(rec.loss)])
             lz = float(self._loss.z(log_loss)[0])
             loss_z = lz if math.isfinite(lz) else None
             if loss_z is not None and loss_z > c.loss_z_threshold:
-                kinds.append("loss_spike")
+                kinds.append(K.LOSS_SPIKE)
             self._loss.update(log_loss, c.loss_z_threshold)
         if math.isfinite(g) and not rec.skipped:
             if self._divergence(g):
-                kinds.append("divergence")
+                kinds.append(K.DIVERGENCE)
             self._global.update(np.array([g]), c.z_threshold)
         episode = self._fold(rec.step, kinds, g)
-        return SpikeEvent(rec.step, tuple(kinds), g, z, mean, std, rec.loss, loss_z, loss_mean, hot_layers,
-                          episode=episode)
+        return SpikeEvent(step=rec.step, kinds=tuple(kinds), global_norm=g, z=z, mean=mean, std=std, loss=rec.loss,
+                          loss_z=loss_z, loss_mean=loss_mean, layers=hot_layers, episode=episode)
 
-    def _fold(self, step: int, kinds: list[str], g: float) -> int | None:
+    def _fold(self, step: int, kinds: list[SpikeKind], g: float) -> int | None:
         """The episode ``step`` belongs to (None: it opens an incident, or is outside any episode)."""
         ep, horizon = self._episode, self.config.episode_steps
         if ep is not None and step - ep.last > horizon:
@@ -154,7 +157,7 @@ class SpikeDetector:
         ratio = self.config.sample_ratio
         if not ratio or mean is None or not mean > 0 or rec.global_norm < ratio * mean:
             return False  # the job's norm and band: every rank returns here, or none does
-        mine = rec.samples is not None and any(o.kind == "surprise" for o in rec.samples.outliers)
+        mine = rec.samples is not None and any(o.kind == OutlierKind.SURPRISE for o in rec.samples.outliers)
         return self.agree(mine) if self.agree is not None else mine
 
     def _token_spike(self, rec: StepRecord, mean: float | None) -> bool:
@@ -206,5 +209,6 @@ class _Episode:
 
     __slots__ = ("start", "last", "peak", "kinds")
 
-    def __init__(self, start: int, last: int, peak: float, kinds: set[str]) -> None:
+    def __init__(self, start: int, last: int, peak: float, kinds: set[SpikeKind]) -> None:
+
         self.start, self.last, self.peak, self.kinds = start, last, peak, kinds

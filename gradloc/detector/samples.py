@@ -22,7 +22,7 @@ import numpy as np
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE
 from gradloc.config import SampleConfig
-from gradloc.records import SAMPLE_Z_BUCKETS, RLStats, SampleOutlier, SampleStats
+from gradloc.records import SAMPLE_Z_BUCKETS, OutlierKind, RLStats, SampleOutlier, SampleStats
 
 log = logging.getLogger("gradloc")
 _MIN_STD_FRACTION = 0.02
@@ -119,7 +119,7 @@ class SampleJudge:
         text = _excerpt(meta, b, start, min(end, start + cfg.excerpt_tokens), decode)
         what = f"its worst {cfg.window}-token window" if by_window else "its mean over the sample"
         return SampleOutlier(
-            kind="surprise", step=where["step"], job=where["job"], rank=where["rank"], time_unix=where["time_unix"],
+            kind=OutlierKind.SURPRISE, step=where["step"], job=where["job"], rank=where["rank"], time_unix=where["time_unix"],
             score=float(score), z=float(z), baseline=float(baseline), micro_batch=meta.index, sample=b,
             sample_id=meta.sample_id(b), start=start, end=end, tokens=n, text=text,
             detail=f"surprise {score:.2f} nats/token ({what}; run median {baseline:.2f}), z {z:.1f}")
@@ -164,7 +164,8 @@ class MismatchJudge:
         v = np.asarray(self.healthy)
         sd = max(1.4826 * float(np.median(np.abs(v - base))), 0.01)
         return base, SampleOutlier(
-            kind="rl_mismatch", step=where["step"], job=where["job"], rank=where["rank"],
+            kind=OutlierKind.RL_MISMATCH, step=where["step"]
+, job=where["job"], rank=where["rank"],
             time_unix=where["time_unix"], score=float(frac), z=(frac - base) / sd, baseline=base, tokens=rl.tokens,
             detail=f"{100 * frac:.1f}% of {rl.tokens} loss tokens have |log π_trainer − log π_rollout| > log 2 for "
                    f"{cfg.rl_patience} steps in a row (run baseline {100 * base:.1f}%)")

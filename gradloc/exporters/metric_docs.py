@@ -12,6 +12,7 @@ from prometheus_client.utils import floatToGoString
 from gradloc.exporters.metric_specs import SPECS, MetricSpec
 from gradloc.exporters.prometheus import prom_unit
 from gradloc.exporters.state import StateConfig
+from gradloc.records.events import MONITOR_EVENTS, OTHER
 
 BEGIN = "<!-- BEGIN GENERATED: python -m gradloc.exporters.metric_docs -->"
 END = "<!-- END GENERATED -->"
@@ -59,6 +60,14 @@ def buckets_table() -> str:
     return "\n".join(rows)
 
 
+def events_table() -> str:
+    """The ``event`` values of ``gradloc_monitor_events_total`` (gradloc/records/events.py), with their meanings."""
+    rows = ["| `event` | What the monitor counted (cumulative per rank) |", "|---|---|"]
+    rows += [f"| `{name}` | {_cell(meaning)} |" for name, meaning in MONITOR_EVENTS.items()]
+    rows.append(f"| `{OTHER}` | any counter name not declared in `gradloc/records/events.py` (summed) |")
+    return "\n".join(rows)
+
+
 def limits_table() -> str:
     rows = ["| `StateConfig` field | Default | Meaning |", "|---|---|---|"]
     for f in dataclasses.fields(StateConfig):
@@ -68,8 +77,9 @@ def limits_table() -> str:
 
 def generated_markdown() -> str:
     """The block ``docs/metrics.md`` must contain verbatim (markers included)."""
-    parts = (BEGIN, "### Metrics", metrics_table(), "### Histogram buckets", buckets_table(),
-             "### Cardinality limits", limits_table(), END)
+    parts = (BEGIN, "### Metrics", metrics_table(), "### Monitor events", events_table(),
+             "### Histogram buckets", buckets_table(), "### Cardinality limits", limits_table(), END)
+
     return "\n\n".join(parts) + "\n"
 
 

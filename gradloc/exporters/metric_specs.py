@@ -128,6 +128,12 @@ SPECS: tuple[MetricSpec, ...] = (
        "run's history), rl_mismatch (a sustained training–inference mismatch)."),
     _c("missing_ranks", "gradloc_incident_missing_ranks", "gradloc.incident.missing_ranks", "{rank}", ("job",),
        "Ranks that never reported a step that became an incident (straggler deadline passed)."),
+    _c("monitor_events", "gradloc_monitor_events", "gradloc.monitor.events", "{event}", ("job", "rank", "event"),
+       "Events where the trainer-side monitor dropped or degraded something without raising into training "
+       "(Monitor.counters, cumulative per rank; a restarted trainer's counts add on top). event: a name declared in "
+       "gradloc/records/events.py (docs/metrics.md, Monitor events), or other for a name that is not."),
+
+
     # Distributions.
     _h("norm_hist", "gradloc_step_grad_norm", "gradloc.step.grad_norm", "1", JR,
        "Distribution of per-step global gradient norms (log-spaced buckets). Prometheus exemplar: incident trace id.",
@@ -163,7 +169,10 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("retention_deleted", "gradloc_agent_retention_deleted", "gradloc.agent.retention_deleted", "{row}", ("rule",),
        "Store rows the retention limits deleted (incidents_by_age, incidents_by_count, steps_by_age, steps_by_count, spans, inbox, sample_outliers)."),
     _c("series_dropped", "gradloc_agent_series_dropped", "gradloc.agent.series_dropped", "{record}", ("reason",),
-       "Records whose series were not exported because a cardinality bound was hit."),
+       "Records whose series were not exported because a cardinality bound was hit (max_series, max_layers); "
+       "monitor_events: event counts a step carried that were invalid (an empty name or one over 64 characters, a "
+       "negative count, beyond 64 names), dropped and the step kept."),
+
     _h("ingest_lag", "gradloc_agent_ingest_lag_seconds", "gradloc.agent.ingest_lag", "s", (),
        "Time from a record's production on the trainer to its ingestion by the agent.", LAG_BUCKETS),
     _g("pending", "gradloc_agent_pending_correlations", "gradloc.agent.pending", "{incident}", (),

@@ -21,6 +21,7 @@ from typing import Iterable
 import numpy as np
 
 from gradloc.errors import ConfigError
+from gradloc.records.events import labelled
 from gradloc.exporters.metric_specs import BY_KEY, MetricSpec
 from gradloc.exporters.snapshot import (
     JOB_KEYS,
@@ -197,14 +198,30 @@ class TelemetryState:
         if len(labels) != len(_spec(key).labels):
             raise ValueError(f"{key}: {len(labels)} label value(s) given, the spec has {len(_spec(key).labels)}")
         with self._lock:
-            k = (key, labels)
-            base = self._counters.get((key + "#base", labels), 0.0)
-            last = self._counters.get((key + "#last", labels), 0.0)
-            if value < last:
-                base += last
-            self._counters[(key + "#base", labels)] = base
-            self._counters[(key + "#last", labels)] = value
-            self._counters[k] = base + value
+            self._set_cumulative(key, labels, value)
+
+    def observe_events(self, job: str, rank: int, events: Iterable[tuple[str, int]], dropped: int = 0) -> None:
+        """A rank's monitor event counts (``StepRecord.events``: cumulative since its monitor started).
+
+        Names outside the declared set (gradloc/records/events.py) are summed into ``event="other"``; each
+        label is a cumulative value like the client drops (a restarted trainer's counts add on top).
+        ``dropped``: entries the wire decoder refused (``series_dropped{reason="monitor_events"}``)."""
+        with self._lock:
+            for label, n in labelled(events).items():
+                self._set_cumulative("monitor_events", (job, str(rank), label), float(n))
+            if dropped:
+                self._bump("series_dropped", ("monitor_events",), n=dropped)
+
+    def _set_cumulative(self, key: str, labels: Labels, value: float) -> None:
+        k = (key, labels)
+        base = self._counters.get((key + "#base", labels), 0.0)
+        last = self._counters.get((key + "#last", labels), 0.0)
+        if value < last:
+            base += last
+        self._counters[(key + "#base", labels)] = base
+        self._counters[(key + "#last", labels)] = value
+        self._counters[k] = base + value
+
 
     def set_pending(self, n: int, queued: int | None = None) -> None:
         """The agent's own gauges: incidents waiting for stragglers, and batches queued for the pipeline."""

@@ -46,8 +46,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from gradloc.adapters.pytorch import Monitor, watch
 from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
 from gradloc.errors import BatchMetadataError, ConfigError, GradlocError, UnsupportedModelError
-from gradloc.parallel.job import uncompiled
 from gradloc.integrations.hf_batch import batch_shape, causal_view, mask_labels, pop_sample_ids
+from gradloc.parallel.job import uncompiled
 
 log = logging.getLogger("gradloc")
 

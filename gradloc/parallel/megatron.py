@@ -1,8 +1,8 @@
 """Megatron-core's tensor parallelism: ``ColumnParallelLinear`` / ``RowParallelLinear`` (plain ``nn.Module``s
-holding plain tensors, activations ``[s, b, h]``), with the TP group of ``megatron.core.parallel_state``.
+holding plain tensors, activations ``[s, b, h]``), on their tensor-parallel group.
 
-Recognised by the modules (``megatron.core.tensor_parallel`` classes; megatron is imported only when one
-is there). What it owns:
+Recognised by the modules (``megatron.core.tensor_parallel`` classes, by name: megatron is never imported).
+What it owns:
 
 - **where gradients live**: a partitioned weight (``tensor_model_parallel`` set, ``partition_dim``) holds
   rows or columns ``[r·n, (r+1)·n)`` of the whole on tp rank r (its slice key says so); every other
@@ -12,8 +12,15 @@ is there). What it owns:
   contribution over the tp ranks; the row-parallel bias, added after the all-reduce, is counted once;
 - **probes**: the user's closure, every tp rank together.
 
-Sequence parallelism (``sequence_parallel=True``: the column-parallel input gathered inside the layer)
-is not supported: the layer's input norms live only inside its all-gather; refused at attach.
+The tp coordinate is read from the layers themselves (their partition sizes and ``tp_group``, as the rule
+does), not from ``parallel_state``: layers built with an explicit ``tp_group`` need no global state, and layers
+that disagree (different tp groups) are refused at attach rather than counted on the wrong coordinate.
+
+Sequence parallelism (``sequence_parallel=True``) is not supported, refused at attach: the column-parallel
+input is a sequence shard all-gathered inside the layer's autograd function (the hook never sees the other
+positions' a_p that this rank's weight shard uses), and the row-parallel output is reduce-scattered (the hook
+sees g_p only for this rank's positions, while its weight gradient uses every position's); scoring either
+would need a collective inside the hooks (``collector/rules/megatron.py``).
 """
 from __future__ import annotations
 
@@ -21,15 +28,12 @@ from typing import Any
 
 from torch import nn
 
+from gradloc.collector.rules.megatron import is_megatron_linear, tp_rank_size
 from gradloc.errors import UnsupportedModelError
 from gradloc.parallel.backend import ModelBackend, register_backend
 from gradloc.parallel.placement import SliceKey
 
-_CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
-
-
-def is_megatron_parallel(module: nn.Module) -> bool:
-    return type(module).__name__ in _CLASSES and type(module).__module__.startswith("megatron.")
+is_megatron_parallel = is_megatron_linear
 
 
 @register_backend
@@ -48,9 +52,11 @@ class MegatronTP(ModelBackend):
             raise UnsupportedModelError("gradloc: Megatron parallel linears with sequence_parallel=True are not "
                                         "supported (their input is gathered inside the layer); use "
                                         "sequence_parallel=False")
-        from megatron.core import parallel_state as ps
-
-        return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        coords = {tp_rank_size(m) for m in found}
+        if len(coords) > 1:
+            raise UnsupportedModelError(f"gradloc: Megatron parallel linears on different tensor-parallel groups "
+                                        f"(rank, size: {sorted(coords)}): one tp group per model is supported")
+        return cls(*coords.pop())
 
     def coords(self) -> dict[str, tuple[int, int]]:
         return {"tp": (self.rank, self.size)}

@@ -105,7 +105,7 @@ class JobScope:
 
 class ZeroScope(JobScope):
     """DeepSpeed ZeRO 0–3: probes by ``torch.autograd.grad``; ∇_C all-reduced full-size and divided by W,
-    ⟨∇_C, ∇⟩ from each rank's gradient slices (``deepspeed/stats.zero_combine``)."""
+    ⟨∇_C, ∇⟩ from each rank's gradient slices (``parallel/zero/stats.zero_combine``)."""
 
     def __init__(self, *, deepspeed: Any, **kwargs: Any) -> None:
         from gradloc.parallel.zero.stats import AutogradProbeSession

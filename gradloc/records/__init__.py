@@ -4,9 +4,14 @@ Nothing in here holds a tensor: every field is a plain Python value, so a record
 compared, pickled or serialised (``to_dict``) without touching the training process's devices.
 The JSON form of an :class:`Incident` is documented in ``docs/incident-json.md``.
 """
-from gradloc.records.findings import (  # noqa: F401 - the package's public names
+from gradloc.records.events import (  # noqa: F401 - the package's public names
+    MONITOR_EVENTS,
+    event_counts,
+)
+from gradloc.records.findings import (  # noqa: F401
     SAMPLE_Z_BUCKETS,
     OUTLIER_KINDS,
+    OutlierKind,
     SampleOutlier,
     SampleStats,
 )
@@ -14,6 +19,7 @@ from gradloc.records.incidents import (  # noqa: F401
     TokenRL,
     SampleInfo,
     Evidence,
+    ClassKind,
     Classification,
     Culprit,
     MAX_SPAN_WINDOW,
@@ -41,9 +47,11 @@ from gradloc.records.steps import (  # noqa: F401
     RLStats,
     StepRecord,
     SpikeEvent,
+    SpikeKind,
 )
 
 __all__ = [
+    "ClassKind",
     "Classification",
     "Culprit",
     "CulpritGroup",
@@ -57,8 +65,10 @@ __all__ = [
     "Level",
     "Localization",
     "MAX_SPAN_WINDOW",
+    "MONITOR_EVENTS",
     "Method",
     "OUTLIER_KINDS",
+    "OutlierKind",
     "RLStats",
     "RL_ADVANTAGE_BUCKETS",
     "RL_LOG_RATIO_BUCKETS",
@@ -70,10 +80,12 @@ __all__ = [
     "SampleShare",
     "SampleStats",
     "SpikeEvent",
+    "SpikeKind",
     "Status",
     "StepRecord",
     "TokenRL",
     "TokenScore",
     "TokenStats",
+    "event_counts",
     "to_dict",
 ]

@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 # -- per-sample findings (gradloc/collector/surprise.py, gradloc/detector/samples.py) -----------------
 # Buckets of the per-sample surprise z-score distribution (``SampleStats.z_counts``; the last count is
 # above the last bound; z <= 0 falls in the first bucket).
 SAMPLE_Z_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 50.0)
-OUTLIER_KINDS = ("surprise", "rl_mismatch")
+
+
+class OutlierKind(StrEnum):
+    """``SampleOutlier.kind``: what stood out."""
+
+    SURPRISE = "surprise"  # one sample's surprise against the run's history
+    RL_MISMATCH = "rl_mismatch"  # a step's training–inference mismatch above the run's baseline, sustained
+
+
+OUTLIER_KINDS = tuple(k.value for k in OutlierKind)  # ("surprise", "rl_mismatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +34,7 @@ class SampleOutlier:
     median of recent samples' scores, or of healthy steps' shares); ``z``: (score − baseline) / the
     history's robust spread."""
 
-    kind: str
+    kind: OutlierKind
     job: str
     rank: int
     step: int
@@ -40,6 +50,10 @@ class SampleOutlier:
     tokens: int = 0  # loss tokens judged (rl_mismatch: the step's RL loss tokens)
     text: str | None = None  # the span's decoded text (at most SampleConfig.excerpt_tokens tokens)
     detail: str = ""
+
+    def __post_init__(self) -> None:  # a plain string from a decoder or a test becomes the typed value
+        if type(self.kind) is not OutlierKind:
+            object.__setattr__(self, "kind", OutlierKind(self.kind))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,17 +58,32 @@ class Evidence:
     value: float
 
 
+class ClassKind(StrEnum):
+    """``Classification.kind``: the class of a spike or of one culprit token (criteria in docs/rl.md)."""
+
+    TRAIN_INFERENCE_MISMATCH = "train_inference_mismatch"
+    LOW_PROB_HIGH_ADVANTAGE = "low_prob_high_advantage"
+    STALE_OFF_POLICY = "stale_off_policy"
+    LAYER_CONCENTRATED = "layer_concentrated"
+    DIFFUSE = "diffuse"
+    UNCLASSIFIED = "unclassified"
+
+
 @dataclass(frozen=True)
 class Classification:
     """What kind of spike (or culprit) this is, with the numbers that decided it.
 
     ``kind``: ``train_inference_mismatch``, ``low_prob_high_advantage``, ``stale_off_policy``,
-    ``layer_concentrated``, ``diffuse``, or ``unclassified`` (criteria in docs/rl.md).
+    ``layer_concentrated``, ``diffuse``, or ``unclassified`` (:class:`ClassKind`; criteria in docs/rl.md).
     """
 
-    kind: str
+    kind: ClassKind
     reason: str
     evidence: tuple[Evidence, ...] = ()
+
+    def __post_init__(self) -> None:  # a plain string from a decoder or a test becomes the typed value
+        if type(self.kind) is not ClassKind:
+            object.__setattr__(self, "kind", ClassKind(self.kind))
 
 
 @dataclass(frozen=True)
@@ -246,7 +261,7 @@ class Remedy:
     reason: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Incident:
     incident_id: str
     job: str
@@ -259,7 +274,7 @@ class Incident:
     top_layers: tuple[LayerStats, ...] = field(default=())  # largest layer norms at the spike
     remedy: Remedy | None = None
     classification: Classification | None = None
-    scope: IncidentScope = "rank"  # type: ignore[assignment] - a plain string becomes the typed value
+    scope: IncidentScope = IncidentScope.RANK  # a plain string becomes the typed value
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scope", IncidentScope(self.scope))

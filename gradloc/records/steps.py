@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from gradloc.records.findings import SampleStats
@@ -33,7 +34,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerStats:
     """Gradient statistics of one layer group at the optimizer boundary (unscaled gradients)."""
 
@@ -54,7 +55,7 @@ class LayerShare:
     share: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenScore:
     """Attribution score of one (micro-batch, sample, position)."""
 
@@ -68,7 +69,7 @@ class TokenScore:
     layers: tuple[LayerShare, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenStats:
     """Per-token summary of one optimizer step (all micro-batches)."""
 
@@ -103,7 +104,7 @@ class RLStats:
     entropy_mean: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepRecord:
     job: str
     rank: int
@@ -132,9 +133,27 @@ class StepRecord:
     norm_mean: float | None = None
     norm_threshold: float | None = None
     samples: "SampleStats | None" = None  # per-sample outlier judgement (SampleConfig), when it ran
+    # the monitor's cumulative event counts (Monitor.counters: what it dropped or degraded without raising),
+    # non-zero ones, sorted by name; gradloc.records.events declares the names and their meanings
+    events: tuple[tuple[str, int], ...] = ()
 
 
-@dataclass(frozen=True)
+class SpikeKind(StrEnum):
+    """``SpikeEvent.kinds``: what the detector found (criteria in gradloc/detector/detector.py)."""
+
+    GRAD_SPIKE = "grad_spike"  # global-norm z above the band and norm >= spike_ratio × its mean
+    SAMPLE_SPIKE = "sample_spike"  # out of the band, >= sample_ratio × its mean, with a surprise outlier sample
+    ABS_THRESHOLD = "abs_threshold"  # global norm above DetectorConfig.abs_threshold
+    LAYER_SPIKE = "layer_spike"  # some layer's own z above layer_z_threshold (reported, no incident alone)
+    NONFINITE_GRAD = "nonfinite_grad"
+    NONFINITE_LOSS = "nonfinite_loss"
+    LOSS_SPIKE = "loss_spike"  # z of log(loss) above loss_z_threshold
+    TOKEN_SPIKE = "token_spike"  # one token suddenly carries a large share of the gradient
+    DIVERGENCE = "divergence"  # the fast EMA of the norm stayed above the slow one
+    SKIPPED_STEP = "skipped_step"  # GradScaler found inf/NaN and skips the update (no incident alone)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SpikeEvent:
     """The detector's verdict on one step; ``kinds`` is empty for a healthy step.
 
@@ -143,7 +162,7 @@ class SpikeEvent:
     """
 
     step: int
-    kinds: tuple[str, ...]
+    kinds: tuple[SpikeKind, ...]
     global_norm: float
     z: float | None
     mean: float | None
@@ -156,6 +175,10 @@ class SpikeEvent:
     # the step of the incident whose episode this step belongs to (the run reacting to that spike):
     # its kinds open no new incident. None on the step that opens an incident and outside episodes.
     episode: int | None = None
+
+    def __post_init__(self) -> None:  # plain strings from a decoder or a test become the typed values
+        if not all(type(k) is SpikeKind for k in self.kinds):
+            object.__setattr__(self, "kinds", tuple(SpikeKind(k) for k in self.kinds))
 
     @property
     def is_spike(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from gradloc.records import (
     INCIDENT_SCHEMA_VERSION,
     MAX_SPAN_WINDOW,
+    ClassKind,
     Classification,
     Culprit,
     CulpritGroup,
@@ -30,7 +31,9 @@ from gradloc.records import (
     SampleInfo,
     SampleShare,
     SpikeEvent,
+    SpikeKind,
     Status,
+
     TokenRL,
 )
 from gradloc.transport import validate as v
@@ -183,11 +186,12 @@ def decode_incident(m: pb.IncidentMsg, world_size: int, where: str) -> Incident:
     loc = _decode_localization(m.localization, c, f"{where}.localization") if m.HasField("localization") else None
     remedy = _decode_remedy(m.remedy, c, f"{where}.remedy") if m.HasField("remedy") else None
     cls = _decode_class(m.classification, c, f"{where}.classification") if m.HasField("classification") else None
-    return Incident(v.text(m.incident_id, f"{where}.incident_id", required=True),
-                    v.text(m.job, f"{where}.job", required=True), v.rank(m.rank, world_size, f"{where}.rank"),
-                    v.count(m.step, f"{where}.step"), c.finite(m.time_unix, f"{where}.time_unix"),
-                    _decode_spike(m.spike, c, f"{where}.spike"), loc, m.schema_version, top, remedy, cls,
-                    _scope(m.scope, f"{where}.scope"))
+    return Incident(incident_id=v.text(m.incident_id, f"{where}.incident_id", required=True),
+                    job=v.text(m.job, f"{where}.job", required=True), rank=v.rank(m.rank, world_size, f"{where}.rank"),
+                    step=v.count(m.step, f"{where}.step"), time_unix=c.finite(m.time_unix, f"{where}.time_unix"),
+                    spike=_decode_spike(m.spike, c, f"{where}.spike"), localization=loc,
+                    schema_version=m.schema_version, top_layers=top, remedy=remedy, classification=cls,
+                    scope=_scope(m.scope, f"{where}.scope"))
 
 
 def _scope(scope: str, where: str) -> IncidentScope:
@@ -201,7 +205,7 @@ def _opt_rank(m: Any, where: str) -> int | None:
 
 
 def _decode_class(m: pb.ClassificationMsg, c: _Checks, where: str) -> Classification:
-    return Classification(c.name(m.kind, f"{where}.kind"), c.free_text(m.reason, f"{where}.reason"),
+    return Classification(_enum(ClassKind, m.kind, f"{where}.kind"), c.free_text(m.reason, f"{where}.reason"),
                           tuple(Evidence(c.name(e.name, f"{where}.evidence[{i}].name"),
                                          c.derived(e.value, f"{where}.evidence[{i}].value"))
                                 for i, e in enumerate(m.evidence)))
@@ -246,22 +250,22 @@ def _decode_layer(m: pb.LayerStatsMsg, where: str) -> LayerStats:
     ratio = None
     if m.HasField("update_ratio"):  # NaN = unknown, like the step columns
         ratio = v.finite(m.update_ratio, f"{where}.update_ratio", c.grad_event or math.isnan(m.update_ratio))
-    return LayerStats(v.text(m.layer, f"{where}.layer", required=True),
-                      v.norm(m.grad_norm, f"{where}.grad_norm", c.grad_event, _GRAD_EVENT),
-                      c.grad(m.grad_max_abs, f"{where}.grad_max_abs"), nonfinite,
-                      v.norm(m.param_norm, f"{where}.param_norm", c.grad_event, _GRAD_EVENT),
-                      v.count(m.numel, f"{where}.numel"), ratio)
+    return LayerStats(layer=v.text(m.layer, f"{where}.layer", required=True),
+                      grad_norm=v.norm(m.grad_norm, f"{where}.grad_norm", c.grad_event, _GRAD_EVENT),
+                      grad_max_abs=c.grad(m.grad_max_abs, f"{where}.grad_max_abs"), nonfinite=nonfinite,
+                      param_norm=v.norm(m.param_norm, f"{where}.param_norm", c.grad_event, _GRAD_EVENT),
+                      numel=v.count(m.numel, f"{where}.numel"), update_ratio=ratio)
 
 
 def _decode_spike(m: pb.SpikeMsg, c: _Checks, where: str) -> SpikeEvent:
     opt = {f: _get_optional(m, f, c.finite, where) for f in ("z", "mean", "std", "loss_z", "loss_mean")}
     return SpikeEvent(
-        v.count(m.step, f"{where}.step"),
-        tuple(c.name(k, f"{where}.kinds[{i}]") for i, k in enumerate(m.kinds)),
-        c.grad(m.global_norm, f"{where}.global_norm"), opt["z"], opt["mean"], opt["std"],
-        _get_optional(m, "loss", c.any_float, where), opt["loss_z"], opt["loss_mean"],
-        tuple(c.name(x, f"{where}.layers[{i}]") for i, x in enumerate(m.layers)),
-        c.free_text(m.detail, f"{where}.detail"))
+        step=v.count(m.step, f"{where}.step"),
+        kinds=tuple(_enum(SpikeKind, k, f"{where}.kinds[{i}]") for i, k in enumerate(m.kinds)),
+        global_norm=c.grad(m.global_norm, f"{where}.global_norm"), z=opt["z"], mean=opt["mean"], std=opt["std"],
+        loss=_get_optional(m, "loss", c.any_float, where), loss_z=opt["loss_z"], loss_mean=opt["loss_mean"],
+        layers=tuple(c.name(x, f"{where}.layers[{i}]") for i, x in enumerate(m.layers)),
+        detail=c.free_text(m.detail, f"{where}.detail"))
 
 
 def _decode_shares(ms: Any, c: _Checks, where: str) -> tuple[LayerShare, ...]:

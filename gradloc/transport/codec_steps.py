@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -23,6 +24,7 @@ from gradloc.records import (
     TokenScore,
     TokenStats,
 )
+from gradloc.records.events import MAX_EVENT_NAME, MAX_EVENTS
 from gradloc.reports import LayerColumns, StepSummary
 from gradloc.transport import validate as v
 from gradloc.transport.codec_findings import decode_samples, encode_samples
@@ -33,6 +35,16 @@ _FLOAT_COLUMNS = ("grad_norm", "grad_max_abs", "param_norm")
 _INT_COLUMNS = ("layer_nonfinite", "numel")
 _MAX_SHED = 8
 _GRAD_EVENT = " but the step's nonfinite count is 0 (accepted only with a nonfinite count > 0)"
+
+
+@dataclass(frozen=True)
+class DecodedStep(StepSummary):
+    """A :class:`StepSummary` decoded from the wire, with the monitor's event counts it carried
+    (``StepRecord.events``, validated) and how many of its entries were dropped as invalid (the agent
+    counts them). In embedded mode the agent reads them off the ``StepRecord`` itself."""
+
+    events: tuple[tuple[str, int], ...] = ()
+    events_dropped: int = 0
 
 
 # -- encode (trainer side, background thread) --------------------------------------------------
@@ -70,6 +82,8 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
         m.norm_mean, m.norm_threshold = band
     if rec.samples is not None:
         encode_samples(rec.samples, m.samples)
+    for name, n in rec.events:
+        m.events[name] = n
     return m
 
 
@@ -128,7 +142,7 @@ def _encode_tokens(t: TokenStats, index: dict[str, int], out: pb.TokenStatsMsg) 
 
 # -- decode + validate (daemon side, hot path) -------------------------------------------------
 def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_size: int,
-                where: str, keep_top: bool = True) -> StepSummary:
+                where: str, keep_top: bool = True) -> DecodedStep:
     """One validated StepSummary; raises :class:`~gradloc.transport.validate.RejectedBatch`.
 
     ``keep_top=False`` validates the per-step top tokens but leaves ``tokens.top`` empty: building
@@ -139,7 +153,8 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
     event = nonfinite > 0
     job = v.text(m.job, f"{where}.job", required=True) if m.HasField("job") else job
     rank = v.rank(m.rank, world_size, f"{where}.rank") if m.HasField("rank") else rank
-    return StepSummary(
+    events, dropped = _events(m) if m.events else ((), 0)
+    return DecodedStep(
         job, rank, v.count(m.step, f"{where}.step"), v.finite(m.time_unix, f"{where}.time_unix"),
         v.norm(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
         m.loss if m.HasField("loss") else None,  # any value: a non-finite loss is itself an event
@@ -151,7 +166,18 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
                      for f in ("overhead_seconds", "step_seconds", "overhead")),
         _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None, m.layers_global,
         *_band(m, where),
-        decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples") if m.HasField("samples") else None)
+        decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples") if m.HasField("samples") else None,
+        events, dropped)
+
+
+def _events(m: pb.Step) -> tuple[tuple[tuple[str, int], ...], int]:
+    """The monitor's event counts, sorted by name: an entry with an empty name or one longer than
+    MAX_EVENT_NAME, or a negative count, is dropped (not the step: they are counters beside it), and so
+    is every valid one after the first MAX_EVENTS; returns (events, entries dropped)."""
+    valid = sorted((k, n) for k, n in m.events.items() if 0 < len(k) <= MAX_EVENT_NAME and n >= 0)
+    kept = tuple(valid[:MAX_EVENTS])
+    return kept, len(m.events) - len(kept)
+
 
 
 def _band(m: pb.Step, where: str) -> tuple[float | None, float | None]:
@@ -213,12 +239,16 @@ def _decode_tokens(t: pb.TokenStatsMsg, names: tuple[str, ...], where: str, even
             or not (event or all(map(math.isfinite, floats)))):
         _explain_tokens(t, layer_names, where, event)
     if not keep_top:
-        return TokenStats(t.tokens, t.total_score, (), t.top_share, mbs, t.unattributed_share, t.dropped_calls)
+        return TokenStats(tokens=t.tokens, total_score=t.total_score, top=(), top_share=t.top_share,
+                          micro_batch_shares=mbs, unattributed_share=t.unattributed_share, dropped_calls=t.dropped_calls)
     layers = tuple(map(LayerShare, map(layer_names.__getitem__, index), lshare))
     ends = tuple(itertools.accumulate(counts))
-    top = tuple(TokenScore(mb[j], sample[j], pos[j], score[j], share[j], None if token_id[j] < 0 else token_id[j],
-                           sample_id[j], layers[ends[j] - counts[j]:ends[j]]) for j in range(k))
-    return TokenStats(t.tokens, t.total_score, top, t.top_share, mbs, t.unattributed_share, t.dropped_calls)
+    top = tuple(TokenScore(micro_batch=mb[j], sample=sample[j], position=pos[j], score=score[j], share=share[j],
+                           token_id=None if token_id[j] < 0 else token_id[j], sample_id=sample_id[j],
+                           layers=layers[ends[j] - counts[j]:ends[j]]) for j in range(k))
+    return TokenStats(tokens=t.tokens, total_score=t.total_score, top=top, top_share=t.top_share,
+                      micro_batch_shares=mbs, unattributed_share=t.unattributed_share, dropped_calls=t.dropped_calls)
+
 
 
 def _explain_tokens(t: pb.TokenStatsMsg, layer_names: tuple[str, ...], where: str, event: bool) -> NoReturn:

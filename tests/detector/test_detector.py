@@ -17,8 +17,11 @@ LAYER_SCALE = {"a": 0.8, "b": 0.05, "c": 0.5}
 
 def record(step: int, g: float, loss: float | None = 2.0, layers: dict[str, float] | None = None,
            **kw) -> StepRecord:
-    stats = tuple(LayerStats(name, v, v, 0, 10.0, 100) for name, v in (layers or {}).items())
-    return StepRecord("job", 0, step, 0.0, g, loss, 1, stats, **kw)
+    stats = tuple(LayerStats(layer=name, grad_norm=v, grad_max_abs=v, nonfinite=0, param_norm=10.0, numel=100)
+                  for name, v in (layers or {}).items())
+    return StepRecord(job="job", rank=0, step=step, time_unix=0.0, global_norm=g, loss=loss, micro_batches=1,
+                      layers=stats, **kw)
+
 
 
 class Run:

@@ -21,8 +21,11 @@ from gradloc.records import SpikeEvent, StepRecord, TokenStats
 
 
 def record(step: int, g: float, loss: float | None = 4.0, top: float | None = 0.006, **kw) -> StepRecord:
-    tokens = None if top is None else TokenStats(512, 1.0, (), top, (1.0,), 0.0)
-    return StepRecord("job", 0, step, 0.0, g, loss, 1, (), tokens=tokens, **kw)
+    tokens = None if top is None else TokenStats(tokens=512, total_score=1.0, top=(), top_share=top,
+                                                 micro_batch_shares=(1.0,), unattributed_share=0.0)
+    return StepRecord(job="job", rank=0, step=step, time_unix=0.0, global_norm=g, loss=loss, micro_batches=1,
+                      layers=(), tokens=tokens, **kw)
+
 
 
 def natural_like(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -11,14 +11,17 @@ holds whole heads. The torch LayerNorms run on a batch-first view: gradloc's tor
 leads only (only the Megatron rule knows [s, b]).
 
 Weights: ``use_cpu_initialization=True`` makes every rank draw the whole master weight from the CPU generator
-and keep its partition (``_initialize_affine_weight_cpu``), so the same seed gives the tp=1 model (the
-reference) exactly the unpartitioned weights — checked by gathering the partitions (``whole_params``).
+(``torch.empty(out, in)`` then ``init_method``) and keep its partition (``_initialize_affine_weight_cpu``; biases
+zeroed, no draw). The test's reference (``PlainToy`` in test_megatron.py: ``nn.Linear``s, batch-first, no
+megatron) makes the same draws in the same order, so the same seed gives it exactly the unpartitioned weights
+(checked on the gathered partitions, bitwise).
 
 Data: every tp rank sees the same micro-batches. Micro-batch i's loss is Σ w·mask·ce / (B·T·M); ``plant`` =
 (step, micro-batch, sample, position) multiplies one token's loss weight by 3000 there.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -63,7 +66,7 @@ def cpu_gather_shim() -> None:
 class Attention(nn.Module):
     def __init__(self, cfg: Any, tp_mod: Any, tp_group: Any) -> None:
         super().__init__()
-        init = _init()
+        init = init_method()
         self.qkv = tp_mod.ColumnParallelLinear(D, 3 * D, config=cfg, init_method=init, bias=True,
                                                gather_output=False, tp_group=tp_group)
         self.proj = tp_mod.RowParallelLinear(D, D, config=cfg, init_method=init, bias=True, input_is_parallel=True,
@@ -83,8 +86,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Any, tp_mod: Any, tp_group: Any, kind: str) -> None:
         super().__init__()
-        init, self.kind = _init(), kind
-        skip = kind == "caller"
+        init, skip = init_method(), kind == "caller"
         self.fc1 = tp_mod.ColumnParallelLinear(D, FF, config=cfg, init_method=init, bias=True, skip_bias_add=skip,
                                                gather_output=kind == "gathered", tp_group=tp_group)
         self.fc2 = tp_mod.RowParallelLinear(FF, D, config=cfg, init_method=init, bias=True,
@@ -114,7 +116,7 @@ def _batch_first(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x.transpose(0, 1)).transpose(0, 1)  # [s, b, D] -> (B, T, D) -> normed -> [s, b, D]
 
 
-def _init() -> Any:
+def init_method() -> Any:
     return lambda w: nn.init.normal_(w, std=0.08)
 
 
@@ -124,7 +126,7 @@ class MegatronToy(nn.Module):
         ps, tp_mod, Config = megatron()
         cfg = Config(tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32)
         group = ps.get_tensor_model_parallel_group()
-        torch.manual_seed(seed)  # every rank (and the tp=1 reference) draws the same master weights
+        torch.manual_seed(seed)  # every rank (and PlainToy) draws the same master weights
         self.tok = nn.Embedding(VOCAB, D)
         self.layers = nn.ModuleList(Block(cfg, tp_mod, group, kind) for kind in BLOCKS)
         self.norm = nn.LayerNorm(D)
@@ -187,8 +189,8 @@ def module_norms(grads: dict[str, Any]) -> dict[str, float]:
 
 def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None,
           monitor: bool = True) -> dict[str, Any]:
-    """``steps`` AdamW steps; the reports' essentials, the whole initial and final parameters, and the first
-    step's whole per-module gradient norms (the partitions gathered)."""
+    """``steps`` AdamW steps: the reports' essentials, the whole initial parameters, the first step's whole
+    per-module gradient norms (the partitions gathered) and this rank's final parameters (its partitions)."""
     import gradloc
 
     ps = setup(tp)
@@ -209,11 +211,7 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
 
         total = torch.zeros(())
         for i in range(M):
-            if mon is not None:
-                with mon.micro_batch(y[s, i]):
-                    loss = loss_for(i)
-                    loss.backward()
-            else:
+            with mon.micro_batch(y[s, i]) if mon is not None else contextlib.nullcontext():
                 loss = loss_for(i)
                 loss.backward()
             total += loss.detach()
@@ -221,16 +219,16 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
             out["norms"] = module_norms(whole_params(model, ps, grads=True))
         if mon is not None:
             rep = mon.end_step(total, probe=loss_for)
-            out["reports"].append(_report(rep))
+            out["reports"].append(report(rep))
         opt.step()
         opt.zero_grad()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}  # this rank's partitions
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if mon is not None:
         mon.close()
     return out
 
 
-def _report(rep: Any) -> dict[str, Any]:
+def report(rep: Any) -> dict[str, Any]:
     rec = rep.record
     loc = rep.incident.localization if rep.incident is not None else None
     tok = rec.tokens
@@ -253,26 +251,4 @@ def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple) -> dict[st
     return {**watched, "bitwise": all(torch.equal(plain["params"][n], mine[n]) for n in mine)}
 
 
-def reference(rank: int, world: int, steps: int) -> dict[str, Any]:
-    """The same model at tp=1 in one process (launched alone): its initial weights, the first step's per-module
-    gradient norms (from ``.grad``) and gradloc's per-layer norms and top tokens."""
-    import gradloc
-
-    ps = setup(1)
-    model = MegatronToy(1)
-    out: dict[str, Any] = {"init": whole_params(model, ps)}
-    x, y, w = data(steps)
-    mon = gradloc.watch(model, store=False)
-    total = torch.zeros(())
-    for i in range(M):
-        with mon.micro_batch(y[0, i]):
-            loss = (token_losses(model(x[0, i]), y[0, i]) * w[0, i]).sum().div(B * SEQ * M)
-            loss.backward()
-        total += loss.detach()
-    out["norms"] = module_norms({n: p.grad.numpy() for n, p in model.named_parameters()})
-    out["report"] = _report(mon.end_step(total))
-    mon.close()
-    return out
-
-
-__all__ = ["MegatronToy", "bitwise", "data", "reference", "train", "B", "D", "M", "SEQ", "VOCAB"]
+__all__ = ["MegatronToy", "bitwise", "init_method", "report", "data", "module_norms", "token_losses", "train", "B", "D", "M", "SEQ", "VOCAB"]

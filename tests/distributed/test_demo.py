@@ -1,6 +1,6 @@
-"""``gradloc-agent demo --world-size 2 --backend …``: the real CLI starts the ranks itself, plants the
-culprit on rank 1, and the job's one incident names rank 1 (``--json``: rank on planted entries and
-culprits)."""
+"""``gradloc-agent demo --world-size N --backend …``: the real CLI starts the ranks itself, plants the
+culprit on (data) rank 1, and the job's one incident names rank 1 (``--json``: rank on planted entries and
+culprits). Data parallelism on 2 ranks; tensor, FSDP2 × tensor and pipeline parallelism on 4 (dp 2 × 2)."""
 from __future__ import annotations
 
 import json
@@ -22,14 +22,15 @@ def _demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=600, env=env)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed", "tp", "fsdp-tp", "pp"])
 def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path, backend: str,
                                                                 request: pytest.FixtureRequest) -> None:
     extra: tuple[str, ...] = ()
     if backend == "deepspeed":
         request.getfixturevalue("ds_shm_op")  # built once into .torch_extensions (skips without deepspeed)
         extra = ("--zero-stage", "3")
-    res = _demo(tmp_path, "--world-size", "2", "--backend", backend, "--steps", "60", "--inject-step", "50", "--json",
+    world = "4" if backend in ("tp", "fsdp-tp", "pp") else "2"
+    res = _demo(tmp_path, "--world-size", world, "--backend", backend, "--steps", "60", "--inject-step", "50", "--json",
                 *extra)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
@@ -46,6 +47,7 @@ def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path,
 
 def test_bad_combinations_are_refused_before_any_rank_starts(tmp_path: Path) -> None:
     for args, words in ((("--backend", "ddp"), "world_size >= 2"),
+                        (("--backend", "pp", "--world-size", "2"), "even world_size >= 4"),
                         (("--backend", "ddp", "--world-size", "2", "--rl"), "--rl runs on one process"),
                         (("--backend", "ddp", "--world-size", "2", "--rank", "1"), "--backend starts every rank"),
                         (("--backend", "ddp", "--world-size", "2", "--zero-stage", "1"), "needs --backend deepspeed")):

@@ -1,18 +1,39 @@
 """Megatron-core tensor parallelism (``ColumnParallelLinear`` / ``RowParallelLinear``, activations ``[s, b, h]``)
-on 2 gloo processes, ``initialize_model_parallel(tensor_model_parallel_size=2)``: the model's partitions gathered
-are bitwise the tp=1 reference's weights; per-layer norms equal that single-process reference's ``.grad`` norms
-within 1e-5 relative (partitions added, replicas counted once); per-token scores, summed over the tp group,
-equal the reference's; nothing is unattributed; a culprit planted on one token is localized with ≤ 3 probes;
-the parameters come out bitwise the same with and without gradloc (tests/distributed/megatron_job.py)."""
+on 2 gloo processes, ``initialize_model_parallel(tensor_model_parallel_size=2)``, against the same model
+unpartitioned in plain torch in this process (``PlainToy``: ``nn.Linear``s, batch-first): the partitions gathered
+are bitwise its weights; per-layer norms equal its ``.grad`` norms within 1e-5 relative (partitions added,
+replicas counted once); per-token scores, the Megatron rule's summed over the tp group, equal the ``nn.Linear``
+rule's on it; nothing is unattributed; a culprit planted on one token is localized with ≤ 3 probes; the
+parameters come out bitwise the same with and without gradloc (tests/distributed/megatron_job.py)."""
 from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tests.distributed.launch import run
+from tests.distributed.megatron_job import (
+    BLOCKS,
+    FF,
+    HD,
+    HEADS,
+    SEQ,
+    VOCAB,
+    B,
+    D,
+    M,
+    data,
+    init_method,
+    module_norms,
+    report,
+    token_losses,
+)
 
 STEPS, PLANT_STEP = 7, 6
 ENV = {"NO_VCS_VERSION": "1"}  # megatron's package_info would otherwise run `git rev-parse` at import
@@ -27,18 +48,95 @@ def _bitwise(rank: int, world: int, plant: tuple) -> dict:
     return bitwise(rank, world, 2, STEPS, plant)
 
 
-def _reference(rank: int, world: int) -> dict:
-    from tests.distributed.megatron_job import reference
+# -- the reference: the same model unpartitioned, plain torch, batch-first, in this process ----------------
+class PlainAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = _linear(D, 3 * D), _linear(D, D)
 
-    return reference(rank, world, STEPS)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D)
+        Bx, T, _ = x.shape
+        q, k, v = self.qkv(x).view(Bx, T, HEADS, 3, HD).unbind(3)  # (B, T, 3·D) -> 3 × (B, T, H, hd)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, T, H, hd) -> (B, H, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(Bx, T, D))  # (B, H, T, hd) -> (B, T, D)
+
+
+class PlainMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = _linear(D, FF), _linear(FF, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn, self.mlp = PlainAttention(), PlainMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class PlainToy(nn.Module):
+    """The unpartitioned model, batch-first, in plain torch: the same parameter names and draws as MegatronToy."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tok = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(PlainBlock() for _ in BLOCKS)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))  # (B, T, V)
+
+
+def _linear(d_in: int, d_out: int) -> nn.Linear:
+    """nn.Linear initialised as Megatron's CPU initialisation does: the whole (out, in) weight drawn by
+    ``init_method``, the bias zero (``skip_init``: nothing else drawn)."""
+    lin = torch.nn.utils.skip_init(nn.Linear, d_in, d_out)
+    with torch.no_grad():
+        init_method()(lin.weight)
+        lin.bias.zero_()
+    return lin
+
+
+def reference(steps: int) -> dict[str, Any]:
+    """PlainToy in this process (no megatron): its initial weights, the first step's per-module gradient norms
+    (from ``.grad``) and gradloc's report of that step (per-layer norms, top tokens)."""
+    import gradloc
+
+    model = PlainToy()
+    out: dict[str, Any] = {"init": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}}
+    x, y, w = data(steps)
+    mon = gradloc.watch(model, store=False)
+    total = torch.zeros(())
+    for i in range(M):
+        with mon.micro_batch(y[0, i]):
+            loss = (token_losses(model(x[0, i]), y[0, i]) * w[0, i]).sum().div(B * SEQ * M)
+            loss.backward()
+        total += loss.detach()
+    out["norms"] = module_norms({n: p.grad.numpy() for n, p in model.named_parameters()})
+    out["report"] = report(mon.end_step(total))
+    mon.close()
+    return out
 
 
 def test_megatron_tensor_parallel():
     plant = (PLANT_STEP, 1, 2, 5)  # (step, micro-batch, sample, position)
     imported = "megatron" in sys.modules
     results = run(_bitwise, 2, plant, timeout_s=300, env=ENV)
-    (ref,) = run(_reference, 1, timeout_s=180, env=ENV)
     assert imported or "megatron" not in sys.modules  # no result imports it here (megatron_job.whole_params)
+    ref = reference(STEPS)
     want = ref["report"]
     assert set(want["layers"]) == set(ref["norms"])  # every module with parameters is a layer
     for layer, norm in ref["norms"].items():  # gradloc's reduction of the reference equals its .grad

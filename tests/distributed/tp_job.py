@@ -1,11 +1,8 @@
-"""A small tensor-parallel job for the distributed tests: a Llama-shaped toy under DTensor's own TP styles.
-
-The model is written the way TP needs (the heads come from the local width, so a column-parallel
-q/k/v gives each rank its heads), with biases on the MLP (a row-parallel bias is replicated). ``plan``
-is torch's ``parallelize_module`` plan: ``sp=True`` is torchtitan's (the embedding row-parallel into a
-sequence shard, the norms ``SequenceParallel``, the projections column/row-parallel around them, the
-head column-parallel back to replicated logits); ``sp=False`` keeps activations replicated. ``mesh``:
-tp alone, or (dp, tp) with FSDP2 over dp (2D).
+"""A small tensor-parallel job for the distributed tests: the demo's Llama-shaped ParallelGPT under DTensor's own
+TP styles (gradloc/demo/parallel.py: the heads come from the local width, biases on the MLP, whose row-parallel
+bias is replicated). ``sp=True`` is torchtitan's plan (the embedding row-parallel into a sequence shard, the
+norms ``SequenceParallel``, the projections column/row-parallel around them, the head column-parallel back to
+replicated logits); ``sp=False`` keeps activations replicated. Tp alone, or (dp, tp) with FSDP2 over dp (2D).
 
 Data: each data rank r has its own micro-batches; the tp ranks of a data index see the same ones. The
 loss of micro-batch i is Σ w·mask·ce / (B·T·M); FSDP averages over the data ranks. ``plant`` = (data rank,
@@ -22,78 +19,18 @@ from torch import nn
 VOCAB, SEQ, B, M, D, HEADS = 128, 16, 4, 2, 32, 4
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.RMSNorm(D), nn.RMSNorm(D)
-        self.wq, self.wk, self.wv = (nn.Linear(D, D, bias=False) for _ in range(3))
-        self.wo = nn.Linear(D, D, bias=False)
-        self.w1, self.w2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+def Toy(seed: int = 0) -> nn.Module:  # noqa: N802
+    """The toy: the demo's ParallelGPT (gradloc/demo/parallel.py), small."""
+    from gradloc.demo.parallel import ParallelGPT
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        q, k, v = self.wq(h), self.wk(h), self.wv(h)  # (B, T, D/tp) each under TP
-        Bq, T, width = q.shape
-        hd = D // HEADS
-        q, k, v = (t.view(Bq, T, width // hd, hd).transpose(1, 2) for t in (q, k, v))  # (B, H/tp, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(Bq, T, width)  # (B, H/tp, T, hd) -> (B, T, D/tp)
-        x = x + self.wo(y)
-        return x + self.w2(F.silu(self.w1(self.norm2(x))))
-
-
-class Toy(nn.Module):
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.tok = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
-        self.norm = nn.RMSNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))  # (B, T, V)
-
-
-def plan(sp: bool) -> tuple[dict, dict]:
-    """(top-level plan, per-block plan) of torch's TP styles; ``sp``: sequence-sharded activations."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    seq = Shard(1) if sp else Replicate()
-    top = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-           "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
-    block = {n: ColwiseParallel(input_layouts=seq) for n in ("wq", "wk", "wv", "w1")}  # gathered under SP
-    block.update(wo=RowwiseParallel(output_layouts=seq), w2=RowwiseParallel(output_layouts=seq))
-    if sp:
-        top["norm"] = SequenceParallel()
-        block.update(norm1=SequenceParallel(), norm2=SequenceParallel())
-    return top, block
+    return ParallelGPT(VOCAB, D, 2, HEADS, seed=seed)
 
 
 def build(world: int, tp: int, sp: bool, seed: int = 0) -> tuple[nn.Module, Any]:
-    """The toy under TP (and FSDP2 over the data dim when world > tp), and its mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
+    """The toy under TP (torch's styles, the demo's plan), FSDP2 over the data dim when world > tp."""
+    from gradloc.demo.parallel import tensor_parallel
 
-    model = Toy(seed)
-    dp = world // tp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")) if dp > 1 else \
-        init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    top, block = plan(sp)
-    parallelize_module(model, mesh["tp"], top)
-    for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], block)
-    if dp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    return model, mesh
+    return tensor_parallel(Toy(seed), world, "fsdp", sp=sp, tp=tp), None
 
 
 def data(dp_rank: int, steps: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -93,8 +93,10 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
                         ("export_dropped", ("store",)), ("series_dropped", ("max_layers",))):
         state.count(key, labels)
     state.set_cumulative("client_dropped", (JOB, "0", "queue_full"), 3)
+    state.observe_events(JOB, 0, (("probe_errors", 2), ("some_new_counter", 1)))
     state.set_pending(2, queued=3)
     return inc
+
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +241,15 @@ def test_counters_come_from_the_state_and_incidents_are_not_double_counted(expor
     assert [p.as_int or p.as_double for p in pending.values()] == [2]
     queued = _points(exported.metrics["gradloc.agent.queue_depth"])
     assert [p.as_int or p.as_double for p in queued.values()] == [3]
+
+
+def test_monitor_events_arrive_by_declared_name_and_other(exported):
+    m = exported.metrics["gradloc.monitor.events"]
+    assert m.unit == "{event}" and m.sum.is_monotonic
+    events = {(dict(k)["job"], dict(k)["rank"], dict(k)["event"]): p.as_int or p.as_double
+              for k, p in _points(m).items()}
+    assert events == {(JOB, "0", "probe_errors"): 2, (JOB, "0", "other"): 1}  # "some_new_counter" is not a label
+
 
 
 def test_histograms_use_the_specs_explicit_buckets(exported):

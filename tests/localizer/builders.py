@@ -26,17 +26,20 @@ from gradloc.reports import LayerColumns, StepSummary
 def summary(job: str, rank: int, step: int, total_score: float | None = 1.0,
             mb_shares: tuple[float, ...] = (0.5, 0.5)) -> StepSummary:
     cols = LayerColumns.build(("a",), [1.0], [1.0], [0], [1.0], [4], [np.nan])
-    tokens = None if total_score is None else TokenStats(64, total_score, (), 0.1, mb_shares, 0.0)
+    tokens = None if total_score is None else TokenStats(tokens=64, total_score=total_score, top=(), top_share=0.1,
+                                                         micro_batch_shares=mb_shares, unattributed_share=0.0)
     return StepSummary(job, rank, step, 1000.0 + step, 2.0 + rank, 3.0, len(mb_shares), cols, tokens)
 
 
 def finding(job: str, rank: int, step: int, share: float = 0.8, text: str = " bad") -> Incident:
-    spike = SpikeEvent(step, ("grad_spike",), 5.0, 9.0, 1.0, 0.3, layers=("head",))
+    spike = SpikeEvent(step=step, kinds=("grad_spike",), global_norm=5.0, z=9.0, mean=1.0, std=0.3, layers=("head",))
     span = CulpritSpan(1, 0, 7, 8, share, (42,), text, "before", "after", f"s{rank}")
     loc = Localization(step=step, method="attribution", status="located", level="token", probes=1,
                        explained_share=share, global_norm=5.0, culprit_norm=4.0, norm_without_culprits=1.0,
                        spans=(span,))
-    return Incident(f"r{rank}", job, rank, step, 1000.0 + step + rank, spike, loc)
+    return Incident(incident_id=f"r{rank}", job=job, rank=rank, step=step, time_unix=1000.0 + step + rank,
+                    spike=spike, localization=loc)
+
 
 
 # -- the exact toy --------------------------------------------------------------------------------------

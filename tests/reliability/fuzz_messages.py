@@ -67,9 +67,12 @@ def base_batches() -> list[pb.IngestBatch]:
     big = tuple(layer(f"model.layers.{i}.{UNICODE[i % len(UNICODE)]}", 1.0 + i) for i in range(64))
     uni = tuple(layer(n, 0.5 + i) for i, n in enumerate(UNICODE))
     share = (LayerShare(UNICODE[0], 0.6), LayerShare("not.in.table", 0.4))
-    top = tuple(TokenScore(0, j, 3 + j, 2.0 / (j + 1), 0.3 / (j + 1), 100 + j if j % 2 else None,
-                           f"uid-{j}" if j != 1 else None, share) for j in range(4))
-    tokens = TokenStats(512, 9.0, top, 0.3, (0.7, 0.3), 0.05, 1)
+    top = tuple(TokenScore(micro_batch=0, sample=j, position=3 + j, score=2.0 / (j + 1), share=0.3 / (j + 1),
+                           token_id=100 + j if j % 2 else None, sample_id=f"uid-{j}" if j != 1 else None, layers=share)
+                for j in range(4))
+    tokens = TokenStats(tokens=512, total_score=9.0, top=top, top_share=0.3, micro_batch_shares=(0.7, 0.3),
+                        unattributed_share=0.05, dropped_calls=1)
+
     rl = RLStats(300, (0,) * (len(RL_LOG_RATIO_BUCKETS) - 1) + (290, 10), 1.5, 2.2, 0.03, 0.4, 0.1,
                  (5,) * (len(RL_ADVANTAGE_BUCKETS) + 1), -0.5, 1.1, 3.0, 2.4)
     info = SampleInfo("req-🙂", 1, 12, 12, 30, "length")

@@ -39,8 +39,10 @@ ZEBRA = CulpritSpan(micro_batch=0, sample=2, start=7, end=9, share=0.5, token_id
 
 
 def _layers() -> tuple[LayerStats, ...]:
-    return (LayerStats("blocks.1.proj", 0.031, 0.004, 0, 11.6, 12480, None),
-            LayerStats("head", 0.012, 0.002, 0, 20.1, 16384, None))
+    return (LayerStats(layer="blocks.1.proj", grad_norm=0.031, grad_max_abs=0.004, nonfinite=0, param_norm=11.6,
+                       numel=12480, update_ratio=None),
+            LayerStats(layer="head", grad_norm=0.012, grad_max_abs=0.002, nonfinite=0, param_norm=20.1, numel=16384,
+                       update_ratio=None))
 
 
 def finding(rank: int, step: int, span: CulpritSpan, *, incident_id: str, time_unix: float,
@@ -94,7 +96,8 @@ def nonfinite_incident(incident_id: str = "deadbeef" * 4, time_unix: float = T0 
     spike = SpikeEvent(step=1300, kinds=("nonfinite_grad",), global_norm=math.inf, z=None, mean=0.8, std=0.07,
                        loss=math.nan, loss_z=None, loss_mean=2.0)
     f0 = Incident(incident_id=incident_id, job="llm-7b", rank=0, step=1300, time_unix=time_unix, spike=spike,
-                  localization=None, top_layers=(LayerStats("head", math.nan, math.inf, 12, 20.0, 16384),))
+                  localization=None, top_layers=(LayerStats(layer="head", grad_norm=math.nan, grad_max_abs=math.inf,
+                                                            nonfinite=12, param_norm=20.0, numel=16384),))
     return CorrelatedIncident(
         incident_id=incident_id, trace_id="0" * 32, job="llm-7b", step=1300, time_unix=time_unix,
         status="complete", kinds=("nonfinite_grad",), global_norm=math.nan, ranks_expected=(0,),
@@ -114,7 +117,8 @@ def step_summary(job: str, rank: int, step: int, time_unix: float, *, loss: floa
     """One rank's step with two layers and token statistics (top_share 0.1, unattributed 0.02)."""
     cols = LayerColumns.build(("blocks.0", "head"), [0.5, 0.2], [0.01, 0.02], [0, 0], [10.0, 20.0],
                               [1000, 2000], [math.nan, 1e-3])
-    top = (TokenScore(0, 0, 3, 2.0, 0.1, token_id=5),)
+    top = (TokenScore(micro_batch=0, sample=0, position=3, score=2.0, share=0.1, token_id=5),)
+
     tokens = TokenStats(tokens=4096, total_score=20.0, top=top, top_share=0.1, micro_batch_shares=(0.5, 0.5),
                         unattributed_share=0.02)
     return StepSummary(job, rank, step, time_unix, global_norm=0.8 + step / 1e4, loss=loss, micro_batches=2,

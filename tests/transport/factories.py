@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from gradloc.records import (
     RL_ADVANTAGE_BUCKETS,
     RL_LOG_RATIO_BUCKETS,
+    ClassKind,
     Classification,
     Culprit,
     CulpritGroup,
@@ -41,7 +42,9 @@ from gradloc.records import (
     TokenStats,
     to_dict,
 )
+from gradloc.records.events import MAX_EVENT_NAME, MONITOR_EVENTS
 from gradloc.reports import StepSummary, summarize
+
 from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
 from gradloc.transport.server import start_ingest_server
 from gradloc.transport.wire import INGEST_METHOD, pb
@@ -61,7 +64,7 @@ opt_text = st.none() | st.text(max_size=20)
 def layer(n: str, norm: float = 1.0, **kw: Any) -> LayerStats:
     args = dict(grad_norm=norm, grad_max_abs=norm / 10, nonfinite=0, param_norm=10.0, numel=100, update_ratio=1e-3)
     args.update(kw)
-    return LayerStats(n, **args)
+    return LayerStats(layer=n, **args)
 
 
 def step(n: int = 0, layers: tuple[LayerStats, ...] | None = None, **kw: Any) -> StepRecord:
@@ -73,7 +76,8 @@ def step(n: int = 0, layers: tuple[LayerStats, ...] | None = None, **kw: Any) ->
 
 
 def incident(n: int = 7, **kw: Any) -> Incident:
-    spike = SpikeEvent(n, ("grad_spike",), 40.0, 9.5, 1.0, 0.2, 2.5, 0.1, 2.4, ("head",), "z 9.5")
+    spike = SpikeEvent(step=n, kinds=("grad_spike",), global_norm=40.0, z=9.5, mean=1.0, std=0.2, loss=2.5, loss_z=0.1,
+                       loss_mean=2.4, layers=("head",), detail="z 9.5")
     cul = Culprit(0, 1, 5, 0.9, 0.8, 42, " x", "uid-1", (LayerShare("head", 0.7), LayerShare("embed", 0.3)))
     span = CulpritSpan(0, 1, 5, 6, 0.9, (42,), " x", "a b", "c d", "uid-1")
     loc = Localization(step=n, method="attribution", status="located", level="token", probes=2, passes=2,
@@ -96,7 +100,8 @@ def layer_stats(draw: st.DrawFn, n: str) -> LayerStats:
     bad = draw(st.integers(0, 3)) if draw(st.booleans()) else 0  # a layer with non-finite gradients
     g = anyfloat if bad else finite
     ratio = draw(st.none() | (anyfloat if bad else st.floats(allow_infinity=False)))  # NaN = unknown
-    return LayerStats(n, draw(g), draw(g), bad, draw(g), draw(small_int), ratio)
+    return LayerStats(layer=n, grad_norm=draw(g), grad_max_abs=draw(g), nonfinite=bad, param_norm=draw(g),
+                      numel=draw(small_int), update_ratio=ratio)
 
 
 @st.composite
@@ -104,9 +109,11 @@ def token_stats(draw: st.DrawFn, names: list[str], event: bool) -> TokenStats:
     f = anyfloat if event else finite
     pool = names + draw(st.lists(name, max_size=3))  # some shares name layers outside the table
     shares = st.lists(st.builds(LayerShare, st.sampled_from(pool), f), max_size=4) if pool else st.just([])
-    score = st.builds(TokenScore, small_int, small_int, small_int, f, f, opt(small_int), opt_text, shares.map(tuple))
-    return TokenStats(draw(small_int), draw(f), tuple(draw(st.lists(score, max_size=5))), draw(f),
-                      tuple(draw(st.lists(f, max_size=4))), draw(f), draw(small_int))
+    score = st.builds(TokenScore, micro_batch=small_int, sample=small_int, position=small_int, score=f, share=f,
+                      token_id=opt(small_int), sample_id=opt_text, layers=shares.map(tuple))
+    return TokenStats(tokens=draw(small_int), total_score=draw(f), top=tuple(draw(st.lists(score, max_size=5))),
+                      top_share=draw(f), micro_batch_shares=tuple(draw(st.lists(f, max_size=4))),
+                      unattributed_share=draw(f), dropped_calls=draw(small_int))
 
 
 @st.composite
@@ -118,6 +125,10 @@ def rl_stats(draw: st.DrawFn) -> RLStats:
 
 infos = st.builds(SampleInfo, opt_text, opt(small_int), small_int, small_int, small_int, opt_text)
 
+
+# the monitor's cumulative event counts: declared names, undeclared ones, sorted, non-zero (StepRecord.events)
+events = st.dictionaries(st.sampled_from([*MONITOR_EVENTS][:6]) | st.text(min_size=1, max_size=MAX_EVENT_NAME),
+                         st.integers(1, 2**62), max_size=5).map(lambda d: tuple(sorted(d.items())))
 
 # the detector's band: (None, None) during warm-up, else 0 <= mean <= threshold
 bands = st.none().map(lambda _: (None, None)) | st.tuples(nonneg, nonneg).map(lambda p: (p[0], p[0] + p[1])).filter(
@@ -131,12 +142,17 @@ def step_records(draw: st.DrawFn) -> StepRecord:
     nonfinite = sum(s.nonfinite for s in layers) + draw(st.integers(0, 2))
     event = nonfinite > 0
     tokens = draw(st.none() | token_stats(names, event))
-    return StepRecord(draw(st.sampled_from([JOB, "other-job"])), draw(st.integers(0, WORLD - 1)), draw(small_int),
-                      draw(finite), draw(anyfloat if event else finite), draw(st.none() | anyfloat),
-                      draw(st.integers(0, 64)), layers, tokens, nonfinite, draw(st.none() | finite),
-                      draw(st.booleans()), *(draw(opt(nonneg)) for _ in range(3)),
-                      tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2, unique=True))),
-                      draw(opt(rl_stats())), draw(st.booleans()), *draw(bands))
+    norm_mean, norm_threshold = draw(bands)
+    overhead_s, step_s, overhead = (draw(opt(nonneg)) for _ in range(3))
+    return StepRecord(job=draw(st.sampled_from([JOB, "other-job"])), rank=draw(st.integers(0, WORLD - 1)),
+                      step=draw(small_int), time_unix=draw(finite), global_norm=draw(anyfloat if event else finite),
+                      loss=draw(st.none() | anyfloat), micro_batches=draw(st.integers(0, 64)), layers=layers,
+                      tokens=tokens, nonfinite=nonfinite, grad_scale=draw(st.none() | finite),
+                      skipped=draw(st.booleans()), overhead_s=overhead_s, step_s=step_s, overhead=overhead,
+                      shed=tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2,
+                                               unique=True))),
+                      rl=draw(opt(rl_stats())), layers_global=draw(st.booleans()), norm_mean=norm_mean,
+                      norm_threshold=norm_threshold, events=draw(events))
 
 
 @st.composite
@@ -148,7 +164,7 @@ def incidents(draw: st.DrawFn) -> Incident:
     loss = draw(opt(anyfloat))
     lossy = anyfloat if loss is not None and not math.isfinite(loss) else finite
     shares = st.lists(st.builds(LayerShare, name, derived), max_size=3).map(tuple)
-    classes = st.builds(Classification, name, st.text(max_size=20),
+    classes = st.builds(Classification, st.sampled_from(list(ClassKind)), st.text(max_size=20),
                         st.lists(st.builds(Evidence, name, derived), max_size=3).map(tuple))
     token_rl = st.builds(TokenRL, *([opt(derived)] * 5), opt(st.booleans()), opt(derived), opt(derived))
     culprits = st.lists(st.builds(Culprit, small_int, small_int, small_int, derived, derived, opt(small_int),
@@ -175,11 +191,13 @@ def incidents(draw: st.DrawFn) -> Incident:
                              unattributed_share=derived, loss_share=opt(lossy), loss_without_culprits=opt(lossy),
                              note=st.text(max_size=30), samples=samples, groups=groups)))
     remedy = draw(opt(st.builds(Remedy, name, st.booleans(), g, opt(derived), st.text(max_size=30))))
-    spike = SpikeEvent(draw(small_int), kinds, draw(g), draw(opt(finite)), draw(opt(finite)), draw(opt(finite)),
-                       loss, draw(opt(finite)), draw(opt(finite)), tuple(draw(st.lists(name, max_size=3))),
-                       draw(st.text(max_size=30)))
+    spike = SpikeEvent(step=draw(small_int), kinds=kinds, global_norm=draw(g), z=draw(opt(finite)),
+                       mean=draw(opt(finite)), std=draw(opt(finite)), loss=loss, loss_z=draw(opt(finite)),
+                       loss_mean=draw(opt(finite)), layers=tuple(draw(st.lists(name, max_size=3))),
+                       detail=draw(st.text(max_size=30)))
     top = tuple(draw(st.lists(name.flatmap(layer_stats), max_size=3)))
-    return Incident(draw(name), draw(name), draw(st.integers(0, WORLD - 1)), draw(small_int), draw(finite), spike, loc,
+    return Incident(incident_id=draw(name), job=draw(name), rank=draw(st.integers(0, WORLD - 1)), step=draw(small_int),
+                    time_unix=draw(finite), spike=spike, localization=loc,
                     top_layers=top, remedy=remedy, classification=draw(opt(classes)),
                     scope=draw(st.sampled_from(["rank", "job"])))
 
@@ -236,6 +254,8 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
     if want.tokens is not None:
         assert to_dict(got.tokens) == to_dict(want.tokens)  # (to_dict spells NaN "nan", so NaN == NaN)
     assert got.samples == want.samples  # per-sample findings: all finite, compared exactly
+    assert got.events == rec.events and got.events_dropped == 0  # the monitor's event counts (a decoded step's)
+
 
 
 class Receiver:

@@ -68,7 +68,8 @@ def test_none_and_zero_stay_distinct_and_empty_collections_survive():
     zeros = replace(inc, spike=spike, localization=loc, top_layers=(layer("a", 0.0, update_ratio=None),))
     unlocalized = replace(inc, localization=None, top_layers=())
     assert decode(to_bytes([], [zeros, unlocalized])).incidents == (zeros, unlocalized)
-    rec = step(loss=None, grad_scale=0.0, tokens=TokenStats(0, 0.0, (), 0.0, (), 0.0))
+    rec = step(loss=None, grad_scale=0.0, tokens=TokenStats(tokens=0, total_score=0.0, top=(), top_share=0.0,
+                                                            micro_batch_shares=(), unattributed_share=0.0))
     (got,) = decode(to_bytes([rec])).steps
     assert got.loss is None and got.grad_scale == 0.0 and got.tokens == rec.tokens
     assert_summary_equal(got, rec)
@@ -83,10 +84,14 @@ def test_a_step_with_no_layers_and_a_record_from_another_job_and_rank():
 
 
 def test_token_layer_shares_outside_the_table_and_missing_ids():
-    top = (TokenScore(0, 1, 2, 5.0, 0.5, None, None, (LayerShare("head", 0.6), LayerShare("not-a-layer", 0.4))),
-           TokenScore(1, 0, 3, 4.0, 0.4, 17, "uid-9", ()),
-           TokenScore(1, 2, 0, 1.0, 0.1, 0, "", (LayerShare("not-a-layer", 1.0),)))
-    rec = step(tokens=TokenStats(96, 10.0, top, 0.5, (0.6, 0.4), 0.02, 3))
+    top = (TokenScore(micro_batch=0, sample=1, position=2, score=5.0, share=0.5, token_id=None, sample_id=None,
+                      layers=(LayerShare("head", 0.6), LayerShare("not-a-layer", 0.4))),
+           TokenScore(micro_batch=1, sample=0, position=3, score=4.0, share=0.4, token_id=17, sample_id="uid-9",
+                      layers=()),
+           TokenScore(micro_batch=1, sample=2, position=0, score=1.0, share=0.1, token_id=0, sample_id="",
+                      layers=(LayerShare("not-a-layer", 1.0),)))
+    rec = step(tokens=TokenStats(tokens=96, total_score=10.0, top=top, top_share=0.5, micro_batch_shares=(0.6, 0.4),
+                                 unattributed_share=0.02, dropped_calls=3))
     msg, (m,) = encode([rec])
     assert list(m.tokens.extra_layers) == ["not-a-layer"] and list(m.tokens.sample_id_none) == [0]
     assert decode(msg.SerializeToString()).steps[0].tokens == rec.tokens
@@ -123,8 +128,10 @@ def test_batch_bytes_concatenation_is_the_same_message():
 # -- the NaN policy -----------------------------------------------------------------------------------
 def test_nonfinite_gradients_are_data_when_counted():
     bad = layer("blocks.0", NAN, grad_max_abs=INF, param_norm=NAN, nonfinite=12, update_ratio=INF)
-    tokens = TokenStats(8, NAN, (TokenScore(0, 0, 1, INF, NAN, None, None, (LayerShare("head", NAN),)),), NAN,
-                        (NAN,), INF)
+    score = TokenScore(micro_batch=0, sample=0, position=1, score=INF, share=NAN, token_id=None, sample_id=None,
+                       layers=(LayerShare("head", NAN),))
+    tokens = TokenStats(tokens=8, total_score=NAN, top=(score,), top_share=NAN, micro_batch_shares=(NAN,),
+                        unattributed_share=INF)
     rec = step(layers=(layer("embed"), bad, layer("head")), global_norm=INF, nonfinite=12, loss=NAN, tokens=tokens)
     (got,) = decode(to_bytes([rec])).steps
     assert_summary_equal(got, rec)
@@ -161,10 +168,13 @@ BAD_FLOATS = [  # (what, record factory, field named in the message)
     ("grad scale", lambda: step(grad_scale=NAN), "steps[0].grad_scale"),
     ("overhead", lambda: step(overhead=INF), "steps[0].overhead"),
     ("step seconds", lambda: step(step_s=NAN), "steps[0].step_seconds"),
-    ("token share", lambda: step(tokens=TokenStats(8, 1.0, (), 0.5, (0.5, NAN), 0.0)),
+    ("token share", lambda: step(tokens=TokenStats(tokens=8, total_score=1.0, top=(), top_share=0.5,
+                                                   micro_batch_shares=(0.5, NAN), unattributed_share=0.0)),
      "steps[0].tokens.micro_batch_shares[1]"),
-    ("token layer share", lambda: step(tokens=TokenStats(8, 1.0, (TokenScore(0, 0, 0, 1.0, 1.0, None, None, (
-        LayerShare("head", 1.0), LayerShare("embed", INF))),), 1.0, (), 0.0)), "steps[0].tokens.layer_share[1]"),
+    ("token layer share", lambda: step(tokens=TokenStats(tokens=8, total_score=1.0, top=(TokenScore(
+        micro_batch=0, sample=0, position=0, score=1.0, share=1.0, token_id=None, sample_id=None,
+        layers=(LayerShare("head", 1.0), LayerShare("embed", INF))),), top_share=1.0, micro_batch_shares=(),
+        unattributed_share=0.0)), "steps[0].tokens.layer_share[1]"),
 ]
 BAD_INCIDENT_FLOATS = [
     ("spike z", lambda: incident(spike=replace(incident().spike, z=NAN)), "incidents[0].spike.z"),
@@ -229,7 +239,8 @@ STRUCTURE = [  # (what, batch bytes, reason, words in the message)
     ("column length", lambda: _edit(lambda m: m.steps[0].grad_norm.append(1.0)), "length_mismatch",
      "steps[0].grad_norm has 4 values but layer table"),
     ("token column length", lambda: _edit(lambda m: m.steps[0].tokens.sample.append(1), [step(tokens=TokenStats(
-        8, 1.0, (TokenScore(0, 0, 0, 1.0, 1.0),), 1.0, (), 0.0))]), "length_mismatch", "steps[0].tokens.sample"),
+        tokens=8, total_score=1.0, top=(TokenScore(micro_batch=0, sample=0, position=0, score=1.0, share=1.0),),
+        top_share=1.0, micro_batch_shares=(), unattributed_share=0.0))]), "length_mismatch", "steps[0].tokens.sample"),
     ("unknown table", lambda: to_bytes([step()], tables=False), "unknown_layer_table", "resend the batch"),
     ("table id not its names", lambda: _edit(lambda m: m.layer_tables[0].names.append("extra")), "invalid_value",
      "layer_tables[0].id"),
@@ -322,7 +333,10 @@ def test_decoded_columns_are_read_only_numpy_and_drops_are_reported():
 
 
 def test_encoder_refuses_a_negative_token_id_instead_of_changing_it():
-    rec = step(tokens=TokenStats(8, 1.0, (TokenScore(0, 0, 0, 1.0, 1.0, -1),), 1.0, (), 0.0))
+    score = TokenScore(micro_batch=0, sample=0, position=0, score=1.0, share=1.0, token_id=-1)
+    rec = step(tokens=TokenStats(tokens=8, total_score=1.0, top=(score,), top_share=1.0, micro_batch_shares=(),
+                                 unattributed_share=0.0))
+
     with pytest.raises(RejectedBatch, match="negative token_id"):
         encode_step(rec, 1, {}, JOB, 1)
 

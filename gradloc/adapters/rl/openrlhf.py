@@ -18,22 +18,27 @@ What it patches, on the objects (``detach()`` restores them), and why:
 A probe replays the original ``training_step`` on a copy of the experience whose ``action_mask`` is
 × the token mask, with the step's ``loss_batch_info`` (the normalizers, computed from the unmasked
 masks), and takes the loss at ``strategy.backward`` instead of running it (nor the optimizer, EMA or
-metrics), ÷ gas. For a token-level PPO loss (``policy_loss_type="ppo"``, ``token_level_loss``, any IS
-correction but ``seq-mask-tis``) with the KL and entropy terms that is exactly Σ over the masked
-tokens of the training loss's terms; anything else is refused at attach (``probes=False`` skips probes).
+metrics). For a token-level PPO loss (``policy_loss_type="ppo"``, ``token_level_loss``, a token-level IS
+correction) with the KL and entropy terms that is exactly Σ over the masked tokens of the training
+loss's terms; anything else is refused at attach (``probes=False`` skips probes).
 
-DeepSpeed: gradloc's monitor reads ``p.grad`` before ``engine.step()``. Only ZeRO stage 0 keeps it
-there: stage 1 moves it into its partitions inside ``engine.backward`` at the boundary, stages 2 and 3
-partition it from hooks that fire in every backward — a probe's too. So ZeRO ≥ 1 is refused unless you
-pass a monitor that reads DeepSpeed's gradients (``mon=``), and probes run under stage 0 only, where a
-probe's plain ``loss.backward()`` stays on its rank and its gradient is put back afterwards.
+DeepSpeed: the monitor watches the engine itself (``gradloc.watch(engine)``), so every ZeRO stage 0–3
+works, OpenRLHF's default ZeRO-2 included: gradloc reads the gradient where the stage keeps it and
+combines the ranks' partitions (docs/deepspeed.md), and the ranks detect, localize and probe as one
+job. A probe under DeepSpeed must not run ``.backward()`` (ZeRO's reduction hooks would fire) nor the
+engine's forward: during it ``actor.model`` is the engine's raw module, and the closure *returns* the
+captured loss, which gradloc differentiates with ``torch.autograd.grad`` and scales by 1/gas itself (as
+``engine.backward`` does). Under ZeRO-3 every rank takes part in every probe (its forward gathers
+parameters). An engine that is not DeepSpeed (a plain module behind the same methods) is watched
+through its ``module``, and a probe's loss is ÷ gas there.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -77,10 +82,11 @@ class GradlocOpenRLHF:
         engine = getattr(getattr(trainer, "actor", None), "model", getattr(trainer, "actor", None))
         probes = _check(trainer, strategy, engine, mon, probes)
         self.trainer, self.strategy, self.probes, self.on_report = trainer, strategy, probes, on_report
+        self.engine = engine
         self.packed = bool(_arg(trainer, "ds", "packing_samples", False)) if packed is None else packed
         self.sample_ids = sample_ids
         self.own_monitor = mon is None
-        self.mon = mon if mon is not None else _watch(getattr(engine, "module", engine), trainer, config, overrides)
+        self.mon = mon if mon is not None else _watch(engine, trainer, config, overrides)
         self.blocks = HeldBlocks(self.mon, "openrlhf")
         self._held: _Part | None = None  # the watched micro-batch inside training_step
         self._in_step = self._probing = False
@@ -170,6 +176,8 @@ class GradlocOpenRLHF:
 
     def _probe_for(self, parts: list[_Part]) -> Callable[[int, torch.Tensor], torch.Tensor]:
         dynamic = bool(_arg(self.trainer, "train", "dynamic_batch_enable", False))
+        deepspeed = self.mon.job_kind == "deepspeed"
+        gas = 1 if deepspeed else self._gas()  # under DeepSpeed gradloc applies engine.backward's 1/gas itself
 
         def probe(i: int, token_mask: torch.Tensor) -> torch.Tensor:
             p = parts[i]
@@ -178,9 +186,10 @@ class GradlocOpenRLHF:
                                  "would recompute the normalizers from that mask")
             self._probing = True
             try:
-                return masked_loss(self.trainer, p.experience, token_mask, p.layout, kl_ctl=p.kl_ctl, step=p.step,
-                                   loss_batch_info=p.loss_batch_info, gas=self._gas(),
-                                   training_step=self._orig["training_step"])
+                with _raw_module(self.trainer.actor, self.engine) if deepspeed else contextlib.nullcontext():
+                    return masked_loss(self.trainer, p.experience, token_mask, p.layout, kl_ctl=p.kl_ctl, step=p.step,
+                                       loss_batch_info=p.loss_batch_info, gas=gas,
+                                       training_step=self._orig["training_step"])
             finally:
                 self._probing = False
 
@@ -216,6 +225,17 @@ def masked_loss(trainer: Any, experience: Any, token_mask: torch.Tensor, lay: Ex
     raise ProbeError("training_step returned without calling strategy.backward")
 
 
+@contextlib.contextmanager
+def _raw_module(actor: Any, engine: Any) -> Iterator[None]:
+    """``actor.model`` is the engine's raw module for the duration (a probe must not run the DeepSpeed
+    engine's forward, whose hooks belong to training)."""
+    actor.model = engine.module
+    try:
+        yield
+    finally:
+        actor.model = engine
+
+
 def install(trainer_cls: type, **kwargs: Any) -> Callable[[], None]:
     """Patch ``trainer_cls.__init__`` (OpenRLHF's ``ActorPPOTrainer``) so every trainer it builds gets
     :class:`GradlocOpenRLHF` (``kwargs``), stored as ``trainer.gradloc``. Call it in the actor's process
@@ -240,13 +260,10 @@ def _check(trainer: Any, strategy: Any, engine: Any, mon: Any, probes: bool | No
         raise UnsupportedModelError("ring attention splits each packed row across ranks; gradloc needs the "
                                     "whole row on one rank (ring_attn_size=1)")
     stage = _zero_stage(engine)
-    if stage >= 1 and mon is None:
+    if mon is not None and stage >= 1 and getattr(mon, "job_kind", None) != "deepspeed":
         raise UnsupportedModelError(f"under ZeRO stage {stage} p.grad is gone by the time DeepSpeed clips (moved "
-                                    "into its partitions), and gradloc's monitor reads p.grad; run ZeRO stage 0, "
-                                    "or pass a DeepSpeed-aware monitor as mon=")
-    if probes and stage >= 1:
-        raise ConfigError(f"under ZeRO stage {stage} a probe's backward can run DeepSpeed's gradient-reduction "
-                          "hooks and change the update; pass probes=False")
+                                    "into its partitions), and this monitor reads p.grad: pass no mon= (the hooks "
+                                    "then watch the engine itself) or a monitor made with gradloc.watch(engine)")
     inexact = _inexact(trainer)
     if probes and inexact:
         raise ConfigError(f"probes mask the loss through action_mask, which is not exact with {inexact}; "
@@ -254,7 +271,7 @@ def _check(trainer: Any, strategy: Any, engine: Any, mon: Any, probes: bool | No
     if probes is None:
         if inexact:
             log.warning("gradloc (openrlhf): probes off: masking action_mask is not exact with %s", inexact)
-        return stage == 0 and inexact is None
+        return inexact is None
     return probes
 
 
@@ -265,8 +282,10 @@ def _inexact(trainer: Any) -> str | None:
         return f"policy_loss_type={fn.policy_loss_type!r} (a sequence-level ratio)"
     if not getattr(fn, "token_level_loss", True):
         return "token_level_loss=False (per-sequence means over the action mask)"
+    if getattr(fn, "is_correction_level", "off") == "seq":  # OpenRLHF 0.11.2
+        return "is_correction_level='seq' (a per-sequence IS statistic over the action mask)"
     if getattr(fn, "enable_vllm_is_correction", False) and getattr(fn, "vllm_is_correction_type", "tis") == "seq-mask-tis":
-        return "vllm_is_correction_type='seq-mask-tis' (a sequence filter over the action mask)"
+        return "vllm_is_correction_type='seq-mask-tis' (a sequence filter over the action mask)"  # 0.11.0
     if getattr(trainer, "aux_loss", False):
         return "the MoE aux loss (not a per-token term)"
     return None
@@ -286,11 +305,16 @@ def _arg(trainer: Any, group: str, name: str, default: Any) -> Any:
     return getattr(getattr(getattr(trainer, "args", None), group, None), name, default)
 
 
-def _watch(module: Any, trainer: Any, config: WatchConfig | None, overrides: dict[str, Any]) -> Any:
+def _watch(engine: Any, trainer: Any, config: WatchConfig | None, overrides: dict[str, Any]) -> Any:
+    """A DeepSpeed engine is watched itself (a job over its ranks, every ZeRO stage); anything else through
+    its ``module``."""
     from gradloc.adapters.pytorch import watch
+    from gradloc.parallel.data import is_deepspeed
 
     cfg = replace(config or WatchConfig(), **overrides)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and cfg.world_size == 1:
         cfg = replace(cfg, rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size())
+    if is_deepspeed(engine):
+        return watch(engine, config=cfg)  # DeepSpeed steps its own (flat) optimizer: no optimizer to watch
     opt = getattr(trainer, "actor_optim", None)
-    return watch(module, opt if isinstance(opt, torch.optim.Optimizer) else None, config=cfg)
+    return watch(getattr(engine, "module", engine), opt if isinstance(opt, torch.optim.Optimizer) else None, config=cfg)

@@ -4,8 +4,8 @@
 never imported here.
 
 Positions. The hooks place a rule's scores by the micro-batch's (B, T); Megatron's lead is (s, b), so this
-rule reports its lead as (b, s) and returns its scores transposed to (b, s). Only 3-D ``[s, b, h]`` calls are
-placed: a flattened ``[s·b, h]`` call (MoE experts' routed token rows) reports lead () and is dropped, its
+rule reports its lead as (b, s) and returns its scores transposed to (b, s) (a 3-D input is taken to be
+``[s, b, h]``, the layers' documented contract). Only 3-D calls are placed: a flattened ``[s·b, h]`` call (MoE experts' routed token rows) reports lead () and is dropped, its
 gradient counted unattributed, never misplaced.
 
 What one tp rank r scores (its weight is ``tensor_model_parallel``: the TP view counts it with factor 1, so
@@ -24,7 +24,7 @@ these terms are exactly r's share, and the tp group's sum is the whole layer's �
   whole input itself: the rule narrows a to r's slice (the input's width says which case it is).
 
 A column-parallel bias added inside the layer (``skip_bias_add=False``) while the weight is frozen gets no
-gradient at all (Megatron's ``LinearWithFrozenWeight`` returns None for it): scored 0, as it trains.
+gradient at all (Megatron's ``LinearWithFrozenWeight`` returns None for it): scored 0, since it never trains.
 
 ``skip_bias_add=True``: the layer returns the bias for the caller to add (Megatron's bias-GELU/SwiGLU and
 bias-dropout-add fusions compute ``output + bias`` per position). Then ∂L/∂b = Σ_p ∂L/∂(output + b)_p = Σ_p g_p
@@ -42,7 +42,9 @@ never sees the a_p of the other ranks' positions that this rank's weight shard u
 output is reduce-scattered, so the hook sees g_p only for this rank's positions while its weight gradient uses
 every position's (all-gathered in backward); both would need a collective inside the hooks. A layer whose
 weight is passed to ``forward`` (``skip_weight_param_allocation=True``: Megatron's tied output layer) has no
-weight of its own: only its bias (if any) is scored here.
+weight of its own: only its bias (if any) is scored here, and what its call routes into the passed weight is
+missing from the token scores without being counted unattributed (that weight's owner, the embedding, is
+scored for its own call).
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ class MegatronLinearRule:
         score = g_sq * saved if w_trains else torch.zeros_like(g_sq)
         if isinstance(bias, nn.Parameter) and bias.requires_grad and _bias_gets_gradient(module, column, weight):
             score = score + (g_sq if column else g_sq / size)  # the row-parallel bias: once over the tp ranks
-        return score.contiguous()  # [s, b] -> (b, s)
+        return score.t().contiguous()  # [s, b] -> (b, s)
 
 
 __all__ = ["MegatronLinearRule", "is_megatron_linear", "tp_rank_size"]

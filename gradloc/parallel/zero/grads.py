@@ -228,8 +228,10 @@ class DeepSpeedGradAccess:
             grad_sq, gmax, psq, has = host[i], host[L + i], host[2 * L + i], host[3 * L + i]
             if has == 0:
                 continue
-            out.append(LayerStats(name, float(grad_sq) ** 0.5, float(gmax), nonfinite[i] if nonfinite else 0,
-                                  float(psq) ** 0.5, self.numel[i]))
+            out.append(LayerStats(layer=name, grad_norm=float(grad_sq) ** 0.5, grad_max_abs=float(gmax),
+                                  nonfinite=nonfinite[i] if nonfinite else 0, param_norm=float(psq) ** 0.5,
+                                  numel=self.numel[i]))
+
         return tuple(out)
 
     def global_norm(self, host: Sequence[float]) -> float:

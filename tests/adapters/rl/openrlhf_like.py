@@ -12,7 +12,10 @@ need DeepSpeed, Ray and GPUs). Read from OpenRLHF v0.11.0 (``openrlhf/trainer/pp
   kept, × action_mask; with ``packing_samples`` the attended tokens go through the model as one packed
   row (TinyGPT with ``cu_seqlens``). ``actor.model`` is the engine (:class:`Engine`, DeepSpeed's
   surface: ``backward`` scales by 1/gas, ``step`` clips and steps at the accumulation boundary,
-  ``is_gradient_accumulation_boundary``, ``gradient_accumulation_steps``, ``get_global_grad_norm``).
+  ``is_gradient_accumulation_boundary``, ``gradient_accumulation_steps``, ``get_global_grad_norm``),
+  without ``zero_optimization_stage``: gradloc does not take it for a DeepSpeed engine and watches its
+  ``module`` (real ZeRO engines: tests/distributed/test_openrlhf_zero.py). ``zero_stage=`` adds the method,
+  making it DeepSpeed-shaped (only attach-time checks use that).
 - :class:`PolicyLoss`: PPO clip (+ dual clip) with the TIS correction and ``aggregate_loss`` token mode
   (Σ l·m / batch_num_tokens · dp_size), written from its formulas; :class:`Trainer`: ``training_step``
   composing actor loss + kl_ctl × KL (k3) − entropy_coef × entropy and calling the strategy's
@@ -74,13 +77,12 @@ def make_experience(rows: list[tuple[list[int], list[int]]], *, advantages: list
 class Engine(nn.Module):
     """DeepSpeed engine surface (see the module docstring) around the HF-shaped model."""
 
-    def __init__(self, module: nn.Module, optimizer, gas: int, clip: float = 1.0, zero_stage: int = 0) -> None:
+    def __init__(self, module: nn.Module, optimizer, gas: int, clip: float = 1.0, zero_stage: int | None = None) -> None:
         super().__init__()
-        self.module, self.optimizer, self.gas, self.clip, self.stage = module, optimizer, gas, clip, zero_stage
+        self.module, self.optimizer, self.gas, self.clip = module, optimizer, gas, clip
         self.micro_steps, self.norms = 0, []
-
-    def zero_optimization_stage(self) -> int:
-        return self.stage
+        if zero_stage is not None:
+            self.zero_optimization_stage = lambda: zero_stage
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -257,7 +259,7 @@ def fill_logprobs(actor: Actor, exp: Experience, *, noise: float = 0.0, g: torch
     exp.rollout_log_probs = (lp + jitter) * exp.action_mask.float()
 
 
-def make_trainer(seed: int = 0, gas: int = 2, lr: float = 0.05, zero_stage: int = 0, **kw) -> Trainer:
+def make_trainer(seed: int = 0, gas: int = 2, lr: float = 0.05, zero_stage: int | None = None, **kw) -> Trainer:
     module = HFShaped(seed)
     engine = Engine(module, torch.optim.SGD(module.parameters(), lr=lr), gas, zero_stage=zero_stage)
     return Trainer(Actor(engine, packing_samples=kw.get("packing", False)), gas, **kw)

@@ -1,11 +1,12 @@
 """gradloc's OpenRLHF helpers on OpenRLHF-shaped experiences and an ActorPPOTrainer-shaped trainer.
 
-OpenRLHF cannot run here (DeepSpeed + Ray + GPUs), so every test below drives
-``tests/adapters/rl/openrlhf_like.py``: ``Experience`` with OpenRLHF 0.11's field names and layouts
-((B, T) sequences right-padded, action_mask (B, T − 1) with action j ↔ token j + 1), an actor, a
-PolicyLoss and a ``training_step`` written from OpenRLHF's code, and a DeepSpeed-shaped engine
-(1/gas backward scaling, clip + step at the accumulation boundary) — around a real model (TinyGPT,
-packed with ``cu_seqlens`` under ``packing_samples``) and a real ``gradloc.watch`` monitor.
+The tests below drive ``tests/adapters/rl/openrlhf_like.py`` in one process: ``Experience`` with
+OpenRLHF 0.11's field names and layouts ((B, T) sequences right-padded, action_mask (B, T − 1) with
+action j ↔ token j + 1), an actor, a PolicyLoss and a ``training_step`` written from OpenRLHF's code,
+and an engine with DeepSpeed's methods (1/gas backward scaling, clip + step at the accumulation
+boundary) that is not a DeepSpeed engine, so gradloc watches its module — around a real model (TinyGPT,
+packed with ``cu_seqlens`` under ``packing_samples``) and a real ``gradloc.watch`` monitor. OpenRLHF's
+own classes on real ZeRO-1/2/3 engines over 2 processes: tests/distributed/test_openrlhf_zero.py.
 """
 from __future__ import annotations
 
@@ -243,7 +244,8 @@ def test_attach_refuses_what_it_cannot_do_exactly():
         GradlocOpenRLHF(trainer, **WATCH)
     trainer.strategy.ring_attn_group = None
     for attr, value, match in (("policy_loss_type", "gspo", "gspo"), ("token_level_loss", False, "token_level_loss"),
-                               ("vllm_is_correction_type", "seq-mask-tis", "seq-mask-tis")):
+                               ("vllm_is_correction_type", "seq-mask-tis", "seq-mask-tis"),  # 0.11.0's name
+                               ("is_correction_level", "seq", "is_correction_level")):  # 0.11.2's
         t = make_trainer(is_threshold=(0.5, 2.0))
         setattr(t.actor_loss_fn, attr, value)
         with pytest.raises(gradloc.ConfigError, match=match):
@@ -263,15 +265,18 @@ def test_attach_refuses_what_it_cannot_do_exactly():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_that_move_p_grad_need_a_deepspeed_aware_monitor(stage):
+def test_a_monitor_of_the_module_is_refused_under_zero_stages_that_move_p_grad(stage):
+    """Under ZeRO ≥ 1 a monitor made with ``gradloc.watch(engine.module)`` reads a p.grad DeepSpeed has moved
+    into its partitions: refused with the way out (no ``mon=``: the hooks watch the engine itself)."""
     trainer = make_trainer(zero_stage=stage)
-    with pytest.raises(gradloc.UnsupportedModelError, match=f"ZeRO stage {stage}"):
-        GradlocOpenRLHF(trainer, **WATCH)
-    mon = gradloc.watch(trainer.actor.model.module, **WATCH)  # stands in for a monitor that reads ZeRO's gradients
-    with pytest.raises(gradloc.ConfigError, match="reduction"):
-        GradlocOpenRLHF(trainer, mon, probes=True)
-    hooks = GradlocOpenRLHF(trainer, mon)
-    assert hooks.probes is False
+    mon = gradloc.watch(trainer.actor.model.module, **WATCH)
+    with pytest.raises(gradloc.UnsupportedModelError, match=f"ZeRO stage {stage}.*gradloc.watch\\(engine\\)"):
+        GradlocOpenRLHF(trainer, mon)
+    mon.close()
+    stage0 = make_trainer(zero_stage=0)
+    mon = gradloc.watch(stage0.actor.model.module, **WATCH)
+    hooks = GradlocOpenRLHF(stage0, mon)  # stage 0 keeps p.grad: such a monitor is fine, probes on
+    assert hooks.probes is True and hooks.mon is mon
     hooks.detach()
     mon.close()
 

@@ -1,11 +1,12 @@
 """gradloc's verl helpers on verl-shaped micro-batches and a verl-shaped engine.
 
-verl cannot run here (its FSDP engine is registered for CUDA/NPU only, its workers need Ray, and
-tensordict is not installed), so every test below drives ``tests/adapters/rl/verl_like.py``: batches
-with verl 0.9's exact field names and layouts (nested jagged ``input_ids``/``position_ids``, padded or
-nested response-level fields), an engine with ``FSDPEngine``/``FSDPEngineWithLMHead``'s method names
-and signatures, and ``ppo_loss`` written from verl's formulas — around a real model (TinyGPT packed
-with ``cu_seqlens``) and a real ``gradloc.watch`` monitor.
+These run in the main environment, which has no verl (verl 0.9.1 needs transformers < 5.11): they drive
+``tests/adapters/rl/verl_like.py`` in one process — batches with verl 0.9's exact field names and layouts
+(nested jagged ``input_ids``/``position_ids``, padded or nested response-level fields), an engine with
+``FSDPEngine``/``FSDPEngineWithLMHead``'s method names and signatures, and ``ppo_loss`` written from
+verl's formulas — around a real model (TinyGPT packed with ``cu_seqlens``) and a real ``gradloc.watch``
+monitor. verl's own FSDP2 engine, DataProto and core_algos losses on 2 gloo processes, probes on every
+rank: the real-verl tier (tests/verl_tier, in .venv-verl).
 """
 from __future__ import annotations
 
@@ -262,23 +263,15 @@ def test_a_bad_micro_batch_fails_at_setup_and_is_skipped_after_it():
     assert "forward_step" not in engine.__dict__ and "optimizer_step" not in engine.__dict__
 
 
-def test_probes_are_off_by_default_and_refused_on_several_ranks(monkeypatch):
-    """With more than one FSDP rank a probe would need every rank in lockstep. The rank count is
-    patched (``world_size`` → 2) instead of starting a second process: only the attach-time decision
-    is under test."""
-    import gradloc.adapters.rl.verl as verl_mod
-
-    module = HFShaped(0)
-    engine = EngineWithLMHead(module, torch.optim.SGD(module.parameters(), lr=0.01))
-    one_rank = GradlocVerlHooks(engine, **WATCH)
-    assert one_rank.probes is True
-    one_rank.detach()
-    monkeypatch.setattr(verl_mod, "world_size", lambda: 2)
-    with pytest.raises(gradloc.ConfigError, match="lockstep"):
-        GradlocVerlHooks(engine, probes=True, **WATCH)
-    hooks = GradlocVerlHooks(engine, **WATCH)
+def test_without_probes_the_culprit_is_still_ranked_but_unverified():
+    """Probes are on by default (on every rank of an FSDP2 job too, in lockstep: the verl tier tests that);
+    ``probes=False`` leaves attribution alone: the same top token, reported unverified, no probe run."""
+    engine, hooks, _ = _train(plant=True, hooks=True, probes=False)
     assert hooks.probes is False
-    hooks.detach()
+    loc = hooks.reports[SPIKE].incident.localization
+    assert loc.probes == 0 and loc.status == "unverified", loc
+    top = loc.culprits[0]
+    assert (top.micro_batch, top.sample, top.sample_id) == (1, 1, "u2#1")
 
 
 def test_attach_errors_and_install():

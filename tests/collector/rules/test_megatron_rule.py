@@ -5,7 +5,8 @@ One process, tensor-parallel size 1: Megatron's mappings need a tp group even at
 store: no port) and ``initialize_model_parallel(1)``, and closes both afterwards (``_one_rank``). megatron is
 imported there too, not at collection: ``import megatron.core`` replaces ``torch.storage._load_from_bytes``
 process-wide (every tensor pickled afterwards names ``megatron.core.safe_globals``, so whoever unpickles it
-imports megatron), which the fixture puts back when the module is done. A stand-in
+imports megatron) and adds to torch's ``weights_only`` allowlist; the fixture puts both back when the module
+is done. A stand-in
 group saying "rank r of 2" (``_Group``), set on a layer holding one rank's shard, checks the rule's tp>1 slicing
 (a gathered output's gradient, a scattered input) without running a collective.
 
@@ -40,7 +41,7 @@ def _one_rank():
 
     if dist.is_initialized():
         pytest.skip("a process group is already open in this process")
-    load_from_bytes = torch.storage._load_from_bytes
+    load_from_bytes, safe = torch.storage._load_from_bytes, torch.serialization.get_safe_globals()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
@@ -56,12 +57,14 @@ def _one_rank():
         finally:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
-    finally:
-        torch.storage._load_from_bytes = load_from_bytes  # what importing megatron.core replaced
+    finally:  # what importing megatron.core changed process-wide
+        torch.storage._load_from_bytes = load_from_bytes
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(safe)
 
 
 class _Group:
-    """Stand-in for a tp process group: Megatron's mappings only ask it ``size()`` and ``rank()``."""
+    """Stand-in for a tp process group on a shard that never runs forward: the rule asks it ``rank()``."""
 
     def __init__(self, rank: int = 0, size: int = 1) -> None:
         self._rank, self._size = rank, size
@@ -217,6 +220,23 @@ def test_two_ranks_shares_add_up_to_the_whole_layer(kind):
     _, _, full = rule_score(whole, x, g)
     torch.testing.assert_close(per_rank[0] + per_rank[1], full, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(full.double(), reference(whole, x, g).t(), rtol=1e-5, atol=1e-9)
+
+
+def test_backend_reads_the_tp_coordinate_from_the_layers():
+    """The Megatron backend takes (rank, size) from the layers (their partition sizes and tp_group), and refuses
+    a model whose layers sit on different tp groups, or use sequence parallelism."""
+    from gradloc.errors import UnsupportedModelError
+    from gradloc.parallel.megatron import MegatronTP
+
+    _, (rank0, rank1) = _whole_and_shards("column", 6, 4)  # rank 0 and rank 1 of 2
+    backend = MegatronTP.detect(nn.Sequential(rank1, _whole_and_shards("row", 6, 4)[1][1]), world=object())
+    assert backend.coords() == {"tp": (1, 2)}
+    assert MegatronTP.detect(nn.Sequential(rank1), world=None) is None  # one process: no job to coordinate
+    with pytest.raises(UnsupportedModelError, match="different tensor-parallel groups"):
+        MegatronTP.detect(nn.Sequential(rank0, rank1), world=object())
+    rank1.sequence_parallel = True  # its input gathered inside the layer: not scorable from the hooks
+    with pytest.raises(UnsupportedModelError, match="sequence_parallel=True"):
+        MegatronTP.detect(nn.Sequential(rank1), world=object())
 
 
 def _shard_reference(sh: nn.Module, a: torch.Tensor, g: torch.Tensor, bias_share: float) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """A CPU platform for verl 0.9.1, so that its own FSDP engine (``FSDPEngineWithLMHead``) runs on gloo.
 
-verl resolves its device through ``verl.plugin.platform`` (``get_platform()``: ``VERL_PLATFORM`` or
-auto-detection, registered classes only: nvidia, huawei, amd). Every device call of the FSDP engine —
-``init_device_mesh(get_device_name(), ...)``, ``micro_batch.to(get_device_id())``, seeds, ``empty_cache``,
-the communication backend — goes through it. :func:`install_cpu_platform` registers ``"cpu"`` and makes it
+verl resolves its device through ``verl.plugin.platform`` (``get_platform()``: the one ``set_platform``
+chose, else ``VERL_PLATFORM`` or auto-detection among the registered classes: nvidia, huawei, amd). Every
+device call of the FSDP engine — ``init_device_mesh(get_device_name(), ...)``,
+``micro_batch.to(get_device_id())``, seeds, ``empty_cache``, the communication backend — goes through it. :func:`install_cpu_platform` registers ``"cpu"`` and makes it
 the current platform: device "cpu", backend gloo, no-op memory and profiler calls. Nothing of verl is
 patched; only its platform registry is extended, as an out-of-tree accelerator plugin would.
 """
@@ -16,8 +16,14 @@ from typing import Any, Iterator, Optional
 import torch
 
 
+_INSTALLED = False
+
+
 def install_cpu_platform() -> None:
-    """Register the CPU platform and select it (call before verl's engine modules are used)."""
+    """Register the CPU platform and select it (call before verl's engine modules are used; once per process)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
     from verl.plugin.platform import PlatformBase, PlatformRegistry, set_platform
 
     @PlatformRegistry.register(platform="cpu")
@@ -91,3 +97,4 @@ def install_cpu_platform() -> None:
             return None
 
     set_platform(PlatformCPU())
+    _INSTALLED = True

@@ -1,8 +1,8 @@
 """verl 0.9.1's own FSDP2 engine on gloo CPU processes, driven the way verl's actor update drives it.
 
-Each rank (launched by tests/distributed/launch.py with ``VERL_PLATFORM=cpu``) registers the CPU
-platform (verl_cpu.py), installs gradloc with ``gradloc.adapters.rl.verl.install(FSDPEngineWithLMHead)``
-— what a user's ``external_lib`` does — and builds ``FSDPEngineWithLMHead`` from verl's own configs
+Each rank (launched by tests/distributed/launch.py) registers and selects the CPU platform (verl_cpu.py),
+installs gradloc with ``gradloc.adapters.rl.verl.install(FSDPEngineWithLMHead)`` — what a user's
+``external_lib`` does — and builds ``FSDPEngineWithLMHead`` from verl's own configs
 (``HFModelConfig``, ``FSDPEngineConfig(strategy="fsdp2")``, ``FSDPOptimizerConfig``) on a tiny random
 Qwen2 saved with ``save_pretrained``: the engine shards it with ``fully_shard`` over the ranks.
 
@@ -56,11 +56,11 @@ def build_engine(model_dir: str, lr: float) -> Any:
     return engine
 
 
-def actor_config() -> Any:
+def actor_config(**kw: Any) -> Any:
     from verl.workers.config import FSDPActorConfig
 
     return FSDPActorConfig(strategy="fsdp2", rollout_n=N, ppo_mini_batch_size=N_PROMPTS,
-                           ppo_micro_batch_size_per_gpu=MICRO, use_torch_compile=False, clip_ratio=0.2)
+                           ppo_micro_batch_size_per_gpu=MICRO, use_torch_compile=False, clip_ratio=0.2, **kw)
 
 
 def _rows(g: Any) -> list[tuple[list[int], list[int], str]]:
@@ -75,19 +75,19 @@ def _rows(g: Any) -> list[tuple[list[int], list[int], str]]:
     return rows
 
 
-def _no_padding(batch: Any, world: int) -> Any:
+def _no_padding(batch: Any, world: int, entropy: bool = False, micro: int = MICRO) -> Any:
     """DataProto → the TensorDict the actor's engine receives (RayPPOTrainer._update_actor + TrainingWorker)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     td = left_right_2_no_padding(batch.to_tensordict())
-    tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=N_PROMPTS * N * world, use_remove_padding=False,
-                         use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO, use_fused_kernels=False,
-                         max_token_len_per_gpu=16384)
+    tu.assign_non_tensor(td, calculate_entropy=entropy, global_batch_size=N_PROMPTS * N * world,
+                         use_remove_padding=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro,
+                         use_fused_kernels=False, max_token_len_per_gpu=16384)
     return td
 
 
-def make_batch(g: Any, engine: Any, world: int, plant: bool) -> tuple[Any, Any]:
+def make_batch(g: Any, engine: Any, world: int, plant: bool, ref: bool = False) -> Any:
     """One rank's step batch: (DataProto with old/rollout log-probs, advantages, IS weights; its TensorDict)."""
     import numpy as np
     import torch
@@ -125,8 +125,9 @@ def make_batch(g: Any, engine: Any, world: int, plant: bool) -> tuple[Any, Any]:
     weights, _ = compute_rollout_correction_weights(old - rollout, response_mask, rollout_is="token",
                                                     rollout_is_threshold=1e4)
     tensors.update(old_log_probs=old, advantages=advantages, rollout_log_probs=rollout, rollout_is_weights=weights)
-    batch = DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}, meta_info={"temperature": 1.0})
-    return batch, _no_padding(batch, world)
+    if ref:  # a reference policy apart from the current one, for the KL loss
+        tensors["ref_log_prob"] = old + 0.3 * torch.randn(B, R, generator=g) * response_mask
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}, meta_info={"temperature": 1.0})
 
 
 def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, int] | None, watched: bool,
@@ -155,8 +156,8 @@ def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, i
     grad_norms = []
     with engine.train_mode():
         for step in range(steps):
-            _, td = make_batch(g, engine, world, plant is not None and plant == (rank, step))
-            out = engine.train_batch(td, loss_function=loss_fn)
+            batch = make_batch(g, engine, world, plant is not None and plant == (rank, step))
+            out = engine.train_batch(_no_padding(batch, world), loss_function=loss_fn)
             grad_norms.append(float(out["metrics"]["grad_norm"]))
     params = {n: p.full_tensor().detach().clone() for n, p in engine.module.named_parameters()}
     result = {"grad_norms": grad_norms, "params": params, "watched": hooks is not None}
@@ -167,3 +168,55 @@ def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, i
                                 r.incident.localization if r.incident else None) for r in hooks.reports])
         hooks.detach()
     return result
+
+
+def probe_exactness(rank: int, world: int, model_dir: str) -> dict:
+    """verl's own ppo_loss (vanilla policy loss × IS weights, entropy bonus, low_var_kl KL loss, token-mean
+    agg_loss) restricted by ``masked_loss_function`` inside the real engine's forward_step, one micro-batch:
+    (loss, gradient) with the full response mask, with a random subset S, with its complement, and the
+    training loss's own — for the test to compare."""
+    import torch
+
+    from tests.verl_tier.inside.verl_cpu import install_cpu_platform
+
+    install_cpu_platform()
+    from verl.workers.utils.losses import ppo_loss
+
+    from gradloc.adapters.rl.verl import layout, masked_loss_function
+
+    engine = build_engine(model_dir, 1e-2)
+    loss_fn = partial(ppo_loss, config=actor_config(entropy_coeff=0.05, use_kl_loss=True, kl_loss_coef=0.3,
+                                                    calculate_entropy=True))
+    g = torch.Generator().manual_seed(3)
+    batch = make_batch(g, engine, world, plant=False, ref=True)
+    pick = torch.Generator().manual_seed(4)
+
+    def run(restrict: Any) -> tuple[float, list]:
+        def loss(model_output: Any, data: Any, dp_group: Any = None) -> Any:
+            if restrict is None:
+                return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+            lay = layout(data)  # the micro-batch as the engine hands it to the loss
+            fn = masked_loss_function(loss_fn, lay, restrict(lay))
+            return fn(model_output=model_output, data=data, dp_group=dp_group)
+
+        engine.optimizer_zero_grad()
+        td = _no_padding(batch, world, entropy=True, micro=N_PROMPTS * N)  # one micro-batch: the whole batch
+        out = engine.forward_backward_batch(td, loss, forward_only=False)
+        grads = [p.grad.full_tensor().clone() for p in engine.module.parameters()]
+        return float(sum(out["loss"])), grads
+
+    subset: dict[str, Any] = {}
+
+    def part(lay: Any, complement: bool) -> Any:
+        if "s" not in subset:
+            subset["s"] = torch.rand(lay.loss_mask.shape, generator=pick) < 0.3
+        s = lay.loss_mask & subset["s"]
+        return lay.loss_mask & ~s if complement else s
+
+    with engine.train_mode():
+        train = run(None)
+        full = run(lambda lay: lay.loss_mask)
+        some = run(lambda lay: part(lay, False))
+        rest = run(lambda lay: part(lay, True))
+    return {"train": train, "full": full, "some": some, "rest": rest}
+

@@ -1,0 +1,91 @@
+"""The monitor's events: what gradloc dropped or degraded on the training side without raising into training.
+
+``Monitor.counters`` (a ``collections.Counter``) counts them; every step record carries the non-zero
+cumulative counts (``StepRecord.events``) to the agent, which exports them as
+``gradloc_monitor_events_total{job, rank, event}``. ``event`` is a metric label, so its values are a
+closed set: :data:`MONITOR_EVENTS` declares every name the monitor and its integrations count, with
+its meaning (docs/metrics.md shows this table). A name not declared here is exported as
+:data:`OTHER` (and counted there), never as a label of its own.
+
+Names built at run time are declared by their expansions: ``remedy_applied`` / ``remedy_refused``
+(gradloc/adapters/spike.py) and ``{tag}_{counter}`` of :class:`gradloc.adapters.rl.held.HeldBlocks`
+(:data:`HELD_TAGS` × :data:`HELD_COUNTERS`). ``tests/records/test_event_table.py`` checks that every
+counter the source bumps is declared.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+OTHER = "other"  # the label of every name not declared below
+
+# ``HeldBlocks(mon, tag)`` of the RL adapters (gradloc/adapters/rl/verl.py, openrlhf.py) and what they count
+HELD_TAGS: dict[str, str] = {"verl": "verl", "openrlhf": "OpenRLHF"}
+HELD_COUNTERS: dict[str, str] = {
+    "skipped_micro_batches": "micro-batches whose metadata could not be mapped after setup: trained, left out of per-token statistics",
+    "block_errors": "micro-batch blocks whose closing failed",
+    "end_step_errors": "end_step calls that failed after setup (the step has no record)",
+    "rl_fields_errors": "micro-batches whose RL fields could not be built (left out)",
+    "loss_errors": "micro-batch losses that could not be added to the step's loss",
+    "on_report_errors": "on_report callbacks that raised",
+    "layout_errors": "micro-batches whose layout could not be read after setup (trained unwatched)",
+}
+
+MONITOR_EVENTS: dict[str, str] = {
+    # per-token path (gradloc/adapters/token_path.py)
+    "hook_errors": "per-token hook calls that failed; their modules' gradient is reported unattributed",
+    "token_errors": "steps whose per-token scores could not be assembled (no token statistics that step)",
+    "token_group_mismatch": "steps whose tensor/pipeline-parallel ranks saw different token ids: token statistics dropped",
+    "silent_micro_batches": "micro-batches in which no watched module's hook ran (a graph compiled before watch())",
+    "dropped_micro_batches": "micro-batches whose token ids matched no watched module's activations (left out of token statistics)",
+    "uncompilable_said": "runs where watched modules could not be scored inside a torch.compile graph (counted once)",
+    "on_spike_rerun_failed": "token_stats='on_spike': re-runs of a flagged step that failed (no token view)",
+    # the monitor (gradloc/adapters/pytorch.py)
+    "failed_micro_batches": "micro-batch blocks that exited with an exception (not part of the step)",
+    "dropped_rl_fields": "micro-batches whose RL fields were invalid after setup (dropped)",
+    "off_boundary_steps": "DeepSpeed: end_step called off the gradient-accumulation boundary (no gradient statistics)",
+    "left_job": "a gradloc collective failed: the rank is watched on its own for the rest of the run",
+    # spikes (gradloc/adapters/spike.py)
+    "collective_timeouts": "localizations that failed because a gradloc collective timed out",
+    "probe_errors": "localizations that failed because a probe (the probe closure) raised",
+    "localize_errors": "localizations that failed for another reason (the incident is unavailable)",
+    "classify_errors": "incidents whose classification failed (left unclassified)",
+    "remedy_applied": "spike steps the opt-in remedy changed (WatchConfig.remedy)",
+    "remedy_refused": "spike steps the opt-in remedy did not qualify to change",
+    # optional measurements
+    "sample_errors": "steps whose per-sample surprise or judgement failed (no sample findings that step)",
+    "update_ratio_errors": "optimizer steps whose update-ratio measurement failed",
+    # delivery (gradloc/adapters/fanout.py)
+    "sink_errors": "sink calls (on_step, on_incident, flush, shutdown) that raised",
+    "undelivered_at_close": "records the agent client could not deliver by close_timeout_s (counted at close: "
+                            "after the last record, so only Monitor.counters shows it)",
+    # integrations (gradloc/integrations/*)
+    "hf_skipped_micro_batches": "Hugging Face Trainer: micro-batches left out of per-token statistics",
+    "hf_end_step_errors": "Hugging Face Trainer: end_step calls that failed after setup",
+    "trl_rl_field_errors": "TRL GRPO: steps whose RL fields could not be built (left out)",
+    "fused_head_errors": "TRL fused LM head (fused_lm_head=True): kernel calls whose per-position scores failed (the head's gradient unattributed)",
+    # RL adapters' held blocks: {tag}_{counter}
+    **{f"{tag}_{counter}": f"{label}: {meaning}" for tag, label in HELD_TAGS.items()
+       for counter, meaning in HELD_COUNTERS.items()},
+}
+
+MAX_EVENT_NAME = 64  # characters of an event name on the wire (longer ones are dropped and counted)
+MAX_EVENTS = 64  # names per step record on the wire (beyond it: dropped and counted)
+
+
+def event_label(name: str) -> str:
+    """The ``event`` label of a counter name: itself when declared, else :data:`OTHER`."""
+    return name if name in MONITOR_EVENTS else OTHER
+
+
+def event_counts(counters: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """The non-zero counts of ``counters`` as ``StepRecord.events``: (name, count) pairs sorted by name."""
+    return tuple(sorted((str(k), int(v)) for k, v in counters.items() if v > 0))
+
+
+def labelled(events: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """Cumulative counts by ``event`` label: undeclared names summed into :data:`OTHER`."""
+    out: dict[str, int] = {}
+    for name, n in events:
+        label = event_label(name)
+        out[label] = out.get(label, 0) + n
+    return out

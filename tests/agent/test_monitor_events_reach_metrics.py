@@ -1,0 +1,91 @@
+"""The monitor's counters reach /metrics: ``gradloc_monitor_events_total{job, rank, event}``, in embedded mode
+(the StepRecord itself) and through the daemon's path (a decoded step), undeclared names as ``event="other"``."""
+from __future__ import annotations
+
+import sys
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+import gradloc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from gradloc.agent.core import AgentCore  # noqa: E402
+from gradloc.agent.embedded import EmbeddedAgent  # noqa: E402
+from gradloc.exporters.prometheus import render  # noqa: E402
+from gradloc.transport.codec import BatchDecoder  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    backward_step,
+    make_data,
+    single_thread,  # noqa: E402,F401 (autouse fixture)
+    tiny_gpt,
+)
+from tests.transport.factories import step, to_bytes  # noqa: E402
+
+NAME = "gradloc_monitor_events_total"
+
+
+def events_in(text: str) -> dict[tuple[str, str, str], float]:
+    return {(s.labels["job"], s.labels["rank"], s.labels["event"]): s.value
+            for fam in parse_text(text) for s in fam.samples if s.name == NAME}
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _broken_probe(i: int, mask: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the user's probe closure broke")
+
+
+def test_a_failed_localization_and_an_undeclared_counter_reach_the_embedded_metrics(tmp_path: Path) -> None:
+    model = tiny_gpt(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = make_data(10, 1)
+    data.plant(7, 0, 1, 3)
+    mon = gradloc.watch(model, opt, detector=gradloc.DetectorConfig(warmup=5), job="ev",
+                        store_path=str(tmp_path / "ev.db"), metrics_address="127.0.0.1:0")
+    (agent,) = [s for s in mon.sinks if isinstance(s, EmbeddedAgent)]
+    try:
+        for s in range(10):
+            total = backward_step(model, data, s, mon)
+            rep = mon.end_step(total, probe=_broken_probe)
+            if s == 7:  # the planted spike: its localization failed (the probe raised), training went on
+                assert rep.incident is not None and rep.incident.localization.status == "unavailable"
+                mon.counters["my_integration_errors"] += 2  # a counter gradloc/records/events.py does not declare
+            opt.step()
+            opt.zero_grad()
+        assert mon.counters["localize_errors"] == 1
+        agent.force_flush()
+        events = events_in(_scrape(agent.metrics_url))
+        # the record of step 8 (emitted when step 9 ended) carried the cumulative counts
+        assert events == {("ev", "0", "localize_errors"): 1.0, ("ev", "0", "other"): 2.0}
+        assert mon.history[-1].events == (("localize_errors", 1), ("my_integration_errors", 2))
+        assert mon.history[0].events == ()  # nothing was counted before the spike
+    finally:
+        mon.close()
+
+
+def test_decoded_steps_carry_their_events_into_the_state() -> None:
+    """The daemon's path: the wire's events of each step (cumulative), invalid entries dropped and counted."""
+    batch = BatchDecoder().decode(to_bytes([
+        step(0, events=(("hook_errors", 3), ("sink_errors", 1))),
+        step(1, events=(("hook_errors", 5), ("sink_errors", 1), ("zz_new_in_a_later_version", 7))),
+    ]))
+    assert batch.steps[1].events == (("hook_errors", 5), ("sink_errors", 1), ("zz_new_in_a_later_version", 7))
+    bad = BatchDecoder().decode(to_bytes([step(2, events=(("x" * 65, 1), ("left_job", -1), ("left_job_", 1)))]))
+    assert bad.steps[0].events == (("left_job_", 1),) and bad.steps[0].events_dropped == 2
+    core = AgentCore().start()
+    try:
+        assert core.submit([*batch.steps, replace(bad.steps[0], job="other-job")])
+        assert core.flush(10.0)
+        text = render(core.state, None)[0].decode()
+    finally:
+        core.close()
+    assert events_in(text) == {("job-a", "1", "hook_errors"): 5.0, ("job-a", "1", "sink_errors"): 1.0,
+                               ("job-a", "1", "other"): 7.0, ("other-job", "1", "other"): 1.0}
+    assert 'gradloc_agent_series_dropped_total{reason="monitor_events"} 2.0' in text
