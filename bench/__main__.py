@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="add Opacus ghost norms, BackPACK BatchL2Grad and wandb.watch to the TinyGPT run")
     mode.add_argument("--ddp", type=int, default=None, metavar="N",
                       help="run the variants as N DDP ranks of one gloo job (CPU; TinyGPT unless --model llama)")
+    mode.add_argument("--parallel", choices=["fsdp-tp", "pp"], default=None,
+                      help="run the variants as 4 ranks of a model-parallel gloo job: FSDP2 x tensor parallel (dp 2, "
+                           "tp 2) or 2 pipeline stages x FSDP2 (dp 2), on the demo's ParallelGPT at TinyGPT's sizes")
     ov.add_argument("--on-spike", action="store_true",
                     help="add on_spike: token_stats='on_spike' (no module hook on healthy steps)")
     ov.add_argument("--compile", action="store_true",
@@ -219,6 +222,11 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.ddp < 2 or model == "all" or args.device != "cpu" or args.rl or args.compile:
             parser.error("--ddp N needs N >= 2, one model (TinyGPT by default), the CPU, no --rl and no --compile")
         models = ("tinygpt",) if model == "default" else (model,)
+    if args.parallel is not None:
+        if model not in ("default", "tinygpt") or args.device != "cpu" or args.rl or args.compile or args.on_spike:
+            parser.error("--parallel runs ParallelGPT at TinyGPT's sizes on the CPU: no --model, --rl, --compile, "
+                         "--on-spike")
+        models = ("tinygpt",)
     kw = {"models": models, "threads": threads, "peers": args.peers, "rl": args.rl, "device": args.device,
           "on_spike": args.on_spike, "compile": args.compile}
     kw.update({k: getattr(args, k) for k in ("rounds", "warmup") if getattr(args, k) is not None})
@@ -237,6 +245,12 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         res = run_ddp_overhead(cfg, args.ddp)
         print(json.dumps(res) if args.json else format_ddp(res))
+        return 0
+    if args.parallel is not None:
+        from bench.parallel import format_parallel, run_parallel_overhead
+
+        res = run_parallel_overhead(cfg, args.parallel)
+        print(json.dumps(res) if args.json else format_parallel(res))
         return 0
     res = run_overhead(cfg, _progress(args.verbose))
     print(json.dumps(res) if args.json else format_table(res))

@@ -74,7 +74,6 @@ def template(layers: int, top_k: int, rank: int) -> StepRecord:
                       micro_batches=4, layers=ls, tokens=tokens)
 
 
-
 def _raw_batches(cfg: AgentBenchConfig, rank: int) -> list[bytes]:
     """The client's wire format, encoded up front with the real codec (raw mode)."""
     from gradloc.transport.codec import LayerTables, batch_bytes, encode_step

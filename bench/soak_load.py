@@ -80,7 +80,6 @@ def incident(job: str, rank: int, step: int) -> Incident:
                     localization=loc)
 
 
-
 class Job:
     """One job of ``ranks`` AgentClients in a slot; sends on the clock, ``per_rank`` records/s each."""
 

@@ -342,7 +342,6 @@ class WatchConfig:
         _check(self.history >= 1, f"history must be >= 1, got {self.history}")
         _check(self.distributed in ("auto", "off"), f"distributed must be 'auto' or 'off', got {self.distributed!r}")
         object.__setattr__(self, "distributed", DistributedMode(self.distributed))
-
         _check(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         _check(self.close_timeout_s > 0, f"close_timeout_s must be > 0, got {self.close_timeout_s}")
         _check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")

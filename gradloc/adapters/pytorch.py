@@ -387,9 +387,7 @@ class Monitor:
             rec = with_update_ratios(rec, self.layer_stats.layers, ratios)
         if self.counters:  # the cumulative counts of what was dropped or degraded so far (gradloc/records/events.py)
             rec = replace(rec, events=event_counts(self.counters))
-
         self._pending = None
-
         self.history.append(rec)
         self._fanout.on_step(rec)
 

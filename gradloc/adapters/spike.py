@@ -100,7 +100,6 @@ class SpikePath:
                         time_unix=rec.time_unix, spike=x.spike, localization=loc,
                         top_layers=top, remedy=remedy, classification=classification, scope=self.scope)
 
-
     def _localize(self, x: SpikeInputs) -> LocalizeResult:
         rec = x.record
         where = "" if self.alone else f" on rank {self.job.config.rank}"

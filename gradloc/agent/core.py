@@ -230,7 +230,6 @@ class AgentCore:
             self.state.observe_step(item, received)
             if events or events_dropped:
                 self.state.observe_events(item.job, item.rank, events, events_dropped)
-
             if item.samples is not None:
                 self.recent_outliers.extend(item.samples.outliers)
             self.correlator.on_step(item)

@@ -245,7 +245,6 @@ class LayerStatsCollector:
             out.append(LayerStats(layer=name, grad_norm=float(grad_sq) ** 0.5, grad_max_abs=float(gmax),
                                   nonfinite=nonfinite[i] if nonfinite else 0, param_norm=float(psq) ** 0.5,
                                   numel=self.numel[i]))
-
         return tuple(out)
 
 

@@ -123,4 +123,3 @@ def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str
     return TokenStats(tokens=int(s.totals.numel()), total_score=total, top=tuple(top),
                       top_share=top[0].share if top else 0.0, micro_batch_shares=mb_shares,
                       unattributed_share=unattributed_share, dropped_calls=s.dropped_calls)
-

@@ -36,7 +36,6 @@ from gradloc.config import DetectorConfig
 from gradloc.detector.ema import EmaZ
 from gradloc.records import OutlierKind, SpikeEvent, SpikeKind, StepRecord
 
-
 K = SpikeKind
 LOCALIZE: frozenset[SpikeKind] = frozenset({K.GRAD_SPIKE, K.ABS_THRESHOLD, K.NONFINITE_GRAD, K.LOSS_SPIKE,
                                             K.TOKEN_SPIKE, K.SAMPLE_SPIKE})
@@ -210,5 +209,4 @@ class _Episode:
     __slots__ = ("start", "last", "peak", "kinds")
 
     def __init__(self, start: int, last: int, peak: float, kinds: set[SpikeKind]) -> None:
-
         self.start, self.last, self.peak, self.kinds = start, last, peak, kinds

@@ -164,8 +164,7 @@ class MismatchJudge:
         v = np.asarray(self.healthy)
         sd = max(1.4826 * float(np.median(np.abs(v - base))), 0.01)
         return base, SampleOutlier(
-            kind=OutlierKind.RL_MISMATCH, step=where["step"]
-, job=where["job"], rank=where["rank"],
+            kind=OutlierKind.RL_MISMATCH, step=where["step"], job=where["job"], rank=where["rank"],
             time_unix=where["time_unix"], score=float(frac), z=(frac - base) / sd, baseline=base, tokens=rl.tokens,
             detail=f"{100 * frac:.1f}% of {rl.tokens} loss tokens have |log π_trainer − log π_rollout| > log 2 for "
                    f"{cfg.rl_patience} steps in a row (run baseline {100 * base:.1f}%)")

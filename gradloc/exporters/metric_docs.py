@@ -79,7 +79,6 @@ def generated_markdown() -> str:
     """The block ``docs/metrics.md`` must contain verbatim (markers included)."""
     parts = (BEGIN, "### Metrics", metrics_table(), "### Monitor events", events_table(),
              "### Histogram buckets", buckets_table(), "### Cardinality limits", limits_table(), END)
-
     return "\n\n".join(parts) + "\n"
 
 

@@ -132,8 +132,6 @@ SPECS: tuple[MetricSpec, ...] = (
        "Events where the trainer-side monitor dropped or degraded something without raising into training "
        "(Monitor.counters, cumulative per rank; a restarted trainer's counts add on top). event: a name declared in "
        "gradloc/records/events.py (docs/metrics.md, Monitor events), or other for a name that is not."),
-
-
     # Distributions.
     _h("norm_hist", "gradloc_step_grad_norm", "gradloc.step.grad_norm", "1", JR,
        "Distribution of per-step global gradient norms (log-spaced buckets). Prometheus exemplar: incident trace id.",
@@ -172,7 +170,6 @@ SPECS: tuple[MetricSpec, ...] = (
        "Records whose series were not exported because a cardinality bound was hit (max_series, max_layers); "
        "monitor_events: event counts a step carried that were invalid (an empty name or one over 64 characters, a "
        "negative count, beyond 64 names), dropped and the step kept."),
-
     _h("ingest_lag", "gradloc_agent_ingest_lag_seconds", "gradloc.agent.ingest_lag", "s", (),
        "Time from a record's production on the trainer to its ingestion by the agent.", LAG_BUCKETS),
     _g("pending", "gradloc_agent_pending_correlations", "gradloc.agent.pending", "{incident}", (),

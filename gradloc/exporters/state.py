@@ -222,7 +222,6 @@ class TelemetryState:
         self._counters[(key + "#last", labels)] = value
         self._counters[k] = base + value
 
-
     def set_pending(self, n: int, queued: int | None = None) -> None:
         """The agent's own gauges: incidents waiting for stragglers, and batches queued for the pipeline."""
         with self._lock:

@@ -71,7 +71,6 @@ class DecodedBatch:
     client: ClientInfo
     drops: ClientDrops
     steps: tuple[StepSummary, ...]  # DecodedStep: with the monitor's event counts
-
     incidents: tuple[Incident, ...]
     sequence: int = 0  # the client's batch number; a resent batch repeats it
 

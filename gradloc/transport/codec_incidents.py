@@ -33,7 +33,6 @@ from gradloc.records import (
     SpikeEvent,
     SpikeKind,
     Status,
-
     TokenRL,
 )
 from gradloc.transport import validate as v

@@ -179,7 +179,6 @@ def _events(m: pb.Step) -> tuple[tuple[tuple[str, int], ...], int]:
     return kept, len(m.events) - len(kept)
 
 
-
 def _band(m: pb.Step, where: str) -> tuple[float | None, float | None]:
     """The detector's healthy band: both or neither, finite, 0 <= mean <= threshold."""
     if not (m.HasField("norm_mean") or m.HasField("norm_threshold")):
@@ -248,7 +247,6 @@ def _decode_tokens(t: pb.TokenStatsMsg, names: tuple[str, ...], where: str, even
                            layers=layers[ends[j] - counts[j]:ends[j]]) for j in range(k))
     return TokenStats(tokens=t.tokens, total_score=t.total_score, top=top, top_share=t.top_share,
                       micro_batch_shares=mbs, unattributed_share=t.unattributed_share, dropped_calls=t.dropped_calls)
-
 
 
 def _explain_tokens(t: pb.TokenStatsMsg, layer_names: tuple[str, ...], where: str, event: bool) -> NoReturn:

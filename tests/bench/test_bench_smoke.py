@@ -83,6 +83,20 @@ def test_overhead_ddp_quick_json():
     assert all(r["per_token_ratio"] > 0 and r["per_layer_ratio"] > 0 for r in d["ranks"])
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode,collectives", [("fsdp-tp", {"per_layer": 1.0, "per_token": 2.0}),
+                                              ("pp", {"per_layer": 1.0, "per_token": 2.0})])
+def test_overhead_parallel_quick_json(mode, collectives):
+    """Four ranks of a model-parallel job (spawned, gloo): ratios on every rank, the documented collectives per
+    step (the step gather; per-token adds the token group's scores), parameters equal plain's bitwise."""
+    res = run_bench("overhead", "--quick", "--json", "--parallel", mode, timeout=600)
+    p = res["parallel"]
+    assert p["mode"] == mode and p["world_size"] == 4 and len(p["ranks"]) == 4
+    assert p["collectives_per_step"] == collectives
+    assert p["updates_identical"]
+    assert all(r["per_token"] > 0 and r["per_layer"] > 0 for r in p["ranks"])
+
+
 def test_overhead_memory_quick_json():
     res = run_bench("overhead", "--quick", "--json", "--memory", "--model", "tinygpt")
     mem = res["memory"]["tinygpt"]

@@ -23,7 +23,6 @@ def record(step: int, g: float, loss: float | None = 2.0, layers: dict[str, floa
                       layers=stats, **kw)
 
 
-
 class Run:
     """Feeds a detector healthy steps (norm ≈ 1 ± 5 %, loss ≈ 2 ± 1 %, layers ≈ their scale ± 5 %)."""
 

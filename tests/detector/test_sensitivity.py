@@ -27,7 +27,6 @@ def record(step: int, g: float, loss: float | None = 4.0, top: float | None = 0.
                       layers=(), tokens=tokens, **kw)
 
 
-
 def natural_like(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(norm, loss, top token share) of a healthy run: the norm drifts up 50% with Student-t (3)
     noise in log space, 1% of the steps have a rare token (norm × 1.5-2, top share 5-25%), the loss

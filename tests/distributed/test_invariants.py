@@ -1,5 +1,5 @@
 """docs/ARCHITECTURE.md's invariants, held on four jobs of different backends: TP with sequence parallelism (2
-processes), 2D FSDP2 × TP with it (4), pipeline parallel × DDP (4), and torchtitan's expert parallelism (2).
+processes), 2D FSDP2 × TP with it (4), pipeline parallel × FSDP2 (4), and torchtitan's expert parallelism (2).
 
 - every rank takes the same path: one trace of gradloc's collectives (group and purpose, in order) on every
   rank, through healthy steps and a spike with probes;
@@ -43,7 +43,7 @@ def _ep(rank: int, world: int) -> dict:
 # per healthy step: the step gather, + the token group's scores, + the Partial norms' sum (SP), + the experts' home
 # (under FSDP2 × TP the SP norms' gradients come out of FSDP's reduction sharded, not Partial: no third one)
 CASES = [("tp-sp", _tp_alone, 2, ["step", "token", "partial"]), ("fsdp-tp-sp", _tp, 4, ["step", "token"]),
-         ("pp-ddp", _pp, 4, ["step", "token"]),
+         ("pp-fsdp", _pp, 4, ["step", "token"]),
          ("ep", _ep, 2, ["step", "experts"])]
 
 

@@ -98,7 +98,6 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
     return inc
 
 
-
 @pytest.fixture(scope="module")
 def exported() -> Iterator[SimpleNamespace]:
     state = TelemetryState()
@@ -249,7 +248,6 @@ def test_monitor_events_arrive_by_declared_name_and_other(exported):
     events = {(dict(k)["job"], dict(k)["rank"], dict(k)["event"]): p.as_int or p.as_double
               for k, p in _points(m).items()}
     assert events == {(JOB, "0", "probe_errors"): 2, (JOB, "0", "other"): 1}  # "some_new_counter" is not a label
-
 
 
 def test_histograms_use_the_specs_explicit_buckets(exported):

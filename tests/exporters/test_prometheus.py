@@ -64,7 +64,6 @@ def realistic_state() -> TelemetryState:
     state.set_cumulative("client_dropped", ("llm-7b", "1", "queue_full"), 3)
     state.observe_events("llm-7b", 1, (("localize_errors", 1), ("sink_errors", 4)))
     state.count("export_failures", ("otlp_metrics",))
-
     state.set_pending(2, queued=3)
     return state
 

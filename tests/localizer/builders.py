@@ -41,7 +41,6 @@ def finding(job: str, rank: int, step: int, share: float = 0.8, text: str = " ba
                     spike=spike, localization=loc)
 
 
-
 # -- the exact toy --------------------------------------------------------------------------------------
 def basis(d: int, k: int, scale: float = 1.0) -> torch.Tensor:
     """scale · e_k in R^d (float64)."""

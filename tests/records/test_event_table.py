@@ -45,7 +45,6 @@ def test_every_dynamic_counter_name_is_known_and_its_expansions_declared():
     assert re.search(r"self\._count\(f\"\{what\}_errors\"", held)  # guard(fn, what) counts {what}_errors
     whats = {w for path, text in sources.items() if path.startswith("adapters/rl/")
              for w in re.findall(r"\.guard\(.*?, \"([a-z_]+)\"\)", text, re.S)}
-
     assert whats >= {"rl_fields", "loss", "on_report", "layout"}, whats
     counters |= {f"{w}_errors" for w in whats}
     assert counters <= HELD_COUNTERS.keys(), counters - HELD_COUNTERS.keys()

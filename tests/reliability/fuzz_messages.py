@@ -72,7 +72,6 @@ def base_batches() -> list[pb.IngestBatch]:
                 for j in range(4))
     tokens = TokenStats(tokens=512, total_score=9.0, top=top, top_share=0.3, micro_batch_shares=(0.7, 0.3),
                         unattributed_share=0.05, dropped_calls=1)
-
     rl = RLStats(300, (0,) * (len(RL_LOG_RATIO_BUCKETS) - 1) + (290, 10), 1.5, 2.2, 0.03, 0.4, 0.1,
                  (5,) * (len(RL_ADVANTAGE_BUCKETS) + 1), -0.5, 1.1, 3.0, 2.4)
     info = SampleInfo("req-🙂", 1, 12, 12, 30, "length")

@@ -44,7 +44,6 @@ from gradloc.records import (
 )
 from gradloc.records.events import MAX_EVENT_NAME, MONITOR_EVENTS
 from gradloc.reports import StepSummary, summarize
-
 from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
 from gradloc.transport.server import start_ingest_server
 from gradloc.transport.wire import INGEST_METHOD, pb
@@ -255,7 +254,6 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
         assert to_dict(got.tokens) == to_dict(want.tokens)  # (to_dict spells NaN "nan", so NaN == NaN)
     assert got.samples == want.samples  # per-sample findings: all finite, compared exactly
     assert got.events == rec.events and got.events_dropped == 0  # the monitor's event counts (a decoded step's)
-
 
 
 class Receiver:

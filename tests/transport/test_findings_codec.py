@@ -70,7 +70,6 @@ def _rejected(stats: SampleStats, edit=None) -> RejectedBatch:
     # (a record cannot hold an unknown kind: OutlierKind; a client of another version can send one)
     (SampleStats(outliers=(GOOD,)), lambda m: setattr(m.outliers[0], "kind", "nope"), "invalid_value",
      "outliers[0].kind"),
-
     (SampleStats(outliers=(replace(GOOD, z=float("nan")),)), None, "nonfinite", "outliers[0].z"),
     (SampleStats(outliers=(replace(GOOD, start=10, end=5),)), None, "invalid_value", "not a span"),
     (SampleStats(outliers=(replace(GOOD, micro_batch=-1),)), None, "invalid_value", "outliers[0].micro_batch"),

@@ -336,7 +336,6 @@ def test_encoder_refuses_a_negative_token_id_instead_of_changing_it():
     score = TokenScore(micro_batch=0, sample=0, position=0, score=1.0, share=1.0, token_id=-1)
     rec = step(tokens=TokenStats(tokens=8, total_score=1.0, top=(score,), top_share=1.0, micro_batch_shares=(),
                                  unattributed_share=0.0))
-
     with pytest.raises(RejectedBatch, match="negative token_id"):
         encode_step(rec, 1, {}, JOB, 1)
 

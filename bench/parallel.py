@@ -1,0 +1,163 @@
+"""``python -m bench overhead --parallel fsdp-tp|pp``: the overhead benchmark as 4 ranks of a model-parallel gloo job.
+
+- ``fsdp-tp``: the demo's ParallelGPT (gradloc/demo/parallel.py) under DTensor tensor + sequence parallelism on a
+  (dp 2, tp 2) mesh, FSDP2 over dp;
+- ``pp``: the same model in 2 pipeline stages × FSDP2 over dp 2, micro-batches through a GPipe schedule
+  (``mon.pipeline_step`` for the gradloc variants, ``schedule.step`` for plain).
+
+Every rank holds the variants (plain, per-layer, per-token), each its own parallelized copy of one seeded model
+with its own AdamW, run interleaved in a rotating order, the same on every rank (the variants' collectives pair
+up). The tp/pp ranks of a data index train on the same random tokens, each data rank on its own. Ratios are of
+median step times on each rank; ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
+healthy step; ``updates_identical``: every gradloc variant's parameters (made whole) equal plain's bitwise.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from bench.overhead import OverheadConfig
+
+MODES = ("fsdp-tp", "pp")
+WORLD = 4
+
+
+class _Variant:
+    def __init__(self, name: str, mode: str, rank: int, cfg: Any) -> None:
+        import gradloc
+        from gradloc.demo.parallel import ParallelGPT, pipeline_stage, tensor_parallel
+
+        self.name, self.mode = name, mode
+        model = ParallelGPT(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, seed=0)
+        if mode == "pp":
+            self.stage, self.part = pipeline_stage(model, rank, WORLD)
+            target: Any = self.stage
+        else:
+            self.stage, self.part = None, tensor_parallel(model, WORLD, "fsdp")
+            target = self.part
+        self.opt = torch.optim.AdamW(self.part.parameters(), lr=1e-3)
+        self.mon = None
+        if name != "plain":
+            fields = {"token_stats": False} if name == "per_layer" else {}
+            self.mon = gradloc.watch(target, self.opt, store=False, **fields)
+        self.schedule = None
+        if mode == "pp":
+            from torch.distributed.pipelining import ScheduleGPipe
+
+            self.schedule = ScheduleGPipe(self.stage, cfg.micro_batches, loss_fn=lambda o, t: _loss(o, t).sum(),
+                                          scale_grads=False)
+        self.step_s: list[float] = []
+        self.before = self.mon.comm.collectives if self.mon is not None else 0
+
+    def step(self, batches: list, record: bool) -> None:
+        t0 = time.perf_counter()
+        if self.mode == "pp":
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])  # M × (B, T) -> (M·B, T)
+            if self.mon is not None:
+                losses = self.mon.pipeline_step(self.schedule, inputs=x, target=y, token_loss=_loss)
+                self.mon.end_step(torch.stack(losses).sum() if losses else None)
+            else:
+                kw = {"target": y, "losses": []} if self.stage.is_last else {}
+                self.schedule.step(*((x,) if self.stage.is_first else ()), **kw)
+        else:
+            total = torch.zeros(())
+            for x, y in batches:
+                block = self.mon.micro_batch(y) if self.mon is not None else _Null()
+                with block:
+                    loss = _loss(self.part(x), y).sum()
+                    loss.backward()
+                total += loss.detach()
+            if self.mon is not None:
+                self.mon.end_step(total)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if record:
+            self.step_s.append(time.perf_counter() - t0)
+
+    def params(self) -> list[torch.Tensor]:
+        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in self.part.parameters()]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    B, T, V = out.shape
+    return torch.nn.functional.cross_entropy(out.reshape(B * T, V).float(), y.reshape(B * T),
+                                             reduction="none").view(B, T) / (B * T)  # (B, T) terms
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig) -> dict[str, Any]:
+    from gradloc.demo.parallel import data_rank
+
+    mcfg = cfg.model(cfg.models[0])
+    rounds = cfg.rounds_for(cfg.models[0])
+    names = ("plain", "per_layer", "per_token")
+    variants = [_Variant(n, mode, rank, mcfg) for n in names]
+    gen = torch.Generator().manual_seed(cfg.seed + 1000 * data_rank("pp" if mode == "pp" else "tp", rank, world))
+    start = time.perf_counter()
+    try:
+        for r in range(cfg.warmup + rounds):
+            tokens = torch.randint(mcfg.vocab, (mcfg.micro_batches, mcfg.batch, mcfg.seq + 1), generator=gen)
+            batches = [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(mcfg.micro_batches)]  # (B, T+1) -> 2×(B, T)
+            k = r % len(variants)
+            for v in variants[k:] + variants[:k]:
+                v.step(batches, record=r >= cfg.warmup)
+        plain = variants[0].params()
+        identical = {v.name: all(torch.equal(a, b) for a, b in zip(plain, v.params())) for v in variants[1:]}
+    finally:
+        for v in variants:
+            if v.mon is not None:
+                v.mon.close()
+    med = {v.name: statistics.median(v.step_s) for v in variants}
+    steps = cfg.warmup + rounds
+    return {"ratios": {v.name: round(med[v.name] / med["plain"], 4) for v in variants[1:]},
+            "paired": {v.name: round(statistics.median(a / b for a, b in zip(v.step_s, variants[0].step_s)), 4)
+                       for v in variants[1:]},
+            "step_ms": {v.name: round(1000 * med[v.name], 2) for v in variants},
+            "collectives_per_step": {v.name: round((v.mon.comm.collectives - v.before) / steps, 3)
+                                     for v in variants[1:]},
+            "updates_identical": identical, "wall_s": round(time.perf_counter() - start, 1),
+            "model": {"d_model": mcfg.d_model, "n_layers": mcfg.n_layers, "vocab": mcfg.vocab, "batch": mcfg.batch,
+                      "seq": mcfg.seq, "micro_batches": mcfg.micro_batches, "rounds": rounds, "warmup": cfg.warmup}}
+
+
+def run_parallel_overhead(cfg: OverheadConfig, mode: str, timeout_s: float = 3000.0) -> dict[str, Any]:
+    from gradloc.demo.spawn import run_ranks
+
+    if mode not in MODES:
+        raise ValueError(f"--parallel must be one of {MODES}")
+    cfg = replace(cfg, models=(cfg.models[0],))
+    load_start, start = os.getloadavg()[0], time.perf_counter()
+    ranks = run_ranks(_rank, WORLD, mode, cfg, timeout_s=timeout_s, paths=(os.getcwd(),))
+    return {"parallel": {"mode": mode, "world_size": WORLD, **ranks[0], "ranks": [r["ratios"] for r in ranks],
+                         "updates_identical": all(all(r["updates_identical"].values()) for r in ranks)},
+            "torch_threads": 1, "torch_version": torch.__version__, "nproc": os.cpu_count(),
+            "wall_s": round(time.perf_counter() - start, 1), "loadavg_1m": [round(load_start, 2),
+                                                                            round(os.getloadavg()[0], 2)]}
+
+
+def format_parallel(res: dict[str, Any]) -> str:
+    p = res["parallel"]
+    m = p["model"]
+    lines = [f"{p['mode']}, {p['world_size']} ranks (gloo, CPU): ParallelGPT d_model {m['d_model']}, {m['n_layers']} "
+             f"layers, {m['micro_batches']} micro-batches of {m['batch']} × {m['seq']} per data rank, {m['rounds']} "
+             f"rounds (+{m['warmup']}), {res['wall_s']} s, load average {res['loadavg_1m'][0]} -> {res['loadavg_1m'][1]}",
+             "rank  variant    ratio  (paired on rank 0)"]
+    for r, ratios in enumerate(p["ranks"]):
+        for name, x in ratios.items():
+            paired = f"  ({p['paired'][name]:.3f})" if r == 0 else ""
+            lines.append(f"{r:>4}  {name:<9}  {x:.3f}{paired}")
+    lines.append(f"plain step ms (rank 0): {p['step_ms']['plain']}; gradloc collectives per step: "
+                 f"{p['collectives_per_step']}; updates identical to plain on every rank: {p['updates_identical']}")
+    return "\n".join(lines)
