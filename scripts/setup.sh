@@ -85,7 +85,7 @@ if [ -f "$site_packages/tests/__init__.py" ]; then
 fi
 # verl 0.9.1 for the real-verl tier (tests/verl_tier): it needs transformers < 5.11, tensordict <= 0.10
 # and ray, so it gets its own environment, .venv-verl (~1.9 GB; a no-op when up to date; see the reasons
-# in scripts/setup_verl.sh). GRADLOC_SKIP_VERL=1 leaves it out (tests/verl_tier/test_tier.py then skips).
+# in scripts/setup_verl.sh). GRADLOC_SKIP_VERL=1 leaves it out (tests/verl_tier/test_verl_tier.py then skips).
 if [ "${GRADLOC_SKIP_VERL:-0}" != 1 ]; then
   bash scripts/setup_verl.sh
 fi

@@ -119,7 +119,8 @@ class SampleJudge:
         text = _excerpt(meta, b, start, min(end, start + cfg.excerpt_tokens), decode)
         what = f"its worst {cfg.window}-token window" if by_window else "its mean over the sample"
         return SampleOutlier(
-            kind=OutlierKind.SURPRISE, step=where["step"], job=where["job"], rank=where["rank"], time_unix=where["time_unix"],
+            kind=OutlierKind.SURPRISE, step=where["step"], job=where["job"], rank=where["rank"],
+            time_unix=where["time_unix"],
             score=float(score), z=float(z), baseline=float(baseline), micro_batch=meta.index, sample=b,
             sample_id=meta.sample_id(b), start=start, end=end, tokens=n, text=text,
             detail=f"surprise {score:.2f} nats/token ({what}; run median {baseline:.2f}), z {z:.1f}")

@@ -21,7 +21,6 @@ from typing import Iterable
 import numpy as np
 
 from gradloc.errors import ConfigError
-from gradloc.records.events import labelled
 from gradloc.exporters.metric_specs import BY_KEY, MetricSpec
 from gradloc.exporters.snapshot import (
     JOB_KEYS,
@@ -35,6 +34,7 @@ from gradloc.exporters.snapshot import (
     TelemetrySnapshot,
     norm_hist_labels,
 )
+from gradloc.records.events import labelled
 from gradloc.reports import CorrelatedIncident, StepSummary
 
 

@@ -21,7 +21,8 @@ OTHER = "other"  # the label of every name not declared below
 # ``HeldBlocks(mon, tag)`` of the RL adapters (gradloc/adapters/rl/verl.py, openrlhf.py) and what they count
 HELD_TAGS: dict[str, str] = {"verl": "verl", "openrlhf": "OpenRLHF"}
 HELD_COUNTERS: dict[str, str] = {
-    "skipped_micro_batches": "micro-batches whose metadata could not be mapped after setup: trained, left out of per-token statistics",
+    "skipped_micro_batches": "micro-batches whose metadata could not be mapped after setup (trained, left out of "
+                             "per-token statistics)",
     "block_errors": "micro-batch blocks whose closing failed",
     "end_step_errors": "end_step calls that failed after setup (the step has no record)",
     "rl_fields_errors": "micro-batches whose RL fields could not be built (left out)",
@@ -62,7 +63,8 @@ MONITOR_EVENTS: dict[str, str] = {
     "hf_skipped_micro_batches": "Hugging Face Trainer: micro-batches left out of per-token statistics",
     "hf_end_step_errors": "Hugging Face Trainer: end_step calls that failed after setup",
     "trl_rl_field_errors": "TRL GRPO: steps whose RL fields could not be built (left out)",
-    "fused_head_errors": "TRL fused LM head (fused_lm_head=True): kernel calls whose per-position scores failed (the head's gradient unattributed)",
+    "fused_head_errors": "TRL fused LM head (fused_lm_head=True): kernel calls whose per-position scores failed "
+                         "(the head's gradient unattributed)",
     # RL adapters' held blocks: {tag}_{counter}
     **{f"{tag}_{counter}": f"{label}: {meaning}" for tag, label in HELD_TAGS.items()
        for counter, meaning in HELD_COUNTERS.items()},

@@ -14,8 +14,8 @@ from typing import Any, Callable
 from gradloc.records import (
     INCIDENT_SCHEMA_VERSION,
     MAX_SPAN_WINDOW,
-    ClassKind,
     Classification,
+    ClassKind,
     Culprit,
     CulpritGroup,
     CulpritSpan,

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from gradloc.records import (
     RL_ADVANTAGE_BUCKETS,
     RL_LOG_RATIO_BUCKETS,
-    ClassKind,
     Classification,
+    ClassKind,
     Culprit,
     CulpritGroup,
     CulpritSpan,
