@@ -30,9 +30,9 @@ def _rank(rank: int, world: int, stages: list[int], d_model: int, layers: int, r
     import torch
     from deepspeed.utils import safe_get_full_grad
 
-    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.collector.layer_stats import foreach_norms
     from gradloc.demo.model import GPTConfig, TinyGPT
+    from gradloc.parallel.zero import DeepSpeedGradAccess
 
     out = {}
     for stage in stages:

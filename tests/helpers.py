@@ -111,3 +111,38 @@ def norm_of(tensors: list[torch.Tensor]) -> float:
 
 def culprit_keys(loc) -> set[tuple[int, int, int]]:
     return {(c.micro_batch, c.sample, c.position) for c in loc.culprits}
+
+
+def train_random_lm(model: nn.Module, vocab: int, steps: int = 3, plant: tuple | None = None, probes: bool = False,
+                    logits=lambda out: out):  # noqa: ANN001
+    """A few AdamW steps of 2 micro-batches (4 × 16 random tokens) under a default monitor: (reports, covered
+    modules). ``plant`` = (step, micro-batch, sample, position): that token's loss weight × 3000; ``logits``:
+    the tensor of the model's output (an HF model's ``.logits``)."""
+    import gradloc
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=max(2, steps - 2)))
+    g = torch.Generator().manual_seed(1)
+    reports = []
+    for s in range(steps):
+        x = torch.randint(vocab, (2, 4, 17), generator=g)
+        w = torch.ones(2, 4, 16)
+        if plant is not None and s == plant[0]:
+            w[plant[1:]] = 3000.0
+
+        def loss(i, mask=None, x=x, w=w):  # noqa: ANN001, ANN202
+            terms = token_losses(logits(model(x[i, :, :-1])), x[i, :, 1:]) * w[i]
+            return (terms if mask is None else terms * mask).sum() / (terms.numel() * 2)
+
+        total = torch.zeros(())
+        for i in range(2):
+            with mon.micro_batch(x[i, :, 1:]):
+                li = loss(i)
+                li.backward()
+            total += li.detach()
+        reports.append(mon.end_step(total, probe=loss if probes else None))
+        opt.step()
+        opt.zero_grad()
+    covered = mon.hooks.covered_modules
+    mon.close()
+    return reports, covered

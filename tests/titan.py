@@ -91,8 +91,13 @@ def llama3_config(n_layers: int = 2, dim: int = 64, n_heads: int = 4, n_kv_heads
                   hidden: int = 128):
     """torchtitan's Llama 3 built by its own ``_build_llama3_layers`` (its debugmodel's inits), made small."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, Llama3Model, _build_llama3_layers,
-                                          _output_linear_init)
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        Llama3Model,
+        _build_llama3_layers,
+        _output_linear_init,
+    )
 
     layers = _build_llama3_layers(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
                                   hidden_dim=hidden, attn_backend="flex",

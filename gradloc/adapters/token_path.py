@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 from torch import nn
 

@@ -44,3 +44,14 @@ def _engine(**kw):
 def test_unverified_configurations_are_refused_by_name(attrs, named):
     with pytest.raises(UnsupportedModelError, match=named):
         DeepSpeedGradAccess(_engine(**attrs))
+
+
+def test_an_offload_entry_whose_device_is_none_is_no_offload():
+    """OpenRLHF writes offload_optimizer {"device": "none"} when nothing is offloaded: not refused (as DeepSpeed's
+    own zero_cpu_offload() reads it); a real device is."""
+    from gradloc.parallel.zero.grads import _offload
+
+    assert not _offload(_engine(zero_offload_optimizer=lambda: {"device": "none"}))
+    assert not _offload(_engine(zero_offload_optimizer=lambda: SimpleNamespace(device="none")))
+    assert _offload(_engine(zero_offload_optimizer=lambda: SimpleNamespace(device="cpu")))
+    assert not _offload(_engine())

@@ -85,11 +85,10 @@ class PPOTrainer:
 def build(stage: int, lr: float = 1e-3) -> PPOTrainer:
     import deepspeed
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from openrlhf.models import Actor
     from openrlhf.utils.deepspeed import DeepspeedStrategy
     from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     world = torch.distributed.get_world_size()
     args = SimpleNamespace(ds=SimpleNamespace(param_dtype="fp32", packing_samples=False),
@@ -108,11 +107,8 @@ def build(stage: int, lr: float = 1e-3) -> PPOTrainer:
                                     zpg=1)
     zero = ds_config["zero_optimization"]
     # "auto" values are filled by HF's integration, not by deepspeed.initialize: dropped (DeepSpeed's defaults).
-    # offload_* {"device": "none"} is no offload (DeepSpeed's zero_cpu_offload() is False), but gradloc's engine
-    # check (gradloc/parallel/zero/grads.py: _offload) reads any offload_optimizer entry as offload and refuses
-    # the engine; dropped until that check reads the device (reported to the owner).
-    ds_config["zero_optimization"] = {k: v for k, v in zero.items() if v != "auto" and not (
-        k.startswith("offload_") and v.get("device") == "none")}
+    # OpenRLHF's offload_* {"device": "none"} entries stay: that is no offload, and gradloc reads it so.
+    ds_config["zero_optimization"] = {k: v for k, v in zero.items() if v != "auto"}
     if stage == 3:
         ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every parameter
     ds_config.update(train_micro_batch_size_per_gpu=B, gradient_accumulation_steps=GAS, steps_per_print=10**9)
@@ -126,7 +122,6 @@ def experience(g: Any, actor: Any) -> Any:
     """B random (prompt, response) rows as OpenRLHF batches them: right-padded, action j ↔ token j + 1,
     old = reference = the current policy's log-probs (on-policy), rollout = old + engine noise."""
     import torch
-
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     rows = []
@@ -152,10 +147,10 @@ def train(rank: int, world: int, stage: int, steps: int, plant: tuple[int, int] 
     """``steps`` PPO optimizer steps of GAS micro-batches on this rank; what the tests check, by value."""
     stub_flash_attn()
     import torch
+    from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 
     import gradloc
     from gradloc.adapters.rl.openrlhf import GradlocOpenRLHF
-    from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
     from tests.distributed.ds_common import engine_params
 
     trainer = build(stage)

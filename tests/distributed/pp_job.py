@@ -102,8 +102,9 @@ def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: t
           monitor: bool = True, invariants: bool = False, die: tuple[int, int] | None = None,
           **watch: Any) -> dict[str, Any]:
     """``die`` = (rank, step): that rank exits inside the step's first probe (a stage dying mid-probe)."""
-    import gradloc
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    import gradloc
 
     dp = world // 2
     if model == "titan":

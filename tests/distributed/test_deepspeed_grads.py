@@ -92,8 +92,8 @@ def _nonfinite_case(rank: int, stage: int) -> dict:
     import torch
     from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
-    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.demo.model import GPTConfig, TinyGPT
+    from gradloc.parallel.zero import DeepSpeedGradAccess
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=VOCAB, seq=SEQ, d_model=D_MODEL, n_layers=2))
@@ -170,9 +170,9 @@ def _run_case(rank: int, world: int, stage: int, dtype: str) -> dict:
     import torch
     from deepspeed.utils import safe_get_full_grad
 
-    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.collector.layer_stats import group_name
     from gradloc.demo.model import GPTConfig, TinyGPT
+    from gradloc.parallel.zero import DeepSpeedGradAccess
     from tests.distributed import collectives
 
     torch.manual_seed(0)

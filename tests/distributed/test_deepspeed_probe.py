@@ -91,8 +91,8 @@ def _train(rank: int, stage: int, kind: str | None, probers: tuple[int, ...]) ->
     import deepspeed
     import torch
 
-    from gradloc.parallel.zero import DeepSpeedGradAccess
     from gradloc.demo.model import GPTConfig, TinyGPT
+    from gradloc.parallel.zero import DeepSpeedGradAccess
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=VOCAB, seq=SEQ, d_model=D_MODEL, n_layers=2))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.hf_trainer_job import MB, POS, ROW, STEPS, K, UID0, planted_row
+from tests.distributed.hf_trainer_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 from tests.distributed.launch import run
 
 pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import run
-from tests.distributed.tp_job import reference, train
+from tests.distributed.tp_job import reference
 
 STEPS, PLANT_STEP = 7, 6
 

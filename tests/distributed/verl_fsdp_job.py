@@ -18,7 +18,14 @@ def train(rank: int, world: int, steps: int, plant: tuple[int, int] | None, watc
 
     import gradloc
     from gradloc.adapters.rl.verl import GradlocVerlHooks
-    from tests.adapters.rl.verl_like import EngineWithLMHead, HFShaped, current_logp, loss_fn, make_batch, random_samples
+    from tests.adapters.rl.verl_like import (
+        EngineWithLMHead,
+        HFShaped,
+        current_logp,
+        loss_fn,
+        make_batch,
+        random_samples,
+    )
 
     module = HFShaped(0)
     for block in module.gpt.blocks:

@@ -47,7 +47,6 @@ class TorchRMSNormRule:
         return x.detach()
 
     def score(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        n = len(module.normalized_shape)
         # eps=None: torch uses the epsilon of its computation dtype (float32 for bf16/fp16/fp32 input,
         # float64 for float64), not of the input dtype (bf16's would be ~6e4× too large).
         return self.score_grouped(module, saved, g, 0)

@@ -261,7 +261,13 @@ def _check_engine(engine: Any) -> None:
 
 
 def _offload(engine: Any) -> bool:
-    return _call(engine, "zero_offload_optimizer", None) is not None
+    """Optimizer offload is on: a configured device other than "none" (OpenRLHF writes ``offload_optimizer:
+    {"device": "none"}`` when nothing is offloaded; DeepSpeed's own ``zero_cpu_offload()`` reads the device too)."""
+    cfg = _call(engine, "zero_offload_optimizer", None)
+    if cfg is None:
+        return False
+    device = getattr(cfg, "device", None) if not isinstance(cfg, dict) else cfg.get("device")
+    return str(getattr(device, "value", device)).lower() != "none"
 
 
 def _call(engine: Any, method: str, default: Any) -> Any:

@@ -19,11 +19,11 @@ from typing import Any, Sequence
 
 import torch
 
-from gradloc.parallel.zero.grads import PARTITIONS, DeepSpeedGradAccess
 from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.config import LayerGrouping
 from gradloc.errors import ProbeError
 from gradloc.localizer.probes import Grads, ProbeSession
+from gradloc.parallel.zero.grads import PARTITIONS, DeepSpeedGradAccess
 
 log = logging.getLogger("gradloc")
 

@@ -9,11 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gradloc
 from gradloc.collector.rules import rule_for
-from gradloc.demo.model import token_losses
 from tests import titan
-from tests.helpers import single_thread  # noqa: F401
+from tests.helpers import single_thread, train_random_lm  # noqa: F401
 
 needs_titan = pytest.mark.skipif(not titan.HAS_TITAN, reason="needs torchtitan (the test extra: scripts/setup.sh)")
 
@@ -119,32 +117,7 @@ def test_torchtitan_routed_experts_match_per_token_autograd():
 
 
 def _train(model: nn.Module, steps: int, plant: tuple | None = None, probes: bool = False):  # noqa: ANN202
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=max(2, steps - 2)))
-    g = torch.Generator().manual_seed(1)
-    reports = []
-    for s in range(steps):
-        x = torch.randint(titan.VOCAB, (2, 4, 17), generator=g)
-        w = torch.ones(2, 4, 16)
-        if plant is not None and s == plant[0]:
-            w[plant[1:]] = 3000.0
-
-        def loss(i, mask=None, x=x, w=w):  # noqa: ANN001, ANN202
-            terms = token_losses(model(x[i, :, :-1]), x[i, :, 1:]) * w[i]
-            return (terms if mask is None else terms * mask).sum() / (terms.numel() * 2)
-
-        total = torch.zeros(())
-        for i in range(2):
-            with mon.micro_batch(x[i, :, 1:]):
-                li = loss(i)
-                li.backward()
-            total += li.detach()
-        reports.append(mon.end_step(total, probe=loss if probes else None))
-        opt.step()
-        opt.zero_grad()
-    covered = mon.hooks.covered_modules
-    mon.close()
-    return reports, covered
+    return train_random_lm(model, titan.VOCAB, steps, plant, probes)
 
 
 @needs_titan

@@ -12,7 +12,7 @@ import gradloc
 from gradloc.collector.rules import rule_for
 from gradloc.demo.model import token_losses
 from tests.collector.rules.hf_zoo import FAMILIES, MOE, VOCAB, build, experts_of
-from tests.helpers import single_thread  # noqa: F401
+from tests.helpers import single_thread, train_random_lm  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 N, IMPLS = 10, ("eager", "batched_mm", "grouped_mm")
@@ -44,32 +44,7 @@ def test_fused_experts_scores_match_per_token_autograd(family, impl):
 
 
 def _train(model, steps: int = 3, plant: tuple | None = None, probes: bool = False):
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=max(2, steps - 2)))
-    g = torch.Generator().manual_seed(1)
-    reports = []
-    for s in range(steps):
-        x = torch.randint(VOCAB, (2, 4, 17), generator=g)
-        w = torch.ones(2, 4, 16)
-        if plant is not None and s == plant[0]:
-            w[plant[1:]] = 3000.0
-
-        def loss(i, mask=None, x=x, w=w):
-            terms = token_losses(model(x[i, :, :-1]).logits, x[i, :, 1:]) * w[i]
-            return (terms if mask is None else terms * mask).sum() / (terms.numel() * 2)
-
-        total = torch.zeros(())
-        for i in range(2):
-            with mon.micro_batch(x[i, :, 1:]):
-                li = loss(i)
-                li.backward()
-            total += li.detach()
-        reports.append(mon.end_step(total, probe=loss if probes else None))
-        opt.step()
-        opt.zero_grad()
-    covered = mon.hooks.covered_modules
-    mon.close()
-    return reports, covered
+    return train_random_lm(model, VOCAB, steps, plant, probes, logits=lambda out: out.logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
