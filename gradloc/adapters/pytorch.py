@@ -362,6 +362,7 @@ class Monitor:
         self.detector.agree = None
         self.spikes.alone = True
         self.tokens.alone = True
+        self.layer_stats.alone()
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank of the job: one all-reduce, on a step above the detector's

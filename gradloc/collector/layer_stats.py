@@ -139,6 +139,12 @@ class LayerStatsCollector:
         self.grad_view = grad_view
         self._build_groups()
 
+    def alone(self) -> None:
+        """This rank left its job (a failed collective): its own slices' statistics from now on, each at full
+        weight, never summed (its records say their layers are not the job's: ``layers_global=False``)."""
+        self.sharded, self.weights = False, [1.0] * len(self.params)
+        self._build_groups()
+
     @property
     def n_layers(self) -> int:
         return len(self.layers)

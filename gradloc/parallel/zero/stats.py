@@ -42,6 +42,9 @@ class DeepSpeedLayerStats(LayerStatsCollector):
         self._uncovered = [False] * len(self.params)
         self.off_boundary = 0  # end_step calls off the gradient-accumulation boundary (no statistics)
 
+    def alone(self) -> None:
+        """Left the job: the access sees its communicator broken and reports no statistics (grad_pack)."""
+
     @property
     def lockstep_probes(self) -> bool:
         """ZeRO-3's forward gathers parameters (collectives): every rank must take part in every probe."""
