@@ -87,6 +87,8 @@ class StepSummary:
     norm_mean: float | None = None  # the detector's healthy band (see StepRecord)
     norm_threshold: float | None = None
     samples: SampleStats | None = None  # per-sample outlier judgement (StepRecord.samples)
+    events: tuple[tuple[str, int], ...] = ()  # the monitor's event counts (StepRecord.events), cumulative
+    events_dropped: int = 0  # decoded from the wire: entries dropped as invalid (the agent counts them)
 
 
 def summarize(record: StepRecord) -> StepSummary:
@@ -101,7 +103,7 @@ def summarize(record: StepRecord) -> StepSummary:
                        record.loss, record.micro_batches, cols, record.tokens, record.nonfinite,
                        record.grad_scale, record.skipped, record.overhead_s, record.step_s, record.overhead,
                        record.shed, record.rl, record.layers_global, record.norm_mean, record.norm_threshold,
-                       record.samples)
+                       record.samples, record.events)
 
 
 @dataclass(frozen=True)

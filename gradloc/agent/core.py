@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from gradloc.agent.activity import Activity
+from gradloc.agent.correlator import Correlator, CorrelatorConfig
 from gradloc.errors import ConfigError
 from gradloc.exporters.state import StateConfig, TelemetryState
-from gradloc.agent.correlator import Correlator, CorrelatorConfig
 from gradloc.records import Incident, StepRecord
 from gradloc.reports import CorrelatedIncident, StepSummary, summarize
 
@@ -218,8 +218,6 @@ class AgentCore:
             self._done()
 
     def _item(self, item: Any, received: float) -> None:
-        # the monitor's event counts: a StepRecord's own (embedded), or a decoded step's (transport DecodedStep)
-        events, events_dropped = getattr(item, "events", ()), getattr(item, "events_dropped", 0)
         if isinstance(item, StepRecord):
             item = summarize(item)
         if not isinstance(item, _ITEMS):
@@ -228,8 +226,8 @@ class AgentCore:
         self.activity.touch(who.job, who.rank, received)
         if isinstance(item, StepSummary):
             self.state.observe_step(item, received)
-            if events or events_dropped:
-                self.state.observe_events(item.job, item.rank, events, events_dropped)
+            if item.events or item.events_dropped:
+                self.state.observe_events(item.job, item.rank, item.events, item.events_dropped)
             if item.samples is not None:
                 self.recent_outliers.extend(item.samples.outliers)
             self.correlator.on_step(item)

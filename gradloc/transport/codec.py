@@ -33,10 +33,10 @@ from gradloc.records import Incident
 from gradloc.reports import StepSummary
 from gradloc.transport import validate as v
 from gradloc.transport.codec_incidents import decode_incident, encode_incident
-from gradloc.transport.codec_steps import DecodedStep, decode_step, encode_step
+from gradloc.transport.codec_steps import decode_step, encode_step
 from gradloc.transport.wire import MAX_MESSAGE_BYTES, SUPPORTED_SCHEMA_VERSIONS, layer_table_id, pb
 
-__all__ = ["ClientInfo", "ClientDrops", "DecodedBatch", "DecodedStep", "LayerTableCache", "BatchDecoder", "LayerTables",
+__all__ = ["ClientInfo", "ClientDrops", "DecodedBatch", "LayerTableCache", "BatchDecoder", "LayerTables",
            "encode_step", "encode_incident", "decode_step", "decode_incident", "batch_bytes", "field_bytes",
            "check_table"]
 
@@ -70,7 +70,7 @@ class ClientDrops:
 class DecodedBatch:
     client: ClientInfo
     drops: ClientDrops
-    steps: tuple[StepSummary, ...]  # DecodedStep: with the monitor's event counts
+    steps: tuple[StepSummary, ...]
     incidents: tuple[Incident, ...]
     sequence: int = 0  # the client's batch number; a resent batch repeats it
 

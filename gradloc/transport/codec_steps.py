@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -35,16 +34,6 @@ _FLOAT_COLUMNS = ("grad_norm", "grad_max_abs", "param_norm")
 _INT_COLUMNS = ("layer_nonfinite", "numel")
 _MAX_SHED = 8
 _GRAD_EVENT = " but the step's nonfinite count is 0 (accepted only with a nonfinite count > 0)"
-
-
-@dataclass(frozen=True)
-class DecodedStep(StepSummary):
-    """A :class:`StepSummary` decoded from the wire, with the monitor's event counts it carried
-    (``StepRecord.events``, validated) and how many of its entries were dropped as invalid (the agent
-    counts them). In embedded mode the agent reads them off the ``StepRecord`` itself."""
-
-    events: tuple[tuple[str, int], ...] = ()
-    events_dropped: int = 0
 
 
 # -- encode (trainer side, background thread) --------------------------------------------------
@@ -142,7 +131,7 @@ def _encode_tokens(t: TokenStats, index: dict[str, int], out: pb.TokenStatsMsg) 
 
 # -- decode + validate (daemon side, hot path) -------------------------------------------------
 def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_size: int,
-                where: str, keep_top: bool = True) -> DecodedStep:
+                where: str, keep_top: bool = True) -> StepSummary:
     """One validated StepSummary; raises :class:`~gradloc.transport.validate.RejectedBatch`.
 
     ``keep_top=False`` validates the per-step top tokens but leaves ``tokens.top`` empty: building
@@ -154,7 +143,7 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
     job = v.text(m.job, f"{where}.job", required=True) if m.HasField("job") else job
     rank = v.rank(m.rank, world_size, f"{where}.rank") if m.HasField("rank") else rank
     events, dropped = _events(m) if m.events else ((), 0)
-    return DecodedStep(
+    return StepSummary(
         job, rank, v.count(m.step, f"{where}.step"), v.finite(m.time_unix, f"{where}.time_unix"),
         v.norm(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
         m.loss if m.HasField("loss") else None,  # any value: a non-finite loss is itself an event
