@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from gradloc.errors import ConfigError
 from gradloc.agent.merge import RankView, merge_incident
+from gradloc.errors import ConfigError
 from gradloc.records import Incident
 from gradloc.reports import CorrelatedIncident, StepSummary
 

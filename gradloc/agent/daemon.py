@@ -21,10 +21,10 @@ from typing import Any
 
 from gradloc.agent.config import AgentConfig
 from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport, Journaled
+from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.agent.http import AgentHttpServer
 from gradloc.agent.limits import IncidentLimits
 from gradloc.exporters.state import StateConfig
-from gradloc.agent.correlator import CorrelatorConfig
 
 log = logging.getLogger(__name__)
 

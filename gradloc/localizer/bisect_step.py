@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradloc.localizer.bisection import bisect, sqrt_threshold
-from gradloc.localizer.context import LocalizeResult, SpikeContext, StoredGradient, explained_of, loss_fields, probe_into
+from gradloc.localizer.context import (
+    LocalizeResult,
+    SpikeContext,
+    StoredGradient,
+    explained_of,
+    loss_fields,
+    probe_into,
+)
 from gradloc.localizer.diffuse import describe, sample_shares
 from gradloc.localizer.probes import Grads, ProbeSession
 from gradloc.localizer.spans import build_culprits, build_spans

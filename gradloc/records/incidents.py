@@ -6,6 +6,7 @@ from enum import StrEnum
 
 from gradloc.records.steps import INCIDENT_SCHEMA_VERSION, LayerShare, LayerStats, SpikeEvent
 
+
 @dataclass(frozen=True)
 class TokenRL:
     """One token's RL fields as the loss saw them (None where the trainer did not give one)."""

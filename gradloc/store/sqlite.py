@@ -23,9 +23,9 @@ from typing import Any, Self
 from gradloc.errors import ConfigError
 from gradloc.records import SampleOutlier
 from gradloc.reports import CorrelatedIncident, StepSummary
-from gradloc.store import outliers as _outliers
 from gradloc.store import aliases as _aliases
 from gradloc.store import inbox as _inbox
+from gradloc.store import outliers as _outliers
 from gradloc.store import retention as _retention
 from gradloc.store.errors import AmbiguousIdError, StoreError
 from gradloc.store.incident_json import correlated_from_dict

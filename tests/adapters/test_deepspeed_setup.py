@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gradloc.parallel.zero import DeepSpeedGradAccess
 from gradloc.errors import UnsupportedModelError
+from gradloc.parallel.zero import DeepSpeedGradAccess
 
 
 def test_importing_the_adapter_does_not_import_deepspeed():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gradloc.errors import ConfigError
 from gradloc.agent.correlator import Correlator, CorrelatorConfig
+from gradloc.errors import ConfigError
 from gradloc.reports import CorrelatedIncident
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

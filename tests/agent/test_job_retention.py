@@ -11,10 +11,10 @@ import pytest
 from gradloc.agent.activity import Activity
 from gradloc.agent.config import AgentConfig, load_config
 from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport
+from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.agent.daemon import Daemon
 from gradloc.errors import ConfigError
 from gradloc.exporters.prometheus import render
-from gradloc.agent.correlator import CorrelatorConfig
 from tests.exporters.builders import columns, step
 from tests.localizer.builders import finding
 

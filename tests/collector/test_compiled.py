@@ -11,8 +11,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import gradloc
-from gradloc.collector.token_hooks import TokenHooks
 from gradloc.collector.layer_stats import module_layer_map
+from gradloc.collector.token_hooks import TokenHooks
 from tests.helpers import backward_step, make_data, single_thread, tiny_gpt  # noqa: F401
 
 DET = gradloc.DetectorConfig(warmup=3)

@@ -316,8 +316,7 @@ def test_a_job_s_ranks_agree_on_a_sample_spike_that_one_rank_holds():
     """Each rank judges only its own samples. On a step past the sample band the detectors ask the job
     (one all-reduce, in-process ranks here) whether any rank holds an outlier: rank 1's outlier makes
     the step a sample_spike on both ranks; inside the band no collective runs; nobody's: none."""
-    from gradloc.collector.job import as_judged
-    from gradloc.collector.job import JobView
+    from gradloc.collector.job import JobView, as_judged
     from tests.localizer.fake_comm import FakeJob
 
     rec = record(5, 1.5, samples=_odd(5))

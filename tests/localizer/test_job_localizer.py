@@ -12,14 +12,13 @@ import contextlib
 import pytest
 import torch
 
-from gradloc.config import WatchConfig
+from gradloc.config import LocalizerConfig, WatchConfig
+from gradloc.localizer.localizer import Localizer, StoredGradient
+from gradloc.localizer.scope import ProbeFailed
 from gradloc.parallel.data import DDP
 from gradloc.parallel.job import Job
 from gradloc.parallel.layout import Layout
 from gradloc.parallel.scope import JobScope
-from gradloc.config import LocalizerConfig
-from gradloc.localizer.localizer import Localizer, StoredGradient
-from gradloc.localizer.scope import ProbeFailed
 from tests.helpers import single_thread  # noqa: F401
 from tests.localizer.builders import Toy, basis, ctx, planted
 from tests.localizer.fake_comm import FakeJob

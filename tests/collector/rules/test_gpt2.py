@@ -11,7 +11,6 @@ pass's dropout masks.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 from torch import nn

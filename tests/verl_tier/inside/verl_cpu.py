@@ -15,7 +15,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-
 _INSTALLED = False
 
 

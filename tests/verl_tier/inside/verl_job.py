@@ -91,7 +91,6 @@ def make_batch(g: Any, engine: Any, world: int, plant: bool, ref: bool = False) 
     """One rank's step batch: (DataProto with old/rollout log-probs, advantages, IS weights; its TensorDict)."""
     import numpy as np
     import torch
-
     from verl import DataProto
     from verl.trainer.ppo import core_algos
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
