@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from gradloc.collector.layer_stats import combine_packs
+from gradloc.collector.packs import JOB_ROW, Pack, layer_pack, update_pack
+
 if TYPE_CHECKING:
     from gradloc.records import StepRecord
 
@@ -39,40 +42,42 @@ class JobView:
 
 def job_vector(loss: torch.Tensor | float | None, top: torch.Tensor | float, total: torch.Tensor | float,
                device: torch.device) -> torch.Tensor:
-    """(3,) float64: [loss (NaN unknown), top token score, total token score] of this rank."""
+    """(3,) float64 ``packs.JOB_ROW``: [loss (NaN unknown), top token score, total token score] of this rank."""
     def t(x):  # noqa: ANN001, ANN202
         return x.detach().to(device, torch.float64).reshape(1) if isinstance(x, torch.Tensor) else \
             torch.tensor([math.nan if x is None else float(x)], dtype=torch.float64, device=device)
 
-    return torch.cat([t(loss), t(top), t(total)])
+    return JOB_ROW.build(loss=t(loss), top=t(top), total=t(total))
 
 
-def gather_step(comm: Gather, n_layers: int, layer_pack: torch.Tensor | None, update: torch.Tensor | None,
+def step_row(n_layers: int, summed: bool) -> Pack:
+    """A rank's row of the step gather: its job row and, when the job sums its ranks' packs, its layer pack and
+    update sums — always there, zeros where this rank measured none this step, and a 1/0 saying which."""
+    if not summed:
+        return JOB_ROW
+    return JOB_ROW + Pack.of(layers=len(layer_pack(n_layers)), update=len(update_pack(n_layers)), has_update=1)
+
+
+def gather_step(comm: Gather, n_layers: int, layers: torch.Tensor | None, update: torch.Tensor | None,
                 job: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """All-gather this rank's job vector (and, when the job sums its ranks' packs, its layer pack and update
-    sums) in one collective. Returns the job's layer pack, the job's update sums and the (W, 3) job rows.
+    """All-gather this rank's :func:`step_row` in one collective. Returns the job's layer pack, the job's update
+    sums and the (W, 3) job rows.
 
-    The vector's layout must be the same on every rank whatever each rank's optional state: with a layer
-    pack, the update segment is always there — (3L,) sums, zeros where this rank measured none this step
-    (its meter shed the update ratios, say), and a 1/0 — and the returned (3L + 1,) sums end with the number
-    of ranks that had one (collector/step.py uses them only when that is every rank)."""
-    L = n_layers
-    parts = [job]
-    if layer_pack is not None:
-        upd = update.to(job.device, torch.float64) if update is not None else \
-            torch.zeros(3 * L, dtype=torch.float64, device=job.device)
-        has = torch.ones(1, dtype=torch.float64, device=job.device) * float(update is not None)
-        parts += [layer_pack.to(job.device, torch.float64), upd, has]
-    rows = comm.all_gather(torch.cat(parts), "gradloc step gather")  # (W, n)
+    The row's layout is the same on every rank whatever each rank's optional state (its meter may have shed the
+    update ratios); the returned (3L + 1,) update sums end with the number of ranks that had one
+    (collector/step.py uses them only when that is every rank)."""
+    row = step_row(n_layers, layers is not None)
+    f64 = dict(dtype=torch.float64, device=job.device)
+    parts = {"loss": JOB_ROW.get(job, "loss"), "top": JOB_ROW.get(job, "top"), "total": JOB_ROW.get(job, "total")}
+    if layers is not None:
+        parts.update(layers=layers.to(**f64), has_update=torch.tensor([float(update is not None)], **f64),
+                     update=update.to(**f64) if update is not None else torch.zeros(len(update_pack(n_layers)), **f64))
+    rows = comm.all_gather(row.build(**parts), "gradloc step gather")  # (W, len(row))
     out_pack = out_update = None
-    pos = 3
-    if layer_pack is not None:
-        packs = rows[:, pos:pos + 4 * L + 1]  # (W, 4L + 1)
-        out_pack = packs.sum(0)
-        out_pack[L:2 * L] = packs[:, L:2 * L].amax(0)  # max |g| combines by max
-        pos += 4 * L + 1
-        out_update = rows[:, pos:pos + 3 * L + 1].sum(0)  # (W, 3L + 1) -> (3L + 1,): [sums | ranks that had one]
-    return out_pack, out_update, rows[:, :3]
+    if layers is not None:
+        out_pack = combine_packs(row.get(rows, "layers"), n_layers)  # (W, 4L + 1) -> (4L + 1,)
+        out_update = torch.cat([row.get(rows, "update"), row.get(rows, "has_update")], dim=1).sum(0)  # -> (3L + 1,)
+    return out_pack, out_update, rows[:, :len(JOB_ROW)]  # (W, 3): the JOB_ROW fields lead the row
 
 
 def job_view(rows: np.ndarray) -> JobView:

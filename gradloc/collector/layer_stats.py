@@ -1,7 +1,7 @@
 """Per-layer gradient statistics with foreach kernels: one packed tensor, one host transfer.
 
-Layout of :meth:`LayerStatsCollector.grad_pack` (all float32, length 4·L + 1 for L layer groups):
-``[grad_sq(L) | grad_max_abs(L) | param_sq(L) | present(L) | uncovered_sq]``. Exact non-finite
+Layout of :meth:`LayerStatsCollector.grad_pack`: ``collector/packs.layer_pack`` (float32, 4·L + 1 for L layer
+groups: ‖g‖², max |g|, ‖θ‖², present, and the unattributed parameters' squares). Exact non-finite
 counts are only computed on the rare path where a norm came out non-finite.
 
 In a job (``parallel/job.py``, :meth:`LayerStatsCollector.relayout`) L is the job's layer list (every
@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from gradloc.collector.packs import layer_pack
 from gradloc.config import LayerGrouping
 from gradloc.records import LayerStats
 
@@ -178,15 +179,11 @@ class LayerStatsCollector:
         ``uncovered_sq`` also counts the parameters listed in ``unattributed`` (indices of covered
         parameters whose module was not scored this step).
         """
-        L = self.n_layers
         extra = set(unattributed)
         packs = [self._device_pack(g, inv_scale, extra) for g in self._groups]
         if len(packs) == 1:
             return packs[0]
-        packs = [p.to(self.device, non_blocking=True) for p in packs]
-        total = torch.stack(packs).sum(0)  # (devices, 4L + 1) -> (4L + 1,)
-        total[L:2 * L] = torch.stack([p[L:2 * L] for p in packs]).amax(0)  # max |g| combines by max
-        return total
+        return combine_packs(torch.stack([p.to(self.device, non_blocking=True) for p in packs]), self.n_layers)
 
     def _device_pack(self, g: _DeviceGroup, inv_scale: float | torch.Tensor, extra: set[int]) -> torch.Tensor:
         L = self.n_layers
@@ -196,9 +193,8 @@ class LayerStatsCollector:
         whole = len(present) == len(g.members)
         idx = g.group_index if whole else self._index_for(g, tuple(present))
         raw = [self.params[g.members[j]].grad for j in present]
-        zeros = torch.zeros(L, device=g.device)
         if not raw:
-            return torch.cat([zeros, zeros, zeros, zeros, zeros[:1]])
+            return torch.zeros(len(layer_pack(L)), device=g.device)
         w = g.weight if whole else g.weight[present]  # (P_present,) the parameters' replica weights
         wg = w
         if self.grad_view is not None:  # DTensor gradients: local values, and their own placements' weights
@@ -208,18 +204,11 @@ class LayerStatsCollector:
         else:
             grads = [local(t) for t in raw]
         params = [local(self.params[g.members[j]].detach()) for j in present]
-        g_norm = foreach_norms(grads)  # (P_present,)
-        g_sq = g_norm.pow(2) * inv_scale**2 * wg
-        grad_sq = zeros.index_add(0, idx, g_sq)
-        grad_max = zeros.scatter_reduce(0, idx, max_abs(grads) * inv_scale, "amax", include_self=True)
-        param_sq = zeros.index_add(0, idx, foreach_norms(params).pow(2) * w)
-        has = zeros.index_add(0, idx, torch.ones_like(g_norm))
         unc = g.uncovered if g.uncovered is not None else torch.zeros(len(g.members), device=g.device)
-        unc = unc if len(present) == len(g.members) else unc[present]
+        unc = unc if whole else unc[present]
         if extra:  # rare: a module's calls could not be scored this step
             unc = torch.maximum(unc, torch.tensor([float(g.members[j] in extra) for j in present], device=g.device))
-        uncovered_sq = (g_sq * unc).sum()[None]
-        return torch.cat([grad_sq, grad_max, param_sq, has, uncovered_sq])  # 4 × (L,) + (1,) -> (4L + 1,)
+        return pack_slices(L, idx, grads, params, inv_scale, torch.ones(len(grads), device=g.device), unc, wg, w)
 
     @staticmethod
     def _index_for(g: _DeviceGroup, present: tuple[int, ...]) -> torch.Tensor:
@@ -242,16 +231,47 @@ class LayerStatsCollector:
 
     def unpack(self, host: Sequence[float], nonfinite: Sequence[int] | None) -> tuple[LayerStats, ...]:
         """LayerStats of the layers that received a gradient (update ratios arrive a step later)."""
-        L = self.n_layers
-        out = []
-        for i, name in enumerate(self.layers):
-            grad_sq, gmax, psq, has = host[i], host[L + i], host[2 * L + i], host[3 * L + i]
-            if has == 0:
-                continue  # no gradient reached this layer this step
-            out.append(LayerStats(layer=name, grad_norm=float(grad_sq) ** 0.5, grad_max_abs=float(gmax),
-                                  nonfinite=nonfinite[i] if nonfinite else 0, param_norm=float(psq) ** 0.5,
-                                  numel=self.numel[i]))
-        return tuple(out)
+        return unpack_layers(host, self.layers, self.numel, nonfinite)
+
+
+def pack_slices(L: int, index: torch.Tensor, grads: list[torch.Tensor], params: list[torch.Tensor],
+                inv_scale: float | torch.Tensor, present: torch.Tensor, uncovered: torch.Tensor,
+                grad_weight: torch.Tensor | None = None, param_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer pack (``packs.layer_pack``) of the gradient slices this rank holds: ``index`` (P,) each slice's
+    layer, ``present`` (P,) what it adds to its layer's present count, ``uncovered`` (P,) 0/1 no rule attributes
+    it, the weights (P,) its share of a world-wide sum (replicas: 1/their count; None: 1)."""
+    zeros = torch.zeros(L, device=index.device)
+    g_sq = foreach_norms(grads).pow(2) * inv_scale**2  # (P,)
+    p_sq = foreach_norms(params).pow(2)
+    if grad_weight is not None:
+        g_sq = g_sq * grad_weight
+    if param_weight is not None:
+        p_sq = p_sq * param_weight
+    return layer_pack(L).build(grad_sq=zeros.index_add(0, index, g_sq),
+                               grad_max=zeros.scatter_reduce(0, index, max_abs(grads) * inv_scale, "amax",
+                                                             include_self=True),
+                               param_sq=zeros.index_add(0, index, p_sq), present=zeros.index_add(0, index, present),
+                               uncovered_sq=(g_sq * uncovered).sum())
+
+
+def combine_packs(packs: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """(n, P) layer packs (devices, ranks) -> the combined (P,): sums, and max |g| by max (any fields after the
+    layer pack's — a ZeRO pack's ``ranks_ok`` — sum too)."""
+    total = packs.sum(0)
+    span = layer_pack(n_layers).span("grad_max")
+    total[span] = packs[:, span].amax(0)
+    return total
+
+
+def unpack_layers(host: Sequence[float], layers: Sequence[str], numel: Sequence[int],
+                  nonfinite: Sequence[int] | None) -> tuple[LayerStats, ...]:
+    """LayerStats from a host layer pack (``packs.layer_pack``), for the layers that received a gradient."""
+    lp = layer_pack(len(layers))
+    grad_sq, gmax, psq, has = (lp.get(host, f) for f in ("grad_sq", "grad_max", "param_sq", "present"))
+    return tuple(LayerStats(layer=name, grad_norm=float(grad_sq[i]) ** 0.5, grad_max_abs=float(gmax[i]),
+                            nonfinite=nonfinite[i] if nonfinite else 0, param_norm=float(psq[i]) ** 0.5,
+                            numel=numel[i])
+                 for i, name in enumerate(layers) if has[i] != 0)  # none: no gradient reached it this step
 
 
 @dataclass(frozen=True)

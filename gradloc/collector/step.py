@@ -1,8 +1,8 @@
 """Assemble one optimizer step's measurements into a :class:`StepRecord` with one host transfer.
 
-Packed layout (float64): ``[layer pack (4L) | uncovered_sq | scale | loss? | token summary? |
-RL pack? | per-sample surprise pack? | token group check (4)? | previous step's update sums (3L)? |
-every rank's job vector (3W)?]``. In a multi-rank job
+Packed layout (float64): a ``packs.Pack`` of the fields present this step, in this order: the layer pack, the
+GradScaler scale, the loss (a tensor), the token summary, the RL pack, the per-sample surprise pack, the token
+group's check, the previous step's update sums, every rank's job row. In a multi-rank job
 one collective precedes the transfer (collector/job.py); on one rank there is none.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from gradloc.collector.job import Gather, JobView, gather_step, job_vector, job_view
 from gradloc.collector.layer_stats import LayerStatsCollector
-from gradloc.collector.rl_fields import PACK_LENGTH as RL_PACK_LENGTH
+from gradloc.collector.packs import Pack, layer_pack
 from gradloc.collector.rl_fields import unpack_rl
-from gradloc.collector.token_summary import StepScores, summary_length, summary_pack, unpack_summary
+from gradloc.collector.token_summary import StepScores, summary_layout, summary_pack, unpack_summary
 from gradloc.records import StepRecord
 
 
@@ -60,85 +60,62 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     else:
         scale = torch.ones(1, dtype=torch.float64, device=dev)
     inv = 1.0 if (x.scale is None or x.unscaled_already) else scale.reciprocal()
-    pack, update = layers.grad_pack(inv, x.unattributed), x.previous_update  # (4L + 1,), (3L,)?
+    pack, update = layers.grad_pack(inv, x.unattributed), x.previous_update  # layer_pack, update_pack?
     loss_t = x.loss if isinstance(x.loss, torch.Tensor) else None
     summary = summary_pack(x.scores, x.top_k) if x.scores is not None else None
     rows = None
     if x.comm is not None:
-        top, total = (summary[len(x.scores.metas)], summary[-1]) if summary is not None else (0.0, 0.0)
+        top, total = (0.0, 0.0)
+        if summary is not None:
+            tl = summary_layout(x.scores, x.top_k, len(x.token_layers))
+            top, total = tl.get(summary, "top_vals")[:1].sum(), tl.get(summary, "total")[0]  # (none: 0)
         job = job_vector(loss_t if loss_t is not None else x.loss, top, total * x.score_weight, dev)
         shared_pack, shared_update, rows = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None,
                                                        update, job)
         pack = shared_pack if shared_pack is not None else pack
         update = shared_update if shared_update is not None else update  # summed: (3L + 1,), ends with a count
-    parts = [pack, scale]  # (4L + 1,), (1,)
-    if loss_t is not None:
-        parts.append(loss_t.detach().reshape(1))
-    if summary is not None:
-        parts.append(summary)
-    if x.rl is not None:
-        parts.append(x.rl)
-    if x.samples is not None:
-        parts.append(x.samples)
-    if x.scores is not None and x.scores.check is not None:
-        parts.append(x.scores.check)  # (4,)
-    if update is not None:
-        parts.append(update)
-    if rows is not None:
-        parts.append(rows.flatten())  # (W, 3) -> (3W,)
-    host = torch.cat([p.to(dev, torch.float64).flatten() for p in parts]).cpu().numpy()  # one transfer
-    return _parse(host, layers, x, loss_t is not None)
+    fields = {"layers": pack, "scale": scale, "loss": loss_t, "tokens": summary, "rl": x.rl, "samples": x.samples,
+              "check": x.scores.check if x.scores is not None else None, "update": update,
+              "job": rows.flatten() if rows is not None else None}  # (W, 3) -> (3W,)
+    fields = {k: v.detach().to(dev, torch.float64).reshape(-1) for k, v in fields.items() if v is not None}
+    layout = Pack.of(**{k: v.numel() for k, v in fields.items()})
+    host = layout.build(**fields).cpu().numpy()  # the step's one host transfer
+    return _parse(host, layout, layers, x)
 
 
-def _parse(host: np.ndarray, layers: LayerStatsCollector, x: StepInputs, has_loss_t: bool) -> Assembled:
+def _parse(host: np.ndarray, layout: Pack, layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     L = layers.n_layers
-    pack = host[: 4 * L]
-    uncovered_sq, scale = float(host[4 * L]), float(host[4 * L + 1])
-    pos = 4 * L + 2
-    if has_loss_t:
-        loss: float | None = float(host[pos])
-        pos += 1
-    else:
-        loss = float(x.loss) if x.loss is not None else None
-    total_sq = float(pack[:L].sum())
+    present = {name for name, _ in layout.fields}
+    pack, scale = layout.get(host, "layers"), layout.scalar(host, "scale")
+    uncovered_sq = float(layer_pack(L).get(pack, "uncovered_sq")[0])
+    loss = layout.scalar(host, "loss") if "loss" in present else float(x.loss) if x.loss is not None else None
+    total_sq = float(layer_pack(L).get(pack, "grad_sq").sum())
     finite = math.isfinite(total_sq)
     nonfinite = None if finite else layers.nonfinite_counts()  # rare path: exact counts
     tokens = None
-    if x.scores is not None:
-        n = summary_length(x.scores, x.top_k, len(x.token_layers))
+    if "tokens" in present:
         share = uncovered_sq / total_sq if finite and total_sq > 0 else 0.0
-        tokens = unpack_summary(host[pos:pos + n], x.scores, x.top_k, x.token_layers, 1.0 / scale**2, share)
-        pos += n
-    rl = None
-    if x.rl is not None:
-        rl = unpack_rl(host[pos:pos + RL_PACK_LENGTH])
-        pos += RL_PACK_LENGTH
-    samples = None
-    if x.samples is not None:
-        samples = host[pos:pos + x.samples.numel()].copy()
-        pos += x.samples.numel()
-    check = None
-    if x.scores is not None and x.scores.check is not None:
-        check = [float(v) for v in host[pos:pos + 4]]
-        pos += 4
+        tokens = unpack_summary(layout.get(host, "tokens"), x.scores, x.top_k, x.token_layers, 1.0 / scale**2, share)
     record = StepRecord(
         job=x.job, rank=x.rank, step=x.step, time_unix=time.time(),
         global_norm=math.sqrt(total_sq) if finite else float("nan"), loss=loss,
         micro_batches=x.micro_batches, layers=layers.unpack(pack, nonfinite), tokens=tokens,
         nonfinite=sum(nonfinite) if nonfinite else 0,
         grad_scale=scale if x.scale is not None else None,
-        skipped=x.scale is not None and not finite, rl=rl,
+        skipped=x.scale is not None and not finite,
+        rl=unpack_rl(layout.get(host, "rl")) if "rl" in present else None,
     )
     previous = None
-    if x.comm is not None and layers.sharded:  # the job's sums, and how many ranks measured an update
-        if host[pos + 3 * L] == x.comm.world_size:
-            previous = host[pos:pos + 3 * L].copy()
-        pos += 3 * L + 1
-    elif x.previous_update is not None:
-        previous = host[pos:pos + 3 * L].copy()
-        pos += 3 * L
-    job = job_view(host[pos:].reshape(-1, 3)) if x.comm is not None else None  # (3W,) -> (W, 3)
-    return Assembled(record, previous, scale, job, samples, check)
+    if "update" in present:
+        upd = layout.get(host, "update")
+        if x.comm is not None and layers.sharded:  # the job's sums, and how many ranks measured an update
+            previous = upd[:3 * L].copy() if upd[3 * L] == x.comm.world_size else None
+        else:
+            previous = upd.copy()
+    job = job_view(layout.get(host, "job").reshape(-1, 3)) if "job" in present else None  # (3W,) -> (W, 3)
+    samples = layout.get(host, "samples").copy() if "samples" in present else None
+    check = [float(v) for v in layout.get(host, "check")] if "check" in present else None
+    return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.packs import Pack
 from gradloc.collector.token_hooks import MicroBatchScores
 from gradloc.records import LayerShare, TokenScore, TokenStats
 
@@ -76,35 +77,39 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
                       frozenset(dropped_layers), frozenset((called | watched) - scored), exact_layer)
 
 
+def summary_layout(s: StepScores, k: int, n_layers: int) -> Pack:
+    """The step's token summary: micro-batch sums (M), the top-k tokens' scores, flat indices and token ids (-1
+    where a micro-batch gave none), their per-layer breakdown (L·k, none without per-layer rows), the total."""
+    k = min(k, int(s.totals.numel()))
+    return Pack.of(mb_sums=len(s.metas), top_vals=k, top_idx=k, top_ids=k,
+                   breakdown=n_layers * k if s.per_layer is not None else 0, total=1)
+
+
 def summary_pack(s: StepScores, k: int) -> torch.Tensor:
-    """``[mb_sums(M) | top_vals(k) | top_idx(k) | top_token_ids(k) | breakdown(L·k)? | total]``
-    (float64; token ids are -1 where a micro-batch gave none; no breakdown without per-layer rows)."""
+    """The :func:`summary_layout` vector (float64, on the device)."""
     masked = torch.where(s.eligible, s.totals, torch.zeros_like(s.totals))
     k = min(k, masked.numel())
     vals, idx = torch.topk(masked, k)
     offs = s.offsets
-    mb_sums = torch.stack([s.totals[a:b].sum() for a, b in zip(offs, offs[1:])])
     ids = torch.cat([m.token_ids.reshape(-1).to(masked.device) if m.token_ids is not None  # (B, T) -> (B·T,)
                      else torch.full((m.n_tokens,), -1, device=masked.device) for m in s.metas])
-    breakdown = [s.per_layer[:, idx].flatten()] if s.per_layer is not None else []  # (L, k) -> (L·k,)
-    parts = [mb_sums, vals, idx.to(vals.dtype), ids[idx].to(vals.dtype), *breakdown, s.totals.sum()[None]]
-    return torch.cat([p.double() for p in parts])
-
-
-def summary_length(s: StepScores, k: int, n_layers: int) -> int:
-    k = min(k, int(s.totals.numel()))
-    return len(s.metas) + 3 * k + (n_layers * k if s.per_layer is not None else 0) + 1
+    layout = summary_layout(s, k, s.per_layer.shape[0] if s.per_layer is not None else 0)
+    return layout.build(mb_sums=torch.stack([s.totals[a:b].sum() for a, b in zip(offs, offs[1:])]).double(),
+                        top_vals=vals.double(), top_idx=idx.double(), top_ids=ids[idx].double(),
+                        breakdown=(s.per_layer[:, idx].flatten() if s.per_layer is not None  # (L, k) -> (L·k,)
+                                   else vals.new_zeros(0)).double(), total=s.totals.sum().double())
 
 
 def unpack_summary(host: np.ndarray, s: StepScores, k: int, layers: Sequence[str], scale_sq: float,
                    unattributed_share: float) -> TokenStats:
-    M, L = len(s.metas), len(layers) if s.per_layer is not None else 0
+    L = len(layers) if s.per_layer is not None else 0
     k = min(k, int(s.totals.numel()))
-    mb = host[:M] * scale_sq
-    vals, idx = host[M:M + k] * scale_sq, host[M + k:M + 2 * k].astype(np.int64)
-    tok_ids = host[M + 2 * k:M + 3 * k].astype(np.int64)
-    breakdown = host[M + 3 * k:M + 3 * k + L * k].reshape(L, k) * scale_sq  # (L·k,) -> (L, k)
-    total = float(host[M + 3 * k + L * k]) * scale_sq
+    layout = summary_layout(s, k, L)
+    mb = layout.get(host, "mb_sums") * scale_sq
+    vals, idx = layout.get(host, "top_vals") * scale_sq, layout.get(host, "top_idx").astype(np.int64)
+    tok_ids = layout.get(host, "top_ids").astype(np.int64)
+    breakdown = layout.get(host, "breakdown").reshape(L, k) * scale_sq  # (L·k,) -> (L, k)
+    total = layout.scalar(host, "total") * scale_sq
     offs = np.asarray(s.offsets)
     top = []
     for j in range(k):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from gradloc.collector.layer_stats import foreach_norms, local
+from gradloc.collector.packs import update_pack
 
 if TYPE_CHECKING:
     from gradloc.collector.layer_stats import LayerStatsCollector
@@ -185,20 +186,22 @@ class UpdateRatioTracker:
         self._live = _Live(window, by_device, before)
 
     def after_step(self) -> tuple[Window, torch.Tensor] | None:
-        """Post-hook: the window and per-layer ``[Σ‖Δ‖² (L) | Σ‖θ_before‖² (L) | elements covered (L)]``
-        on the primary device (sharded: this rank's, to be summed over ranks)."""
+        """Post-hook: the window and its per-layer sums (``packs.update_pack``: Σ‖Δ‖², Σ‖θ_before‖², elements
+        covered) on the primary device (sharded: this rank's, to be summed over ranks)."""
         live, self._live = self._live, None
         if live is None:
             return None
         L = self.n_layers
-        out = torch.zeros(3 * L, device=self.primary)
-        out[2 * L:] = torch.from_numpy(live.window.layer_elems.astype(np.float32)).to(self.primary)
+        up = update_pack(L)
+        out = torch.zeros(len(up), device=self.primary)
+        up.get(out, "elements")[:] = torch.from_numpy(live.window.layer_elems.astype(np.float32)).to(self.primary)
         for (idx, dst, (layer, w)), before_sq in zip(live.by_device, live.before_sq):
             pieces = [live.window.pieces[j] for j in idx]
             torch._foreach_sub_(dst, self._sources(pieces))  # θ_before − θ_after
             delta_sq = foreach_norms(dst).pow(2)  # (pieces,)
-            part = torch.zeros(3 * L, device=layer.device)
-            part.index_add_(0, layer, delta_sq * w).index_add_(0, layer + L, before_sq * w)
+            part = torch.zeros(len(up), device=layer.device)
+            up.get(part, "delta_sq").index_add_(0, layer, delta_sq * w)
+            up.get(part, "before_sq").index_add_(0, layer, before_sq * w)
             out += part.to(self.primary, non_blocking=True)
         return live.window, out
 
@@ -207,11 +210,12 @@ class UpdateRatioTracker:
         """(L,) ratios from one window's host sums ``[Σ‖Δ‖² | Σ‖θ‖² | elements]`` (the job's, summed
         over ranks, when sharded); NaN where no layer's sweep completed this step."""
         L = self.n_layers
+        up = update_pack(L)
         out = np.full(L, np.nan)
-        elems = sums[2 * L:3 * L]
+        elems = up.get(sums, "elements")
         covered = elems > 0
-        self._acc[0, covered] += sums[:L][covered]
-        self._acc[1, covered] += sums[L:2 * L][covered]
+        self._acc[0, covered] += up.get(sums, "delta_sq")[covered]
+        self._acc[1, covered] += up.get(sums, "before_sq")[covered]
         self._acc[2, covered] += elems[covered]
         done = covered & (self._acc[2] >= self.layer_numel * (1 - 1e-5))  # float32 counts, weighted replicas
         with np.errstate(divide="ignore", invalid="ignore"):

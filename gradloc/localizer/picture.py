@@ -14,11 +14,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gradloc.collector.packs import Pack
 from gradloc.localizer.token_view import TokenView
 from gradloc.records import SampleShare
 
 TOP_SAMPLES = 5
-HAS_VIEW, HAS_PROBE = 1.0, 2.0  # flag bits of a row's last field
+
+
+def row_layout(K: int) -> Pack:
+    """A rank's row: its top-K tokens' scores, flat indices (-1: none) and micro-batch positions, its median score,
+    non-finite count, unattributed share, total score, and whether it has a token view and a probe closure."""
+    return Pack.of(scores=K, flats=K, micro_batches=K, median=1, nonfinite=1, unattributed=1, total=1, has_view=1,
+                   has_probe=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,62 +38,64 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class Picture:
-    rows: np.ndarray  # (W, 3K + 5)
+    rows: np.ndarray  # (W, len(row_layout(K)))
     K: int
 
     @property
     def world(self) -> int:
         return self.rows.shape[0]
 
-    def _col(self, i: int) -> np.ndarray:
-        return self.rows[:, 3 * self.K + i]
+    def _col(self, name: str) -> np.ndarray:
+        return row_layout(self.K).get(self.rows, name)[:, 0]
 
     @property
     def all_have_view(self) -> bool:
-        return bool((self._col(4) % 2).all())
+        return bool(self._col("has_view").all())
 
     @property
     def all_have_probe(self) -> bool:
-        return bool((self._col(4) >= HAS_PROBE).all())
+        return bool(self._col("has_probe").all())
 
     @property
     def nonfinite(self) -> bool:
-        return bool(self._col(1).any())
+        return bool(self._col("nonfinite").any())
 
     @property
     def max_unattributed(self) -> float:
-        return float(self._col(2).max())
+        return float(self._col("unattributed").max())
 
     @property
     def total_score(self) -> float:
-        return float(self._col(3).sum())
+        return float(self._col("total").sum())
 
     @property
     def top_score(self) -> float:
-        return float(self.rows[:, 0].max()) if self.rows.size else 0.0
+        return float(row_layout(self.K).get(self.rows, "scores").max()) if self.rows.size and self.K else 0.0
 
     @property
     def median(self) -> float:
-        return float(np.median(self._col(0)))
+        return float(np.median(self._col("median")))
 
     def candidates(self, rel: float, outlier: float) -> list[Candidate]:
         """The job's candidates, best first (the same on every rank): score ≥ rel × the top score
         and ≥ outlier × the median score, at most K."""
-        K, rows = self.K, self.rows
-        entries = [Candidate(score=float(rows[r, j]), rank=r, flat=int(rows[r, K + j]), m=int(rows[r, 2 * K + j]))
-                   for r in range(rows.shape[0]) for j in range(K) if rows[r, K + j] >= 0 and rows[r, j] > 0]
+        layout = row_layout(self.K)
+        scores, flats, mbs = (layout.get(self.rows, f) for f in ("scores", "flats", "micro_batches"))  # (W, K) each
+        entries = [Candidate(score=float(scores[r, j]), rank=r, flat=int(flats[r, j]), m=int(mbs[r, j]))
+                   for r in range(self.world) for j in range(self.K) if flats[r, j] >= 0 and scores[r, j] > 0]
         if not entries:
             return []
         floor = max(rel * self.top_score, outlier * self.median)
-        return sorted((e for e in entries if e.score >= floor), key=lambda e: (-e.score, e.rank, e.flat))[:K]
+        return sorted((e for e in entries if e.score >= floor), key=lambda e: (-e.score, e.rank, e.flat))[:self.K]
 
 
 def summary(view: TokenView | None, K: int, has_probe: bool) -> torch.Tensor:
-    """[top-K scores | their flats | their micro-batch positions | median | non-finite | unattributed |
-    total | flags], float64 (3K + 5,)."""
-    out = torch.zeros(3 * K + 5, dtype=torch.float64)
-    out[K:3 * K] = -1
-    out[-1] = HAS_PROBE if has_probe else 0.0
+    """This rank's :func:`row_layout` row, float64."""
+    layout = row_layout(K)
+    out = torch.zeros(len(layout), dtype=torch.float64)
+    layout.get(out, "flats")[:] = -1
+    layout.get(out, "micro_batches")[:] = -1
+    layout.get(out, "has_probe")[:] = float(has_probe)
     if view is None or view.scores.size == 0:
         return out
     s = np.where(view.eligible, view.rank_scores, 0.0)
@@ -94,13 +103,15 @@ def summary(view: TokenView | None, K: int, has_probe: bool) -> torch.Tensor:
     finite = np.where(np.isfinite(s), s, 0.0)
     order = np.argsort(-finite, kind="stable")[:K]
     n = order.size
-    out[:n] = torch.from_numpy(finite[order])
-    out[K:K + n] = torch.from_numpy(order.astype(np.float64))
-    out[2 * K:2 * K + n] = torch.tensor([float(view.locate(int(f))[0]) for f in order], dtype=torch.float64)
+    layout.get(out, "scores")[:n] = torch.from_numpy(finite[order])
+    layout.get(out, "flats")[:n] = torch.from_numpy(order.astype(np.float64))
+    layout.get(out, "micro_batches")[:n] = torch.tensor([float(view.locate(int(f))[0]) for f in order],
+                                                        dtype=torch.float64)
     pool = finite[view.eligible]
-    out[3 * K] = float(np.median(pool)) if pool.size else 0.0
-    out[3 * K + 1:3 * K + 4] = torch.tensor([float(bad.sum()), view.unattributed_share, float(view.scores.sum())])
-    out[-1] += HAS_VIEW
+    for name, value in (("median", float(np.median(pool)) if pool.size else 0.0), ("nonfinite", float(bad.sum())),
+                        ("unattributed", view.unattributed_share), ("total", float(view.scores.sum())),
+                        ("has_view", 1.0)):
+        layout.get(out, name)[:] = value
     return out
 
 

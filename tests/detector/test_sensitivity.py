@@ -17,7 +17,7 @@ import gradloc
 from gradloc.config import DetectorConfig
 from gradloc.detector import INCIDENT, SpikeDetector, opens_incident
 from gradloc.detector.detector import ESCALATION
-from gradloc.records import SpikeEvent, StepRecord, TokenStats
+from gradloc.records import SampleStats, SpikeEvent, StepRecord, TokenStats
 
 
 def record(step: int, g: float, loss: float | None = 4.0, top: float | None = 0.006, **kw) -> StepRecord:
@@ -285,8 +285,8 @@ def test_a_different_kind_of_trouble_inside_an_episode_opens_a_new_incident():
 
 
 # -- a bad sample that moved the gradient below the grad_spike line ------------------------------------
-def _odd(step: int, kind: str = "surprise") -> "SampleStats":
-    from gradloc.records import SampleOutlier, SampleStats
+def _odd(step: int, kind: str = "surprise") -> SampleStats:
+    from gradloc.records import SampleOutlier
 
     o = SampleOutlier(kind=kind, job="job", rank=0, step=step, time_unix=0.0, score=9.0, z=11.0, baseline=3.0,
                       micro_batch=1, sample=2)

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
-from gradloc.collector.layer_stats import ParamGroups, foreach_norms, max_abs
+from gradloc.collector.layer_stats import ParamGroups, combine_packs, pack_slices, unpack_layers
+from gradloc.collector.packs import layer_pack
 from gradloc.config import LayerGrouping
 from gradloc.errors import UnsupportedModelError
 from gradloc.records import LayerStats
@@ -45,9 +46,8 @@ FULL, FULL_HP, FRAGMENTS, PARTITIONS = "full", "full_hp", "fragments", "partitio
 class DeepSpeedGradAccess:
     """The packed per-layer statistics of the gradient the optimizer will see, on every rank.
 
-    Pack layout (float32, 4L + 2 for L layer groups): ``[grad_sq(L) | grad_max_abs(L) | param_sq(L) |
-    present(L) | uncovered_sq | ranks_ok]``. The first 4L + 1 entries are
-    :meth:`LayerStatsCollector.grad_pack`'s layout; ``ranks_ok`` counts the ranks whose local read
+    Pack layout (float32, 4L + 2 for L layer groups): ``packs.layer_pack`` (what
+    :meth:`LayerStatsCollector.grad_pack` gives) followed by ``ranks_ok``; ``ranks_ok`` counts the ranks whose local read
     succeeded and equals :attr:`contributors` when the pack is valid. Gradients are divided by the
     optimizer's loss scale; parameters are the model's (low-precision under bf16) values.
     Layer names are ``engine.module``'s parameter names grouped like the plain model's.
@@ -123,18 +123,13 @@ class DeepSpeedGradAccess:
             idx.append(self.group_of[i])
             present.append(1.0 if first else 0.0)
             unc.append(self._uncovered[i])
-        zeros = torch.zeros(L, device=self.device)
+        ok = torch.ones(1, device=self.device)  # ranks_ok: this rank read its gradient
         if not grads:  # this rank owns no slice of any gradient
-            return torch.cat([zeros, zeros, zeros, zeros, torch.tensor([0.0, 1.0], device=self.device)])
-        index = torch.tensor(idx, device=self.device)
-        g_sq = foreach_norms(grads).pow(2) * inv_scale**2  # (P_local,)
-        grad_sq = zeros.index_add(0, index, g_sq)
-        grad_max = zeros.scatter_reduce(0, index, max_abs(grads) * inv_scale, "amax", include_self=True)
-        param_sq = zeros.index_add(0, index, foreach_norms(params).pow(2))
-        has = zeros.index_add(0, index, torch.tensor(present, device=self.device))
-        uncovered_sq = (g_sq * torch.tensor(unc, device=self.device)).sum()[None]
-        ok = torch.ones(1, device=self.device)
-        return torch.cat([grad_sq, grad_max, param_sq, has, uncovered_sq, ok])  # 4 × (L,) + 2 × (1,) -> (4L + 2,)
+            return torch.cat([torch.zeros(len(layer_pack(L)), device=self.device), ok])
+        dev = self.device
+        pack = pack_slices(L, torch.tensor(idx, device=dev), grads, params, inv_scale, torch.tensor(present, device=dev),
+                           torch.tensor(unc, device=dev))
+        return torch.cat([pack, ok])  # (4L + 1,) + (1,): ZERO_PACK
 
     def _local_slice(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, bool, int] | None:
         """(gradient slice, parameter slice, whether this rank counts p as present, where the slice starts
@@ -197,9 +192,7 @@ class DeepSpeedGradAccess:
             gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
             gather(gathered, local, group=self.process_group)
             packs = gathered.view(self.world, local.numel())  # (W·(4L + 2),) -> (W, 4L + 2)
-        total = packs.sum(0)
-        total[L:2 * L] = packs[:, L:2 * L].amax(0)  # max |g| combines by max
-        return total
+        return combine_packs(packs, L)
 
     def nonfinite_counts(self) -> list[int]:
         """Exact inf/NaN gradient entries per layer. Rare path for a non-finite pack; a collective (one
@@ -222,20 +215,11 @@ class DeepSpeedGradAccess:
 
     def unpack(self, host: Sequence[float], nonfinite: Sequence[int] | None = None) -> tuple[LayerStats, ...]:
         """LayerStats of the layers that had a gradient (host copy of a valid pack)."""
-        L = self.n_layers
-        out = []
-        for i, name in enumerate(self.layers):
-            grad_sq, gmax, psq, has = host[i], host[L + i], host[2 * L + i], host[3 * L + i]
-            if has == 0:
-                continue
-            out.append(LayerStats(layer=name, grad_norm=float(grad_sq) ** 0.5, grad_max_abs=float(gmax),
-                                  nonfinite=nonfinite[i] if nonfinite else 0, param_norm=float(psq) ** 0.5,
-                                  numel=self.numel[i]))
-        return tuple(out)
+        return unpack_layers(host, self.layers, self.numel, nonfinite)
 
     def global_norm(self, host: Sequence[float]) -> float:
         """‖g‖ of the whole gradient (host copy of a pack)."""
-        return float(sum(float(x) for x in host[:self.n_layers])) ** 0.5
+        return float(sum(float(x) for x in layer_pack(self.n_layers).get(host, "grad_sq"))) ** 0.5
 
 
 def _check_engine(engine: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from gradloc.collector.layer_stats import LayerStatsCollector
+from gradloc.collector.packs import layer_pack
 from gradloc.config import LayerGrouping
 from gradloc.errors import ProbeError
 from gradloc.localizer.probes import Grads, ProbeSession
@@ -67,7 +68,7 @@ class DeepSpeedLayerStats(LayerStatsCollector):
         GradScaler's) does not apply."""
         L = self.n_layers
         if self.access.comm is not None and self.access.comm.broken:  # left the job: no collective, no stats
-            return torch.zeros(4 * L + 1, device=self.device)
+            return torch.zeros(len(layer_pack(L)), device=self.device)
         if unattributed:  # modules that went unscored this step: their ‖g‖² is unattributed too
             flags = list(self._uncovered)
             for i in unattributed:
@@ -80,7 +81,7 @@ class DeepSpeedLayerStats(LayerStatsCollector):
                 self.access.set_uncovered(self._uncovered)
         if pack is None:
             self.off_boundary += 1
-            return torch.zeros(4 * L + 1, device=self.device)
+            return torch.zeros(len(layer_pack(L)), device=self.device)
         ok = (pack[-1] == self.access.contributors).to(pack.dtype)  # device-side: no sync
         return pack[:-1] * ok
 
