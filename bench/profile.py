@@ -20,22 +20,21 @@ from bench.variants import make_variant
 def _profile_targets() -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of the gradloc functions to time; owners are looked up at call
     time by their callers, so wrapping the attribute times every call."""
-    from gradloc.adapters import pytorch as adapter
-    from gradloc.adapters import token_path
     from gradloc.collector import layer_stats, step, token_hooks, update_ratio
     from gradloc.collector.rules import embedding, layer_norm, linear, rms_norm
     from gradloc.detector.detector import SpikeDetector
+    from gradloc.engine import monitor, token_path
 
     out: list[tuple[Any, str, str]] = [
-        (adapter.Monitor, "end_step", "Monitor.end_step (all of it)"),
-        (adapter, "assemble", "collector.step.assemble (one packed host transfer)"),
+        (monitor.Monitor, "end_step", "Monitor.end_step (all of it)"),
+        (monitor, "assemble", "collector.step.assemble (one packed host transfer)"),
         (layer_stats.LayerStatsCollector, "grad_pack", "LayerStatsCollector.grad_pack"),
         (layer_stats, "foreach_norms", "layer_stats.foreach_norms"),  # split by ord below
         (step, "summary_pack", "token_summary.summary_pack"),
         (step, "_parse", "collector.step._parse"),
         (token_path, "stack_step", "token_summary.stack_step"),
         (SpikeDetector, "observe", "SpikeDetector.observe"),
-        (adapter.Monitor, "_emit_pending", "Monitor._emit_pending"),
+        (monitor.Monitor, "_emit_pending", "Monitor._emit_pending"),
         (update_ratio.UpdateRatioTracker, "before_step", "UpdateRatioTracker.before_step (optimizer pre-hook)"),
         (update_ratio.UpdateRatioTracker, "after_step", "UpdateRatioTracker.after_step (optimizer post-hook)"),
         (token_hooks, "_capture", "token_hooks._capture (forward hook)"),

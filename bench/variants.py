@@ -28,7 +28,7 @@ GRADLOC_VARIANTS: dict[str, dict[str, Any]] = {
     "per_token_full": {"update_ratio": "full"},  # a full parameter snapshot every step
     "per_token_off": {"update_ratio": "off"},  # no optimizer hooks, no snapshot
     "per_token_rl": {},  # the default, plus per-token RL fields every micro-batch (RLVariant)
-    "on_spike": {"token_stats": "on_spike"},  # no module hook on healthy steps (adapters/on_spike.py)
+    "on_spike": {"token_stats": "on_spike"},  # no module hook on healthy steps (engine/on_spike.py)
 }
 COMPUTES = {
     "plain": "nothing (baseline)",

@@ -54,7 +54,7 @@ class RemedyAction(StrEnum):
 class TokenStatsMode(StrEnum):
     """``WatchConfig.token_stats`` besides True (always) and False (never)."""
 
-    ON_SPIKE = "on_spike"  # hooks only to re-run a flagged step's micro-batches (gradloc/adapters/on_spike.py)
+    ON_SPIKE = "on_spike"  # hooks only to re-run a flagged step's micro-batches (gradloc/engine/on_spike.py)
 
 
 class DistributedMode(StrEnum):
@@ -285,7 +285,7 @@ class WatchConfig:
 
     job: str = "default"
     rank: int = 0
-    token_stats: bool | TokenStatsMode = True  # True | False | "on_spike" (hooks only to re-run a flagged step: adapters/on_spike.py)
+    token_stats: bool | TokenStatsMode = True  # True | False | "on_spike" (hooks only to re-run a flagged step: engine/on_spike.py)
     top_k: int = 16  # tokens kept (with per-layer breakdown) in every StepRecord
     layer_grouping: LayerGrouping = "module"
     update_ratio: UpdateRatioMode | bool = UpdateRatioMode.LEAN  # "lean" | "full" | "off" (see the class docstring)

@@ -1,8 +1,8 @@
 """Where a monitor's records go: the :class:`Sink` protocol and the sinks ``watch()`` adds itself.
 
-This is the seam between the trainer side (adapters, collector, detector, localizer) and
+This is the seam between the trainer side (engine, collector, detector, localizer) and
 everything that makes records visible (the JSONL file, the embedded agent, the client of a
-``gradloc-agent`` daemon). The adapters import only this module; the agent package and the
+``gradloc-agent`` daemon). The engine imports only this module; the agent package and the
 transport are imported here, lazily, when a sink of theirs is actually built — so the training
 side never depends on the agent side.
 

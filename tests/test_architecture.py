@@ -11,13 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "gradloc"
 
 BASE = {"errors": set(), "config": {"errors"}, "records": {"errors"}, "reports": {"records", "errors"}}
-ENGINE = ["collector", "detector", "localizer", "parallel", "adapters"]
+ENGINE = ["collector", "detector", "localizer", "parallel", "engine", "adapters"]
 AGENT_SIDE = {"transport", "exporters", "store", "grafana", "agent"}
 ALLOWED: dict[str, set[str]] = {
     **BASE,
     **{p: {*BASE, *ENGINE[:i]} for i, p in enumerate(ENGINE)},
     "integrations": {*BASE, *ENGINE}, "demo": {*BASE, *ENGINE},
-    "adapters": {*BASE, *ENGINE[:4], "sinks"},
+    "engine": {*BASE, *ENGINE[:4], "sinks"},
+    "adapters": {*BASE, *ENGINE[:5], "sinks"},
     "sinks": {*BASE, *AGENT_SIDE},
     "transport": {*BASE, "root"},  # the root package: its __version__ (the root imports nothing eagerly)
     "exporters": {*BASE},

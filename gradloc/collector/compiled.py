@@ -74,7 +74,7 @@ def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, f
         state.wanted = True
         return None
     if not getattr(rule, "compilable", True):
-        return None  # its sink gets no gradient: unscored, said once (adapters/token_path.py)
+        return None  # its sink gets no gradient: unscored, said once (engine/token_path.py)
     fit = fit_call(rule, module, args[0], out, state.batch, state.seq)
     if fit is None:
         return None  # not scorable per position: the module stays unscored (its gradient unattributed)

@@ -8,7 +8,7 @@ its meaning (docs/metrics.md shows this table). A name not declared here is expo
 :data:`OTHER` (and counted there), never as a label of its own.
 
 Names built at run time are declared by their expansions: ``remedy_applied`` / ``remedy_refused``
-(gradloc/adapters/spike.py) and ``{tag}_{counter}`` of :class:`gradloc.adapters.rl.held.HeldBlocks`
+(gradloc/engine/spike.py) and ``{tag}_{counter}`` of :class:`gradloc.adapters.rl.held.HeldBlocks`
 (:data:`HELD_TAGS` × :data:`HELD_COUNTERS`). ``tests/records/test_event_table.py`` checks that every
 counter the source bumps is declared.
 """
@@ -32,7 +32,7 @@ HELD_COUNTERS: dict[str, str] = {
 }
 
 MONITOR_EVENTS: dict[str, str] = {
-    # per-token path (gradloc/adapters/token_path.py)
+    # per-token path (gradloc/engine/token_path.py)
     "hook_errors": "per-token hook calls that failed; their modules' gradient is reported unattributed",
     "token_errors": "steps whose per-token scores could not be assembled (no token statistics that step)",
     "token_group_mismatch": "steps whose tensor/pipeline-parallel ranks saw different token ids: token statistics dropped",
@@ -40,12 +40,12 @@ MONITOR_EVENTS: dict[str, str] = {
     "dropped_micro_batches": "micro-batches whose token ids matched no watched module's activations (left out of token statistics)",
     "uncompilable_said": "runs where watched modules could not be scored inside a torch.compile graph (counted once)",
     "on_spike_rerun_failed": "token_stats='on_spike': re-runs of a flagged step that failed (no token view)",
-    # the monitor (gradloc/adapters/pytorch.py)
+    # the monitor (gradloc/engine/monitor.py)
     "failed_micro_batches": "micro-batch blocks that exited with an exception (not part of the step)",
     "dropped_rl_fields": "micro-batches whose RL fields were invalid after setup (dropped)",
     "off_boundary_steps": "DeepSpeed: end_step called off the gradient-accumulation boundary (no gradient statistics)",
     "left_job": "a gradloc collective failed: the rank is watched on its own for the rest of the run",
-    # spikes (gradloc/adapters/spike.py)
+    # spikes (gradloc/engine/spike.py)
     "collective_timeouts": "localizations that failed because a gradloc collective timed out",
     "probe_errors": "localizations that failed because a probe (the probe closure) raised",
     "localize_errors": "localizations that failed for another reason (the incident is unavailable)",
@@ -55,7 +55,7 @@ MONITOR_EVENTS: dict[str, str] = {
     # optional measurements
     "sample_errors": "steps whose per-sample surprise or judgement failed (no sample findings that step)",
     "update_ratio_errors": "optimizer steps whose update-ratio measurement failed",
-    # delivery (gradloc/adapters/fanout.py)
+    # delivery (gradloc/engine/fanout.py)
     "sink_errors": "sink calls (on_step, on_incident, flush, shutdown) that raised",
     "undelivered_at_close": "records the agent client could not deliver by close_timeout_s (counted at close: "
                             "after the last record, so only Monitor.counters shows it)",

@@ -113,7 +113,7 @@ def test_the_id_the_embedded_demo_prints_resolves(tmp_path: Path) -> None:
 def test_the_ids_a_demo_shipping_to_a_daemon_reports_resolve(tmp_path: Path) -> None:
     """End to end against a real daemon: the ids of the demo's ``--json`` output, through the
     daemon's API and page and ``incidents show`` on its store."""
-    from tests.integration.agent_proc import running_daemon
+    from tests.system.agent_proc import running_daemon
 
     with running_daemon(tmp_path) as daemon:
         doc = json.loads(_demo("--agent", daemon.ingest, "--json", "--seed", "0").stdout)

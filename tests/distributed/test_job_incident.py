@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.distributed.ddp_job import train
 from tests.distributed.launch import run
-from tests.integration.agent_proc import running_daemon
+from tests.system.agent_proc import running_daemon
 
 STEPS, SPIKE = 8, 7
 PLANT = (1, SPIKE, 1, 2, 5)  # rank 1, step 7, micro-batch 1, sample 2, position 5

@@ -1,7 +1,7 @@
 """The bundled dashboards and rules, checked without Grafana (none is installable here): structure,
 metric names against ``metric_specs``, every query parsed by the real ``promtool``, the rules
 checked and unit-tested by ``promtool``, and the provisioning output. Queries are executed against
-a real Prometheus in tests/integration/test_dashboards_prometheus.py."""
+a real Prometheus in tests/system/test_dashboards_prometheus.py."""
 from __future__ import annotations
 
 import json

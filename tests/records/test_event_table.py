@@ -11,7 +11,7 @@ from gradloc.records import StepRecord, event_counts
 from gradloc.records.events import HELD_COUNTERS, HELD_TAGS, MONITOR_EVENTS, OTHER
 
 PKG = Path(__file__).resolve().parents[2] / "gradloc"
-SIDES = ("adapters", "integrations", "collector", "parallel", "localizer", "detector")  # where a monitor's counters live
+SIDES = ("engine", "adapters", "integrations", "collector", "parallel", "localizer", "detector")  # where a monitor's counters live
 
 
 def _sources() -> dict[str, str]:
@@ -33,7 +33,7 @@ def test_every_literal_counter_name_is_declared():
 
 def test_every_dynamic_counter_name_is_known_and_its_expansions_declared():
     dynamic = {(path, m) for path, text in _sources().items() for m in re.findall(r"counters\[f\"([^\"]+)\"\]", text)}
-    assert dynamic == {("adapters/spike.py", "remedy_{'applied' if remedy.applied else 'refused'}"),
+    assert dynamic == {("engine/spike.py", "remedy_{'applied' if remedy.applied else 'refused'}"),
                        ("adapters/rl/held.py", "{self.tag}_{counter}")}, (
         "a new dynamic counter name: declare its expansions in gradloc/records/events.py and list it here")
     assert {"remedy_applied", "remedy_refused"} <= MONITOR_EVENTS.keys()

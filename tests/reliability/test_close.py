@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from gradloc.demo.spawn import free_port
-from tests.integration.agent_proc import running_daemon
+from tests.system.agent_proc import running_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 1.0  # WatchConfig's default close_timeout_s, passed explicitly

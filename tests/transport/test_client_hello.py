@@ -16,7 +16,7 @@ import pytest
 
 from gradloc.records import TokenStats
 from gradloc.transport import AgentClient
-from tests.integration.agent_proc import running_daemon
+from tests.system.agent_proc import running_daemon
 from tests.transport.factories import JOB, incident, step
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from gradloc.adapters.fanout import Fanout
+from gradloc.engine.fanout import Fanout
 
 
 class Recorder:

@@ -25,7 +25,7 @@ import pytest
 
 from gradloc.records import SampleOutlier, SampleStats
 from tests.grafana.promql import queries
-from tests.integration.prom import running_prometheus
+from tests.system.prom import running_prometheus
 from tests.reliability.daemon import ROOT, serving
 from tests.transport.factories import client_info, encode, incident, layer, step
 

@@ -13,9 +13,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gradloc.adapters.fanout import guarded
 from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.update_ratio import UpdateRatioTracker, Window
+from gradloc.engine.fanout import guarded
 
 
 class UpdateHooks:

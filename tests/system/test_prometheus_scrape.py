@@ -20,7 +20,7 @@ import pytest
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.exporters.state import TelemetryState
 from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, step
-from tests.integration.prom import running_prometheus
+from tests.system.prom import running_prometheus
 
 JOB, RANKS, LAYERS = "llm-7b", 2, 8
 NORMS = np.array([0.5, 1.0, 2.0, NAN, 0.25, 0.125, 3.0, 1e-6])  # layer 3 has a NaN gradient norm

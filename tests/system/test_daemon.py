@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from tests.integration.agent_proc import AGENT, run_demo, running_daemon
-from tests.integration.prom import running_prometheus
+from tests.system.agent_proc import AGENT, run_demo, running_daemon
+from tests.system.prom import running_prometheus
 
 INGEST_METHOD = "/gradloc.v1.IngestService/Ingest"
 

@@ -1,5 +1,5 @@
 """The per-token side of a monitor: its hooks (on during training, or only to re-run a flagged step:
-``token_stats="on_spike"``, adapters/on_spike.py), a step's scores, and the share of ‖∇‖² they leave
+``token_stats="on_spike"``, engine/on_spike.py), a step's scores, and the share of ‖∇‖² they leave
 unattributed."""
 from __future__ import annotations
 
@@ -9,16 +9,33 @@ from typing import Any, Callable
 
 from torch import nn
 
-from gradloc.adapters import on_spike
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
-from gradloc.errors import BatchMetadataError
+from gradloc.engine import on_spike
+from gradloc.errors import BatchMetadataError, ConfigError, UnsupportedModelError
 from gradloc.localizer.probes import ProbeFn
 from gradloc.parallel.comm import CollectiveTimeout
 
 log = logging.getLogger("gradloc")
+
+
+def check_rules(model: nn.Module, hooks: TokenHooks | None, job: Any) -> None:
+    """Refuse what per-token statistics cannot do on this model and job; warn of parameters no rule scores."""
+    if job.config.token_stats == on_spike.MODE and (job.kind not in ("single", "ddp") or job.parts):
+        what = job.kind if not job.parts else " × ".join(b.name for b in job.parts)
+        raise ConfigError(f"token_stats='on_spike' re-runs a flagged step's micro-batches; under {what} every "
+                          "forward is a collective over several ranks: use token_stats=True there")
+    if hooks is not None and not hooks.watched:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no module with a per-token rule (nn.Linear, nn.Embedding, "
+            "nn.LayerNorm, nn.RMSNorm, *RMSNorm, HF Conv1D); pass WatchConfig(token_stats=False) for "
+            "per-layer statistics only, or register a rule with gradloc.register_rule")
+    if hooks is not None and hooks.unruled:
+        log.warning("gradloc: no per-token rule for %s (an unknown layout, or a parameter used inside another "
+                    "module's computation): their gradient is reported as unattributed_share, never guessed; "
+                    "gradloc.register_rule adds one", ", ".join(sorted(hooks.unruled)))
 
 
 class TokenPath:

@@ -1,4 +1,4 @@
-"""Marks every test under tests/integration ``integration`` (select or skip them with ``-m``)."""
+"""Marks every test under tests/system ``integration`` (select or skip them with ``-m``)."""
 from __future__ import annotations
 
 from pathlib import Path

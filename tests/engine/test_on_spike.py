@@ -1,4 +1,4 @@
-"""``token_stats="on_spike"`` (adapters/on_spike.py): no module hook on healthy steps; a flagged step's
+"""``token_stats="on_spike"`` (engine/on_spike.py): no module hook on healthy steps; a flagged step's
 micro-batches re-run with the hooks for its per-token statistics — the same localization as the
 always-on hooks, the re-run passes counted apart, training bitwise unchanged, eager and compiled."""
 from __future__ import annotations

@@ -6,8 +6,8 @@ from collections import Counter
 
 import torch
 
-from gradloc.adapters.update_hooks import UpdateHooks
 from gradloc.collector.overhead import OverheadMeter
+from gradloc.engine.update_hooks import UpdateHooks
 
 
 class Tracker:

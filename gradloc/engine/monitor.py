@@ -1,0 +1,397 @@
+"""The engine: :class:`Monitor` runs gradloc's stages for one watched model, per micro-batch and per
+optimizer step (``gradloc.watch`` in adapters/pytorch.py builds it). Its paths live beside it:
+token_path.py (per-token scores), spike.py (localize → remedy), samples.py (bad samples that never spike),
+update_hooks.py (update ratios), fanout.py (records to the sinks), on_spike.py (hooks only on a flagged step).
+
+Usage per optimizer step::
+
+    for i, mb in enumerate(micro_batches):
+        with mon.micro_batch(mb.labels, loss_mask=mb.mask, sample_ids=mb.uids):
+            loss_fn(model, mb).backward()
+    report = mon.end_step(loss, probe=lambda i, mask: loss_fn(model, micro_batches[i], mask))
+    clip_grad_norm_(model.parameters(), 1.0)  # after end_step: gradloc reports the pre-clip norm
+    optimizer.step(); optimizer.zero_grad()
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from collections import Counter, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradloc.collector import rl_fields
+from gradloc.collector.batch import MicroBatchMeta, make_meta
+from gradloc.collector.job import as_judged
+from gradloc.collector.layer_stats import module_layer_map
+from gradloc.collector.overhead import OverheadMeter
+from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
+from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
+from gradloc.collector.update_ratio import UpdateRatioTracker, window_bytes
+from gradloc.config import WatchConfig
+from gradloc.detector import LOCALIZE, SpikeDetector, opens_incident
+from gradloc.engine import on_spike
+from gradloc.engine.fanout import Fanout
+from gradloc.engine.samples import SampleWatch
+from gradloc.engine.spike import SpikeInputs, SpikePath, heads_of, scaler_state
+from gradloc.engine.token_path import TokenPath, check_rules
+from gradloc.engine.update_hooks import UpdateHooks
+from gradloc.errors import AttachError, BatchMetadataError, ConfigError
+from gradloc.localizer import Localizer, ProbeFn
+from gradloc.parallel.comm import CollectiveTimeout
+from gradloc.parallel.job import check_model, resolve
+from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord, event_counts
+from gradloc.sinks import Sink, default_sinks
+
+log = logging.getLogger("gradloc")
+ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Monitor]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class StepReport:
+    record: StepRecord  # update ratios arrive with the next step (see Monitor.history)
+    spike: SpikeEvent
+    incident: Incident | None
+
+
+class Monitor:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 config: WatchConfig | None = None, decode: Callable[[list[int]], str] | Any = None,
+                 sinks: Sequence[Sink] = ()) -> None:
+        model = check_model(model)  # a torch.compile wrapper: its module
+        self.model, self.optimizer = model, optimizer
+        self.job = job = resolve(model, config or WatchConfig())
+        self.config = cfg = job.config
+        self.comm, self.job_kind = job.world, job.kind  # a job: one gather per step, spikes together
+        watched = job.model  # DDP, DeepSpeed, a pipeline stage: the inner module (the same parameters)
+        self.layer_stats = job.layer_stats()
+        if job.kind == "deepspeed":
+            self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
+        self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
+        check_rules(model, self.hooks, job)
+        try:  # every rank together: layout, the job's layers, replica weights (one gather)
+            job.attach_collectors(self.layer_stats, self.hooks)
+        except CollectiveTimeout as exc:
+            raise AttachError(f"gradloc: the ranks did not all attach within {cfg.collective_timeout_s:g} s "
+                              f"(call gradloc.watch on every rank): {exc}") from exc
+        covered = self.hooks.covered_modules if self.hooks else set()
+        owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.layer_stats.names]
+        self.layer_stats.set_uncovered([o not in covered for o in owners])
+        self._params_of: dict[str, list[int]] = {}  # module name -> indices of its direct parameters
+        for i, o in enumerate(owners):
+            self._params_of.setdefault(o, []).append(i)
+        self.meter = OverheadMeter(cfg.max_overhead, cuda=self.layer_stats.device.type == "cuda")
+        self.update_ratios = UpdateRatioTracker(self.layer_stats.params, self.layer_stats.group_of,
+                                                self.layer_stats.n_layers, window_bytes(self.config, self.layer_stats),
+                                                self.layer_stats.device, self.job.weights,
+                                                self.layer_stats.numel if self.job.weights is not None else None)
+        self.counters: Counter[str] = Counter()
+        self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job,
+                                self.counters)
+        self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,
+                                    lambda: self._pending.record.step if self._pending is not None else None)
+        self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
+        if self.comm is not None:
+            self.detector.agree = self._any_rank
+        self.spikes = SpikePath(job, self.layer_stats, self.hooks.layers if self.hooks else [],
+                                Localizer(cfg.localizer, getattr(decode, "decode", decode)), self.pause_token_hooks,
+                                self.counters, heads=heads_of(self.hooks.watched) if self.hooks else {})
+        self._fanout = Fanout([*sinks, *default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)],
+                              self.counters)
+        self.history: deque[StepRecord] = deque(maxlen=cfg.history)
+        self.samples = SampleWatch(cfg.samples if job.judges_samples else replace(cfg.samples, enabled=False),
+                                   getattr(decode, "decode", decode), self.counters)  # outlier findings
+        self.incidents: list[Incident] = []
+        self.step = 0  # the next step's number
+        self._ended = 0  # end_step calls so far
+        self._parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]] = []
+        self._open: MicroBatchMeta | None = None  # the micro-batch block being run
+        self.pending_probe: ProbeFn | None = None  # a pipeline step's probe (parallel/pp.py), for end_step
+        self._rl: dict[int, rl_fields.RLTensors] = {}  # micro-batch index -> its RL fields
+        self._pending: Assembled | None = None
+        self.attached = False
+        self._closed = False
+        self._atexit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._atexit)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def attach(self) -> "Monitor":
+        if self.attached or self.model in ATTACHED:
+            raise AttachError("this model already has a gradloc monitor attached; detach() it first")
+        if self.tokens.live:
+            self.hooks.attach()
+        self._updates.attach(self.optimizer)
+        ATTACHED[self.model] = self
+        self.attached = True
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; the model and optimizer are left exactly as before ``attach``."""
+        if not self.attached:
+            raise AttachError("this monitor is not attached")
+        if self.tokens.live:
+            self.hooks.detach()
+        self._updates.detach()
+        ATTACHED.pop(self.model, None)
+        self.attached = False
+
+    def close(self) -> None:
+        """Emit the last record, flush and shut down sinks, detach. Safe to call twice.
+
+        Waits on a ``gradloc-agent`` daemon at most ``WatchConfig.close_timeout_s`` (default 1 s),
+        whether it is down, stalled or slow; what it could not deliver is counted
+        (``counters["undelivered_at_close"]``) and logged. Also runs at interpreter exit."""
+        atexit.unregister(self._atexit)
+        if self._closed:
+            return
+        self._closed = True
+        step = self._pending.record.step if self._pending is not None else None
+        self._emit_pending(self._updates.host_ratios(step, self.layer_stats.sharded))
+        self._fanout.close(self.config.close_timeout_s)
+        if self.attached:
+            self.detach()
+
+    @property
+    def sinks(self) -> list[Sink]:
+        """Where the records go: the ``sinks`` given, then those ``watch`` added (JSONL, agent)."""
+        return self._fanout.sinks
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- per micro-batch ------------------------------------------------------------------------
+    @contextmanager
+    def micro_batch(self, token_ids: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,
+                    sample_ids: Sequence[object] | None = None, shape: tuple[int, int] | None = None,
+                    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None,
+                    sample_infos: Sequence[SampleInfo] | None = None) -> Iterator[MicroBatchMeta]:
+        """Forward and backward of one micro-batch. ``token_ids`` (B, T) are the ids each loss
+        position scores (for a causal LM: the shifted labels); masks/ids are validated here.
+
+        A packed micro-batch is one row (1, N) of sequences back to back: give their boundaries as
+        ``cu_seqlens`` (S + 1 offsets from 0 to N) or as ``position_ids`` that restart at 0, and one
+        sample id per sequence. Culprits are then reported per sequence. ``sample_infos`` (one
+        ``gradloc.SampleInfo`` per sample: request, completion, prompt and response spans) ride
+        along into incidents; ``gradloc.adapters.rl`` builds them from rollouts.
+        """
+        meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids,
+                         sample_infos)
+        self.open_block(meta)
+        try:
+            yield meta
+        except BaseException:
+            self.close_block(failed=True)
+            raise
+        self.close_block()
+
+    def open_block(self, meta: MicroBatchMeta) -> None:
+        """Start capturing micro-batch ``meta`` (``micro_batch`` does it; a pipeline step per chunk)."""
+        t0 = self.meter.begin()
+        if self.tokens.live:
+            breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
+            self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=self.samples.labels(meta))
+        self.meter.end(t0)
+        self._open = meta
+
+    @property
+    def block_open(self) -> bool:
+        return self._open is not None
+
+    def close_block(self, failed: bool = False) -> None:
+        meta, self._open = self._open, None
+        if failed:
+            if self.tokens.live:
+                self.hooks.end()
+            self._rl.pop(meta.index, None)
+            self.counters["failed_micro_batches"] += 1  # e.g. an OOM the user retries: not part of the step
+            return
+        buf = self.hooks.end() if self.tokens.live else None
+        self._parts.append((meta, buf))
+        if buf is not None:
+            self.tokens.check_wiring(buf, setup=self.config.strict and not self.history and self._pending is None)
+
+    def pipeline_step(self, schedule: Any, *, inputs: Any = None, target: Any = None, token_ids: Any = None,
+                      loss_mask: Any = None, sample_ids: Sequence[object] | None = None, token_loss: Any = None,
+                      **step_kwargs: Any) -> list:
+        """One step of a pipeline-parallel job (``watch(stage)``), in place of ``schedule.step`` on every stage:
+        ``inputs`` (the first stage's batch), ``target`` (the last stage's), ``token_ids`` (the ids each loss
+        position scores; default ``target``; give them on every stage), ``token_loss(output, target)``: the
+        per-token loss terms (B, T) whose sum is the schedule's ``loss_fn`` (for probes). Returns the last
+        stage's per-micro-batch losses ([] elsewhere). See gradloc/parallel/pp.py."""
+        from gradloc.parallel.pp import PipelineStep
+
+        backend = self.job.part("pp")
+        if backend is None:
+            raise ConfigError("pipeline_step needs a monitor watching a pipeline stage: gradloc.watch(stage)")
+        return PipelineStep(self, backend, schedule).run(inputs, target, token_ids, loss_mask, sample_ids,
+                                                         token_loss, step_kwargs)
+
+    def rl_fields(self, **fields: torch.Tensor | None) -> None:
+        """Per-token RL fields of the current micro-batch, from tensors the loss already has; call
+        inside its ``micro_batch`` block. Each is (B, T) like the block's token ids: ``logp``
+        (log π_train of the sampled tokens), ``rollout_logp`` (the inference engine's), ``old_logp``,
+        ``advantages`` (also (B,) or, packed, one per sequence), ``ratio``, ``clipped`` (bool),
+        ``entropy``. They stay on the device; the step exports their distributions and every
+        culprit carries its own values. A wrong field raises ``BatchMetadataError`` on the first
+        step (setup) and is counted and dropped after that."""
+        meta = self._open
+        if meta is None:
+            raise BatchMetadataError("rl_fields() must be called inside a mon.micro_batch(...) block")
+        try:
+            self._rl[meta.index] = rl_fields.make_rl(meta, fields)
+        except BatchMetadataError:
+            if self._ended == 0:
+                raise
+            self.counters["dropped_rl_fields"] += 1
+            log.warning("gradloc: RL fields of micro-batch %d dropped", meta.index, exc_info=True)
+
+    # -- per optimizer step ---------------------------------------------------------------------
+    def end_step(self, loss: float | torch.Tensor | None = None, *, probe: ProbeFn | None = None,
+                 scaler: Any = None, step: int | None = None) -> StepReport:
+        """Call after the last backward of the step and before clipping / optimizer.step().
+
+        ``step``: the step number to record (a trainer's own counter, e.g. after a resume); by
+        default the monitor counts its ``end_step`` calls.
+        """
+        if step is not None:
+            self.step = int(step)
+        if self.comm is not None and self.comm.broken:
+            self._leave_job()
+        if self.job_kind == "deepspeed":
+            probe = self._deepspeed_checks(probe)
+        if probe is None and self.pending_probe is not None:  # a pipeline step's own probe (parallel/pp.py)
+            probe = self.pending_probe
+        self.pending_probe = None
+        if self._ended == 0 and self.config.remedy == "drop_culprits" and probe is None:
+            raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
+                              "without probes no culprit set is verified and ∇_C is unknown")
+        t0 = self.meter.begin()
+        parts, self._parts = self._parts, []
+        try:
+            scores = self.tokens.stack(parts)
+        except CollectiveTimeout:  # the token group's or the expert group's exchange failed: this rank goes on alone
+            self._leave_job()
+            scores = None
+        scale, unscaled = scaler_state(scaler, self.optimizer)
+        upd = self._updates.take(self._pending.record.step if self._pending is not None else None)
+        unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
+        given_rl, self._rl = self._rl, {}
+        rl, rl_pack = rl_fields.step_fields([m for m, _ in parts], given_rl, scores, self.layer_stats.device)
+        x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
+                       scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
+                       upd[1] if upd else None, unscored, rl_pack, self.comm,
+                       self.samples.pack(parts, scores.eligible if scores else None, set(given_rl)))
+        try:
+            assembled = assemble(self.layer_stats, x)
+        except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits
+            self._leave_job()
+            assembled = assemble(self.layer_stats, replace(x, comm=None))
+        self.meter.end(t0)
+        own, step_s, ratio = self.meter.finish_step()
+        t1 = self.meter.begin()
+        ratios = self.update_ratios.ratios(assembled.previous_update) if assembled.previous_update is not None else None
+        self._emit_pending(ratios)
+        record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
+                         layers_global=self.comm is not None)
+        if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
+            record, scores = self.tokens.checked(record, scores, assembled.check)
+        record = self.samples.judge_step(record, assembled.samples, [m for m, _ in parts])
+        spike = self.detector.observe(as_judged(record, assembled.job))
+        self._pending = replace(assembled, record=replace(record, **self.detector.band(spike)))
+        self.meter.end(t1)
+        incident = None
+        if opens_incident(spike):  # not when the step is the run reacting to an earlier incident
+            t2 = time.perf_counter()
+            reruns, unattributed = 0, None
+            if self.tokens.on_spike and probe is not None and LOCALIZE.intersection(spike.kinds):
+                breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
+                scores = self.tokens.rerun(self.spikes.model, [m for m, _ in parts], probe, breakdown,
+                                           self.samples.labels)
+                reruns, unattributed = len(parts), self.tokens.unattributed(scores) if scores is not None else None
+            incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
+                                                        scale is not None, rl,
+                                                        assembled.job.loss if assembled.job else record.loss,
+                                                        unattributed))
+            if reruns:
+                incident = on_spike.with_reruns(incident, reruns)
+            self.meter.exclude(time.perf_counter() - t2)
+            self.incidents.append(incident)
+            if self.comm is None or self.config.rank == 0:  # a job's incident is emitted once, by rank 0
+                self._fanout.on_incident(incident)
+        self.step += 1
+        self._ended += 1
+        return StepReport(record, spike, incident)
+
+    def _deepspeed_checks(self, probe: ProbeFn | None) -> ProbeFn | None:
+        if not self.layer_stats.at_boundary():  # type: ignore[attr-defined]
+            msg = ("end_step must be called after engine.backward() of the step's last micro-batch and before "
+                   "engine.step(): DeepSpeed holds the reduced gradient only there")
+            if self._ended == 0:
+                raise ConfigError(msg)
+            self.counters["off_boundary_steps"] += 1
+            log.warning("gradloc: %s (step %d has no gradient statistics)", msg, self.step)
+        # alone after a failed collective, a probe would use .backward() (ZeRO's hooks fire): none then
+        return probe if self.comm is not None else None
+
+    def _leave_job(self) -> None:
+        """After a gradloc collective failed, the ranks are out of lockstep: watch this rank alone."""
+        log.error("gradloc: collectives are off for the rest of the run, each rank is watched on its own: %s",
+                  self.comm.broken if self.comm else "")
+        self.counters["left_job"] += 1
+        self.comm = None
+        self.detector.agree = None
+        self.spikes.alone = True
+        self.tokens.alone = True
+        self.layer_stats.alone()
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the job: one all-reduce, on a step above the detector's
+        sample band only (alone after a failed collective)."""
+        try:
+            return bool(self.comm.all_reduce(torch.tensor([float(flag)], dtype=torch.float64), op="max",
+                                             what="gradloc sample flag")[0] > 0)
+        except CollectiveTimeout:
+            self._leave_job()
+            return flag
+
+    def pause_token_hooks(self, on: bool) -> None:
+        """Pause (True) or resume (False) per-token capture, e.g. around extra forward/backward
+        passes inside a micro-batch block that are not part of training (probes do this)."""
+        if self.hooks:
+            self.hooks.suspended = on
+
+    def _emit_pending(self, ratios: np.ndarray | None) -> None:
+        if self._pending is None:
+            return
+        rec = self._pending.record
+        if ratios is not None:
+            rec = with_update_ratios(rec, self.layer_stats.layers, ratios)
+        if self.counters:  # the cumulative counts of what was dropped or degraded so far (gradloc/records/events.py)
+            rec = replace(rec, events=event_counts(self.counters))
+        self._pending = None
+        self.history.append(rec)
+        self._fanout.on_step(rec)
+
+
+def _close_at_exit(ref: "weakref.ref[Monitor]") -> Callable[[], None]:
+    """Interpreter exit closes a monitor the script left open (bounded like close())."""
+    def hook() -> None:
+        mon = ref()
+        if mon is not None:
+            try:
+                mon.close()
+            except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+                log.warning("gradloc: closing the monitor at exit failed", exc_info=True)
+    return hook
+
