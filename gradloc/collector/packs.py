@@ -4,7 +4,7 @@ A step's statistics travel as one vector per step (one host transfer), and a job
 fixed-size rows in one collective: each is a concatenation of segments. :class:`Pack` names them —
 ``Pack.of(grad_sq=L, grad_max=L, ...)`` — so that code packs with :meth:`Pack.build` and reads with
 ``pack.get(vector, "grad_sq")``, never with hand-counted offsets (which six files used to keep in step).
-``get`` works on a 1-D vector and on rows (the last dim), torch or numpy alike.
+``get`` works on a 1-D vector and on rows (the last dim), torch or numpy alike, and on a host list.
 """
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ class Pack:
         raise KeyError(f"no field {name!r} in {[f for f, _ in self.fields]}")
 
     def get(self, vector: Any, name: str) -> Any:
-        """The field's segment of ``vector`` (the last dim, for rows)."""
+        """The field's segment of ``vector`` (the last dim, for rows; a host list's slice for a list)."""
+        if isinstance(vector, (list, tuple)):
+            return vector[self.span(name)]
         return vector[..., self.span(name)]
 
     def scalar(self, vector: Any, name: str) -> float:

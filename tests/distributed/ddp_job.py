@@ -58,29 +58,11 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
     watch = {"store": False, **watch}
     mon = gradloc.watch(model, opt, detector=gradloc.DetectorConfig(warmup=5), remedy=remedy,
                         **watch) if monitor else None
-    reports, collectives = [], []
-    for s in range(steps):
-        def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
-            terms = token_losses(model(x[s, i]), y[s, i]) * w[s, i]
-            if mask is not None:
-                terms = terms * mask
-            return terms.sum() / (terms.numel() * M)
+    from tests.distributed.loop import run_steps
 
-        total = torch.zeros(())
-        for i in range(M):
-            sync = model.no_sync() if kind == "ddp" and i < M - 1 else contextlib.nullcontext()
-            block = mon.micro_batch(y[s, i]) if mon is not None else contextlib.nullcontext()
-            with sync, block:
-                loss = loss_for(i)
-                loss.backward()
-            total += loss.detach()
-        if mon is not None:
-            before = mon.comm.collectives if mon.comm is not None else 0
-            reports.append(mon.end_step(total, probe=loss_for))
-            collectives.append((mon.comm.collectives if mon.comm is not None else 0) - before)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+    reports, collectives = run_steps(
+        model, opt, mon, (x, y, w), steps, token_losses=token_losses, clip=1.0,
+        no_sync=lambda i: model.no_sync() if kind == "ddp" and i < M - 1 else contextlib.nullcontext())
     if mon is not None:
         mon.close()
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()

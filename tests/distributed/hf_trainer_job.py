@@ -2,7 +2,7 @@
 
 Each rank (launched by tests/distributed/launch.py, process group already initialized) builds the same
 byte-level BPE tokenizer and the same tiny random ``LlamaForCausalLM`` from a config, pre-trains it for
-``PRETRAIN`` plain-loop steps on a cycle of two sentences (identical on every rank: same seed, one
+60 plain-loop steps (tests/tiny_llama.py) on a cycle of two sentences (identical on every rank: same seed, one
 thread), then fine-tunes it with ``TrainingArguments(use_cpu=True)``: accelerate sees ``LOCAL_RANK``
 and the initialized gloo group, so the Trainer wraps the model in ``DistributedDataParallel`` and
 shards the batches (rank r gets global batch ``j·W + r`` as its micro-batch j).
@@ -17,57 +17,13 @@ import os
 import time
 from typing import Any
 
-SEQ, PROMPT, B, GA = 24, 8, 4, 2
+from tests.tiny_llama import SEQ, labels, pretrained, windows
+
+B, GA = 4, 2
 K, MB, ROW, POS = 12, 1, 2, 17  # planted on rank 1: step K, micro-batch MB, row ROW, input index POS
 STEPS = K + 2
 WARMUP = 8  # detector warm-up steps (the default 25 would double the run)
-PRETRAIN = 60
 UID0 = 1000  # dataset row k has uid UID0 + k
-
-
-def _world() -> tuple[Any, Any, int, Any, dict]:
-    """(tokenizer, cycle, period, config, pre-trained weights): identical on every rank."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from gradloc.demo.data import SENTENCES
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(SENTENCES[:2], trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
-    stream = tok(" ".join(SENTENCES[:2]))["input_ids"]
-    cycle = torch.tensor(stream * 3)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(PRETRAIN):  # a fine-tune starts from a model that knows its data
-        x = _windows(cycle, torch.randint(0, len(stream), (8,), generator=gen))
-        model(input_ids=x, labels=_labels(x)).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    return tok, cycle, len(stream), config, {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _windows(cycle: Any, starts: Any) -> Any:
-    import torch
-
-    return torch.stack([cycle[s:s + SEQ] for s in starts.tolist()])  # (N, SEQ)
-
-
-def _labels(x: Any) -> Any:
-    lab = x.clone()
-    lab[..., :PROMPT] = -100  # the "prompt" carries no loss
-    return lab
 
 
 def planted_row(world: int) -> int:
@@ -79,10 +35,10 @@ def _dataset(tok: Any, cycle: Any, period: int, world: int, plant: bool) -> list
     import torch
 
     n = STEPS * GA * B * world
-    x = _windows(cycle, torch.randint(0, period, (n,), generator=torch.Generator().manual_seed(0)))
+    x = windows(cycle, torch.randint(0, period, (n,), generator=torch.Generator().manual_seed(0)))
     if plant:
         x[planted_row(world), POS] = tok.convert_tokens_to_ids("Z")
-    return [dict(input_ids=x[i], attention_mask=torch.ones(SEQ, dtype=torch.long), labels=_labels(x[i]),
+    return [dict(input_ids=x[i], attention_mask=torch.ones(SEQ, dtype=torch.long), labels=labels(x[i]),
                  uid=UID0 + i) for i in range(n)]
 
 
@@ -98,8 +54,9 @@ def train(rank: int, world: int, out_dir: str, plant: bool = True) -> dict:
 
     transformers.logging.set_verbosity_error()
     t0 = time.monotonic()
-    tok, cycle, period, config, weights = _world()
-    rows = _dataset(tok, cycle, period, world, plant)
+    w = pretrained()
+    tok, config, weights = w.tok, w.config, w.weights
+    rows = _dataset(tok, w.cycle, w.period, world, plant)
     t_setup = time.monotonic() - t0
 
     def run(trainer_cls: type, **kw: Any) -> tuple[Trainer, dict, float, str]:

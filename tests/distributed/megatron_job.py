@@ -21,7 +21,6 @@ Data: every tp rank sees the same micro-batches. Micro-batch i's loss is Σ w·m
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any
 
@@ -202,44 +201,17 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
         s, mb, b, t = plant
         w[s, mb, b, t] = 3000.0
     mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5)) if monitor else None
-    for s in range(steps):
-        def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
-            terms = token_losses(model(x[s, i]), y[s, i]) * w[s, i]
-            if mask is not None:
-                terms = terms * mask
-            return terms.sum() / (terms.numel() * M)
+    from tests.distributed.loop import essentials, run_steps
 
-        total = torch.zeros(())
-        for i in range(M):
-            with mon.micro_batch(y[s, i]) if mon is not None else contextlib.nullcontext():
-                loss = loss_for(i)
-                loss.backward()
-            total += loss.detach()
-        if s == 0:
-            out["norms"] = module_norms(whole_params(model, ps, grads=True))
-        if mon is not None:
-            rep = mon.end_step(total, probe=loss_for)
-            out["reports"].append(report(rep))
-        opt.step()
-        opt.zero_grad()
+    def norms() -> None:
+        out["norms"] = module_norms(whole_params(model, ps, grads=True))
+
+    reports, _ = run_steps(model, opt, mon, (x, y, w), steps, token_losses=token_losses, after_first_backward=norms)
+    out["reports"] = [essentials(r) for r in reports]
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if mon is not None:
         mon.close()
     return out
-
-
-def report(rep: Any) -> dict[str, Any]:
-    rec = rep.record
-    loc = rep.incident.localization if rep.incident is not None else None
-    tok = rec.tokens
-    return {
-        "step": rec.step, "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
-        "top": [(t.micro_batch, t.sample, t.position, t.score) for t in (tok.top if tok else ())],
-        "total_score": tok.total_score if tok else None, "dropped": tok.dropped_calls if tok else None,
-        "unattributed": tok.unattributed_share if tok else None,
-        "loc": None if loc is None else {
-            "status": str(loc.status), "probes": loc.probes, "explained": loc.explained_share,
-            "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}}
 
 
 def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple) -> dict[str, Any]:
@@ -251,4 +223,4 @@ def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple) -> dict[st
     return {**watched, "bitwise": all(torch.equal(plain["params"][n], mine[n]) for n in mine)}
 
 
-__all__ = ["MegatronToy", "bitwise", "init_method", "report", "data", "module_norms", "token_losses", "train", "B", "D", "M", "SEQ", "VOCAB"]
+__all__ = ["MegatronToy", "bitwise", "init_method", "data", "module_norms", "token_losses", "train", "B", "D", "M", "SEQ", "VOCAB"]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed.launch import run
+from tests.distributed.loop import essentials
 from tests.distributed.megatron_job import (
     BLOCKS,
     FF,
@@ -31,7 +32,6 @@ from tests.distributed.megatron_job import (
     data,
     init_method,
     module_norms,
-    report,
     token_losses,
 )
 
@@ -126,7 +126,7 @@ def reference(steps: int) -> dict[str, Any]:
             loss.backward()
         total += loss.detach()
     out["norms"] = module_norms({n: p.grad.numpy() for n, p in model.named_parameters()})
-    out["report"] = report(mon.end_step(total))
+    out["report"] = essentials(mon.end_step(total))
     mon.close()
     return out
 

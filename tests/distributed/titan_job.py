@@ -45,10 +45,6 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(Bl * T, V).float(), targets.reshape(Bl * T), reduction="none").view(Bl, T)
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = None, monitor: bool = True, invariants: bool = False,
           **watch: Any) -> dict[str, Any]:
     import gradloc
@@ -64,45 +60,23 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
     mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
         if monitor else None
     from tests.distributed.invariants import Watch
+    from tests.distributed.loop import essentials, run_steps, whole
 
     inv = Watch(mon) if invariants and mon is not None else None
-    out: dict[str, Any] = {"reports": []}
-    for s in range(steps):
-        def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
-            terms = token_losses(model(x[s, i]), y[s, i]) * w[s, i]
-            if mask is not None:
-                terms = terms * mask
-            return terms.sum() / (terms.numel() * M * dp)
+    out: dict[str, Any] = {}
 
-        total = torch.zeros(())
-        for i in range(M):
-            block = mon.micro_batch(y[s, i]) if mon is not None else _null()
-            with block:
-                loss = loss_for(i)
-                loss.backward()
-            total += loss.detach()
-        if s == 0:
-            out["titan_norm"] = float(titan.grad_norm(model, dims))
-            sq: dict[str, float] = {}
-            for n, p in model.named_parameters():
-                mod = n.rsplit(".", 1)[0]
-                sq[mod] = sq.get(mod, 0.0) + float(_whole(p.grad).double().pow(2).sum())
-            out["ref_layers"] = {k: v ** 0.5 for k, v in sq.items()}
-        if mon is not None:
-            rep = (inv.end_step if inv is not None else mon.end_step)(total, probe=loss_for)
-            rec = rep.record
-            loc = rep.incident.localization if rep.incident is not None else None
-            out["reports"].append({
-                "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
-                "unattributed": rec.tokens.unattributed_share if rec.tokens else None,
-                "top": [(t.micro_batch, t.sample, t.position, t.score) for t in (rec.tokens.top if rec.tokens else ())],
-                "top_layers": [[(ls.layer, ls.share * t.score) for ls in t.layers] for t in (rec.tokens.top if rec.tokens else ())],
-                "loc": None if loc is None else {
-                    "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
-                    "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}})
-        opt.step()
-        opt.zero_grad()
-    out["params"] = {n: _whole(p).detach().clone() for n, p in model.named_parameters()}
+    def norms() -> None:
+        out["titan_norm"] = float(titan.grad_norm(model, dims))
+        sq: dict[str, float] = {}
+        for n, p in model.named_parameters():
+            mod = n.rsplit(".", 1)[0]
+            sq[mod] = sq.get(mod, 0.0) + float(whole(p.grad).double().pow(2).sum())
+        out["ref_layers"] = {k: v ** 0.5 for k, v in sq.items()}
+
+    reports, _ = run_steps(model, opt, mon, (x, y, w), steps, token_losses=token_losses, dp=dp,
+                           end_step=inv.end_step if inv is not None else None, after_first_backward=norms)
+    out["reports"] = [essentials(r) for r in reports]
+    out["params"] = {n: whole(p).detach().clone() for n, p in model.named_parameters()}
     if inv is not None:
         out["steps"], out["trace"] = inv.steps, list(mon.comm.state.trace)
     if mon is not None:
@@ -118,14 +92,6 @@ def train_both(rank: int, world: int, kind: str, steps: int, plant: tuple | None
     watched["bitwise"] = all(torch.equal(plain["params"][n], watched["params"][n]) for n in plain["params"])
     del watched["params"]
     return watched
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
 
 
 def reference_top(kind: str, steps: int) -> list[tuple]:

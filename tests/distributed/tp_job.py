@@ -64,56 +64,25 @@ def train(rank: int, world: int, tp: int, sp: bool, steps: int, plant: tuple | N
     mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
         if monitor else None
     from tests.distributed.invariants import Watch
+    from tests.distributed.loop import essentials, run_steps, whole
 
     inv = Watch(mon) if invariants and mon is not None else None
-    out: dict[str, Any] = {"reports": [], "collectives": []}
-    for s in range(steps):
-        def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
-            terms = token_losses(model(x[s, i]), y[s, i]) * w[s, i]
-            if mask is not None:
-                terms = terms * mask
-            return terms.sum() / (terms.numel() * M)
+    out: dict[str, Any] = {}
 
-        total = torch.zeros(())
-        for i in range(M):
-            if mon is not None:
-                with mon.micro_batch(y[s, i]):
-                    loss = loss_for(i)
-                    loss.backward()
-            else:
-                loss = loss_for(i)
-                loss.backward()
-            total += loss.detach()
-        if s == 0:
-            out["norms"] = {n: float(_whole(p.grad).double().norm()) for n, p in model.named_parameters()}
-        if mon is not None:
-            before = mon.comm.collectives
-            rep = (inv.end_step if inv is not None else mon.end_step)(total, probe=loss_for)
-            out["collectives"].append(mon.comm.collectives - before)
-            rec = rep.record
-            loc = rep.incident.localization if rep.incident is not None else None
-            out["reports"].append({
-                "step": rec.step, "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
-                "top": [(t.micro_batch, t.sample, t.position, t.score) for t in (rec.tokens.top if rec.tokens else ())],
-                "unattributed": rec.tokens.unattributed_share if rec.tokens else None,
-                "kinds": sorted(rep.spike.kinds) if rep.incident else [],
-                "loc": None if loc is None else {
-                    "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
-                    "explained": loc.explained_share,
-                    "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}})
-        opt.step()
-        opt.zero_grad()
-    out["params"] = {n: _whole(p).detach().clone() for n, p in model.named_parameters()}
+    def norms() -> None:
+        out["norms"] = {n: float(whole(p.grad).double().norm()) for n, p in model.named_parameters()}
+
+    reports, out["collectives"] = run_steps(model, opt, mon, (x, y, w), steps, token_losses=token_losses,
+                                            end_step=inv.end_step if inv is not None else None,
+                                            after_first_backward=norms)
+    out["reports"] = [essentials(r) for r in reports]
+    out["params"] = {n: whole(p).detach().clone() for n, p in model.named_parameters()}
     if inv is not None:
         out["steps"], out["trace"] = inv.steps, list(mon.comm.state.trace)
     if mon is not None:
         out["counters"] = dict(mon.counters)
         mon.close()
     return out
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def reference(steps: int, dp: int, plant: tuple | None = None) -> dict[str, Any]:

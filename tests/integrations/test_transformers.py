@@ -14,19 +14,16 @@ from the garbage input, so both carry the spike. Nothing is mocked.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
-    PreTrainedTokenizerFast,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -34,68 +31,28 @@ from transformers import (
 )
 
 from gradloc.config import DetectorConfig, WatchConfig
-from gradloc.demo.data import SENTENCES
 from gradloc.errors import BatchMetadataError, ConfigError
 from gradloc.integrations.transformers import GradlocTrainer
+from tests import tiny_llama
 from tests.helpers import single_thread  # noqa: F401 (autouse fixture)
+from tests.tiny_llama import SEQ, World, pretrained, windows
 
 transformers.logging.set_verbosity_error()
-SEQ, PROMPT, B, GA = 24, 8, 4, 2
+B, GA = 4, 2
 K, MB, ROW, POS = 28, 1, 2, 17  # planted: step K, micro-batch MB, row ROW, input index POS
 STEPS = K + 3
 UID0 = 1000  # sample k has uid UID0 + k
 CLIP = 1e-6  # below every healthy norm here: clipping is active at every step
 
 
-@dataclass(frozen=True)
-class World:
-    tok: PreTrainedTokenizerFast
-    cycle: torch.Tensor  # (P·3,) token ids of the corpus cycle, repeated
-    period: int
-    config: LlamaConfig
-    weights: dict[str, torch.Tensor]  # the pre-trained model
-
-
 @pytest.fixture(scope="module")
 def world() -> World:
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(SENTENCES[:2], trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
-    stream = tok(" ".join(SENTENCES[:2]))["input_ids"]
-    cycle = torch.tensor(stream * 3)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(60):
-        x = _windows(cycle, torch.randint(0, len(stream), (8,), generator=gen))
-        model(input_ids=x, labels=_labels(x)).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    return World(tok, cycle, len(stream), config, {k: v.clone() for k, v in model.state_dict().items()})
-
-
-def _windows(cycle: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    return torch.stack([cycle[s:s + SEQ] for s in starts.tolist()])  # (N, SEQ)
-
-
-def _labels(x: torch.Tensor) -> torch.Tensor:
-    lab = x.clone()
-    lab[..., :PROMPT] = -100  # the "prompt" carries no loss
-    return lab
+    return pretrained(60)
 
 
 def dataset(w: World, steps: int = STEPS, plant: bool = True, labels: bool = True) -> list[dict]:
     n = steps * B * GA
-    x = _windows(w.cycle, torch.randint(0, w.period, (n,), generator=torch.Generator().manual_seed(0)))
+    x = windows(w.cycle, torch.randint(0, w.period, (n,), generator=torch.Generator().manual_seed(0)))
     k = planted_index()
     if plant and k < n:
         x[k, POS] = w.tok.convert_tokens_to_ids("Z")
@@ -103,7 +60,7 @@ def dataset(w: World, steps: int = STEPS, plant: bool = True, labels: bool = Tru
     for i in range(n):
         row = dict(input_ids=x[i], attention_mask=torch.ones(SEQ, dtype=torch.long), uid=UID0 + i)
         if labels:
-            row["labels"] = _labels(x[i])
+            row["labels"] = tiny_llama.labels(x[i])
         rows.append(row)
     return rows
 

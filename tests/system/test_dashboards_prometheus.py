@@ -25,8 +25,8 @@ import pytest
 
 from gradloc.records import SampleOutlier, SampleStats
 from tests.grafana.promql import queries
-from tests.system.prom import running_prometheus
 from tests.reliability.daemon import ROOT, serving
+from tests.system.prom import running_prometheus
 from tests.transport.factories import client_info, encode, incident, layer, step
 
 EVENT_JOB = "dash-ev"

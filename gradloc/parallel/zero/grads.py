@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from gradloc.collector.layer_stats import ParamGroups, combine_packs, pack_slices, unpack_layers
-from gradloc.collector.packs import layer_pack
+from gradloc.collector.packs import Pack, layer_pack
 from gradloc.config import LayerGrouping
 from gradloc.errors import UnsupportedModelError
 from gradloc.records import LayerStats
@@ -125,11 +125,11 @@ class DeepSpeedGradAccess:
             unc.append(self._uncovered[i])
         ok = torch.ones(1, device=self.device)  # ranks_ok: this rank read its gradient
         if not grads:  # this rank owns no slice of any gradient
-            return torch.cat([torch.zeros(len(layer_pack(L)), device=self.device), ok])
+            return torch.cat([torch.zeros(len(layer_pack(L)), device=self.device), ok])  # zero_pack(L)
         dev = self.device
         pack = pack_slices(L, torch.tensor(idx, device=dev), grads, params, inv_scale, torch.tensor(present, device=dev),
                            torch.tensor(unc, device=dev))
-        return torch.cat([pack, ok])  # (4L + 1,) + (1,): ZERO_PACK
+        return torch.cat([pack, ok])  # (4L + 1,) + (1,): zero_pack(L)
 
     def _local_slice(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, bool, int] | None:
         """(gradient slice, parameter slice, whether this rank counts p as present, where the slice starts
@@ -211,7 +211,7 @@ class DeepSpeedGradAccess:
 
     def valid(self, host: Sequence[float]) -> bool:
         """Whether every contributing rank read its gradient (host copy of a pack)."""
-        return int(round(float(host[-1]))) == self.contributors
+        return int(round(zero_pack(self.n_layers).scalar(host, "ranks_ok"))) == self.contributors
 
     def unpack(self, host: Sequence[float], nonfinite: Sequence[int] | None = None) -> tuple[LayerStats, ...]:
         """LayerStats of the layers that had a gradient (host copy of a valid pack)."""
@@ -219,7 +219,12 @@ class DeepSpeedGradAccess:
 
     def global_norm(self, host: Sequence[float]) -> float:
         """‖g‖ of the whole gradient (host copy of a pack)."""
-        return float(sum(float(x) for x in layer_pack(self.n_layers).get(host, "grad_sq"))) ** 0.5
+        return float(sum(float(x) for x in zero_pack(self.n_layers).get(host, "grad_sq"))) ** 0.5
+
+
+def zero_pack(L: int) -> Pack:
+    """A ZeRO gradient pack: the layer pack, then how many ranks read their gradient slices."""
+    return layer_pack(L) + Pack.of(ranks_ok=1)
 
 
 def _check_engine(engine: Any) -> None:

@@ -24,7 +24,7 @@ from gradloc.collector.packs import layer_pack
 from gradloc.config import LayerGrouping
 from gradloc.errors import ProbeError
 from gradloc.localizer.probes import Grads, ProbeSession
-from gradloc.parallel.zero.grads import PARTITIONS, DeepSpeedGradAccess
+from gradloc.parallel.zero.grads import PARTITIONS, DeepSpeedGradAccess, zero_pack
 
 log = logging.getLogger("gradloc")
 
@@ -75,15 +75,16 @@ class DeepSpeedLayerStats(LayerStatsCollector):
                 flags[i] = True
             self.access.set_uncovered(flags)
         try:
-            pack = self.access.grad_pack()  # (4L + 2,): [... | uncovered_sq | ranks_ok]
+            pack = self.access.grad_pack()  # zero_pack(L)
         finally:
             if unattributed:
                 self.access.set_uncovered(self._uncovered)
         if pack is None:
             self.off_boundary += 1
             return torch.zeros(len(layer_pack(L)), device=self.device)
-        ok = (pack[-1] == self.access.contributors).to(pack.dtype)  # device-side: no sync
-        return pack[:-1] * ok
+        layout = zero_pack(L)
+        ok = (layout.get(pack, "ranks_ok") == self.access.contributors).to(pack.dtype)  # (1,), device-side: no sync
+        return pack[:len(layer_pack(L))] * ok
 
     def nonfinite_counts(self) -> list[int]:
         if self.access.comm is not None and self.access.comm.broken:

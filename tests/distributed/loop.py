@@ -1,0 +1,78 @@
+"""The training loop every distributed test job shares (DDP, FSDP2, TP, torchtitan, Megatron): per step, M
+micro-batches of per-token losses, one ``end_step`` with the probe closure, the optimizer step; and the
+picklable essentials of a report that the tests compare across ranks."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+
+def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, mon: Any,
+              batches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, *,
+              token_losses: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp: int = 1,
+              end_step: Callable[..., Any] | None = None, no_sync: Callable[[int], Any] | None = None,
+              after_first_backward: Callable[[], None] | None = None, clip: float | None = None
+              ) -> tuple[list[Any], list[int]]:
+    """``batches``: inputs, targets (steps, M, B, T) and loss weights; the loss of micro-batch i is
+    Σ w·ce / (B·T·M·dp) (``dp`` = 1 where the data-parallel wrapper averages). ``end_step`` replaces
+    ``mon.end_step`` (e.g. the invariants tracer), ``no_sync(i)`` is a context for micro-batch i (DDP's
+    accumulation), ``after_first_backward`` runs once after step 0's backward (reference norms).
+    Returns the step reports and the gradloc collectives of each step."""
+    x, y, w = batches
+    M = x.shape[1]
+    reports: list[Any] = []
+    collectives: list[int] = []
+    for s in range(steps):
+        def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
+            terms = token_losses(model(x[s, i]), y[s, i]) * w[s, i]  # (B, T)
+            if mask is not None:
+                terms = terms * mask
+            return terms.sum() / (terms.numel() * M * dp)
+
+        total = torch.zeros(())
+        for i in range(M):
+            block = mon.micro_batch(y[s, i]) if mon is not None else contextlib.nullcontext()
+            with no_sync(i) if no_sync is not None else contextlib.nullcontext(), block:
+                loss = loss_for(i)
+                loss.backward()
+            total += loss.detach()
+        if s == 0 and after_first_backward is not None:
+            after_first_backward()
+        if mon is not None:
+            before = mon.comm.collectives if mon.comm is not None else 0
+            reports.append((end_step or mon.end_step)(total, probe=loss_for))
+            collectives.append((mon.comm.collectives if mon.comm is not None else 0) - before)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return reports, collectives
+
+
+def essentials(rep: Any) -> dict[str, Any]:
+    """A StepReport's figures the tests compare, as plain values."""
+    rec = rep.record
+    tok = rec.tokens
+    top = tok.top if tok else ()
+    loc = rep.incident.localization if rep.incident is not None else None
+    return {
+        "step": rec.step, "norm": rec.global_norm, "layers": {ls.layer: ls.grad_norm for ls in rec.layers},
+        "top": [(t.micro_batch, t.sample, t.position, t.score) for t in top],
+        "top_layers": [[(ls.layer, ls.share * t.score) for ls in t.layers] for t in top],
+        "total_score": tok.total_score if tok else None, "dropped": tok.dropped_calls if tok else None,
+        "unattributed": tok.unattributed_share if tok else None,
+        "kinds": sorted(rep.spike.kinds) if rep.incident else [],
+        "loc": None if loc is None else {
+            "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
+            "explained": loc.explained_share,
+            "culprits": [(c.rank, c.micro_batch, c.sample, c.position) for c in loc.culprits]}}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+__all__ = ["essentials", "run_steps", "whole"]
