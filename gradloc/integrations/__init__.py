@@ -1,2 +1,3 @@
-"""Integrations with training frameworks. Each module imports its framework on import, and each
-framework is an optional extra: ``gradloc.integrations.transformers`` needs ``gradloc[hf]``."""
+"""Integrations with training loops gradloc does not own. Each module imports its framework on import, and
+each framework is an optional extra: ``transformers``/``trl``/``accelerate`` need ``gradloc[hf]`` (and
+``gradloc[trl]``), ``lightning`` needs ``gradloc[lightning]``. ``loop.py`` is what they share (no framework)."""

@@ -48,6 +48,19 @@ def causal_view(inputs: Mapping[str, Any], pad_id: int = 0) -> CausalView | None
     return CausalView(torch.where(mask, tgt, shown), mask)
 
 
+def causal_lm_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) per-token loss terms of a Hugging Face causal LM's default loss (cross-entropy of the logits at
+    position p against ``labels[p + 1]``, a mean over the scored labels, in float32): their sum is
+    ``model(..., labels=labels).loss`` up to summation order; zero where unscored. A loop integration's
+    probe hook (``gradloc_token_loss``) for an HF model."""
+    tgt = targets({"labels": labels})
+    if tgt is None or logits.dim() != 3 or logits.shape[:2] != tgt.shape:
+        raise ValueError(f"logits (B, T, V) and 2-D integer labels (B, T) expected, got {tuple(logits.shape)} and "
+                         f"{tuple(getattr(labels, 'shape', ()))}")
+    terms = F.cross_entropy(logits.float().transpose(1, 2), tgt, ignore_index=IGNORE, reduction="none")  # (B, V, T) -> (B, T)
+    return terms / (tgt != IGNORE).sum().clamp(min=1)
+
+
 def mask_labels(inputs: Mapping[str, Any], token_mask: torch.Tensor) -> tuple[dict[str, Any], int, int]:
     """A copy of ``inputs`` whose loss keeps only the positions in ``token_mask`` (B, T logits
     layout), with (kept, total) counts of scored positions. Dropping a label (IGNORE) removes its

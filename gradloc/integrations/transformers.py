@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 from contextlib import ExitStack
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -44,9 +44,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("gradloc.integrations.transformers needs the 'hf' extra: pip install 'gradloc[hf]'") from exc
 
 from gradloc.adapters.pytorch import Monitor, watch
-from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
-from gradloc.errors import BatchMetadataError, ConfigError, GradlocError, UnsupportedModelError
+from gradloc.config import WatchConfig
+from gradloc.errors import BatchMetadataError, GradlocError, UnsupportedModelError
 from gradloc.integrations.hf_batch import batch_shape, causal_view, mask_labels, pop_sample_ids
+from gradloc.integrations.loop import as_config
 from gradloc.parallel.job import uncompiled
 
 log = logging.getLogger("gradloc")
@@ -85,7 +86,7 @@ class GradlocTrainerMixin:
 
     def __init__(self, *args: Any, gradloc: WatchConfig | Mapping[str, Any] | bool | None = None,
                  gradloc_sample_ids: str | None = None, gradloc_sinks: Sequence[Any] = (), **kwargs: Any) -> None:
-        self.gradloc_config = _as_config(gradloc)  # a bad config fails here, before the Trainer builds anything
+        self.gradloc_config = as_config(gradloc)  # a bad config fails here, before the Trainer builds anything
         self.gradloc_sample_id_column = gradloc_sample_ids
         self.gradloc_sinks = tuple(gradloc_sinks)
         self.gradloc: Monitor | None = None  # the last train()'s monitor (closed after train returns)
@@ -313,27 +314,6 @@ class GradlocTrainerMixin:
 
 class GradlocTrainer(GradlocTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with gradloc attached: ``GradlocTrainer(..., gradloc=dict(job="sft"))``."""
-
-
-def _as_config(value: WatchConfig | Mapping[str, Any] | bool | None) -> WatchConfig | None:
-    if value is False:
-        return None
-    if value is None or value is True:
-        return WatchConfig()
-    if isinstance(value, WatchConfig):
-        return value
-    if not isinstance(value, Mapping):
-        raise ConfigError("gradloc= takes a WatchConfig, a dict of its fields, None or False; "
-                          f"got {type(value).__name__}")
-    known = {f.name for f in fields(WatchConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ConfigError(f"unknown WatchConfig field(s) {unknown}; known: {sorted(known)}")
-    kw = dict(value)
-    for key, cls in (("detector", DetectorConfig), ("localizer", LocalizerConfig)):
-        if isinstance(kw.get(key), Mapping):
-            kw[key] = cls(**kw[key])
-    return WatchConfig(**kw)
 
 
 def _pad_id(tok: Any) -> int:
