@@ -143,6 +143,20 @@ class RankSpan:
     span: CulpritSpan
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepPoint:
+    """One step of one rank as the incident page charts it: its global norm and loss, and the detector's
+    healthy band it was judged against (``StepRecord.norm_mean``/``norm_threshold``; None during the
+    detector's warm-up or from a client without them). ``global_norm`` is NaN when unknown."""
+
+    rank: int
+    step: int
+    global_norm: float
+    loss: float | None = None
+    norm_mean: float | None = None
+    norm_threshold: float | None = None
+
+
 @dataclass(frozen=True)
 class CorrelatedIncident:
     """One incident per (job, step), across ranks.
@@ -173,3 +187,6 @@ class CorrelatedIncident:
     explained_share: float | None = None  # best verified explained share over the ranks
     probes: int = 0  # probes summed over ranks
     top_layers: tuple[str, ...] = field(default=())  # layers the detector flagged, any rank
+    # the steps the agent held of one reporting rank (the lowest that sent a finding) up to the incident's:
+    # what the incident page charts (empty: an incident stored before this field, or no step records)
+    history: tuple[StepPoint, ...] = field(default=())

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from gradloc.agent.links import DEFAULT_TTL_S, MAX_TTL_S
 from gradloc.agent.security import Security, check_exposure, read_token
 from gradloc.errors import ConfigError
 
@@ -44,6 +45,7 @@ class AgentConfig:
     metrics_open: bool = False  # /metrics without the token (a Prometheus that cannot send one)
     tls_cert: str = ""  # PEM certificate (chain): TLS for gRPC ingest and HTTP
     tls_key: str = ""  # its PEM private key
+    link_ttl_s: float = DEFAULT_TTL_S  # signed page links (token-free, one incident each) open this long
 
     def __post_init__(self) -> None:
         for name in ("ingest", "http"):
@@ -56,6 +58,8 @@ class AgentConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.link_ttl_s <= MAX_TTL_S:  # NaN fails too
+            raise ConfigError(f"link_ttl_s must be > 0 and at most {MAX_TTL_S:g} (30 days), got {self.link_ttl_s!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -75,7 +79,7 @@ class AgentConfig:
         return self.auth_token or None
 
     def security(self) -> Security:
-        return Security(self.token, self.tls_cert or None, self.tls_key or None, self.metrics_open)
+        return Security(self.token, self.tls_cert or None, self.tls_key or None, self.metrics_open, self.link_ttl_s)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}

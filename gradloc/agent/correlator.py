@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 from gradloc.agent.merge import RankView, merge_incident
 from gradloc.errors import ConfigError
 from gradloc.records import Incident
-from gradloc.reports import CorrelatedIncident, StepSummary
+from gradloc.reports import CorrelatedIncident, StepPoint, StepSummary
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Correlator:
     def on_step(self, s: StepSummary) -> None:
         self._seen.setdefault(s.job, set()).add(s.rank)
         ring = self._recent.setdefault((s.job, s.rank), OrderedDict())
-        ring[s.step] = RankView(s.rank, s.global_norm, s.loss, s.tokens)
+        ring[s.step] = RankView(s.rank, s.global_norm, s.loss, s.tokens, s.norm_mean, s.norm_threshold)
         while len(ring) > self.config.history_steps:
             ring.popitem(last=False)
         self._check((s.job, s.step))
@@ -157,5 +157,16 @@ class Correlator:
         p = self._pending.pop(key)
         inc = merge_incident(p.job, p.step, self._expected(p.job, self._job_scope(p)), self._views(p.job, p.step),
                              p.incidents, incident_id=uuid.uuid4().hex, trace_id=self._new_trace_id(),
-                             closed_unix=time.time(), note=note, world_size=self._world.get(p.job, 0))
+                             closed_unix=time.time(), note=note, world_size=self._world.get(p.job, 0),
+                             history=self._history(p))
         self._emit(inc)
+
+    def _history(self, p: _Pending) -> tuple[StepPoint, ...]:
+        """The recent steps (at most ``history_steps``) of the lowest rank that sent a finding: the
+        incident page's chart of the norm, the loss and the detector's band around the incident."""
+        if not p.incidents:
+            return ()
+        rank = min(p.incidents)
+        ring = self._recent.get((p.job, rank), {})
+        return tuple(StepPoint(rank=rank, step=step, global_norm=v.global_norm, loss=v.loss, norm_mean=v.norm_mean,
+                               norm_threshold=v.norm_threshold) for step, v in sorted(ring.items()))

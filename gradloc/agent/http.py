@@ -3,6 +3,11 @@ and the incident pages ``/incidents`` and ``/incidents/<id>`` (HTML, gradloc/age
 ``/incidents/trace/<trace id>`` redirects to the page of the incident with that trace id (the
 Grafana datasource's exemplar link: exemplars carry trace ids).
 
+With an auth token, a request needs the bearer header, except ``/healthz``, ``/metrics`` with
+``metrics_open``, and an incident page (or its trace redirect) opened by a signed link
+(``?sig=``, gradloc/agent/links.py): that link opens that page and nothing else. A scrape that sent
+the token gets exemplars with a ``sig``; ``/api/incidents`` rows carry a ``link``.
+
 A standard-library threading HTTP server (one thread per request, so a slow scrape never holds up
 the API). Binds 127.0.0.1 unless told otherwise: incidents carry training text.
 """
@@ -18,9 +23,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 from urllib.parse import parse_qs, urlsplit
 
+from gradloc.agent import links
 from gradloc.agent.core import AgentCore
 from gradloc.agent.escape import json_text
 from gradloc.agent.incident_page import incident_html, index_html
+from gradloc.agent.links import Denied
+from gradloc.agent.page_chart import page_steps
 from gradloc.agent.security import Security
 from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
@@ -33,6 +41,7 @@ from gradloc.store.rows import IncidentRow
 log = logging.getLogger(__name__)
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 CSP = "default-src 'none'; style-src 'unsafe-inline'"  # the pages need nothing else: no script runs
+FULL, PUBLIC, SIGNED = "full", "public", "signed"  # what a request may see: everything, an open route, one page
 
 
 def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -60,55 +69,98 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.do_handshake()  # a failure ends this request only (handle_error logs it)
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
-        log.debug("http %s", fmt % args)
+        log.debug("http %s", links.redact(fmt % args))
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         url = urlsplit(self.path)
-        if not self._authorized(url.path):
-            self.close_connection = True
-            return self._json(401, {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
-                              {"WWW-Authenticate": 'Bearer realm="gradloc-agent"'})
         try:
-            if url.path == "/metrics":
-                body, ctype = render(self.server.registry, self.headers.get("Accept"))
+            grant = self._grant(url.path, url.query)
+        except Denied as denied:
+            self.close_connection = True
+            return self._deny(url.path, denied)
+        try:
+            if url.path == "/metrics":  # exemplars carry signed links only for a scrape that sent the token
+                registry = self.server.signed_registry if grant == FULL and self.server.signed_registry else \
+                    self.server.registry
+                body, ctype = render(registry, self.headers.get("Accept"))
                 return self._send(200, body, ctype)
             if url.path == "/healthz":
                 return self._json(200, self.server.health())
             if url.path.rstrip("/") == "/incidents":
                 query = parse_qs(url.query)
-                return self._html(200, index_html(self.server.incident_rows(query), outliers=self.server.outlier_rows(query)))
+                return self._html(200, index_html(self.server.incident_rows(query), outliers=self.server.outlier_rows(query),
+                                                  link=self._page_link if self.server.signer else None))
             if url.path.startswith("/incidents/trace/"):  # an exemplar's trace id -> its incident's page
                 found = self.server.incident_id_of_trace(url.path.rsplit("/", 1)[1])
                 if found is None:
                     return self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such trace</h1>"))
-                return self._send(302, b"", "text/plain", {"Location": f"/incidents/{found}"})
+                sig = None
+                if grant == SIGNED:  # the page's own link, with the same expiry
+                    sig = self.server.signer.sign(links.INCIDENT, found, links.expiry(self._sig(url.query) or ""))
+                return self._send(302, b"", "text/plain", {"Location": links.page_path(found, sig)})
             if url.path.startswith("/incidents/"):
-                inc = self.server.incident(url.path.rsplit("/", 1)[1])
-                return self._html(200, incident_html(inc)) if inc is not None else \
+                key = url.path.rsplit("/", 1)[1]
+                inc = self.server.incident(key)
+                if grant == SIGNED and inc is not None and inc.incident_id != key:  # signed for exactly one id
+                    raise Denied(403, "invalid")
+                return self._html(200, incident_html(inc, steps=page_steps(self.server.core.store, inc))) \
+                    if inc is not None else \
                     self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such incident</h1>"))
             if url.path.rstrip("/") == "/api/incidents":
-                return self._json(200, self.server.list_incidents(parse_qs(url.query)))
+                rows = self.server.list_incidents(parse_qs(url.query))
+                for row in rows:  # a link that opens the page in a browser (signed when there is a token)
+                    row["link"] = self._page_link(row["incident_id"])
+                return self._json(200, rows)
             if url.path.rstrip("/") == "/api/outliers":  # per-sample findings (SampleOutlier), newest first
                 return self._json(200, [to_dict(o) for o in self.server.outlier_rows(parse_qs(url.query))])
             if url.path.startswith("/api/incidents/"):
                 inc = self.server.get_incident(url.path.rsplit("/", 1)[1])
                 return self._json(200, inc) if inc is not None else self._json(404, {"error": "no such incident"})
             self._json(404, {"error": f"no route {url.path}"})
+        except Denied as denied:
+            self._deny(url.path, denied)
         except (ValueError, GradlocError) as exc:  # bad query, ambiguous id prefix
             self._json(400, {"error": str(exc)})
         except Exception:  # noqa: BLE001 - a request never takes the server down
             log.exception("gradloc agent: %s failed", url.path)
             self._json(500, {"error": "internal error (see the agent's log)"})
 
-    def _html(self, code: int, page: str) -> None:
+    def _html(self, code: int, page: str, headers: dict[str, str] | None = None) -> None:
         self._send(code, page.encode(), "text/html; charset=utf-8", {"Content-Security-Policy": CSP,
-                                                                       "X-Content-Type-Options": "nosniff"})
+                                                                       "X-Content-Type-Options": "nosniff",
+                                                                       **(headers or {})})
 
-    def _authorized(self, path: str) -> bool:
-        sec = self.server.security
-        if sec is None or not sec.token or path == "/healthz" or (path == "/metrics" and sec.metrics_open):
-            return True
-        return sec.allows(self.headers.get("Authorization"))
+    def _grant(self, path: str, query: str) -> str:
+        """FULL (no token, or the right bearer header), PUBLIC (an open route) or SIGNED (a signed link's
+        page); raises :class:`Denied` (401 without credentials, 403 for a link that does not open this page)."""
+        sec, signer = self.server.security, self.server.signer
+        if sec is None or not sec.token or sec.allows(self.headers.get("Authorization")):
+            return FULL
+        if path == "/healthz" or (path == "/metrics" and sec.metrics_open):
+            return PUBLIC
+        sig, target = self._sig(query), links.page_target(path)
+        if not sig or target is None or signer is None:  # an exemplar without a sig label gives "sig="
+            raise Denied(401, "missing")
+        reason = signer.check(*target, sig)
+        if reason is not None:
+            raise Denied(403, reason, sig)
+        return SIGNED
+
+    @staticmethod
+    def _sig(query: str) -> str | None:
+        values = parse_qs(query, keep_blank_values=True).get(links.SIG)
+        return values[-1] if values else None
+
+    def _deny(self, path: str, denied: Denied) -> None:
+        headers = {"WWW-Authenticate": 'Bearer realm="gradloc-agent"'} if denied.code == 401 else {}
+        if path.startswith("/incidents"):  # a browser: a page that says what is wrong, never the incident
+            return self._html(denied.code, links.denied_html(denied.reason, denied.sig), headers)
+        self._json(denied.code, {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"}, headers)
+
+    def _page_link(self, incident_id: str) -> str:
+        signer = self.server.signer
+        base = links.origin(self.headers.get("Host"), self.server.server_address[:2], self.server.tls)
+        return base + links.page_path(incident_id, signer.mint(links.INCIDENT, incident_id) if signer else None)
 
     def _json(self, code: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         self._send(code, json_text(payload).encode(), "application/json; charset=utf-8", headers)
@@ -133,6 +185,10 @@ class _Server(ThreadingHTTPServer):
         self.core, self.registry, self.started = core, make_registry(core.state), time.time()
         self.security = security
         self._tls = security.ssl_context() if security is not None and security.tls else None
+        self.tls = self._tls is not None
+        self.signer = links.LinkSigner(security.token, security.link_ttl_s) \
+            if security is not None and security.token else None
+        self.signed_registry = make_registry(core.state, self.signer.for_exemplar) if self.signer else None
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("gradloc agent: http connection from %s failed", client_address, exc_info=True)

@@ -2,21 +2,27 @@
 it works offline and from a file), and the index of incidents.
 
 Served by the daemon and embedded mode at ``/incidents/<id>`` and ``/incidents``, written by
-``gradloc-agent incidents show ID --html FILE``. Shows each culprit sample's text around the span with
-every token coloured by its share of the step's per-token attribution score (``CulpritSpan.window_*``;
-an incident from a client without them colours the culprit tokens by their measured share of ‖∇‖²
-and shows the context uncoloured), the culprit spans outlined, the localization path, explained
-share and probes, per-layer contribution bars, the detector's view of the norm, RL fields and the
-trace id. Every client string goes through :func:`gradloc.agent.escape.visible` then ``html.escape``.
+``gradloc-agent incidents show ID --html FILE``. Shows the summary; SVG charts of the global norm (with
+the detector's band) and the loss over the steps around the incident, and the follow-up steps
+(:mod:`gradloc.agent.page_chart`); per rank, the detector's view, the localization, every layer's share
+of ‖∇‖² and z-score (flagged ones marked), every sample's attributed and measured share, and each culprit
+sample's text around the span with every token coloured by its share of the step's per-token attribution
+score (``CulpritSpan.window_*``; an incident from a client without them colours the culprit tokens by
+their measured share of ‖∇‖² and shows the context uncoloured), the culprit spans outlined, RL fields and
+the trace id. Every client string goes through :func:`gradloc.agent.escape.visible` then ``html.escape``.
 """
 from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from gradloc.agent.escape import visible
+from gradloc.agent.page_chart import esc as _e
+from gradloc.agent.page_chart import history_section
+from gradloc.agent.page_chart import num as _num
 from gradloc.agent.render import group_text
+from gradloc.agent.render_correlated import flagged_layers_text, ranks_text
 from gradloc.records import Culprit, Incident, SampleOutlier
 from gradloc.reports import CorrelatedIncident
 from gradloc.store.rows import IncidentRow
@@ -25,19 +31,12 @@ _CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:70e
 h1{font-size:1.4em}table{border-collapse:collapse}td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:left}
 .text{font-family:ui-monospace,monospace;white-space:pre-wrap;background:#fafafa;padding:.6em;border:1px solid #ddd}
 .tok{border-radius:2px;outline:1px solid #c0392b}.w{border-radius:2px}.ctx{color:#777}.bar{background:#e67e22;height:.8em;display:inline-block}
-.muted{color:#777}.kv td:first-child{color:#555}"""
-
-
-def _e(text: object) -> str:
-    return html.escape(visible(str(text)) if text is not None else "—", quote=True)
+.muted{color:#777}.kv td:first-child{color:#555}.chart{display:block;margin:.4em 0}table.num td{font-variant-numeric:tabular-nums}
+tr.flagged td:first-child{font-weight:600}.flag{color:#c0392b}details summary{cursor:pointer;color:#555}"""
 
 
 def _pct(x: float | None) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
-
-
-def _num(x: float | None) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:.4g}"
 
 
 def _page(title: str, body: str) -> str:
@@ -46,39 +45,47 @@ def _page(title: str, body: str) -> str:
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{body}</body></html>\n")
 
 
-def incident_html(inc: CorrelatedIncident) -> str:
+def incident_html(inc: CorrelatedIncident, steps: Sequence[Any] = ()) -> str:
+    """The page. ``steps``: the store's rows around the incident (:func:`gradloc.agent.page_chart.page_steps`),
+    which add the follow-up steps to the charts; without them the charts show the incident's own history."""
     parts = [f"<h1>Incident <code>{_e(inc.incident_id[:12])}</code> · job {_e(inc.job)} · step {inc.step}</h1>",
-             _summary(inc)]
+             _summary(inc), history_section(inc, steps)]
     for f in inc.findings:
         parts.append(_finding(f))
     return _page(f"gradloc incident {inc.incident_id[:12]}", "".join(parts))
 
 
 def _summary(inc: CorrelatedIncident) -> str:
-    rows = [("status", inc.status), ("kinds", ", ".join(inc.kinds)), ("global ‖∇‖", _num(inc.global_norm)),
-            ("explained share", _pct(inc.explained_share)), ("probes", inc.probes),
-            ("ranks reported / missing", f"{list(inc.ranks_reported)} / {list(inc.ranks_missing)}"),
+    ranks = (f"reported {ranks_text(inc.ranks_reported)} · missing {ranks_text(inc.ranks_missing)}"
+             + (f" (expected {ranks_text(inc.ranks_expected)})" if inc.ranks_expected else ""))
+    rows = [("status", inc.status), ("kinds", ", ".join(inc.kinds) or "—"), ("global ‖∇‖", _num(inc.global_norm)),
+            ("explained share", _pct(inc.explained_share)), ("probes", inc.probes), ("ranks", ranks),
+            ("flagged layers", flagged_layers_text(inc) if inc.top_layers else "none"),
             ("trace id", inc.trace_id), ("note", inc.note or "—")]
     return '<table class="kv">' + "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
 def _finding(f: Incident) -> str:
     sp, loc = f.spike, f.localization
-    head = (f"<h2>Rank {f.rank} ({_e(f.scope)} scope)</h2><p>detector: ‖∇‖ <b>{_num(sp.global_norm)}</b> against a "
+    ratio = f" ({sp.global_norm / sp.mean:.3g}× the healthy mean)" if (
+        sp.mean is not None and math.isfinite(sp.global_norm) and sp.mean > 0) else ""
+    head = (f"<h2>Rank {f.rank} ({_e(f.scope)} scope)</h2><p>detector: ‖∇‖ <b>{_num(sp.global_norm)}</b>{ratio} against a "
             f"healthy {_num(sp.mean)} ± {_num(sp.std)} (z {_num(sp.z)}); loss {_num(sp.loss)} (healthy "
-            f"{_num(sp.loss_mean)}); kinds {_e(', '.join(sp.kinds))}</p>")
+            f"{_num(sp.loss_mean)}, z {_num(sp.loss_z)}); kinds {_e(', '.join(sp.kinds) or '—')}</p>")
+    layers = _layers(f)
     if loc is None:
-        return head + "<p>not localized (a trend, not a token event)</p>"
+        return head + "<p>not localized (a trend, not a token event)</p>" + layers
     level = f" at the {_e(loc.level.replace('_', '-'))} level" if loc.level else ""
     passes = f" (+{loc.passes} extra passes)" if loc.passes else ""
     out = [head, f"<p>localized by {_e(loc.method)} with {loc.probes} probe(s){passes}: <b>{_e(loc.status)}</b>{level}; culprits "
-                 f"carry {_pct(loc.explained_share)} of ‖∇‖²; without them ‖∇‖ would be "
-                 f"{_num(loc.norm_without_culprits)}</p>"]
+                 f"carry {_pct(loc.explained_share)} of ‖∇‖² and {_pct(loc.loss_share)} of the loss; without them ‖∇‖ "
+                 f"would be {_num(loc.norm_without_culprits)}</p>"]
     if f.classification is not None:
         out.append(f"<p>class <b>{_e(f.classification.kind)}</b>: {_e(f.classification.reason)}</p>")
     if loc.note:
         out.append(f'<p class="muted">{_e(loc.note)}</p>')
     out += [f"<h3>{_e(group_text(g, f.scope == 'job'))}</h3>" for g in loc.groups]
+    out += [layers, _samples(f)]
     top = max((c.share for c in loc.culprits if math.isfinite(c.share)), default=0.0)
     for span in loc.spans:
         cul = [c for c in loc.culprits if (c.micro_batch, c.sample) == (span.micro_batch, span.sample)
@@ -87,16 +94,68 @@ def _finding(f: Incident) -> str:
     return "".join(out)
 
 
+def _layers(f: Incident) -> str:
+    """Every layer the finding lists, largest share of ‖∇‖² first, with its z-score; flagged ones marked."""
+    if not f.top_layers:
+        return ""
+    g, flagged = f.spike.global_norm, set(f.spike.layers)
+    known = math.isfinite(g) and g > 0
+
+    def share(s) -> float:  # noqa: ANN001 - LayerStats
+        return (s.grad_norm / g) ** 2 if known and math.isfinite(s.grad_norm) else math.nan
+
+    rows = sorted(f.top_layers, key=lambda s: -share(s) if not math.isnan(share(s)) else math.inf)
+    body = "".join(_layer_row(s, share(s), s.layer in flagged) for s in rows)
+    missing = [name for name in f.spike.layers if name not in {s.layer for s in f.top_layers}]
+    also = f'<p class="muted">also flagged: {_e(", ".join(missing))}</p>' if missing else ""
+    no_z = "" if any(s.z is not None for s in f.top_layers) else \
+        '<p class="muted">z-scores: — (this client sent its five largest layers, without z-scores)</p>'
+    n_flag = sum(1 for s in f.top_layers if s.layer in flagged) + len(missing)
+    return (f"<details open><summary>Layers: {len(f.top_layers)} listed, {n_flag} flagged (z above the layer "
+            f"threshold), largest share of ‖∇‖² first</summary><table class=\"num\"><tr><th>layer</th><th>share of "
+            f"‖∇‖²</th><th>‖∇‖</th><th>z</th><th></th></tr>{body}</table>{also}{no_z}</details>")
+
+
+def _layer_row(s, share: float, flagged: bool) -> str:  # noqa: ANN001 - LayerStats
+    width = max(1, round(200 * share)) if math.isfinite(share) else 0
+    mark = '<span class="flag">▲ flagged</span>' if flagged else ""
+    bad = f" · non-finite {s.nonfinite}" if s.nonfinite else ""
+    cls = ' class="flagged"' if flagged else ""
+    return (f'<tr{cls}><td>{_e(s.layer)}</td><td><span class="bar" style="width:{width}px">'
+            f"</span> {_pct(share)}</td><td>{_num(s.grad_norm)}</td><td>{_num(s.z)}</td><td>{mark}{bad}</td></tr>")
+
+
+def _samples(f: Incident) -> str:
+    """Every sample the localization lists: its part of the attribution score and its measured share."""
+    loc = f.localization
+    if loc is None or not loc.samples:
+        return ""
+    job = f.scope == "job"
+    rows = "".join(
+        f"<tr>{f'<td>{_e(x.rank)}</td>' if job else ''}<td>{x.micro_batch}</td><td>{x.sample}</td><td>{_e(x.sample_id)}</td>"
+        f"<td>{x.tokens}</td><td>{_pct(x.score_share)}</td><td>{_pct(x.share)}</td></tr>" for x in loc.samples)
+    head = ("<tr>" + ("<th>rank</th>" if job else "") + "<th>micro-batch</th><th>sample</th><th>sample id</th>"
+            "<th>loss tokens</th><th>attributed</th><th>measured share of ‖∇‖²</th></tr>")
+    return (f'<h3>Samples carrying the norm</h3><table class="num">{head}{rows}</table><p class="muted">attributed: '
+            "the sample's part of the step's per-token attribution score (free); measured: ⟨∇_S, ∇⟩ / ‖∇‖², from a "
+            "probe, — where none was spent on it</p>")
+
+
 def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001 - CulpritSpan
+    pos = f"position {span.start}" if span.end - span.start == 1 else f"positions {span.start}–{span.end - 1}"
     where = (f"{'rank ' + str(span.rank) + ' · ' if span.rank is not None else ''}micro-batch {span.micro_batch} · "
              f"sample {span.sample}" + (f" (id {_e(span.sample_id)})" if span.sample_id else "")
-             + f" · positions {span.start}–{span.end - 1} · share {_pct(span.share)}")
+             + f" · {pos} · share {_pct(span.share)}")
     text = _window(span, culprits) if span.window_tokens else _culprits_only(span, culprits, top)
     first = culprits[0] if culprits else None
     bars = "".join(f"<tr><td>{_e(s.layer)}</td><td><span class=\"bar\" style=\"width:{max(1, round(200 * s.share))}px\">"
                    f"</span> {_pct(s.share)}</td></tr>" for s in (first.layers if first else ()))
+    caption = (f'<p class="muted">{len(span.window_tokens)} tokens of the sample from position {span.window_start}'
+               "; hover a token for its score share</p>") if span.window_tokens else ""
+    through = ("<table><tr><th colspan=\"2\">the first culprit's attribution through its largest layers</th></tr>"
+               f"{bars}</table>") if bars else ""
     rl = _rl(first) if first is not None and first.rl is not None else ""
-    return f"<h3>{where}</h3>{text}" + (f"<table>{bars}</table>" if bars else "") + rl
+    return f"<h3>{where}</h3>{text}{caption}{through}{rl}"
 
 
 def _culprits_only(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001 - CulpritSpan
@@ -135,11 +194,18 @@ def _rl(c: Culprit) -> str:
     return f'<table class="kv"><tr><th colspan="2">RL fields of the first culprit</th></tr>{cells}</table>'
 
 
-def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/", outliers: Sequence[SampleOutlier] = ()) -> str:
+def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/", outliers: Sequence[SampleOutlier] = (),
+               link: Callable[[str], str] | None = None) -> str:
+    """The incidents table; ``link`` (incident id -> a signed page link, when the agent has a token): a column
+    of links that open one incident's page without the token, to share."""
+    def share(r: IncidentRow) -> str:
+        return f'<td><a href="{html.escape(link(r.incident_id), quote=True)}">signed link</a></td>' if link else ""
+
     body = "".join(f'<tr><td><a href="{html.escape(base + r.incident_id, quote=True)}">{_e(r.incident_id[:12])}</a>'
                    f"</td><td>{_e(r.job)}</td><td>{r.step}</td><td>{_e(r.status)}</td><td>{_e(', '.join(r.kinds))}</td>"
-                   f"<td>{_pct(r.explained_share)}</td><td>{r.probes}</td></tr>" for r in rows)
-    head = "<tr><th>incident</th><th>job</th><th>step</th><th>status</th><th>kinds</th><th>explained</th><th>probes</th></tr>"
+                   f"<td>{_pct(r.explained_share)}</td><td>{r.probes}</td>{share(r)}</tr>" for r in rows)
+    head = ("<tr><th>incident</th><th>job</th><th>step</th><th>status</th><th>kinds</th><th>explained</th><th>probes</th>"
+            + ("<th>share (no token needed)</th>" if link else "") + "</tr>")
     return _page("gradloc incidents", f"<h1>Incidents</h1><table>{head}{body}</table>{_outliers(outliers)}")
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from gradloc.records import Incident, TokenStats
-from gradloc.reports import CorrelatedIncident, MicroBatchShare, RankShare, RankSpan
+from gradloc.reports import CorrelatedIncident, MicroBatchShare, RankShare, RankSpan, StepPoint
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,8 @@ class RankView:
     global_norm: float
     loss: float | None
     tokens: TokenStats | None
+    norm_mean: float | None = None  # the detector's band the step was judged against (StepRecord)
+    norm_threshold: float | None = None
 
 
 def _rank_shares(views: Mapping[int, RankView]) -> dict[int, float]:
@@ -85,7 +87,8 @@ def _notes(expected: tuple[int, ...], views: Mapping[int, RankView], findings: M
 
 def merge_incident(job: str, step: int, expected: tuple[int, ...], views: Mapping[int, RankView],
                    findings: Mapping[int, Incident], *, incident_id: str, trace_id: str,
-                   closed_unix: float, note: str = "", world_size: int = 0) -> CorrelatedIncident:
+                   closed_unix: float, note: str = "", world_size: int = 0,
+                   history: tuple[StepPoint, ...] = ()) -> CorrelatedIncident:
     reported = tuple(sorted(set(views) | set(findings)))
     missing = tuple(r for r in expected if r not in reported)
     shares = _rank_shares(views)
@@ -112,5 +115,5 @@ def merge_incident(job: str, step: int, expected: tuple[int, ...], views: Mappin
         note="; ".join([n for n in [note] if n] + _notes(expected, views, findings, missing)),
         explained_share=max(explained) if explained else None,
         probes=sum(x.probes for x in locs),
-        top_layers=_ordered_union([f.spike.layers for f in ordered]),
+        top_layers=_ordered_union([f.spike.layers for f in ordered]), history=history,
     )

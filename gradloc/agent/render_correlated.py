@@ -18,6 +18,7 @@ from gradloc.store.rows import IncidentRow
 
 _LIST_HEADER = ("ID", "TIME", "JOB", "STEP", "STATUS", "KINDS", "‖∇‖", "EXPLAINED", "MISSING")
 _RANK_HEADER = ("RANK", "SHARE", "‖∇‖", "LOSS", "FLAGGED", "STATUS", "PROBES")
+FLAGGED_SHOWN = 5  # flagged layers named in the header (the rest: "+N more")
 
 
 def local_time(t: float, offset: bool = False) -> str:
@@ -86,10 +87,35 @@ def _header(inc: CorrelatedIncident, b) -> list[str]:
              (f"  ranks: expected {ranks_text(inc.ranks_expected)} · reported {ranks_text(inc.ranks_reported)} · "
               f"missing {ranks_text(inc.ranks_missing)}")]
     if inc.top_layers:
-        lines.append(f"  flagged layers: {', '.join(inc.top_layers)}")
+        lines.append(f"  flagged layers: {flagged_layers_text(inc)}")
     if inc.note:
         lines.append(f"  note: {inc.note}")
     return lines
+
+
+def layer_shares(inc: CorrelatedIncident) -> dict[str, float]:
+    """Each layer's share of ‖∇‖² at the spike, (layer norm / global norm)², the largest over the findings
+    (a finding lists every layer since the z field, the five largest before)."""
+    out: dict[str, float] = {}
+    for f in inc.findings:
+        g = f.spike.global_norm
+        for s in f.top_layers:
+            if math.isfinite(g) and g > 0 and math.isfinite(s.grad_norm):
+                out[s.layer] = max(out.get(s.layer, 0.0), (s.grad_norm / g) ** 2)
+    return out
+
+
+def flagged_layers_text(inc: CorrelatedIncident, k: int = FLAGGED_SHOWN) -> str:
+    """The ``k`` flagged layers that matter most (largest share of ‖∇‖² first; layers without a known share
+    after, in the detector's order), then "+N more" and how many of the model's layers were flagged."""
+    shares = layer_shares(inc)
+    order = sorted(inc.top_layers, key=lambda name: -shares.get(name, -1.0))  # stable: unknown shares keep z order
+    shown = ", ".join(f"{name} {_pct(shares[name])}" if name in shares else name for name in order[:k])
+    more = f" +{len(order) - k} more" if len(order) > k else ""
+    complete = [len(f.top_layers) for f in inc.findings if any(s.z is not None for s in f.top_layers)]
+    total = f" of {max(complete)}" if complete else ""
+    what = "; % of ‖∇‖²" if any(name in shares for name in order[:k]) else ""
+    return f"{shown}{more} ({len(order)}{total} layer(s) above the layer z threshold{what})"
 
 
 def _rank_table(inc: CorrelatedIncident) -> list[str]:

@@ -8,6 +8,8 @@
   (gRPC metadata ``authorization: Bearer <token>``) and every HTTP request (the same header), except
   ``/healthz`` and, with ``metrics_open``, ``/metrics`` (for a Prometheus that cannot send a header).
   Compared in constant time; never logged (reprs hide it).
+- **Signed links.** One incident's page opens without the token through a short-lived link signed
+  with a key derived from it (``link_ttl_s``; gradloc/agent/links.py): a browser cannot send a header.
 - **TLS.** ``tls_cert`` + ``tls_key`` (PEM files) turn on TLS for both gRPC and HTTP.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradloc.agent.links import DEFAULT_TTL_S
 from gradloc.errors import ConfigError
 
 BEARER = "bearer "
@@ -29,6 +32,7 @@ class Security:
     tls_cert: str | None = None
     tls_key: str | None = None
     metrics_open: bool = False
+    link_ttl_s: float = DEFAULT_TTL_S  # how long a signed page link opens its page (gradloc/agent/links.py)
 
     @property
     def tls(self) -> bool:

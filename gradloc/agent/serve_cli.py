@@ -48,6 +48,8 @@ _D = AgentConfig()
 @click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True), default=None,
               help="PEM certificate: TLS for gRPC ingest and HTTP (with --tls-key).")
 @click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), default=None, help="PEM private key of --tls-cert.")
+@click.option("--link-ttl-s", type=float, default=None,
+              help=f"How long a signed incident-page link (no token needed) stays valid [{_D.link_ttl_s:g}; max 30 days].")
 @click.option("--job-retention-s", type=float, default=None,
               help=f"Forget a job's (rank's) series and state after this long without a record [{_D.job_retention_s}].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)

@@ -66,6 +66,7 @@ class SpikeDetector:
         self._fast: float | None = None
         self._rising = 0
         self._episode: _Episode | None = None
+        self._layer_z: np.ndarray | None = None  # the last observed step's per-layer z-scores (see layer_z)
         # a job's ranks: whether a flag holds on any rank (one all-reduce), set by the monitor. Each rank
         # judges only its own samples; sample_spike must be the job's verdict, the same on every rank.
         self.agree: Callable[[bool], bool] | None = None
@@ -176,7 +177,17 @@ class SpikeDetector:
         return c.token_share == 0 or (share >= c.token_share and _finite(mean) and mean > 0
                                       and rec.global_norm >= c.token_ratio * mean)
 
+    @property
+    def layer_z(self) -> dict[str, float]:
+        """The last observed step's finite per-layer z-scores by layer name (the incident's layer table); built
+        on demand, so a healthy step pays nothing for it."""
+        z = self._layer_z
+        if z is None:
+            return {}
+        return {name: float(v) for name, v in zip(self.layers, z) if math.isfinite(v)}
+
     def _layer_spikes(self, rec: StepRecord) -> tuple[str, ...]:
+        self._layer_z = None
         if not self.layers:
             return ()
         by_name = {s.layer: s.grad_norm for s in rec.layers}
@@ -184,6 +195,7 @@ class SpikeDetector:
         if rec.skipped:
             return ()
         z = self._layers.z(x)
+        self._layer_z = z
         self._layers.update(x, self.config.layer_z_threshold)
         with np.errstate(invalid="ignore"):
             hot = np.nan_to_num(z, nan=-np.inf) > self.config.layer_z_threshold

@@ -322,7 +322,7 @@ class Monitor:
             incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
                                                         scale is not None, rl,
                                                         assembled.job.loss if assembled.job else record.loss,
-                                                        unattributed))
+                                                        unattributed, layer_z=self.detector.layer_z))
             if reruns:
                 incident = on_spike.with_reruns(incident, reruns)
             self.meter.exclude(time.perf_counter() - t2)

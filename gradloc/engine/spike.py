@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gradloc.parallel.job import Job
 
 log = logging.getLogger("gradloc")
+MAX_INCIDENT_LAYERS = 1024  # layers an incident lists (Incident.top_layers), largest norm first
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class SpikeInputs:
     rl: dict[str, torch.Tensor] | None = None  # the step's RL fields over its positions (device), if given
     job_loss: float | None = None  # a multi-rank job's mean loss (the detector's view); None: the record's
     unattributed: float | None = None  # the scores' unattributed share when not the record's (on_spike re-runs)
+    layer_z: Mapping[str, float] = field(default_factory=dict)  # the detector's per-layer z-scores at the step
 
     @property
     def unattributed_share(self) -> float:
@@ -95,7 +97,8 @@ class SpikePath:
                                   self.params, grad_scale, x.has_scaler)
             self.counters[f"remedy_{'applied' if remedy.applied else 'refused'}"] += 1
         rec = x.record
-        top = tuple(sorted(rec.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:5])
+        top = tuple(replace(s, z=x.layer_z.get(s.layer)) for s in  # every layer, largest norm first
+                    sorted(rec.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:MAX_INCIDENT_LAYERS])
         return Incident(incident_id=uuid.uuid4().hex, job=rec.job, rank=rec.rank, step=rec.step,
                         time_unix=rec.time_unix, spike=x.spike, localization=loc,
                         top_layers=top, remedy=remedy, classification=classification, scope=self.scope)

@@ -9,10 +9,13 @@ Every family comes from :data:`~gradloc.exporters.metric_specs.SPECS`. ``collect
 odd data: NaN norms are exported as NaN (a NaN gradient norm must be visible), a missing loss or
 loss scale leaves its series out, unknown keys and malformed points are skipped, label values are
 made encodable. Exemplars (incident trace ids) are only rendered in the OpenMetrics format — that
-is prometheus_client's behaviour, and the one Prometheus asks for when it scrapes.
+is prometheus_client's behaviour, and the one Prometheus asks for when it scrapes. A registry made
+with ``sign`` (the agent's signed page links, gradloc/agent/links.py) adds ``sig`` to each exemplar
+next to ``trace_id``: what Grafana's exemplar link needs to open the incident's page without the token.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -45,6 +48,8 @@ from gradloc.exporters.state import TelemetryState
 
 log = logging.getLogger(__name__)
 _P = TypeVar("_P")
+ExemplarSigner = Callable[[str, float], "str | None"]  # (trace id, exemplar time) -> the ``sig`` label value
+_EXEMPLAR_CHARS = 128  # OpenMetrics: an exemplar's label names and values together
 
 # Units Prometheus spells as a name suffix. OpenMetrics' ``# UNIT`` line must be a suffix of the
 # family name (Prometheus' parser rejects the scrape otherwise), so a unit is declared only where
@@ -79,16 +84,30 @@ def _family(spec: MetricSpec) -> Metric:
     return HistogramMetricFamily(spec.prom, spec.help, labels=spec.labels, unit=unit)
 
 
-def _prom_exemplar(ex: Exemplar | None) -> PromExemplar | None:
-    """OpenMetrics exemplar ``{trace_id="…"}``, or None where the scrape would not accept it.
+def _prom_exemplar(ex: Exemplar | None, sign: ExemplarSigner | None = None) -> PromExemplar | None:
+    """OpenMetrics exemplar ``{trace_id="…"}`` (with ``sign``: ``{trace_id="…", sig="…"}``), or None
+    where the scrape would not accept it.
 
-    OpenMetrics caps an exemplar's label set at 128 characters, and a non-finite timestamp would
-    make the whole exposition unparsable, so such a timestamp is left out instead.
+    OpenMetrics caps an exemplar's label set at 128 characters (a ``sig`` that would not fit is left
+    out), and a non-finite timestamp would make the whole exposition unparsable, so such a timestamp
+    is left out instead.
     """
-    if ex is None or not ex.trace_id or len(ex.trace_id) > 128 - len("trace_id"):
+    if ex is None or not ex.trace_id or len(ex.trace_id) > _EXEMPLAR_CHARS - len("trace_id"):
         return None
     ts = ex.time_unix if math.isfinite(ex.time_unix) and ex.time_unix > 0 else None
-    return PromExemplar({"trace_id": _label(ex.trace_id)}, float(ex.value), ts)
+    labels = {"trace_id": _label(ex.trace_id)}
+    sig = _signature(sign, ex) if sign is not None else None
+    if sig and len("trace_id") + len(labels["trace_id"]) + len("sig") + len(sig) <= _EXEMPLAR_CHARS:
+        labels["sig"] = sig
+    return PromExemplar(labels, float(ex.value), ts)
+
+
+def _signature(sign: ExemplarSigner, ex: Exemplar) -> str | None:
+    try:
+        sig = sign(ex.trace_id, float(ex.time_unix))
+    except (TypeError, ValueError):
+        return None
+    return sig if isinstance(sig, str) and sig.isascii() else None
 
 
 def _number(value: object) -> float | None:
@@ -157,28 +176,30 @@ def _point_rows(p: RankPoint) -> Iterator[Row]:
     yield from _layer_rows(p)
 
 
-def _counter_rows(c: CounterPoint) -> Iterator[Row]:
+def _counter_rows(c: CounterPoint, sign: ExemplarSigner | None = None) -> Iterator[Row]:
     spec = BY_KEY.get(c.key)
     value = _number(c.value)
     if spec is not None and spec.kind == "counter" and value is not None:
-        yield c.key, Sample(spec.prom + "_total", _labels(spec, c.labels), value, None, _prom_exemplar(c.exemplar))
+        yield c.key, Sample(spec.prom + "_total", _labels(spec, c.labels), value, None,
+                            _prom_exemplar(c.exemplar, sign))
 
 
-def _buckets(spec: MetricSpec, h: HistogramPoint) -> list[tuple[str, float, PromExemplar | None]]:
+def _buckets(spec: MetricSpec, h: HistogramPoint,
+             sign: ExemplarSigner | None = None) -> list[tuple[str, float, PromExemplar | None]]:
     """Cumulative ``le`` buckets; the state keeps per-bucket counts (len(buckets) + 1)."""
     bounds = [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
     counts = list(h.counts[: len(bounds)]) + [0] * (len(bounds) - len(h.counts))
     exemplars = list(h.exemplars[: len(bounds)]) + [None] * (len(bounds) - len(h.exemplars))
-    return [(le, float(c), _prom_exemplar(e))
+    return [(le, float(c), _prom_exemplar(e, sign))
             for le, c, e in zip(bounds, itertools.accumulate(counts), exemplars)]
 
 
-def _histogram_rows(h: HistogramPoint) -> Iterator[Row]:
+def _histogram_rows(h: HistogramPoint, sign: ExemplarSigner | None = None) -> Iterator[Row]:
     spec = BY_KEY.get(h.key)
     if spec is None or spec.kind != "histogram":
         return
     labels = _labels(spec, h.labels)
-    buckets = _buckets(spec, h)
+    buckets = _buckets(spec, h, sign)
     for le, count, ex in buckets:
         yield h.key, Sample(spec.prom + "_bucket", {**labels, "le": le}, count, None, ex)
     # _count is the +Inf bucket (they must agree); _sum only when it is a number. A histogram with
@@ -205,12 +226,12 @@ def _add_all(fams: dict[str, Metric], rows_of: Callable[[_P], Iterator[Row]], po
             fams[key].samples.append(sample)
 
 
-def families(snap: TelemetrySnapshot) -> list[Metric]:
-    """One metric family per spec (in SPECS order), filled from one snapshot."""
+def families(snap: TelemetrySnapshot, sign: ExemplarSigner | None = None) -> list[Metric]:
+    """One metric family per spec (in SPECS order), filled from one snapshot; ``sign``: exemplars get ``sig``."""
     fams = {spec.key: _family(spec) for spec in SPECS}
     _add_all(fams, _point_rows, snap.ranks)
-    _add_all(fams, _counter_rows, snap.counters)
-    _add_all(fams, _histogram_rows, snap.histograms)
+    _add_all(fams, functools.partial(_counter_rows, sign=sign), snap.counters)
+    _add_all(fams, functools.partial(_histogram_rows, sign=sign), snap.histograms)
     for key in AGENT_GAUGES:
         fams[key].samples.append(Sample(BY_KEY[key].prom, {}, float(getattr(snap, key))))
     return [fams[spec.key] for spec in SPECS]
@@ -219,21 +240,22 @@ def families(snap: TelemetrySnapshot) -> list[Metric]:
 class GradlocCollector(Collector):
     """prometheus_client custom collector: one ``state.snapshot()`` per scrape."""
 
-    def __init__(self, state: TelemetryState) -> None:
-        self._state = state
+    def __init__(self, state: TelemetryState, sign: ExemplarSigner | None = None) -> None:
+        self._state, self._sign = state, sign
 
     def collect(self) -> Iterable[Metric]:
-        return families(self._state.snapshot())
+        return families(self._state.snapshot(), self._sign)
 
     def describe(self) -> Iterable[Metric]:
         """Empty families: lets a registry detect name clashes without taking a snapshot."""
         return [_family(spec) for spec in SPECS]
 
 
-def make_registry(state: TelemetryState) -> CollectorRegistry:
-    """A fresh registry holding only gradloc's collector (never the process-global REGISTRY)."""
+def make_registry(state: TelemetryState, sign: ExemplarSigner | None = None) -> CollectorRegistry:
+    """A fresh registry holding only gradloc's collector (never the process-global REGISTRY); with
+    ``sign``, its exemplars carry a signed page link's ``sig`` (only for a scrape that sent the token)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GradlocCollector(state))
+    registry.register(GradlocCollector(state, sign))
     return registry
 
 

@@ -24,7 +24,15 @@ J = '{job=~"$job"}'
 # appears at 1, which changes() and increase() alone would never see).
 NEW_INCIDENTS = (f"sum by (job, status) ((gradloc_incidents_total{J} - gradloc_incidents_total{J} offset 1m) > 0 "
                  f"or (gradloc_incidents_total{J} unless gradloc_incidents_total{J} offset 1m))")
-INCIDENT_LINK = [{"title": "incidents of ${__field.labels.job}",
+# One daemon per node: a series' `instance` (Prometheus' scrape target: the daemon's HTTP server, which
+# serves the pages) names the daemon that holds its incidents, so the first link goes there; the second
+# goes to the one `agent_url` (a single daemon, or a proxy in front of them). The queries behind links
+# keep `instance`. With an auth token the list needs it too (a proxy that adds it); one incident's page
+# opens from an exemplar dot without it (a signed link: gradloc/agent/links.py, provision.py).
+INCIDENT_LINK = [{"title": "incidents of ${__field.labels.job} on ${__field.labels.instance}",
+                  "url": "${agent_scheme}://${__field.labels.instance}/incidents?job=${__field.labels.job}",
+                  "targetBlank": True},
+                 {"title": "incidents of ${__field.labels.job} at ${agent_url}",
                   "url": "${agent_url}/incidents?job=${__field.labels.job}", "targetBlank": True}]
 
 
@@ -95,13 +103,15 @@ def tokens() -> dict[str, Any]:
         Panel("Incident classes", [q(f"sum by (job, class) (increase(gradloc_incident_classes_total{J}[$__range]))",
                                      "{{class}}", instant=True)], "short", kind="bargauge", width=8),
         Panel("Recent incidents (open the incident page)", [
-            q(f"sum by (job, status) (gradloc_incidents_total{J})", "", instant=True)],
+            q(f"sum by (job, status, instance) (gradloc_incidents_total{J})", "", instant=True)],
             "short", kind="table", width=8, links=INCIDENT_LINK,
-            description="Incidents per job and status since the agent began tracking the job (Prometheus cannot list incidents: an id as a label would be unbounded); "
-                        "the link opens the agent's list of the job's incidents. One incident at a time: the "
-                        "exemplar dots on 'Incidents per hour by status' carry its trace id and link to its page."),
+            description="Incidents per job, status and daemon (instance) since the daemon began tracking the job "
+                        "(Prometheus cannot list incidents: an id as a label would be unbounded); the link opens "
+                        "that daemon's list of the job's incidents. One incident at a time: the exemplar dots on "
+                        "'Incidents per hour by status' carry its trace id and link to its page on the daemon "
+                        "that holds it."),
         Panel("Sample outliers per hour by kind", [
-            q(f"sum by (job, kind) (rate(gradloc_sample_outliers_total{S}[$__rate_interval])) * 3600",
+            q(f"sum by (job, kind, instance) (rate(gradloc_sample_outliers_total{S}[$__rate_interval])) * 3600",
               "{{job}} {{kind}}")], "short", width=12, links=INCIDENT_LINK,
             description="Findings, not incidents (no probe, nothing pages): samples whose surprise (mean −log p of "
                         "their loss tokens, read off the loss head's gradient) stands out against the run's own "

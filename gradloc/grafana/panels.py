@@ -12,6 +12,7 @@ from typing import Any
 DS = {"type": "prometheus", "uid": "${datasource}"}
 WIDTH = 24  # Grafana's grid is 24 columns wide
 AGENT_URL = "http://127.0.0.1:9917"  # where incident links point (the agent's HTTP address); a dashboard variable
+SCHEMES = ("http", "https")  # agent_scheme: how a browser reaches each node's daemon (https with --tls-cert)
 
 
 @dataclass
@@ -47,7 +48,9 @@ def dashed(ref_id: str, color: str) -> dict[str, Any]:
 
 
 def variables() -> list[dict[str, Any]]:
-    """datasource, job, rank, layer (rank includes "job": the job-wide layer series of DDP/FSDP2/ZeRO)."""
+    """datasource, agent_url, agent_scheme, job, rank, layer (rank includes "job": the job-wide layer
+    series of DDP/FSDP2/ZeRO). Incident links go to ``${agent_scheme}://<the series' instance>`` (the
+    daemon Prometheus scraped the series from: the one holding its incidents) or to ``${agent_url}``."""
     def query_var(name: str, query: str, label: str) -> dict[str, Any]:
         return {"name": name, "label": label, "type": "query", "datasource": DS, "refresh": 2,
                 "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
@@ -59,6 +62,9 @@ def variables() -> list[dict[str, Any]]:
          "current": {}, "hide": 0},
         {"name": "agent_url", "label": "gradloc-agent URL", "type": "textbox", "query": AGENT_URL,
          "current": {"text": AGENT_URL, "value": AGENT_URL}, "hide": 0},
+        {"name": "agent_scheme", "label": "gradloc-agent scheme (per-node links)", "type": "custom",
+         "query": ",".join(SCHEMES), "options": [{"text": s, "value": s, "selected": s == SCHEMES[0]} for s in SCHEMES],
+         "current": {"text": SCHEMES[0], "value": SCHEMES[0]}, "hide": 0},
         query_var("job", "label_values(gradloc_steps_total, job)", "job"),
         query_var("rank", 'label_values(gradloc_step{job=~"$job"}, rank)', "rank"),
         query_var("layer", 'label_values(gradloc_grad_norm{job=~"$job"}, layer)', "layer"),

@@ -12,6 +12,9 @@ from gradloc.records import MAX_SPAN_WINDOW, Culprit, CulpritSpan, LayerShare
 Decode = Callable[[list[int]], str]
 log = logging.getLogger("gradloc")
 _TOP_LAYERS = 5
+# tokens each side of a span in CulpritSpan.window_* (the incident page's text; context_tokens still cuts the
+# context_before/after strings the terminal prints): about two paragraphs, 2 decode calls per token
+WINDOW_TOKENS = 200
 
 
 def safe_decode(decode: Decode | None, ids: Sequence[int]) -> str | None:
@@ -78,7 +81,8 @@ def range_span(view: TokenView, m: int, b: int, start: int, end: int, share: flo
     """The span [start, end) of sample b of view position m, with its text, context and window."""
     meta = view.metas[m]
     ids = meta.sample_tokens(b)  # this sample's tokens only: context never crosses into a packed neighbour
-    lo, hi = max(0, start - context), min(len(ids), end + context)
+    window = max(context, WINDOW_TOKENS)
+    lo, hi = max(0, start - window), min(len(ids), end + window)
     if hi - lo > MAX_SPAN_WINDOW:  # a huge context_tokens: the window keeps the span and what fits around it
         lo = max(lo, min(start, hi - MAX_SPAN_WINDOW))
         hi = min(hi, lo + MAX_SPAN_WINDOW)

@@ -272,7 +272,9 @@ class Incident:
     spike: SpikeEvent
     localization: Localization | None
     schema_version: int = INCIDENT_SCHEMA_VERSION
-    top_layers: tuple[LayerStats, ...] = field(default=())  # largest layer norms at the spike
+    # every layer's statistics at the spike with the detector's z-score, largest norm first (at most
+    # engine.spike.MAX_INCIDENT_LAYERS; incidents from clients before the z field: the five largest)
+    top_layers: tuple[LayerStats, ...] = field(default=())
     remedy: Remedy | None = None
     classification: Classification | None = None
     scope: IncidentScope = IncidentScope.RANK  # a plain string becomes the typed value

@@ -45,6 +45,9 @@ class LayerStats:
     param_norm: float
     numel: int
     update_ratio: float | None = None  # ‖θ_after − θ_before‖ / ‖θ_before‖, once the step ran
+    # the detector's z-score of this layer's norm at the step, set on Incident.top_layers only (None: unknown:
+    # the detector's warm-up, a non-finite norm, a client before this field)
+    z: float | None = None
 
 
 @dataclass(frozen=True)

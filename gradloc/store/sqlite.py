@@ -282,6 +282,12 @@ class IncidentStore:
         with self._pool.connection() as conn:
             return [step_row(r) for r in conn.execute(sql, args)]
 
+    def step_range(self, job: str, rank: int, first: int, last: int) -> list[StepRow]:
+        """The steps ``first``..``last`` (inclusive) of one rank of ``job`` that the store holds, in step order."""
+        sql = f"SELECT {_STEP_COLUMNS} FROM steps WHERE job = ? AND rank = ? AND step BETWEEN ? AND ? ORDER BY step"
+        with self._pool.connection() as conn:
+            return [step_row(r) for r in conn.execute(sql, (job, rank, first, last))]
+
     # -- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:

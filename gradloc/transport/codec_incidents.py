@@ -80,7 +80,7 @@ def _encode_spike(s: SpikeEvent) -> pb.SpikeMsg:
 def _encode_layer(s: LayerStats) -> pb.LayerStatsMsg:
     m = pb.LayerStatsMsg(layer=s.layer, grad_norm=s.grad_norm, grad_max_abs=s.grad_max_abs, nonfinite=s.nonfinite,
                          param_norm=s.param_norm, numel=s.numel)
-    _set_optional(m, s, ("update_ratio",))
+    _set_optional(m, s, ("update_ratio", "z"))
     return m
 
 
@@ -253,7 +253,8 @@ def _decode_layer(m: pb.LayerStatsMsg, where: str) -> LayerStats:
                       grad_norm=v.norm(m.grad_norm, f"{where}.grad_norm", c.grad_event, _GRAD_EVENT),
                       grad_max_abs=c.grad(m.grad_max_abs, f"{where}.grad_max_abs"), nonfinite=nonfinite,
                       param_norm=v.norm(m.param_norm, f"{where}.param_norm", c.grad_event, _GRAD_EVENT),
-                      numel=v.count(m.numel, f"{where}.numel"), update_ratio=ratio)
+                      numel=v.count(m.numel, f"{where}.numel"), update_ratio=ratio,
+                      z=m.z if m.HasField("z") and math.isfinite(m.z) else None)  # NaN: unknown, as absent
 
 
 def _decode_spike(m: pb.SpikeMsg, c: _Checks, where: str) -> SpikeEvent:

@@ -1,6 +1,7 @@
 """The incident page's HTML (the browser test renders it for real; this checks what it contains)."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from html.parser import HTMLParser
@@ -105,3 +106,252 @@ def test_a_rank_level_finding_names_its_rank_everywhere_a_user_reads_it():
     page = incident_html(replace(inc, findings=(f0, *inc.findings[1:])))
     assert "<h3>rank 1 · every micro-batch (2) · 8 sample(s) · 128 loss token(s) · share 96.0%</h3>" in page
     assert incident_from_json(incident_to_json(f0)) == f0
+
+
+# -- the charts, the layer and sample tables, the follow-up steps --------------------------------------
+
+class _Tags(HTMLParser):
+    """(tag, attributes) of every start tag, and the text of every <title> inside an <svg>."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.titles: list[str] = []
+        self._title = False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        self._title = tag == "title"
+
+    def handle_startendtag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        if self._title:
+            self.titles.append(data)
+
+    def handle_endtag(self, tag):
+        self._title = False
+
+
+def _tags(page: str) -> _Tags:
+    p = _Tags()
+    p.feed(page)
+    return p
+
+
+def _of(p: _Tags, tag: str, cls: str) -> list[dict]:
+    return [a for t, a in p.tags if t == tag and cls in (a.get("class") or "").split()]
+
+
+def _history(first: int = 1181, last: int = 1200, nan_at: int | None = 1190, rank: int = 0):
+    """Steps first..last of ``rank``: norm 0.8 (3.5 at 1200), loss 2.0 (2.9 at 1200), band 0.8 → 1.0."""
+    from gradloc.reports import StepPoint
+
+    return tuple(StepPoint(rank=rank, step=s, global_norm=math.nan if s == nan_at else (3.5 if s == 1200 else 0.8),
+                           loss=2.9 if s == 1200 else 2.0, norm_mean=0.8, norm_threshold=1.0)
+                 for s in range(first, last + 1))
+
+
+def _rows(steps, rank: int = 0, norm: float = 0.9):
+    from gradloc.store.rows import StepRow
+
+    return [StepRow("llm-7b", rank, s, 0.0, 1.6 if s == 1203 else norm, 2.1, None, None, 0, False) for s in steps]
+
+
+def test_the_norm_chart_has_a_point_per_finite_step_the_band_and_the_incident_marked():
+    inc = replace(make_incident(), history=_history())
+    p = _tags(incident_html(inc, steps=_rows(range(1201, 1206))))
+    assert len(_of(p, "svg", "chart")) == 2  # the norm and the loss
+    points = _of(p, "circle", "pt")
+    assert len(points) == 19 + 5  # 20 history steps, one NaN; 5 follow-up steps from the store
+    hit = _of(p, "circle", "hit")
+    assert len(hit) == 1 and float(hit[0]["r"]) > float(points[0]["r"])
+    marker = _of(p, "line", "incident")
+    assert len(marker) == 2 and {m["x1"] for m in marker} == {hit[0]["cx"]}  # both charts, at the incident's x
+    nonfinite = _of(p, "polygon", "nonfinite")
+    assert len(nonfinite) == 1 and "step 1190: ‖∇‖ —" in p.titles
+    band = _of(p, "polygon", "band")  # every history step carries its band (the NaN one too); the store's rows none
+    assert len(band) == 1 and len(band[0]["points"].split()) == 2 * 20  # the line over 20 steps, then the mean back
+    xs = sorted(float(a["cx"]) for a in points)
+    assert xs == sorted(set(xs))  # one x per step
+    assert len(_of(p, "line", "ref")) == 1  # the incident's line drawn over the follow-up steps
+    assert len(_of(p, "circle", "lpt")) == 20 + 5  # every step has a loss (the NaN norm step too)
+    above = [a for a in points if a["fill"] == "#c0392b" and "hit" not in a["class"]]
+    assert len(above) == 1 and "step 1203: ‖∇‖ 1.6 (above the line)" in p.titles
+
+
+def test_chart_points_merge_the_history_with_the_store_rows_of_the_same_rank():
+    from gradloc.agent.page_chart import STEPS_AROUND, chart_points
+
+    inc = replace(make_incident(), history=_history(nan_at=None))
+    rows = _rows([1150, 1199, 1200, 1201, 1200 + STEPS_AROUND, 1201 + STEPS_AROUND]) + _rows([1202], rank=1)
+    pts = chart_points(inc, rows)
+    assert [p.step for p in pts] == [1150, *range(1181, 1202), 1200 + STEPS_AROUND]  # rank 1's and the far step left out
+    at = {p.step: p for p in pts}
+    assert at[1200].global_norm == 3.5 and at[1200].norm_threshold == 1.0  # the history wins over the store's row
+    assert at[1201].global_norm == 0.9 and at[1201].norm_threshold is None  # the store keeps no band
+
+
+def test_page_steps_asks_the_store_for_the_chart_ranks_window_and_survives_a_failing_store():
+    from gradloc.agent.page_chart import STEPS_AROUND, page_steps
+
+    asked = []
+
+    class Store:
+        def step_range(self, job, rank, first, last):
+            asked.append((job, rank, first, last))
+            return _rows([first, last])
+
+    class Broken:
+        def step_range(self, *args):
+            raise RuntimeError("database is locked")
+
+    inc = replace(make_incident(), history=_history(rank=1))
+    assert [r.step for r in page_steps(Store(), inc)] == [1200 - STEPS_AROUND, 1200 + STEPS_AROUND]
+    assert asked == [("llm-7b", 1, 1200 - STEPS_AROUND, 1200 + STEPS_AROUND)]
+    assert page_steps(Broken(), inc) == [] and page_steps(None, inc) == []
+
+
+def test_the_store_returns_a_step_range_of_one_rank(tmp_path):
+    from gradloc.agent.page_chart import STEPS_AROUND, page_steps
+    from gradloc.store.sqlite import IncidentStore
+    from tests.store.fixtures import step_summary
+
+    with IncidentStore(tmp_path / "s.db") as store:
+        store.put_steps([step_summary("llm-7b", r, s, 0.0) for s in range(1100, 1300, 7) for r in (0, 1)])
+        rows = page_steps(store, make_incident())  # no history: the lowest rank with a finding, 0
+    window = [s for s in range(1100, 1300, 7) if 1200 - STEPS_AROUND <= s <= 1200 + STEPS_AROUND]
+    assert [r.step for r in rows] == window and {r.rank for r in rows} == {0}
+
+
+def test_bad_input_renders_dashes_never_raises():
+    from gradloc.reports import StepPoint
+    from tests.store.fixtures import nonfinite_incident
+
+    old = incident_html(make_incident())  # stored before the history field: no chart, said so
+    assert "<svg" not in old and "no step history" in old
+    nan = (StepPoint(rank=0, step=1199, global_norm=math.nan), StepPoint(rank=0, step=1200, global_norm=math.inf))
+    page = incident_html(replace(make_incident(), history=nan))
+    p = _tags(page)
+    assert not _of(p, "circle", "pt") and "no step history to chart: —" in page and "no loss in the step history: —" in page
+    no_band = tuple(replace(x, norm_mean=None, norm_threshold=None) for x in _history())
+    p = _tags(incident_html(replace(make_incident(), history=no_band)))
+    assert not _of(p, "polygon", "band") and len(_of(p, "circle", "pt")) == 19
+    one = _history(first=1200)
+    p = _tags(incident_html(replace(make_incident(), history=one)))
+    assert len(_of(p, "circle", "pt")) == 1 and len(_of(p, "polygon", "band")) == 1
+    inf = incident_html(replace(nonfinite_incident(), history=nan))
+    assert "‖∇‖ <b>+inf</b>" in inf and "nan" not in inf.lower().replace("nonfinite", "")
+    negative = tuple(replace(x, global_norm=-1.0 if x.step == 1185 else x.global_norm) for x in _history(nan_at=None))
+    assert len(_of(_tags(incident_html(replace(make_incident(), history=negative))), "circle", "pt")) == 20  # linear axis
+
+
+def test_client_strings_are_escaped_in_tables_and_charts():
+    from gradloc.records import LayerStats
+
+    evil = "<script>x</script>\x1b]0;t\x07"
+    inc = make_incident()
+    f0 = inc.findings[0]
+    layer = LayerStats(layer=evil, grad_norm=2.0, grad_max_abs=1.0, nonfinite=0, param_norm=1.0, numel=1, z=9.0)
+    samples = tuple(replace(x, sample_id=evil) for x in f0.localization.samples)
+    f0 = replace(f0, top_layers=(layer,), spike=replace(f0.spike, layers=(evil,)),
+                 localization=replace(f0.localization, samples=samples))
+    page = incident_html(replace(inc, findings=(f0,), top_layers=(evil,), history=_history()))
+    assert "<script>" not in page and "\x1b" not in page and "\x07" not in page
+    assert page.count("&lt;script&gt;x&lt;/script&gt;\\x1b]0;t\\x07") >= 4  # summary, layer table, samples (2)
+
+
+def test_the_layer_table_lists_every_layer_by_share_with_its_z_score_and_flag():
+    from gradloc.records import LayerStats
+
+    inc = make_incident()
+    f0 = inc.findings[0]
+    norms = {f"blocks.{i}": 0.1 * (i + 1) for i in range(12)}  # blocks.11 the largest
+    layers = tuple(LayerStats(layer=name, grad_norm=g, grad_max_abs=g, nonfinite=0, param_norm=1.0, numel=10,
+                              z=None if name == "blocks.3" else 10.0 * g) for name, g in norms.items())
+    f0 = replace(f0, top_layers=layers, spike=replace(f0.spike, layers=("blocks.0", "blocks.7")))
+    page = incident_html(replace(inc, findings=(f0,)))
+    table = page[page.index("Layers: 12 listed, 2 flagged"):]
+    table = table[:table.index("</table>")]
+    names = re.findall(r"<tr(?: class=\"flagged\")?><td>(blocks\.\d+)</td>", table)
+    assert names == [f"blocks.{i}" for i in range(11, -1, -1)]  # every layer, the largest share first
+    assert re.findall(r'<tr class="flagged"><td>(blocks\.\d+)</td>', table) == ["blocks.7", "blocks.0"]
+    share = (1.2 / f0.spike.global_norm) ** 2
+    assert f"<td>blocks.11</td><td><span class=\"bar\" style=\"width:{round(200 * share)}px\"></span> " \
+           f"{100 * share:.1f}%</td><td>1.2</td><td>12</td>" in table
+    assert "<td>blocks.3</td>" in table and re.search(r"<td>blocks\.3</td>.*?<td>0\.4</td><td>—</td>", table)
+    assert "z-scores: —" not in page
+    old = incident_html(make_incident())  # the fixture's client sent two layers without z
+    assert "z-scores: — (this client sent its five largest layers, without z-scores)" in old
+
+
+def test_samples_show_their_attributed_and_measured_shares():
+    inc = make_incident()
+    f0 = inc.findings[0]
+    samples = (replace(f0.localization.samples[0], share=0.42), f0.localization.samples[1])
+    f0 = replace(f0, localization=replace(f0.localization, samples=samples))
+    page = incident_html(replace(inc, findings=(f0,)))
+    assert "<td>3</td><td>1</td><td>s1200-3-1</td><td>56</td><td>80.0%</td><td>42.0%</td>" in page
+    assert "<td>0</td><td>0</td><td>—</td><td>56</td><td>3.0%</td><td>—</td>" in page  # no probe spent: —
+
+
+def test_ranks_and_numbers_read_as_words_not_python():
+    page = incident_html(make_incident())
+    assert "reported 0–1 · missing 2 (expected 0–2)" in page and "[0" not in page and "()" not in page
+    assert "(4.38× the healthy mean)" in page  # 3.5 against 0.8
+    assert "blocks.1.proj 0.0% (1 layer(s) above the layer z threshold; % of ‖∇‖²)" in page
+
+
+def test_a_wide_window_is_drawn_whole():
+    """±200 tokens around the culprit (WINDOW_TOKENS): every one drawn, the culprit outlined in the middle."""
+    from gradloc.localizer.spans import WINDOW_TOKENS
+
+    n = 2 * WINDOW_TOKENS + 1
+    span = replace(BELL, window_start=41 - WINDOW_TOKENS, window_tokens=tuple(f" t{i}" for i in range(n)),
+                   window_scores=tuple(0.81 if i == WINDOW_TOKENS else 0.001 for i in range(n)))
+    inc = make_incident()
+    f0 = inc.findings[0]
+    f0 = replace(f0, localization=replace(f0.localization, spans=(span,)))
+    toks = _tokens(incident_html(replace(inc, findings=(f0,))))[:n]
+    assert len(toks) == n and [t[0] for t in toks].index("tok") == WINDOW_TOKENS
+    assert f"{n} tokens of the sample from position {41 - WINDOW_TOKENS}" in incident_html(replace(inc, findings=(f0,)))
+
+
+def test_the_correlated_incident_carries_the_steps_the_agent_held_with_their_band_through_the_store_json():
+    """The history is built agent-side from step records every client already sends (no wire change)."""
+    from gradloc.agent.correlator import Correlator, CorrelatorConfig
+    from gradloc.store.incident_json import correlated_from_dict, correlated_to_dict
+    from tests.localizer.builders import finding, summary
+
+    out = []
+    c = Correlator(out.append, CorrelatorConfig(history_steps=8), lambda: "0" * 32, lambda: 0.0)
+    c.declare("j", 0, 2)
+    c.declare("j", 1, 2)
+    for step in range(1, 20):
+        for rank in (0, 1):
+            s = summary("j", rank, step)
+            c.on_step(replace(s, norm_mean=0.5 * step, norm_threshold=None if step == 12 else step + 0.0))
+    c.on_incident(finding("j", 1, 19))
+    assert len(out) == 1
+    h = out[0].history
+    assert [p.step for p in h] == list(range(12, 20)) and {p.rank for p in h} == {1}  # the finding's rank, ring of 8
+    assert (h[-1].global_norm, h[-1].loss, h[-1].norm_mean, h[-1].norm_threshold) == (3.0, 3.0, 9.5, 19.0)
+    assert h[0].norm_threshold is None
+    assert correlated_from_dict(correlated_to_dict(out[0])) == out[0]
+    old = correlated_to_dict(out[0])
+    del old["history"]  # stored by a gradloc before the field: decodes, no history
+    assert correlated_from_dict(old).history == ()
+
+
+def test_layer_z_scores_cross_the_wire_and_a_nan_one_arrives_as_unknown():
+    from gradloc.records import LayerStats
+    from gradloc.transport.codec_incidents import decode_incident, encode_incident
+
+    f0 = make_incident().findings[0]
+    layers = (LayerStats(layer="a", grad_norm=2.0, grad_max_abs=1.0, nonfinite=0, param_norm=1.0, numel=4, z=12.5),
+              LayerStats(layer="b", grad_norm=1.0, grad_max_abs=1.0, nonfinite=0, param_norm=1.0, numel=4),
+              LayerStats(layer="c", grad_norm=0.5, grad_max_abs=1.0, nonfinite=0, param_norm=1.0, numel=4, z=math.nan))
+    got = decode_incident(encode_incident(replace(f0, top_layers=layers)), 4, "$")
+    assert [s.z for s in got.top_layers] == [12.5, None, None]
+    assert not encode_incident(replace(f0, top_layers=layers[1:2])).top_layers[0].HasField("z")  # old readers: absent

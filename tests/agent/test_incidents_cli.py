@@ -233,3 +233,56 @@ def test_reading_does_not_wait_for_the_writer_lock(db: Path) -> None:
     finally:
         writer.execute("ROLLBACK")
         writer.close()
+
+
+def test_show_names_the_flagged_layers_that_matter_and_counts_the_rest(tmp_path: Path) -> None:
+    """16 of 16 layers flagged (the demo): the five with the largest share of ‖∇‖², then "+11 more"."""
+    import dataclasses
+
+    from gradloc.records import LayerStats
+
+    inc = make_incident()
+    f0 = inc.findings[0]
+    names = [f"blocks.{i}" for i in range(16)]
+    norms = {name: 0.1 * (i + 1) for i, name in enumerate(names)}  # blocks.15 the largest
+    layers = tuple(LayerStats(layer=n, grad_norm=g, grad_max_abs=g, nonfinite=0, param_norm=1.0, numel=4, z=20.0 - g)
+                   for n, g in norms.items())
+    z_order = tuple(sorted(names, key=lambda n: -(20.0 - norms[n])))  # the detector lists the largest z first
+    f0 = dataclasses.replace(f0, top_layers=layers, spike=dataclasses.replace(f0.spike, layers=z_order))
+    inc = dataclasses.replace(inc, findings=(f0,), top_layers=z_order)
+    with IncidentStore(tmp_path / "f.db") as store:
+        store.put_incident(inc)
+    out = run("show", inc.incident_id[:8], "--db", str(tmp_path / "f.db")).stdout
+    line = next(x for x in out.splitlines() if x.startswith("  flagged layers: "))
+    top5 = sorted(names, key=lambda n: -norms[n])[:5]
+    shares = [f"{n} {100 * (norms[n] / f0.spike.global_norm) ** 2:.1f}%" for n in top5]
+    assert line == f"  flagged layers: {', '.join(shares)} +11 more (16 of 16 layer(s) above the layer z threshold; % of ‖∇‖²)"
+
+
+def test_flagged_layers_without_shares_keep_the_detectors_order() -> None:
+    """A finding from a client before the z field lists five layers: the others have no share, only names."""
+    import dataclasses
+
+    from gradloc.agent.render_correlated import flagged_layers_text
+
+    inc = dataclasses.replace(make_incident(), top_layers=("x", "blocks.1.proj", "y", "z", "w", "v"))
+    assert flagged_layers_text(inc, k=3) == "blocks.1.proj 0.0%, x, y +3 more (6 layer(s) above the layer z threshold; % of ‖∇‖²)"
+    assert flagged_layers_text(dataclasses.replace(inc, findings=()), k=2) == "x, blocks.1.proj +4 more (6 layer(s) above the layer z threshold)"
+
+
+def test_show_html_draws_the_follow_up_steps_the_store_holds(tmp_path: Path) -> None:
+    """The page written by ``show --html`` (as the daemon's /incidents/<id>) charts the store's steps after the
+    incident: what the incident itself cannot hold."""
+    from tests.store.fixtures import step_summary
+
+    inc = make_incident()  # step 1200 of job llm-7b, findings on ranks 0..
+    path = tmp_path / "s.db"
+    with IncidentStore(path) as store:
+        store.put_incident(inc)
+        store.put_steps([step_summary(inc.job, 0, s, 0.0) for s in range(inc.step + 1, inc.step + 6)])
+    out = tmp_path / "page.html"
+    res = run("show", inc.incident_id[:8], "--db", str(path), "--html", str(out))
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    assert "Follow-up steps: 5 after the incident" in page
+    assert all(f"<td>{s}</td>" in page for s in range(inc.step + 1, inc.step + 6))

@@ -38,3 +38,10 @@ def metric_names(expr: str) -> set[str]:
 def as_rule_file(exprs: list[str]) -> dict[str, Any]:
     return {"groups": [{"name": "dashboards", "rules": [{"record": f"gradloc_check:q{i}", "expr": e}
                                                          for i, e in enumerate(exprs)]}]}
+
+
+def provisioned(value: str, env: dict[str, str] | None = None) -> str:
+    """A provisioning file's string as Grafana reads it: ``$$`` is ``$``; ``$VAR`` and ``${VAR}`` come from
+    Grafana's environment, "" when unset (pkg/services/provisioning/values)."""
+    return re.sub(r"\$\$|\$\{([^}]*)\}|\$(\w+)",
+                  lambda m: "$" if m[0] == "$$" else (env or {}).get(m[1] or m[2], ""), value)

@@ -5,6 +5,7 @@ a real Prometheus in tests/system/test_dashboards_prometheus.py."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ from gradloc.agent.cli import main
 from gradloc.exporters.metric_specs import SPECS
 from gradloc.grafana.dashboards import DASHBOARDS
 from gradloc.grafana.provision import rules_text
-from tests.grafana.promql import as_rule_file, metric_names, queries
+from tests.grafana.promql import as_rule_file, metric_names, provisioned, queries
 
 HERE = Path(__file__).resolve().parent
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
@@ -106,10 +107,12 @@ def test_provision_and_export_cli(tmp_path: Path) -> None:
         assert agent["query"] == "http://agent:9917"
     ds = (tmp_path / "provisioning/datasources/gradloc.yaml").read_text()
     assert ds.startswith("apiVersion: 1\n") and '"http://prom:9090"' in ds and "type: prometheus" in ds
-    source = yaml.safe_load(ds)["datasources"][0]  # exemplars (trace ids) link to the agent's incident page
-    assert source["jsonData"]["exemplarTraceIdDestinations"] == [
-        {"name": "trace_id", "url": "http://agent:9917/incidents/trace/${__value.raw}",
-         "urlDisplayLabel": "gradloc incident page"}]
+    assert "${" not in ds.replace("$${", "")  # Grafana would expand ${...} from its environment
+    source = yaml.safe_load(ds)["datasources"][0]  # exemplars (trace ids) link to the incident's page
+    page = '/incidents/trace/${__value.raw}?sig=${__data.fields["sig"]}'  # sig: the daemon's signed link
+    assert [(d["name"], provisioned(d["url"])) for d in source["jsonData"]["exemplarTraceIdDestinations"]] == [
+        ("trace_id", 'http://${__data.fields["instance"]}' + page),  # the daemon Prometheus scraped it from
+        ("trace_id", "http://agent:9917" + page)]
     assert (tmp_path / "provisioning/dashboards/gradloc.yaml").read_text().startswith("apiVersion: 1\n")
     assert (tmp_path / "prometheus/gradloc-rules.yml").read_text() == rules_text()
     out = CliRunner().invoke(main, ["grafana", "export", "layers"])
@@ -124,3 +127,32 @@ def test_every_alert_has_a_case_that_fires_and_one_that_does_not() -> None:
     fires = {c["alertname"] for c in cases if c["exp_alerts"]}
     quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
     assert len(alerts) == 9 and alerts <= fires and alerts <= quiet, (alerts - fires, alerts - quiet)
+
+
+def test_https_agents_get_https_links(tmp_path: Path) -> None:
+    """--agent-url https://… (daemons with --tls-cert): per-node links and the scheme variable use https."""
+    res = CliRunner().invoke(main, ["grafana", "provision", str(tmp_path), "--agent-url", "https://gw.example:443/"])
+    assert res.exit_code == 0, res.output
+    source = yaml.safe_load((tmp_path / "provisioning/datasources/gradloc.yaml").read_text())["datasources"][0]
+    urls = [provisioned(d["url"]) for d in source["jsonData"]["exemplarTraceIdDestinations"]]
+    assert urls[0].startswith('https://${__data.fields["instance"]}/') and urls[1].startswith("https://gw.example:443/incidents/")
+    dash = json.loads((tmp_path / "dashboards/gradloc-tokens.json").read_text())
+    scheme = next(v for v in dash["templating"]["list"] if v["name"] == "agent_scheme")
+    assert scheme["current"]["value"] == "https" and [o["value"] for o in scheme["options"] if o["selected"]] == ["https"]
+
+
+def test_every_incident_link_has_a_per_node_and_an_agent_url_form() -> None:
+    """Each panel link to the incident list exists twice: on the series' own daemon
+    (``${agent_scheme}://${__field.labels.instance}``) and at ``${agent_url}``; the links' labels are
+    kept by every query of the panel (run against two real daemons in tests/system/test_two_daemons.py)."""
+    linked = [(d()["uid"], p) for d in DASHBOARDS.values() for p in d()["panels"] if p["fieldConfig"]["defaults"]["links"]]
+    assert len(linked) >= 2
+    for uid, panel in linked:
+        urls = [link["url"] for link in panel["fieldConfig"]["defaults"]["links"]]
+        assert any(u.startswith("${agent_scheme}://${__field.labels.instance}/incidents") for u in urls), (uid, urls)
+        assert any(u.startswith("${agent_url}/incidents") for u in urls), (uid, urls)
+        for target in panel["targets"]:
+            by = re.search(r"(?:sum|max|min|avg|count) by \(([^)]*)\)", target["expr"])
+            if by:  # an aggregation keeps what the links read
+                kept = {x.strip() for x in by.group(1).split(",")}
+                assert {"instance", "job"} <= kept, (uid, panel["title"], target["expr"])

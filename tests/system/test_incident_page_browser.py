@@ -5,12 +5,21 @@ payloads is stored; this checkout's daemon serves ``/incidents`` and ``/incident
 ``gradloc-agent incidents show --html`` writes the same page to a file. In both, Chromium renders the
 culprit tokens as text, no payload runs (``window.pwned`` stays undefined, no dialog opens), the
 page requests nothing but itself, the culprit tokens stand out and the window's context tokens are
-coloured by their score share (zero-score ones left uncoloured). A screenshot
-is saved (docs/img/incident-page.png is one of these, committed).
+coloured by their score share (zero-score ones left uncoloured), and the charts of the norm and the loss
+around the incident are drawn (SVG elements of non-zero size: the points, the detector's band, the
+incident's marker).
+
+The demo's planted incident is rendered the same way (with the store's follow-up steps) and screenshot;
+docs/img/incident-page.png is that screenshot, re-taken with
+
+    GRADLOC_SCREENSHOT=docs/img/incident-page.png OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q \
+        tests/system/test_incident_page_browser.py -k demo
 """
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +28,10 @@ from pathlib import Path
 
 import pytest
 
+from gradloc.agent.incident_page import incident_html
+from gradloc.agent.page_chart import chart_points, page_steps
+from gradloc.localizer.spans import WINDOW_TOKENS
+from gradloc.reports import StepPoint
 from gradloc.store.sqlite import IncidentStore
 from tests.reliability.daemon import ROOT, serving
 from tests.store.fixtures import make_incident
@@ -40,7 +53,9 @@ def _evil():
         culprits = tuple(replace(c, text=XSS + str(i), sample_id=XSS) for i, c in enumerate(loc.culprits))
         findings.append(replace(f, job="job" + XSS, localization=replace(loc, spans=spans, culprits=culprits,
                                                                          note=XSS)))
-    return replace(inc, job="job" + XSS, note=XSS, findings=tuple(findings))
+    history = tuple(StepPoint(rank=0, step=s, global_norm=4.95 if s == inc.step else 0.8 + 0.01 * (s % 3),
+                              loss=2.0, norm_mean=0.8, norm_threshold=1.0) for s in range(inc.step - 30, inc.step + 1))
+    return replace(inc, job="job" + XSS, note=XSS, findings=tuple(findings), history=history)
 
 
 def _browse(url: str, shot: Path) -> dict:
@@ -50,7 +65,7 @@ def _browse(url: str, shot: Path) -> dict:
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         try:
-            page = browser.new_page()
+            page = browser.new_page(viewport={"width": 1100, "height": 800})
             requests, dialogs = [], []
             page.on("request", lambda r: requests.append(r.url))
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
@@ -60,9 +75,24 @@ def _browse(url: str, shot: Path) -> dict:
             return {"pwned": page.evaluate("typeof window.pwned"), "requests": requests, "dialogs": dialogs,
                     "tokens": page.eval_on_selector_all(".tok", styles),
                     "window": page.eval_on_selector_all(".w", styles), "scripts": page.eval_on_selector_all("script", "els => els.length"),
-                    "text": page.inner_text("body")}
+                    "text": page.inner_text("body"),
+                    **{k: page.eval_on_selector_all(f"svg.chart {sel}", _BOXES) for k, sel in _CHART.items()},
+                    "charts": page.eval_on_selector_all("svg.chart", _BOXES)}
         finally:
             browser.close()
+
+
+_BOXES = "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.width, r.height]; })"
+_CHART = {"points": "circle.pt", "band": "polygon.band", "marker": "line.incident", "losses": "circle.lpt"}
+
+
+def _check_charts(got: dict, points: int) -> None:
+    """Both charts laid out; one point per finite step, the band and the incident's marker drawn."""
+    assert len(got["charts"]) == 2 and all(w > 300 and h > 100 for w, h in got["charts"]), got["charts"]
+    assert len(got["points"]) == points and all(w > 0 and h > 0 for w, h in got["points"]), got["points"]
+    assert got["band"] and all(w > 0 and h > 0 for w, h in got["band"]), got["band"]
+    assert len(got["marker"]) == 2 and all(h > 50 for _, h in got["marker"]), got["marker"]  # a vertical line
+    assert got["losses"] and all(w > 0 and h > 0 for w, h in got["losses"])
 
 
 def _check(got: dict, url: str) -> None:
@@ -95,6 +125,7 @@ def test_incident_page_served_and_written_is_inert_and_offline(tmp_path: Path) -
         served = _browse(url, tmp_path / "served.png")
         index = _browse(f"http://{agent['http']}/incidents", tmp_path / "index.png")
     _check(served, url)
+    _check_charts(served, len(inc.history))
     assert index["pwned"] == "undefined" and inc.incident_id[:12] in index["text"]
     out = tmp_path / "incident.html"
     res = subprocess.run([sys.executable, "-m", "gradloc.agent.cli", "incidents", "show", inc.incident_id[:8],
@@ -103,4 +134,34 @@ def test_incident_page_served_and_written_is_inert_and_offline(tmp_path: Path) -
     assert res.returncode == 0, res.stderr
     from_file = _browse(out.as_uri(), tmp_path / "file.png")
     _check(from_file, out.as_uri())
+    _check_charts(from_file, len(inc.history))
     assert (tmp_path / "file.png").stat().st_size > 10_000
+
+
+def test_demo_incident_page_draws_the_steps_around_it_and_is_the_readme_screenshot(tmp_path: Path) -> None:
+    """The demo's planted incident, end to end: every layer with its z-score, the widened window, the charts with
+    the store's follow-up steps. ``GRADLOC_SCREENSHOT=PATH`` copies the screenshot there (the README's image)."""
+    db = tmp_path / "demo.db"
+    res = subprocess.run([sys.executable, "-m", "gradloc.agent.cli", "demo", "--db", str(db)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    with IncidentStore(db) as store:
+        inc = store.get_incident(store.list_incidents(limit=1)[0].incident_id)
+        steps = page_steps(store, inc)
+    f0 = inc.findings[0]
+    assert len(f0.top_layers) == len(f0.spike.layers) == 16 and all(s.z is not None for s in f0.top_layers)
+    span = f0.localization.spans[0]
+    assert span.window_start == max(0, span.start - WINDOW_TOKENS) and len(span.window_tokens) > 2 * 8 + 1
+    points = chart_points(inc, steps)
+    assert [p.step for p in inc.history][-1] == inc.step and any(p.step > inc.step for p in points)
+    out = tmp_path / "demo.html"
+    out.write_text(incident_html(inc, steps=steps), encoding="utf-8")
+    shot = tmp_path / "incident-page.png"
+    got = _browse(out.as_uri(), shot)
+    assert got["pwned"] == "undefined" and got["requests"] == [out.as_uri()] and got["scripts"] == 0
+    _check_charts(got, sum(1 for p in points if math.isfinite(p.global_norm)))
+    assert "+11 more (16 of 16 layer(s) above the layer z threshold" in got["text"]
+    assert len(got["window"]) + len(got["tokens"]) >= len(span.window_tokens)
+    if os.environ.get("GRADLOC_SCREENSHOT"):
+        shutil.copyfile(shot, os.environ["GRADLOC_SCREENSHOT"])

@@ -266,7 +266,7 @@ class LayerShareMsg(_message.Message):
     def __init__(self, layer: _Optional[str] = ..., share: _Optional[float] = ...) -> None: ...
 
 class LayerStatsMsg(_message.Message):
-    __slots__ = ("layer", "grad_norm", "grad_max_abs", "nonfinite", "param_norm", "numel", "update_ratio")
+    __slots__ = ("layer", "grad_norm", "grad_max_abs", "nonfinite", "param_norm", "numel", "update_ratio", "z")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     GRAD_MAX_ABS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class LayerStatsMsg(_message.Message):
     PARAM_NORM_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     UPDATE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
     layer: str
     grad_norm: float
     grad_max_abs: float
@@ -281,7 +282,8 @@ class LayerStatsMsg(_message.Message):
     param_norm: float
     numel: int
     update_ratio: float
-    def __init__(self, layer: _Optional[str] = ..., grad_norm: _Optional[float] = ..., grad_max_abs: _Optional[float] = ..., nonfinite: _Optional[int] = ..., param_norm: _Optional[float] = ..., numel: _Optional[int] = ..., update_ratio: _Optional[float] = ...) -> None: ...
+    z: float
+    def __init__(self, layer: _Optional[str] = ..., grad_norm: _Optional[float] = ..., grad_max_abs: _Optional[float] = ..., nonfinite: _Optional[int] = ..., param_norm: _Optional[float] = ..., numel: _Optional[int] = ..., update_ratio: _Optional[float] = ..., z: _Optional[float] = ...) -> None: ...
 
 class SpikeMsg(_message.Message):
     __slots__ = ("step", "kinds", "global_norm", "z", "mean", "std", "loss", "loss_z", "loss_mean", "layers", "detail")
