@@ -13,126 +13,77 @@ probe's forward the way the loop wraps its own (autocast).
 """
 from __future__ import annotations
 
-import logging
-from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field, fields
+from contextlib import nullcontext
+from dataclasses import fields
 from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
+from gradloc.adapters.rl.held import HeldBlocks
 from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
 from gradloc.engine.monitor import Monitor, StepReport
-from gradloc.errors import BatchMetadataError, ConfigError, GradlocError
+from gradloc.errors import BatchMetadataError, ConfigError
 from gradloc.integrations.hf_batch import causal_view
-
-log = logging.getLogger("gradloc")
 
 View = Callable[[Any], Mapping[str, Any] | None]
 TokenLoss = Callable[[Any], torch.Tensor]
 
 
-@dataclass
 class LoopDriver:
-    """One monitor's micro-batch and step bookkeeping inside a loop gradloc does not own.
+    """One monitor's micro-batch and step bookkeeping inside a loop gradloc does not own: the RL adapters'
+    :class:`~gradloc.adapters.rl.held.HeldBlocks` (the same blocks, loss and error regimes), fed by the loop's
+    callbacks. ``where`` is its tag: counters ``<where>_skipped_micro_batches``… (gradloc/records/events.py).
+    ``strict=False``: a typed setup mistake on the first step is counted like a later one (a degraded setup)."""
 
-    ``where`` names the integration in counters and log lines (``lightning_skipped_micro_batches``…).
-    """
-
-    mon: Monitor
-    where: str
-    view: View
-    token_loss: TokenLoss | None
-    divisor: Callable[[], float]
-    context: Callable[[], ContextManager[Any]] = nullcontext
-    strict: bool = True  # a typed setup mistake on the first step raises (False: counted like any later one)
-    errors: int = 0  # failures caught on the training path (each one logged and counted)
-    _parts: list[Any] = field(default_factory=list)  # the step's micro-batches, for the probes
-    _loss: torch.Tensor | None = None
-    _block: ExitStack | None = None
-    _batch: Any = None
-    _stepped: bool = False
+    def __init__(self, mon: Monitor, where: str, view: View, token_loss: TokenLoss | None,
+                 divisor: Callable[[], float], context: Callable[[], ContextManager[Any]] = nullcontext,
+                 strict: bool = True) -> None:
+        self.mon, self.view, self.token_loss, self.divisor, self.context = mon, view, token_loss, divisor, context
+        self.blocks = HeldBlocks(mon, where, strict=strict)
 
     @property
     def block_open(self) -> bool:
-        return self._block is not None
+        return self.blocks.held
+
+    @property
+    def errors(self) -> int:
+        """Failures caught on the training path (each one logged and counted)."""
+        return self.blocks.errors
 
     def begin(self, batch: Any) -> None:
-        """Before the micro-batch's forward: open its block. Bad metadata raises on the first step (a
-        setup mistake), and after that leaves the micro-batch out of per-token statistics (counted)."""
-        if self._block is not None:  # the previous micro-batch never reached its backward (skipped)
-            self.end_micro_batch(failed=True)
-        stack = ExitStack()
-        try:
-            args = self._args(batch)
-            stack.enter_context(self.mon.micro_batch(**args))
-        except GradlocError:
-            stack.close()
-            if self.strict and not self._stepped:
-                raise
-            self._count("skipped_micro_batches", "micro-batch left out of per-token statistics")
-            return
-        except Exception:  # a user's view function failing must not stop training
-            stack.close()
-            self._count("errors", "opening a micro-batch failed")
-            return
-        self._block, self._batch = stack, batch
+        """Before the micro-batch's forward: open its block. Bad metadata raises on the first step (a setup
+        mistake); after that the micro-batch is left out of per-token statistics (counted)."""
+        self.blocks.open(lambda: self._args(batch), payload=batch)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """The loss the loop back-propagates for this micro-batch (already divided for accumulation)."""
-        loss = loss.detach()
-        self._loss = loss if self._loss is None else self._loss + loss
+        self.blocks.add_loss(loss)
 
     def divide_loss(self, factor: float) -> None:
         """Divide the step's summed loss (e.g. by a GradScaler's scale when the loop handed it scaled)."""
-        if self._loss is not None:
-            self._loss = self._loss / factor
+        if self.blocks.loss is not None:
+            self.blocks.loss = self.blocks.loss / factor
 
     def end_micro_batch(self, failed: bool = False) -> None:
-        """After the micro-batch's backward (``failed``: it never ran one: left out, counted)."""
-        stack, batch, self._block, self._batch = self._block, self._batch, None, None
-        if stack is None:
-            return
-        try:
-            if failed:  # the block sees an exception: Monitor.micro_batch counts a failed micro-batch
-                stack.__exit__(RuntimeError, RuntimeError("no backward"), None)
-            else:
-                stack.close()
-                if self.mon.hooks is not None:
-                    self._parts.append(batch)
-        except Exception:
-            self._count("errors", "closing a micro-batch failed")
+        """After the micro-batch's backward (``failed``: it never ran one: the monitor drops it, counted)."""
+        self.blocks.close(RuntimeError("the micro-batch ran no backward") if failed else None)
 
     def end_step(self, *, scaler: Any = None, step: int | None = None) -> StepReport | None:
         """After the step's last backward, before clipping. Raises only a typed setup mistake on the first step."""
-        if self._block is not None:
-            self.end_micro_batch()
-        parts, loss = self._parts, self._loss
-        self._parts, self._loss = [], None
-        probe = self._probe(parts) if parts and self.token_loss is not None else None
-        first, self._stepped = not self._stepped, True
-        try:
-            return self.mon.end_step(loss, probe=probe, scaler=scaler, step=step)
-        except Exception as exc:
-            if self.strict and first and isinstance(exc, GradlocError):
-                raise
-            self._count("end_step_errors", "end_step failed")
-            return None
+        return self.blocks.end_step(self._probe if self.token_loss is not None else None, scaler=scaler, step=step)
 
     def close(self) -> None:
-        if self._block is not None:
+        if self.blocks.held:
             self.end_micro_batch(failed=True)
-        self._parts, self._loss = [], None
-        try:
-            self.mon.close()
-        except Exception:
-            self._count("errors", "closing the monitor failed")
+        self.blocks.payloads, self.blocks.loss = [], None
+        self.blocks.guard(self.mon.close, "close", setup_raises=False)
 
     def _args(self, batch: Any) -> Mapping[str, Any]:
         if self.mon.hooks is None:  # per-layer only: the block just counts the micro-batch
             return {"shape": (1, 1)}
         args = self.view(batch)
         if args is None:
-            raise BatchMetadataError(f"{self.where}: no token ids for this batch (gradloc_batch returned None)")
+            raise BatchMetadataError("no token ids for this batch (gradloc_batch / view returned None)")
         return args
 
     def _probe(self, parts: list[Any]) -> Callable[[int, torch.Tensor], torch.Tensor]:
@@ -143,11 +94,6 @@ class LoopDriver:
                 terms = token_loss(parts[i])  # (B, T) per-token loss terms
             return (terms * token_mask.to(terms.device, terms.dtype)).sum() / divisor
         return probe
-
-    def _count(self, what: str, message: str) -> None:
-        self.errors += what != "skipped_micro_batches"
-        self.mon.counters[f"{self.where}_{what}"] += 1
-        log.warning("gradloc (%s): %s at step %d", self.where, message, self.mon.step, exc_info=True)
 
 
 def hf_view(batch: Any) -> dict[str, Any] | None:

@@ -18,8 +18,9 @@ from collections.abc import Iterable, Mapping
 
 OTHER = "other"  # the label of every name not declared below
 
-# ``HeldBlocks(mon, tag)`` of the RL adapters (gradloc/adapters/rl/verl.py, openrlhf.py) and what they count
-HELD_TAGS: dict[str, str] = {"verl": "verl", "openrlhf": "OpenRLHF"}
+# ``HeldBlocks(mon, tag)`` of the RL adapters (gradloc/adapters/rl/verl.py, openrlhf.py) and the loop integrations
+# (gradloc/integrations/loop.py: lightning.py, accelerate.py), and what they count
+HELD_TAGS: dict[str, str] = {"verl": "verl", "openrlhf": "OpenRLHF", "lightning": "Lightning", "accelerate": "Accelerate"}
 HELD_COUNTERS: dict[str, str] = {
     "skipped_micro_batches": "micro-batches whose metadata could not be mapped after setup (trained, left out of "
                              "per-token statistics)",
@@ -29,6 +30,7 @@ HELD_COUNTERS: dict[str, str] = {
     "loss_errors": "micro-batch losses that could not be added to the step's loss",
     "on_report_errors": "on_report callbacks that raised",
     "layout_errors": "micro-batches whose layout could not be read after setup (trained unwatched)",
+    "close_errors": "monitor closes that raised (at the end of a fit or loop)",
 }
 
 MONITOR_EVENTS: dict[str, str] = {

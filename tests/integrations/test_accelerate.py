@@ -15,7 +15,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from gradloc.config import DetectorConfig  # noqa: E402
-from gradloc.errors import ConfigError  # noqa: E402
+from gradloc.errors import BatchMetadataError, ConfigError  # noqa: E402
 from gradloc.integrations.accelerate import GradlocAccelerate, causal_lm_token_loss  # noqa: E402
 from gradloc.integrations.loop import hf_view  # noqa: E402
 from tests.helpers import single_thread  # noqa: E402,F401 (autouse fixture)
@@ -48,7 +48,7 @@ def view(batch: dict) -> dict[str, Any]:
 
 
 def train(world: World, data: list[dict], gradloc: dict | None, mixed_precision: str = "no",
-          probe_hook: bool = True) -> tuple[torch.nn.Module, GradlocAccelerate | None, list[float]]:
+          probe_hook: bool = True, view_fn=view) -> tuple[torch.nn.Module, GradlocAccelerate | None, list[float]]:
     """The loop of the module docstring of gradloc/integrations/accelerate.py, with or without gradloc."""
     AcceleratorState._reset_state(True)  # a fresh Accelerator per run (its state is process-wide)
     GradientState._reset_state()
@@ -59,7 +59,8 @@ def train(world: World, data: list[dict], gradloc: dict | None, mixed_precision:
     model, opt, loader = acc.prepare(model, opt, loader)
     gl = None
     if gradloc is not None:
-        gl = GradlocAccelerate(acc, model, opt, token_loss=token_loss if probe_hook else None, view=view, **gradloc)
+        gl = GradlocAccelerate(acc, model, opt, token_loss=token_loss if probe_hook else None, view=view_fn,
+                               **gradloc)
     norms: list[float] = []  # pre-clip norms as clip_grad_norm_ returns them
     for batch in loader:
         with gl.accumulate(batch) if gl else acc.accumulate(model):
@@ -118,6 +119,26 @@ def test_without_a_token_loss_the_attribution_runs_without_probes(world, data):
     loc = gl.monitor.incidents[0].localization
     assert loc.probes == 0 and loc.status != "located"
     assert (loc.culprits[0].micro_batch, loc.culprits[0].sample) == (MB, ROW)
+
+
+def test_a_batch_without_token_ids_after_setup_is_counted_and_training_goes_on(world, data):
+    bad_uid = UID0 + 5 * GA * B  # the first row of step 5
+
+    def flaky(batch: dict) -> dict | None:
+        return None if bad_uid in batch["uid"].tolist() else view(batch)
+
+    model, gl, _ = train(world, data, GRADLOC, view_fn=flaky)
+    mon = gl.monitor
+    assert dict(mon.counters) == {"accelerate_skipped_micro_batches": 1} and gl.driver.errors == 1
+    assert len(mon.history) == STEPS and next(r for r in mon.history if r.step == 5).micro_batches == GA - 1
+    assert [i.step for i in mon.incidents] == [K] and mon.incidents[0].localization.status == "located"
+    plain, _, _ = train(world, data, None)
+    assert all(torch.equal(p0, p1) for p0, p1 in zip(plain.parameters(), model.parameters(), strict=True))
+
+
+def test_a_batch_without_token_ids_at_setup_raises(world, data):
+    with pytest.raises(BatchMetadataError, match="no token ids"):
+        train(world, data[:GA * B], GRADLOC, view_fn=lambda batch: None)
 
 
 def test_a_bad_config_fails_at_construction(world):

@@ -1,7 +1,8 @@
 """``mon.micro_batch`` blocks held open across a framework's own methods.
 
 verl and OpenRLHF run a micro-batch's forward in one method and its backward in the caller (verl:
-``forward_step`` returns the loss, ``forward_backward_batch`` calls ``loss.backward()``), so no single
+``forward_step`` returns the loss, ``forward_backward_batch`` calls ``loss.backward()``), and Lightning
+and Accelerate hand gradloc the two ends through callbacks (gradloc/integrations/loop.py), so no single
 ``with`` block can wrap both. :class:`HeldBlocks` enters the block when the forward starts and exits
 it when the next forward starts, when the caller's loop returns, or just before ``end_step``. It
 keeps one payload per block (what the probe closure needs) in the monitor's micro-batch order, and
@@ -20,8 +21,9 @@ log = logging.getLogger("gradloc")
 
 
 class HeldBlocks:
-    def __init__(self, mon: Any, tag: str, history: int = 64) -> None:
+    def __init__(self, mon: Any, tag: str, history: int = 64, strict: bool = True) -> None:
         self.mon, self.tag = mon, tag
+        self.strict = strict  # False: a typed setup mistake on the first step is counted like a later one
         self.payloads: list[Any] = []  # one per micro-batch the monitor holds, in its order
         self.loss: Any = None  # Σ of the step's micro-batch losses (detached)
         self.reports: deque[Any] = deque(maxlen=history)
@@ -42,7 +44,7 @@ class HeldBlocks:
             cm = self.mon.micro_batch(**make_kwargs())
             meta = cm.__enter__()
         except Exception as exc:
-            if not self.stepped:
+            if self.strict and not self.stepped:
                 if isinstance(exc, GradlocError):
                     raise
                 raise BatchMetadataError(f"{self.tag}: this micro-batch cannot be mapped: {exc!r}") from exc
@@ -51,12 +53,13 @@ class HeldBlocks:
         self._cm, self._payload = cm, payload
         return meta
 
-    def guard(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run ``fn`` (RL fields, recording): typed errors raise at setup, anything fails silently after."""
+    def guard(self, fn: Callable[[], Any], what: str, setup_raises: bool = True) -> Any:
+        """Run ``fn`` (RL fields, recording): errors raise at setup (unless ``setup_raises`` is False), and are
+        counted and logged after it."""
         try:
             return fn()
         except Exception:
-            if not self.stepped:
+            if setup_raises and self.strict and not self.stepped:
                 raise
             self._count(f"{what}_errors", f"{what} failed")
             return None
@@ -76,7 +79,7 @@ class HeldBlocks:
         except Exception as err:
             if err is exc:
                 return
-            if not self.stepped and isinstance(err, GradlocError):
+            if self.strict and not self.stepped and isinstance(err, GradlocError):
                 raise
             self._count("block_errors", "closing a micro-batch block failed")
 
@@ -97,7 +100,7 @@ class HeldBlocks:
             probe = probe_for(payloads) if probe_for is not None and payloads else None
             report = self.mon.end_step(loss, probe=probe, **kw)
         except Exception as exc:
-            if first and isinstance(exc, GradlocError):
+            if self.strict and first and isinstance(exc, GradlocError):
                 raise  # a typed setup mistake, before the first optimizer step
             self._count("end_step_errors", "end_step failed")
             return None
