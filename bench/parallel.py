@@ -7,8 +7,10 @@
 
 Every rank holds the variants (plain, per-layer, per-token), each its own parallelized copy of one seeded model
 with its own AdamW, run interleaved in a rotating order, the same on every rank (the variants' collectives pair
-up). The tp/pp ranks of a data index train on the same random tokens, each data rank on its own. Ratios are of
-median step times on each rank; ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
+up). The tp/pp ranks of a data index train on the same random tokens, each data rank on its own. Every step starts
+after a barrier (not timed), so no variant inherits another's stragglers. ``job_ratios``: of the median *job* step
+time (the slowest rank's time of each step: what a synchronous job waits for; under PP, where a rank's own step
+boundaries shift with the schedule, the number to read); ``ranks``: of each rank's own median. ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
 healthy step; ``updates_identical``: every gradloc variant's parameters (made whole) equal plain's bitwise.
 """
 from __future__ import annotations
@@ -51,10 +53,12 @@ class _Variant:
 
             self.schedule = ScheduleGPipe(self.stage, cfg.micro_batches, loss_fn=lambda o, t: _loss(o, t).sum(),
                                           scale_grads=False)
-        self.step_s: list[float] = []
+        self.step_s: list[float] = []  # this rank's step times
+        self.job_s: list[float] = []  # the job's: the slowest rank's time of the same step
         self.before = self.mon.comm.collectives if self.mon is not None else 0
 
     def step(self, batches: list, record: bool) -> None:
+        torch.distributed.barrier()  # every variant's step starts together on every rank (not timed)
         t0 = time.perf_counter()
         if self.mode == "pp":
             x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])  # M × (B, T) -> (M·B, T)
@@ -76,8 +80,12 @@ class _Variant:
                 self.mon.end_step(total)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
         if record:
-            self.step_s.append(time.perf_counter() - t0)
+            self.step_s.append(elapsed)
+            slowest = torch.tensor([elapsed], dtype=torch.float64)  # the job's step: its slowest rank (not timed)
+            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+            self.job_s.append(float(slowest))
 
     def params(self) -> list[torch.Tensor]:
         return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in self.part.parameters()]
@@ -120,8 +128,13 @@ def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig) -> dict[str, An
             if v.mon is not None:
                 v.mon.close()
     med = {v.name: statistics.median(v.step_s) for v in variants}
+    job = {v.name: statistics.median(v.job_s) for v in variants}
     steps = cfg.warmup + rounds
-    return {"ratios": {v.name: round(med[v.name] / med["plain"], 4) for v in variants[1:]},
+    return {"job_ratios": {v.name: round(job[v.name] / job["plain"], 4) for v in variants[1:]},
+            "job_paired": {v.name: round(statistics.median(a / b for a, b in zip(v.job_s, variants[0].job_s)), 4)
+                           for v in variants[1:]},
+            "job_step_ms": {v.name: round(1000 * job[v.name], 2) for v in variants},
+            "ratios": {v.name: round(med[v.name] / med["plain"], 4) for v in variants[1:]},
             "paired": {v.name: round(statistics.median(a / b for a, b in zip(v.step_s, variants[0].step_s)), 4)
                        for v in variants[1:]},
             "step_ms": {v.name: round(1000 * med[v.name], 2) for v in variants},
@@ -153,6 +166,8 @@ def format_parallel(res: dict[str, Any]) -> str:
     lines = [f"{p['mode']}, {p['world_size']} ranks (gloo, CPU): ParallelGPT d_model {m['d_model']}, {m['n_layers']} "
              f"layers, {m['micro_batches']} micro-batches of {m['batch']} × {m['seq']} per data rank, {m['rounds']} "
              f"rounds (+{m['warmup']}), {res['wall_s']} s, load average {res['loadavg_1m'][0]} -> {res['loadavg_1m'][1]}",
+             "job (slowest rank per step): " + ", ".join(f"{n} {x:.3f} (paired {p['job_paired'][n]:.3f})"
+                                                          for n, x in p["job_ratios"].items()),
              "rank  variant    ratio  (paired on rank 0)"]
     for r, ratios in enumerate(p["ranks"]):
         for name, x in ratios.items():
