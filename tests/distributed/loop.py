@@ -76,3 +76,54 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["essentials", "run_steps", "whole"]
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) cross-entropy terms; vocab-parallel (DTensor) logits are made whole first."""
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    Bl, T, V = logits.shape
+    return torch.nn.functional.cross_entropy(logits.reshape(Bl * T, V).float(), targets.reshape(Bl * T),
+                                             reduction="none").view(Bl, T)  # (B·T,) -> (B, T)
+
+
+def prepare(model: torch.nn.Module, batches: tuple, plant: tuple | None, dp_rank: int, monitor: bool,
+            invariants: bool, watch: dict[str, Any]) -> tuple[torch.optim.Optimizer, Any, Any]:
+    """A rank's AdamW, its monitor (warm-up 5; None without ``monitor``) and invariant watch; a plant
+    ``(dp rank, step, micro-batch, row, token)`` on this data rank weights that token's loss 3000× in ``batches``'
+    weights (``(x, y, w)``, changed in place)."""
+    import gradloc
+    from tests.distributed.invariants import Watch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if plant is not None and plant[0] == dp_rank:
+        _, s, mb, b, t = plant
+        batches[2][s, mb, b, t] = 3000.0
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
+        if monitor else None
+    return opt, mon, Watch(mon) if invariants and mon is not None else None
+
+
+def one_job_incident(ranks: list[dict], step: int, culprit: tuple[int, int, int, str], position: int,
+                     text: str | None = None) -> Any:
+    """Every rank's ``incidents`` (step, scope, localization) hold one job incident at ``step``, located with
+    1–3 probes, whose top culprit is ``(rank, micro-batch, row, sample id)`` at logits ``position`` (the
+    corrupted input token; ``position + 1`` may follow it) with ``text``, its share measured against the job's
+    gradient; the same answer on every rank. Returns it."""
+    locs = []
+    for r in ranks:
+        assert [(s, str(scope)) for s, scope, _ in r["incidents"]] == [(step, "job")], r["incidents"]
+        loc = r["incidents"][0][2]
+        assert loc.status == "located" and 1 <= loc.probes <= 3, loc.note
+        assert {c.rank for c in loc.culprits} == {culprit[0]}
+        top = loc.culprits[0]
+        assert (top.rank, top.micro_batch, top.sample, top.sample_id) == culprit
+        by_pos = {c.position: c for c in loc.culprits}
+        assert position in by_pos and set(by_pos) <= {position, position + 1}, sorted(by_pos)
+        if text is not None:
+            assert by_pos[position].text == text
+        # the share of the job's gradient: the probe gradients combined over the ranks (÷ W as DDP averages);
+        # rank-local probes against the averaged gradient would read ~W×
+        assert 0.5 < loc.explained_share < 1.1, loc.explained_share
+        locs.append(loc)
+    assert len({repr(loc) for loc in locs}) == 1  # the same localization on every rank
+    return locs[0]

@@ -13,6 +13,7 @@ import pytest
 
 from tests.distributed.hf_trainer_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 from tests.distributed.launch import run
+from tests.distributed.loop import one_job_incident
 
 pytest.importorskip("transformers")
 
@@ -37,22 +38,7 @@ def test_the_trainer_runs_ddp_and_gradloc_watches_it_as_one_job(ranks):
 
 
 def test_a_token_planted_on_rank_1_is_one_job_incident_naming_rank_1(ranks):
-    locs = []
-    for r in ranks:
-        assert [(step, scope) for step, scope, _ in r["incidents"]] == [(K, "job")], r["incidents"]
-        loc = r["incidents"][0][2]
-        assert loc.status == "located" and 1 <= loc.probes <= 3, loc.note
-        assert {c.rank for c in loc.culprits} == {1}
-        top = loc.culprits[0]
-        assert (top.micro_batch, top.sample, top.sample_id) == (MB, ROW, str(UID0 + planted_row(WORLD)))
-        by_pos = {c.position: c for c in loc.culprits}
-        assert POS - 1 in by_pos and by_pos[POS - 1].text == "Z"  # position POS - 1 scores the garbage token
-        assert set(by_pos) <= {POS - 1, POS}
-        # the share of the job's gradient: the probe gradients combined over ranks (÷ W as DDP averages);
-        # rank-local probes against the averaged gradient would read ~W× (2.0 here, measured)
-        assert 0.5 < loc.explained_share < 1.1, loc.explained_share
-        locs.append(loc)
-    assert repr(locs[0]) == repr(locs[1])  # the same localization on every rank
+    one_job_incident(ranks, K, (1, MB, ROW, str(UID0 + planted_row(WORLD))), POS - 1, text="Z")
 
 
 def test_parameters_are_bitwise_those_of_a_plain_trainer(ranks):

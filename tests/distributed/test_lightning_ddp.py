@@ -8,6 +8,7 @@ import pytest
 
 from tests.distributed.launch import run
 from tests.distributed.lightning_job import MB, POS, ROW, STEPS, UID0, K, planted_row
+from tests.distributed.loop import one_job_incident
 
 pytest.importorskip("lightning")
 
@@ -30,18 +31,7 @@ def test_the_callback_watches_lightning_ddp_as_one_job(ranks):
 
 
 def test_a_token_planted_on_rank_1_is_one_job_incident_naming_rank_1(ranks):
-    locs = []
-    for r in ranks:
-        assert [(step, scope) for step, scope, _ in r["incidents"]] == [(K, "job")], r["incidents"]
-        loc = r["incidents"][0][2]
-        assert loc.status == "located" and 1 <= loc.probes <= 3, loc.note
-        assert {c.rank for c in loc.culprits} == {1}
-        top = loc.culprits[0]
-        assert (top.micro_batch, top.sample, top.sample_id) == (MB, ROW, str(UID0 + planted_row(WORLD)))
-        assert POS - 1 in {c.position for c in loc.culprits}
-        assert 0.5 < loc.explained_share < 1.1, loc.explained_share
-        locs.append(loc)
-    assert repr(locs[0]) == repr(locs[1])
+    one_job_incident(ranks, K, (1, MB, ROW, str(UID0 + planted_row(WORLD))), POS - 1)
 
 
 def test_parameters_are_bitwise_those_of_the_fit_without_gradloc(ranks):

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tests import titan
+from tests.distributed.loop import essentials, prepare, run_steps, token_losses, whole
 
 SEQ, B, M = 16, 4, 2
 KINDS = {"tp": dict(tp=2), "fsdp-tp": dict(dp_shard=2, tp=2), "ep": dict(dp_shard=2, ep=2)}
@@ -39,30 +39,14 @@ def data(dp_rank: int, steps: int, seed: int = 7) -> tuple[torch.Tensor, torch.T
     return tokens[..., :-1].clone(), tokens[..., 1:].clone(), torch.ones(steps, M, B, SEQ)
 
 
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # vocab-parallel logits: whole
-    Bl, T, V = logits.shape
-    return F.cross_entropy(logits.reshape(Bl * T, V).float(), targets.reshape(Bl * T), reduction="none").view(Bl, T)
-
-
 def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = None, monitor: bool = True, invariants: bool = False,
           **watch: Any) -> dict[str, Any]:
-    import gradloc
 
     model, dims = build(world, kind)
     dp = dims.dp_shard * dims.dp_replicate
     dp_rank = rank // (world // dp)  # tp (and ep within dp) innermost
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y, w = data(dp_rank, steps)
-    if plant is not None and plant[0] == dp_rank:
-        _, s, mb, b, t = plant
-        w[s, mb, b, t] = 3000.0
-    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
-        if monitor else None
-    from tests.distributed.invariants import Watch
-    from tests.distributed.loop import essentials, run_steps, whole
-
-    inv = Watch(mon) if invariants and mon is not None else None
+    opt, mon, inv = prepare(model, (x, y, w), plant, dp_rank, monitor, invariants, watch)
     out: dict[str, Any] = {}
 
     def norms() -> None:

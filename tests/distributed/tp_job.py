@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tests.distributed.loop import essentials, prepare, run_steps, token_losses, whole
 
 VOCAB, SEQ, B, M, D, HEADS = 128, 16, 4, 2, 32, 4
 
@@ -39,12 +40,6 @@ def data(dp_rank: int, steps: int, seed: int = 7) -> tuple[torch.Tensor, torch.T
     return tokens[..., :-1].clone(), tokens[..., 1:].clone(), torch.ones(steps, M, B, SEQ)
 
 
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-    Bl, T, V = logits.shape
-    return F.cross_entropy(logits.reshape(Bl * T, V).float(), targets.reshape(Bl * T), reduction="none").view(Bl, T)
-
-
 __all__ = ["Toy", "build", "data", "token_losses", "B", "D", "M", "SEQ", "VOCAB"]
 
 
@@ -52,21 +47,11 @@ def train(rank: int, world: int, tp: int, sp: bool, steps: int, plant: tuple | N
           monitor: bool = True, invariants: bool = False, **watch: Any) -> dict[str, Any]:
     """Train ``steps`` AdamW steps; returns the reports' essentials, the final parameters (whole) and, on the
     first step, the per-layer gradient norms a placement-aware reduction gives (torchtitan's way)."""
-    import gradloc
 
     model, mesh = build(world, tp, sp)
     dp_rank = rank // tp  # the mesh is (dp, tp), row-major
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y, w = data(dp_rank, steps)
-    if plant is not None and plant[0] == dp_rank:
-        _, s, mb, b, t = plant
-        w[s, mb, b, t] = 3000.0
-    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), **watch) \
-        if monitor else None
-    from tests.distributed.invariants import Watch
-    from tests.distributed.loop import essentials, run_steps, whole
-
-    inv = Watch(mon) if invariants and mon is not None else None
+    opt, mon, inv = prepare(model, (x, y, w), plant, dp_rank, monitor, invariants, watch)
     out: dict[str, Any] = {}
 
     def norms() -> None:
