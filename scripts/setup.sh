@@ -29,7 +29,11 @@ stamp=.venv/.gradloc-setup
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test,hf,bench,bench-peers,titan]"
+  # datasets/fsspec pinned here only (not in constraints.txt, which the verl and vLLM tiers share): lightning's
+  # fsspec[http] requirement sent pip's resolver backtracking through every datasets release on a fresh venv
+  # (over 12 min); the versions the tests were verified with resolve at once
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test,hf,bench,bench-peers,titan]" \
+    "datasets==4.7.0" "fsspec==2026.2.0"
   # backpack-for-pytorch (bench-peers) requires torchvision, but uses it only in an examples module.
   # PyPI's torchvision build does not load against the CPU torch served here ("operator
   # torchvision::nms does not exist"), and transformers then fails to import any model: remove it
