@@ -5,7 +5,8 @@ the step's loss, keep the micro-batches for the probes, and call ``end_step`` af
 backward and before clipping — never raising into the loop after the first step.
 
 A loop integration gives three things: ``view(batch)`` → the ``Monitor.micro_batch`` arguments for a
-batch (``token_ids``/``loss_mask``/``sample_ids``, or None: left out of per-token statistics, counted),
+batch (``token_ids``/``loss_mask``/``sample_ids``; None or bad metadata raises on the first step, a setup
+mistake, and later leaves the micro-batch out of per-token statistics, counted),
 ``token_loss(batch)`` → the micro-batch's per-token loss terms (B, T) whose sum is the loss the loop
 back-propagates before its own accumulation division (None: no probes, said once), and ``divisor()``
 (the loop's accumulation division, so a probe's loss is scaled like the step's). ``context()`` wraps a
