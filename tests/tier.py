@@ -21,9 +21,9 @@ def _tail(text: str, n: int = 6000) -> str:
 
 
 def run_tier(name: str, venv: str, tier: str, *, setup: str, skip_var: str, timeout_s: int,
-             pytest_args: tuple[str, ...] = ()) -> str:
-    """Run ``tier`` (a tests folder) with ``venv``'s interpreter; returns its output once every test in it
-    passed (none skipped, at least one run)."""
+             pytest_args: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Run ``tier`` (a tests folder) with ``venv``'s interpreter; once every test in it passed (none skipped, at
+    least one run), returns how many passed and its output."""
     python = ROOT / venv / "bin" / "python"
     if not python.exists():
         if os.environ.get(skip_var) == "1":
@@ -43,7 +43,7 @@ def run_tier(name: str, venv: str, tier: str, *, setup: str, skip_var: str, time
     assert summary and int(summary.group(1)) > 0, f"the {name} tier passed no test:\n{_tail(out)}"
     assert " failed" not in out and " skipped" not in out, f"the {name} tier skipped or failed tests:\n{_tail(out)}"
     print(f"\n{summary.group(0)} in {tier} ({venv})")
-    return out
+    return int(summary.group(1)), out
 
 
 __all__ = ["run_tier"]
