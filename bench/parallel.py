@@ -10,7 +10,8 @@ with its own AdamW, run interleaved in a rotating order, the same on every rank 
 up). The tp/pp ranks of a data index train on the same random tokens, each data rank on its own. Every step starts
 after a barrier (not timed), so no variant inherits another's stragglers. ``job_ratios``: of the median *job* step
 time (the slowest rank's time of each step: what a synchronous job waits for; under PP, where a rank's own step
-boundaries shift with the schedule, the number to read); ``ranks``: of each rank's own median. ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
+boundaries shift with the schedule, the number to read); ``ranks``: of each rank's own median; ``rank_phases_ms``:
+each rank's median forward + backward, ``end_step`` and optimizer step (with ``zero_grad``). ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
 healthy step; ``updates_identical``: every gradloc variant's parameters (made whole) equal plain's bitwise.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ class _Variant:
                                           scale_grads=False)
         self.step_s: list[float] = []  # this rank's step times
         self.job_s: list[float] = []  # the job's: the slowest rank's time of the same step
+        self.phases: list[tuple[float, float, float]] = []  # (forward + backward, end_step, optimizer) per step
         self.before = self.mon.comm.collectives if self.mon is not None else 0
 
     def step(self, batches: list, record: bool) -> None:
@@ -64,10 +66,12 @@ class _Variant:
             x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])  # M × (B, T) -> (M·B, T)
             if self.mon is not None:
                 losses = self.mon.pipeline_step(self.schedule, inputs=x, target=y, token_loss=_loss)
+                t1 = time.perf_counter()
                 self.mon.end_step(torch.stack(losses).sum() if losses else None)
             else:
                 kw = {"target": y, "losses": []} if self.stage.is_last else {}
                 self.schedule.step(*((x,) if self.stage.is_first else ()), **kw)
+                t1 = time.perf_counter()
         else:
             total = torch.zeros(())
             for x, y in batches:
@@ -76,13 +80,17 @@ class _Variant:
                     loss = _loss(self.part(x), y).sum()
                     loss.backward()
                 total += loss.detach()
+            t1 = time.perf_counter()
             if self.mon is not None:
                 self.mon.end_step(total)
+        t2 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        elapsed = t3 - t0
         if record:
             self.step_s.append(elapsed)
+            self.phases.append((t1 - t0, t2 - t1, t3 - t2))  # forward + backward, end_step, optimizer
             slowest = torch.tensor([elapsed], dtype=torch.float64)  # the job's step: its slowest rank (not timed)
             torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
             self.job_s.append(float(slowest))
@@ -138,6 +146,8 @@ def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig) -> dict[str, An
             "paired": {v.name: round(statistics.median(a / b for a, b in zip(v.step_s, variants[0].step_s)), 4)
                        for v in variants[1:]},
             "step_ms": {v.name: round(1000 * med[v.name], 2) for v in variants},
+            "phases_ms": {v.name: [round(1000 * statistics.median(p[i] for p in v.phases), 1) for i in range(3)]
+                          for v in variants},  # this rank's medians: forward + backward, end_step, optimizer
             "collectives_per_step": {v.name: round((v.mon.comm.collectives - v.before) / steps, 3)
                                      for v in variants[1:]},
             "updates_identical": identical, "wall_s": round(time.perf_counter() - start, 1),
@@ -154,6 +164,7 @@ def run_parallel_overhead(cfg: OverheadConfig, mode: str, timeout_s: float = 300
     load_start, start = os.getloadavg()[0], time.perf_counter()
     ranks = run_ranks(_rank, WORLD, mode, cfg, timeout_s=timeout_s, paths=(os.getcwd(),))
     return {"parallel": {"mode": mode, "world_size": WORLD, **ranks[0], "ranks": [r["ratios"] for r in ranks],
+                         "rank_phases_ms": [r["phases_ms"] for r in ranks],
                          "updates_identical": all(all(r["updates_identical"].values()) for r in ranks)},
             "torch_threads": 1, "torch_version": torch.__version__, "nproc": os.cpu_count(),
             "wall_s": round(time.perf_counter() - start, 1), "loadavg_1m": [round(load_start, 2),
