@@ -56,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--parallel", choices=["fsdp-tp", "pp"], default=None,
                       help="run the variants as 4 ranks of a model-parallel gloo job: FSDP2 x tensor parallel (dp 2, "
                            "tp 2) or 2 pipeline stages x FSDP2 (dp 2), on the demo's ParallelGPT at TinyGPT's sizes")
+    ov.add_argument("--no-clip", action="store_true",
+                    help="--parallel: no gradient clipping (by default every variant clips to 1.0 with torchtitan's "
+                         "clip_grad_norm_, whose norm all-reduce over the pipeline's stages a PP job runs anyway)")
     ov.add_argument("--on-spike", action="store_true",
                     help="add on_spike: token_stats='on_spike' (no module hook on healthy steps)")
     ov.add_argument("--compile", action="store_true",
@@ -222,6 +225,8 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.ddp < 2 or model == "all" or args.device != "cpu" or args.rl or args.compile:
             parser.error("--ddp N needs N >= 2, one model (TinyGPT by default), the CPU, no --rl and no --compile")
         models = ("tinygpt",) if model == "default" else (model,)
+    if args.no_clip and args.parallel is None:
+        parser.error("--no-clip goes with --parallel")
     if args.parallel is not None:
         if model not in ("default", "tinygpt") or args.device != "cpu" or args.rl or args.compile or args.on_spike:
             parser.error("--parallel runs ParallelGPT at TinyGPT's sizes on the CPU: no --model, --rl, --compile, "
@@ -249,7 +254,7 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.parallel is not None:
         from bench.parallel import format_parallel, run_parallel_overhead
 
-        res = run_parallel_overhead(cfg, args.parallel)
+        res = run_parallel_overhead(cfg, args.parallel, clip=None if args.no_clip else 1.0)
         print(json.dumps(res) if args.json else format_parallel(res))
         return 0
     res = run_overhead(cfg, _progress(args.verbose))

@@ -5,13 +5,18 @@
 - ``pp``: the same model in 2 pipeline stages × FSDP2 over dp 2, micro-batches through a GPipe schedule
   (``mon.pipeline_step`` for the gradloc variants, ``schedule.step`` for plain).
 
+Every variant's step is torchtitan's: forward + backward (gradloc's ``end_step`` after it), then
+``torchtitan.distributed.utils.clip_grad_norm_(max_norm=1.0)`` — its norm is reduced over dp/tp by DTensor and over the
+pipeline's stages by an all-reduce (``pp_mesh``), so a plain PP job lines its stages up before the optimizer step
+anyway — then ``optimizer.step()``. ``--no-clip`` leaves the clipping out (the figures measured before it was added).
+
 Every rank holds the variants (plain, per-layer, per-token), each its own parallelized copy of one seeded model
 with its own AdamW, run interleaved in a rotating order, the same on every rank (the variants' collectives pair
 up). The tp/pp ranks of a data index train on the same random tokens, each data rank on its own. Every step starts
 after a barrier (not timed), so no variant inherits another's stragglers. ``job_ratios``: of the median *job* step
 time (the slowest rank's time of each step: what a synchronous job waits for; under PP, where a rank's own step
 boundaries shift with the schedule, the number to read); ``ranks``: of each rank's own median; ``rank_phases_ms``:
-each rank's median forward + backward, ``end_step`` and optimizer step (with ``zero_grad``). ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
+each rank's median forward + backward, ``end_step``, clipping and optimizer step (with ``zero_grad``). ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
 healthy step; ``updates_identical``: every gradloc variant's parameters (made whole) equal plain's bitwise.
 """
 from __future__ import annotations
@@ -28,17 +33,20 @@ from bench.overhead import OverheadConfig
 
 MODES = ("fsdp-tp", "pp")
 WORLD = 4
+CLIP = 1.0  # torchtitan's default max_norm
 
 
 class _Variant:
-    def __init__(self, name: str, mode: str, rank: int, cfg: Any) -> None:
+    def __init__(self, name: str, mode: str, rank: int, cfg: Any, clip: float | None) -> None:
         import gradloc
         from gradloc.demo.parallel import ParallelGPT, pipeline_stage, tensor_parallel
 
-        self.name, self.mode = name, mode
+        self.name, self.mode, self.clip = name, mode, clip
         model = ParallelGPT(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, seed=0)
+        self.pp_mesh = None
         if mode == "pp":
-            self.stage, self.part = pipeline_stage(model, rank, WORLD)
+            self.stage, self.part, mesh = pipeline_stage(model, rank, WORLD)
+            self.pp_mesh = mesh["pp"]
             target: Any = self.stage
         else:
             self.stage, self.part = None, tensor_parallel(model, WORLD, "fsdp")
@@ -56,7 +64,7 @@ class _Variant:
                                           scale_grads=False)
         self.step_s: list[float] = []  # this rank's step times
         self.job_s: list[float] = []  # the job's: the slowest rank's time of the same step
-        self.phases: list[tuple[float, float, float]] = []  # (forward + backward, end_step, optimizer) per step
+        self.phases: list[tuple[float, ...]] = []  # (forward + backward, end_step, clip, optimizer) per step
         self.before = self.mon.comm.collectives if self.mon is not None else 0
 
     def step(self, batches: list, record: bool) -> None:
@@ -84,13 +92,18 @@ class _Variant:
             if self.mon is not None:
                 self.mon.end_step(total)
         t2 = time.perf_counter()
+        if self.clip is not None:  # torchtitan's step: the norm over every stage (an all-reduce over pp), then clip
+            from torchtitan.distributed.utils import clip_grad_norm_
+
+            clip_grad_norm_(list(self.part.parameters()), self.clip, pp_mesh=self.pp_mesh)
+        t3 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        elapsed = t3 - t0
+        t4 = time.perf_counter()
+        elapsed = t4 - t0
         if record:
             self.step_s.append(elapsed)
-            self.phases.append((t1 - t0, t2 - t1, t3 - t2))  # forward + backward, end_step, optimizer
+            self.phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))  # forward + backward, end_step, clip, optimizer
             slowest = torch.tensor([elapsed], dtype=torch.float64)  # the job's step: its slowest rank (not timed)
             torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
             self.job_s.append(float(slowest))
@@ -113,13 +126,13 @@ class _Null:
         return None
 
 
-def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig) -> dict[str, Any]:
+def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig, clip: float | None) -> dict[str, Any]:
     from gradloc.demo.parallel import data_rank
 
     mcfg = cfg.model(cfg.models[0])
     rounds = cfg.rounds_for(cfg.models[0])
     names = ("plain", "per_layer", "per_token")
-    variants = [_Variant(n, mode, rank, mcfg) for n in names]
+    variants = [_Variant(n, mode, rank, mcfg, clip) for n in names]
     gen = torch.Generator().manual_seed(cfg.seed + 1000 * data_rank("pp" if mode == "pp" else "tp", rank, world))
     start = time.perf_counter()
     try:
@@ -146,8 +159,8 @@ def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig) -> dict[str, An
             "paired": {v.name: round(statistics.median(a / b for a, b in zip(v.step_s, variants[0].step_s)), 4)
                        for v in variants[1:]},
             "step_ms": {v.name: round(1000 * med[v.name], 2) for v in variants},
-            "phases_ms": {v.name: [round(1000 * statistics.median(p[i] for p in v.phases), 1) for i in range(3)]
-                          for v in variants},  # this rank's medians: forward + backward, end_step, optimizer
+            "phases_ms": {v.name: [round(1000 * statistics.median(p[i] for p in v.phases), 1) for i in range(4)]
+                          for v in variants},  # this rank's medians: forward + backward, end_step, clip, optimizer
             "collectives_per_step": {v.name: round((v.mon.comm.collectives - v.before) / steps, 3)
                                      for v in variants[1:]},
             "updates_identical": identical, "wall_s": round(time.perf_counter() - start, 1),
@@ -155,15 +168,23 @@ def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig) -> dict[str, An
                       "seq": mcfg.seq, "micro_batches": mcfg.micro_batches, "rounds": rounds, "warmup": cfg.warmup}}
 
 
-def run_parallel_overhead(cfg: OverheadConfig, mode: str, timeout_s: float = 3000.0) -> dict[str, Any]:
+def run_parallel_overhead(cfg: OverheadConfig, mode: str, timeout_s: float = 3000.0,
+                          clip: float | None = CLIP) -> dict[str, Any]:
+    """``clip``: every variant clips as torchtitan's trainer does (None: no clipping, the runs before clipping)."""
     from gradloc.demo.spawn import run_ranks
 
     if mode not in MODES:
         raise ValueError(f"--parallel must be one of {MODES}")
+    if clip is not None:
+        try:
+            import torchtitan.distributed.utils  # noqa: F401
+        except ImportError as e:
+            raise ValueError("--parallel clips with torchtitan's clip_grad_norm_: install the titan test extra "
+                             "(scripts/setup.sh), or pass --no-clip") from e
     cfg = replace(cfg, models=(cfg.models[0],))
     load_start, start = os.getloadavg()[0], time.perf_counter()
-    ranks = run_ranks(_rank, WORLD, mode, cfg, timeout_s=timeout_s, paths=(os.getcwd(),))
-    return {"parallel": {"mode": mode, "world_size": WORLD, **ranks[0], "ranks": [r["ratios"] for r in ranks],
+    ranks = run_ranks(_rank, WORLD, mode, cfg, clip, timeout_s=timeout_s, paths=(os.getcwd(),))
+    return {"parallel": {"mode": mode, "world_size": WORLD, "clip": clip, **ranks[0], "ranks": [r["ratios"] for r in ranks],
                          "rank_phases_ms": [r["phases_ms"] for r in ranks],
                          "updates_identical": all(all(r["updates_identical"].values()) for r in ranks)},
             "torch_threads": 1, "torch_version": torch.__version__, "nproc": os.cpu_count(),
@@ -174,7 +195,8 @@ def run_parallel_overhead(cfg: OverheadConfig, mode: str, timeout_s: float = 300
 def format_parallel(res: dict[str, Any]) -> str:
     p = res["parallel"]
     m = p["model"]
-    lines = [f"{p['mode']}, {p['world_size']} ranks (gloo, CPU): ParallelGPT d_model {m['d_model']}, {m['n_layers']} "
+    clip = f"clip_grad_norm_ {p['clip']}" if p["clip"] is not None else "no clipping"
+    lines = [f"{p['mode']}, {p['world_size']} ranks (gloo, CPU), {clip}: ParallelGPT d_model {m['d_model']}, {m['n_layers']} "
              f"layers, {m['micro_batches']} micro-batches of {m['batch']} × {m['seq']} per data rank, {m['rounds']} "
              f"rounds (+{m['warmup']}), {res['wall_s']} s, load average {res['loadavg_1m'][0]} -> {res['loadavg_1m'][1]}",
              "job (slowest rank per step): " + ", ".join(f"{n} {x:.3f} (paired {p['job_paired'][n]:.3f})"

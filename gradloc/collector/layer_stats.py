@@ -35,7 +35,15 @@ def group_name(param_name: str, grouping: LayerGrouping) -> str:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2 parameters and gradients); any other tensor as it is."""
+    """This rank's shard of a DTensor (FSDP2 parameters and gradients); any other tensor as it is.
+
+    For reading statistics only: a DTensor's ``_local_tensor`` is the shard itself, outside autograd (no
+    ``.detach()`` needed) and ~100× cheaper than ``to_local()``, an autograd function that costs 8–20 µs a
+    call unloaded (several of them per parameter per step). ``to_local()`` where a tensor subclass lacks it.
+    """
+    shard = getattr(t, "_local_tensor", None)
+    if isinstance(shard, torch.Tensor):
+        return shard
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 
@@ -203,7 +211,7 @@ class LayerStatsCollector:
                 wg = w * g.factor(tuple(factors))
         else:
             grads = [local(t) for t in raw]
-        params = [local(self.params[g.members[j]].detach()) for j in present]
+        params = [local(self.params[g.members[j]]).detach() for j in present]
         unc = g.uncovered if g.uncovered is not None else torch.zeros(len(g.members), device=g.device)
         unc = unc if whole else unc[present]
         if extra:  # rare: a module's calls could not be scored this step

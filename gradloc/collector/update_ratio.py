@@ -164,7 +164,7 @@ class UpdateRatioTracker:
         return got
 
     def _sources(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
-        return [local(self.params[pc.param].detach()).reshape(-1)[pc.start:pc.start + pc.count]  # (*shape) -> (numel,)
+        return [local(self.params[pc.param]).detach().reshape(-1)[pc.start:pc.start + pc.count]  # (*shape) -> (numel,)
                 for pc in pieces]
 
     # -- optimizer hooks ------------------------------------------------------------------------

@@ -124,8 +124,8 @@ class Half(nn.Module):
         return h if self.first else self.head(self.norm(h))
 
 
-def pipeline_stage(model: ParallelGPT, rank: int, world: int) -> tuple[Any, nn.Module]:
-    """(this rank's PipelineStage, its module): 2 stages × dp = world / 2, pp-major ranks (0..dp-1: stage 0), each
+def pipeline_stage(model: ParallelGPT, rank: int, world: int) -> tuple[Any, nn.Module, Any]:
+    """(this rank's PipelineStage, its module, the (pp 2, dp) DeviceMesh): 2 stages × dp = world / 2, pp-major ranks (0..dp-1: stage 0), each
     stage's module under FSDP2 over its data group (not DDP: under pipelining DDP runs only with
     ``static_graph=True``, and then its gradient is not the data ranks' mean — measured here; PyTorch's
     pipelining integrates FSDP2, as torchtitan does)."""
@@ -139,7 +139,7 @@ def pipeline_stage(model: ParallelGPT, rank: int, world: int) -> tuple[Any, nn.M
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(part, mesh=mesh["dp"])
-    return PipelineStage(part, rank // dp, 2, torch.device("cpu"), group=mesh["pp"].get_group()), part
+    return PipelineStage(part, rank // dp, 2, torch.device("cpu"), group=mesh["pp"].get_group()), part, mesh
 
 
 def data_rank(backend: str, rank: int, world: int) -> int:
@@ -173,7 +173,7 @@ def run_rank(cfg: Any, vocab: int, on_step: Callable[[int, Any], None] | None, b
     model = ParallelGPT(vocab, cfg.d_model, cfg.n_layers, seed=cfg.seed)
     pp = cfg.backend == "pp"
     if pp:
-        stage, part = pipeline_stage(model, rank, world)
+        stage, part, _ = pipeline_stage(model, rank, world)
         target_model: Any = stage
     else:
         part = target_model = tensor_parallel(model, world, "replicate" if cfg.backend == "tp" else "fsdp")

@@ -96,8 +96,10 @@ def test_overhead_parallel_quick_json(mode, collectives):
     assert p["updates_identical"]
     assert all(r["per_token"] > 0 and r["per_layer"] > 0 for r in p["ranks"])
     assert set(p["job_ratios"]) == {"per_layer", "per_token"} and all(x > 0 for x in p["job_ratios"].values())
-    phases = p["rank_phases_ms"]  # per rank: forward + backward, end_step, optimizer for each variant
-    assert len(phases) == 4 and all(ph["plain"][1] == 0.0 and ph["per_layer"][1] > 0 for ph in phases)
+    phases = p["rank_phases_ms"]  # per rank and variant: forward + backward, end_step, clip, optimizer
+    assert len(phases) == 4 and all(len(ph["plain"]) == 4 and ph["plain"][1] == 0.0 and ph["per_layer"][1] > 0
+                                    for ph in phases)
+    assert p["clip"] == 1.0 and all(ph["plain"][2] > 0 for ph in phases)  # every variant clips, torchtitan's way
 
 
 def test_overhead_memory_quick_json():
