@@ -8,6 +8,7 @@ hook: failures and shape mismatches are counted in the buffer instead.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -69,6 +70,22 @@ class MicroBatchScores:
     sink_last: int = -1
     # scores that reach their tokens only after the step's exchange (expert parallelism: parallel/ep.py)
     routed: list = field(default_factory=list)
+    # the last input-only capture (``capture``): (rule type, id, version), a weak reference to the input, state
+    last_capture: tuple | None = field(default=None, repr=False)
+
+    def capture(self, rule: TokenRule, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+        """``rule.capture(module, x, y)``; for an ``input_only`` rule computed once for consecutive calls on the
+        same, unmodified input (q/k/v on one normed activation: one ‖x_p‖² instead of three). Only a weak
+        reference to the input is kept: no activation outlives autograd's own."""
+        if not getattr(rule, "input_only", False) or not isinstance(x, torch.Tensor):
+            return rule.capture(module, x, y)
+        key = (type(rule), id(x), x._version)
+        last = self.last_capture
+        if last is not None and last[0] == key and last[1]() is x:
+            return last[2]
+        saved = rule.capture(module, x, y)
+        self.last_capture = (key, weakref.ref(x), saved)
+        return saved
 
     def fold(self, watched: list["WatchedModule"]) -> None:
         """Add the compiled taps' scores (``sinks``) into the buffer, once, after backward."""
@@ -307,7 +324,7 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
     x, y, extra = fit.x, fit.out, fit.extra
     with torch.no_grad():
         saved = w.rule.capture_call(w.module, args, y, whole) if hasattr(w.rule, "capture_call") else \
-            w.rule.capture(w.module, x, y)
+            buf.capture(w.rule, w.module, x, y)
     buf.matched_calls += 1
     buf.matched_modules.add(w.name)
     if not recompute:  # reentrant re-runs go in reverse block order: they never name the last layer

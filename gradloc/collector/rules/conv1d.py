@@ -26,6 +26,8 @@ def is_hf_conv1d(module: nn.Module) -> bool:
 
 @register_duck_rule(is_hf_conv1d)
 class Conv1DRule:
+    input_only = True  # capture is ‖x_p‖²: shared by modules called on the same input
+
     def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
         nx, nf = module.weight.shape
         if x.shape[-1:] != (nx,) or y.shape[-1:] != (nf,):

