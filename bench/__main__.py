@@ -252,9 +252,9 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(json.dumps(res) if args.json else format_ddp(res))
         return 0
     if args.parallel is not None:
-        from bench.parallel import format_parallel, run_parallel_overhead
+        from bench.parallel import CLIP, format_parallel, run_parallel_overhead
 
-        res = run_parallel_overhead(cfg, args.parallel, clip=None if args.no_clip else 1.0)
+        res = run_parallel_overhead(cfg, args.parallel, clip=None if args.no_clip else CLIP)
         print(json.dumps(res) if args.json else format_parallel(res))
         return 0
     res = run_overhead(cfg, _progress(args.verbose))
