@@ -77,8 +77,8 @@ class MicroBatchScores:
         """``rule.capture(module, x, y)``; for an ``input_only`` rule computed once for consecutive calls on the
         same, unmodified input (q/k/v on one normed activation: one ‖x_p‖² instead of three). Only a weak
         reference to the input is kept: no activation outlives autograd's own."""
-        if not getattr(rule, "input_only", False) or not isinstance(x, torch.Tensor):
-            return rule.capture(module, x, y)
+        if not getattr(rule, "input_only", False) or not isinstance(x, torch.Tensor) or x.is_inference():
+            return rule.capture(module, x, y)  # (an inference-mode input has no version counter to key on)
         key = (type(rule), id(x), x._version)
         last = self.last_capture
         if last is not None and last[0] == key and last[1]() is x:

@@ -90,3 +90,14 @@ def test_shared_capture_keeps_no_activation_alive():
     del x
     gc.collect()
     assert ref() is None  # only a weak reference stays with the micro-batch
+
+
+def test_an_inference_mode_input_is_captured_without_sharing():
+    lin = nn.Linear(D, D)
+    buf = MicroBatchScores(0, B, T, 1)
+    with torch.inference_mode():
+        x = torch.randn(B, T, D)  # no version counter
+    with torch.no_grad():
+        got = buf.capture(rule_for(lin), lin, x, lin(x))
+    torch.testing.assert_close(got, x.pow(2).sum(-1))
+    assert buf.last_capture is None
