@@ -1,14 +1,14 @@
 """torchtitan 0.3.0's own models, built small on the CPU, and its own parallelisms on gloo (the test extra;
 ``HAS_TITAN`` says whether it is here).
 
-Models: ``qwen3_moe`` (Qwen3-MoE) and ``llama3`` (Llama 3), their configs made by torchtitan's own builders
-(``_build_qwen3_moe_layers``, ``_build_llama3_layers``) with smaller dimensions than its debug flavours
+Models: ``qwen3_moe`` (Qwen3-MoE), ``deepseek_v3`` (DeepSeek-V3) and ``llama3`` (Llama 3), their configs made by
+torchtitan's own builders (``_build_qwen3_moe_layers``, ``_build_dsv3_layers``, ``_build_llama3_layers``) with smaller dimensions than its debug flavours
 (``debugmodel_moe`` holds 300 M parameters of experts: too large for a 2-core test), vocab ``VOCAB``, weights
 filled on the CPU from a seed (the same in every process). Given ``parallelism=parallelism_config(...)``, a
 model's config first receives torchtitan's sharding plan (``update_from_config``, as its Trainer does).
 
 Parallelism, all torchtitan's: ``parallel_dims`` (``ParallelDims`` and its meshes), ``parallelize``
-(``parallelize_llama`` / ``parallelize_qwen3``: TP, EP, and FSDP, always, even on a 1-rank ``fsdp`` mesh),
+(``parallelize_llama`` / ``parallelize_qwen3`` / ``parallelize_deepseekv3``: TP, EP, and FSDP, always, even on a 1-rank ``fsdp`` mesh),
 ``pipeline`` (``pipeline_llm``: its stage split, its schedules), ``loss_fn`` (``CrossEntropyLoss``) and
 ``grad_norm`` (``clip_grad_norm_``). Float32 throughout (no mixed precision), no compile, no activation
 checkpointing.
@@ -85,6 +85,41 @@ def qwen3_moe(seed: int = 0, parallelism=None, **kw) -> nn.Module:  # noqa: ANN0
     """torchtitan's Qwen3-MoE (its blocks, ``TokenChoiceTopKRouter``, ``RoutedExperts``/``GroupedExperts``);
     pass the ``parallelism`` it will be parallelized with (its sharding plan depends on it)."""
     return _materialize(qwen3_moe_config(**kw), seed, parallelism)
+
+
+def deepseek_v3_config(n_layers: int = 2, dim: int = 64, experts: int = 8, top_k: int = 2, hidden: int = 32):  # noqa: ANN201
+    """torchtitan's DeepSeek-V3 built by its own ``_build_dsv3_layers`` (its inits; MLA attention with a low-rank kv
+    path and its ``kv_norm``, a dense first layer, then MoE layers with a shared expert), the debug model's shape made
+    small: no q low-rank (as ``debugmodel``), no multi-token prediction."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        DeepSeekV3Model,
+        _build_dsv3_layers,
+        _output_linear_init,
+    )
+
+    rope_dim = 8
+    layers = _build_dsv3_layers(n_layers=n_layers, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0,
+                                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=rope_dim, v_head_dim=16,
+                                mscale=0.70, dense_hidden_dim=2 * dim, moe_hidden_dim=hidden, num_experts=experts,
+                                num_shared_experts=1, router_top_k=top_k, router_score_func="softmax",
+                                attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+                                rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=256, theta=10000.0))
+    return DeepSeekV3Model.Config(vocab_size=VOCAB, dim=dim,
+                                  tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
+                                                                  param_init=_EMBEDDING_INIT),
+                                  norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+                                  lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
+                                                        param_init=_output_linear_init(dim)),
+                                  layers=_sdpa(layers), mtp_layers=[])
+
+
+def deepseek_v3(seed: int = 0, parallelism=None, **kw) -> nn.Module:  # noqa: ANN001
+    """torchtitan's DeepSeek-V3 (``DeepSeekV3Model``: MLA, shared + routed experts), on the CPU, weights from ``seed``;
+    pass the ``parallelism`` it will be parallelized with."""
+    return _materialize(deepseek_v3_config(**kw), seed, parallelism)
 
 
 def llama3_config(n_layers: int = 2, dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2,  # noqa: ANN201
@@ -164,6 +199,10 @@ def _parallelize_fn(kind: str):  # noqa: ANN202
         from torchtitan.models.llama3.parallelize import parallelize_llama
 
         return parallelize_llama
+    if kind == "deepseek_v3":
+        from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+        return parallelize_deepseekv3
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     return parallelize_qwen3
@@ -187,7 +226,8 @@ def _check_plan(model: nn.Module, dims) -> None:  # noqa: ANN001
 
 
 def parallelize(model: nn.Module, dims, kind: str = "llama3") -> nn.Module:  # noqa: ANN001
-    """torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` ("llama3" / "qwen3"): TP when ``dims.tp`` > 1, EP
+    """torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` / ``parallelize_deepseekv3`` ("llama3" / "qwen3" /
+    "deepseek_v3"): TP when ``dims.tp`` > 1, EP
     when ``dims.ep`` > 1, and FSDP always, on the ``fsdp`` mesh even of size 1 (so every parameter becomes a
     DTensor). ``model`` must have been built with ``parallelism=`` (its sharding plan) for TP/EP."""
     _check_plan(model, dims)

@@ -34,22 +34,26 @@ def _pp(rank: int, world: int) -> dict:
     return train(rank, world, "toy", "GPipe", STEPS, plant=(1, AT, 2, 7), invariants=True)
 
 
-def _ep(rank: int, world: int) -> dict:
+def _ep(rank: int, world: int, kind: str = "ep") -> dict:
     from tests.distributed.titan_job import train
 
-    return train(rank, world, "ep", STEPS, plant=(1, AT, 1, 1, 4), invariants=True)
+    return train(rank, world, kind, STEPS, plant=(1, AT, 1, 1, 4), invariants=True)
+
+
+def _ep_dsv3(rank: int, world: int) -> dict:
+    return _ep(rank, world, "ep-dsv3")
 
 
 # per healthy step: the step gather, + the token group's scores, + the Partial norms' sum (SP), + the experts' home
 # (under FSDP2 × TP the SP norms' gradients come out of FSDP's reduction sharded, not Partial: no third one)
 CASES = [("tp-sp", _tp_alone, 2, ["step", "token", "partial"]), ("fsdp-tp-sp", _tp, 4, ["step", "token"]),
          ("pp-fsdp", _pp, 4, ["step", "token"]),
-         ("ep", _ep, 2, ["step", "experts"])]
+         ("ep", _ep, 2, ["step", "experts"]), ("ep-dsv3", _ep_dsv3, 2, ["step", "experts"])]
 
 
 @pytest.mark.parametrize("name,job,world,expected", CASES, ids=[c[0] for c in CASES])
 def test_one_path_one_transfer_and_the_documented_collectives(name, job, world, expected):
-    if name == "ep" and not titan.HAS_TITAN:
+    if name.startswith("ep") and not titan.HAS_TITAN:
         pytest.skip("needs torchtitan (the titan extra)")
     results = run(job, world, timeout_s=600)
     traces = [r["trace"] for r in results]

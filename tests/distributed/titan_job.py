@@ -1,8 +1,8 @@
-"""torchtitan jobs for the distributed tests: its own Llama 3 / Qwen3-MoE, parallelized by its own functions
-(tests/titan.py), trained a few AdamW steps with gradloc watching, next to references.
+"""torchtitan jobs for the distributed tests: its own Llama 3 / Qwen3-MoE / DeepSeek-V3, parallelized by its own
+functions (tests/titan.py), trained a few AdamW steps with gradloc watching, next to references.
 
 ``kind``: "tp" (TP alone), "fsdp-tp" (FSDP2 × TP on (dp 2, tp 2)), "ep" (Qwen3-MoE, EP over the data
-shard dim). Each data rank trains on its own micro-batches (the tp ranks of a data index on the same ones);
+shard dim), "ep-dsv3" (DeepSeek-V3: MLA, a dense first layer, shared + routed experts; EP the same way). Each data rank trains on its own micro-batches (the tp ranks of a data index on the same ones);
 the loss of micro-batch i is Σ w·mask·ce / (B·T·M·dp), torchtitan's way (its FSDP sums: the loss is divided
 by the job's token count). ``plant`` = (data rank, step, micro-batch, sample, position): that token's loss
 weight × 3000.
@@ -21,16 +21,22 @@ from tests import titan
 from tests.distributed.loop import essentials, prepare, run_steps, token_losses, whole
 
 SEQ, B, M = 16, 4, 2
-KINDS = {"tp": dict(tp=2), "fsdp-tp": dict(dp_shard=2, tp=2), "ep": dict(dp_shard=2, ep=2)}
+KINDS = {"tp": dict(tp=2), "fsdp-tp": dict(dp_shard=2, tp=2), "ep": dict(dp_shard=2, ep=2),
+         "ep-dsv3": dict(dp_shard=2, ep=2)}
+MODELS = {"ep": "qwen3", "ep-dsv3": "deepseek_v3"}  # the rest: llama3
+BUILDERS = {"llama3": titan.llama3, "qwen3": titan.qwen3_moe, "deepseek_v3": titan.deepseek_v3}
+
+
+def model_for(kind: str, seed: int = 0, parallelism: Any = None) -> tuple[torch.nn.Module, str]:
+    name = MODELS.get(kind, "llama3")
+    return BUILDERS[name](seed, parallelism=parallelism), name
 
 
 def build(world: int, kind: str, seed: int = 0) -> tuple[torch.nn.Module, Any]:
     spec = KINDS[kind]
     dims = titan.parallel_dims(world, **spec)
-    pc = titan.parallelism_config(**spec)
-    model_kind = "qwen3" if kind == "ep" else "llama3"
-    model = (titan.qwen3_moe if model_kind == "qwen3" else titan.llama3)(seed, parallelism=pc)
-    return titan.parallelize(model, dims, model_kind), dims
+    model, name = model_for(kind, seed, titan.parallelism_config(**spec))
+    return titan.parallelize(model, dims, name), dims
 
 
 def data(dp_rank: int, steps: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,7 +90,7 @@ def reference_top(kind: str, steps: int) -> list[tuple]:
     import gradloc
 
     dp = KINDS[kind].get("dp_shard", 1)
-    model = (titan.qwen3_moe if kind == "ep" else titan.llama3)(0)
+    model, _ = model_for(kind)
     x, y, w = data(0, steps)
     mon = gradloc.watch(model, store=False)
     for i in range(M):
