@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from gradloc.collector.batch import MicroBatchMeta
-from gradloc.collector.token_hooks import MicroBatchScores
+from gradloc.collector.scores_buffer import MicroBatchScores
 
 MB_JUDGED, MB_NO_HEAD, MB_RL, MB_NOT_CE, MB_EMPTY = 1, 0, -1, -2, -3
 

@@ -9,7 +9,7 @@ import torch
 
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.packs import Pack
-from gradloc.collector.token_hooks import MicroBatchScores
+from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.records import LayerShare, TokenScore, TokenStats
 
 

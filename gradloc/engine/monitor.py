@@ -32,8 +32,9 @@ from gradloc.collector.batch import MicroBatchMeta, make_meta
 from gradloc.collector.job import as_judged
 from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.overhead import OverheadMeter
+from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
-from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
+from gradloc.collector.token_hooks import TokenHooks
 from gradloc.collector.update_ratio import UpdateRatioTracker, window_bytes
 from gradloc.config import WatchConfig
 from gradloc.detector import LOCALIZE, SpikeDetector, opens_incident

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from gradloc.collector.batch import MicroBatchMeta
-from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
+from gradloc.collector.scores_buffer import MicroBatchScores
+from gradloc.collector.token_hooks import TokenHooks
 from gradloc.localizer.probes import ProbeFn, ProbeSession
 from gradloc.records import Incident
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.surprise import SurprisePack
-from gradloc.collector.token_hooks import MicroBatchScores
 from gradloc.config import SampleConfig
 from gradloc.detector.samples import MismatchJudge, SampleJudge
 from gradloc.records import SampleStats, StepRecord

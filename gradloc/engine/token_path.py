@@ -11,7 +11,8 @@ from torch import nn
 
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.layer_stats import LayerStatsCollector
-from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
+from gradloc.collector.scores_buffer import MicroBatchScores
+from gradloc.collector.token_hooks import TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.engine import on_spike
 from gradloc.errors import BatchMetadataError, ConfigError, UnsupportedModelError

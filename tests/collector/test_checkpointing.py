@@ -15,7 +15,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gradloc.collector.layer_stats import module_layer_map
-from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
+from gradloc.collector.scores_buffer import MicroBatchScores
+from gradloc.collector.token_hooks import TokenHooks
 from gradloc.demo.model import token_losses
 from tests.helpers import single_thread, tiny_gpt  # noqa: F401 (autouse fixture)
 

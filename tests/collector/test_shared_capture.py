@@ -10,7 +10,8 @@ from torch import nn
 
 import gradloc.collector.rules.linear as linear_rule
 from gradloc.collector.rules import rule_for
-from gradloc.collector.token_hooks import MicroBatchScores, TokenHooks
+from gradloc.collector.scores_buffer import MicroBatchScores
+from gradloc.collector.token_hooks import TokenHooks
 
 B, T, D = 2, 5, 8
 

@@ -11,8 +11,8 @@ import torch
 
 import gradloc
 from gradloc.collector.batch import make_meta
+from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, MB_RL, SurprisePack
-from gradloc.collector.token_hooks import MicroBatchScores
 from gradloc.demo.model import token_losses
 from tests.helpers import single_thread, tiny_gpt  # noqa: F401
 

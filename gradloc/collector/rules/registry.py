@@ -12,7 +12,7 @@ between forward and backward:
 
 A rule whose ``capture`` reads only ``x`` (not the module, not y) says so with ``input_only = True``: modules
 called one after another on the same input (a block's q/k/v projections, its gate and up projections) then
-share one capture (``MicroBatchScores.capture``).
+share one capture (``scores_buffer.MicroBatchScores.capture``).
 
 Modules without a rule are not ignored: their parameters' gradient norm² is reported as the
 *unattributed* share, and the localizer falls back to probe bisection when it is large.
