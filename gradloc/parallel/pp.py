@@ -10,8 +10,8 @@ in place of ``schedule.step`` (:class:`PipelineStep`)::
 
 - **micro-batches**: the schedule splits the batch along dim 0 into ``n_microbatches`` chunks; gradloc
   splits the token ids (``target`` unless ``token_ids`` is given), loss mask and sample ids the same way,
-  and a forward pre-hook on the stage's module opens chunk k's block at its k-th forward (single-stage
-  schedules run forwards in chunk order), so every stage scores its own layers for the same tokens.
+  and the stage's ``forward_one_chunk(k, …)`` runs in chunk k's block for the step (the stage's first-step
+  shape inference runs its module outside any block), so every stage scores its own layers for the same tokens.
 - **scores**: each stage's rows of the job's token layers; the token group (the stages of a data index)
   sums them once per step, so every stage holds the whole view; the labels and the loss head live on
   the last stage (the exact row, the per-sample surprise are its).
@@ -144,18 +144,27 @@ class PipelineStep:
             raise ConfigError("pipeline_step needs the token ids (target, or token_ids=) on every stage")
         pieces = list(zip(chunks(ids, n), chunks(loss_mask, n), chunks(sample_ids, n)))
         seen: list[int] = []
+        own = vars(st).get("forward_one_chunk")  # an instance-level wrapper someone else put there, kept
+        inner = st.forward_one_chunk
 
-        def pre(_m: nn.Module, _a: Any) -> None:  # chunk k's forward: its block (its RNG state now, for probes)
-            if len(seen) < n:
-                k = len(seen)
-                mon.open_block(make_meta(k, *pieces[k], None))
-                seen.append(k)
+        def forward_one_chunk(chunk: int, *a: Any, **kw: Any) -> Any:
+            """Chunk k's forward in its block (its RNG state taken now, for probes). Keyed on the schedule's chunk
+            id, not on the module's calls: the stage's first step also runs its module on placeholder tensors to
+            infer shapes (torch >= 2.13 with gradients and a backward), which belongs to no micro-batch."""
+            k = int(chunk)
+            if not 0 <= k < n or k in seen or mon.block_open:
+                return inner(chunk, *a, **kw)
+            mon.open_block(make_meta(k, *pieces[k], None))
+            seen.append(k)
+            try:
+                out = inner(chunk, *a, **kw)
+            except BaseException:
+                mon.close_block(failed=True)
+                raise
+            mon.close_block()
+            return out
 
-        def post(_m: nn.Module, _a: Any, _o: Any) -> None:
-            if mon.block_open:
-                mon.close_block()
-
-        handles = [st.submod.register_forward_pre_hook(pre), st.submod.register_forward_hook(post)]
+        st.forward_one_chunk = forward_one_chunk
         losses: list = []
         try:
             args = (inputs,) if st.is_first and inputs is not None else ()
@@ -164,8 +173,10 @@ class PipelineStep:
                 kw.update(target=target, losses=losses)
             self.schedule.step(*args, **kw)
         finally:
-            for h in handles:
-                h.remove()
+            if own is None:
+                del st.forward_one_chunk
+            else:
+                st.forward_one_chunk = own
             if mon.block_open:
                 mon.close_block(failed=True)
         if len(seen) != n:

@@ -206,3 +206,25 @@ def train_both(rank: int, world: int, model: str, schedule: str, steps: int, pla
     watched["bitwise"] = all(torch.equal(plain["params"][n], watched["params"][n]) for n in plain["params"])
     del watched["params"]
     return watched
+
+
+def reference_top(model: str, world: int, steps: int) -> list[tuple]:
+    """gradloc's top tokens of data rank 0's first step on the same model unsplit, in one process: its chunks as
+    micro-batches, each chunk's loss scaled as a rank's (``train``: the scores are of the rank's own loss). What
+    its stages' step-0 scores must equal."""
+    import gradloc
+    from gradloc.demo.parallel import ParallelGPT
+
+    dp = world // 2
+    net = titan.llama3(0) if model == "titan" else ParallelGPT(128, 32, 2, 4, seed=0)
+    vocab, scale = (titan.VOCAB, 1.0 / (B * SEQ * dp)) if model == "titan" else (128, 1.0 / (B * SEQ))
+    x, y = data(0, steps, vocab)
+    target = _target(y[0], torch.ones(B, SEQ))
+    token_loss = TokenLoss(scale)
+    mon = gradloc.watch(net, store=False)
+    for xs, ts, ys in zip(x[0].chunk(M), target.chunk(M), y[0].chunk(M)):  # (B, T) -> M × (B/M, T)
+        with mon.micro_batch(ys):
+            token_loss(net(xs), ts).sum().backward()
+    rec = mon.end_step(None).record
+    mon.close()
+    return [(t.micro_batch, t.sample, t.position, t.score) for t in rec.tokens.top]

@@ -30,6 +30,13 @@ def test_pipeline_parallel(model, schedule, world):
     dp = world // 2
     plant = (dp - 1, AT, 2, 7)  # (data rank, step, row of the batch, position): micro-batch 2 (one row each)
     results = run(_job, world, model, schedule, plant, timeout_s=600)
+    from tests.distributed.pp_job import reference_top
+
+    ref = reference_top(model, world, STEPS)  # data rank 0's first step, the model unsplit in one process
+    for r in results[::dp]:  # data rank 0's ranks, one per stage (pp-major): its first step's chunks as micro-batches
+        assert [t[:3] for t in r["reports"][0]["top"]] == [t[:3] for t in ref]
+        for got, want in zip(r["reports"][0]["top"], ref):
+            assert got[3] == pytest.approx(want[3], rel=1e-4)
     names = set(results[0]["reports"][0]["layers"])
     by_stage = {r["stage"]: r["own_layers"] for r in results}
     assert sorted(by_stage) == [0, 1] and len(names) == sum(by_stage.values())  # both stages' layers, once each
