@@ -48,6 +48,7 @@ class ShardView:
     out: torch.Tensor  # its output, local
     factor: float  # this rank's score counts this much (1/tp when every tp rank computes the same)
     span: Span | None  # positions split over the tp ranks: this rank's
+    features: int = 0  # where this rank's slice of the output's last dim starts (a vocabulary-parallel head's columns)
 
 
 @dataclass(frozen=True)
@@ -59,23 +60,24 @@ class TPContext:
 
     def view(self, module: nn.Module, x: Any, out: torch.Tensor, lead: int) -> ShardView:
         """``lead``: the number of position dims of ``out`` (its dims before the features)."""
-        span, replicated = None, True
+        span, replicated, features = None, True, 0
         if is_dtensor(out):
             i = _dim(out, self.dim_name)
             p = out.placements[i] if i is not None else None
             if p is not None and p.is_shard():
-                d = p.dim if p.dim >= 0 else p.dim + out.dim()
-                if d < lead:  # positions split: this rank's slice of the lead dim
-                    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-                    shape, offset = compute_local_shape_and_global_offset(out.shape, out.device_mesh, out.placements)
+                d = p.dim if p.dim >= 0 else p.dim + out.dim()
+                shape, offset = compute_local_shape_and_global_offset(out.shape, out.device_mesh, out.placements)
+                if d < lead:  # positions split: this rank's slice of the lead dim
                     span = Span(d, int(offset[d]), int(shape[d]))
+                features = int(offset[-1])
                 replicated = False
             elif p is not None and not p.is_replicate():
                 replicated = False  # Partial: the parameters split it (a row-parallel weight)
         if replicated and any(_sharded(q, self.dim_name) for q in module.parameters(recurse=False)):
             replicated = False
-        return ShardView(local(x), local(out), 1.0 / self.size if replicated else 1.0, span)
+        return ShardView(local(x), local(out), 1.0 / self.size if replicated else 1.0, span, features)
 
 
 def _dim(t: Any, name: str) -> int | None:

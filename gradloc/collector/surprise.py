@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from gradloc.collector.batch import MicroBatchMeta
-from gradloc.collector.scores_buffer import MicroBatchScores
+from gradloc.collector.token_summary import StepScores
 
 MB_JUDGED, MB_NO_HEAD, MB_RL, MB_NOT_CE, MB_EMPTY = 1, 0, -1, -2, -3
 
@@ -57,21 +57,19 @@ class SurprisePack:
             self._maps[key] = hit
         return hit
 
-    def pack(self, parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], eligible: torch.Tensor,
-             rl: set[int]) -> torch.Tensor | None:
-        """The step's pack (see the module docstring); ``eligible`` (N,) the step's loss positions,
-        ``rl``: indices of micro-batches with RL fields. None when no micro-batch has a head gradient."""
-        if not any(buf is not None and buf.head_u is not None for _, buf in parts):
+    def pack(self, scores: StepScores, rl: set[int]) -> torch.Tensor | None:
+        """The step's pack (see the module docstring) from its scores' head rows (``StepScores.head_u``, summed over
+        a token group) and loss positions; ``rl``: indices of micro-batches with RL fields. None when no
+        micro-batch has a head gradient."""
+        if scores.head_u is None or scores.head_has is None or not scores.head_given:
             return None
-        dev = eligible.device
-        metas = [m for m, _ in parts]
+        dev = scores.eligible.device
+        metas, eligible = scores.metas, scores.eligible
+        given = scores.head_has.to(dev) > 0  # (M,)
         M, S, N = len(metas), sum(m.n_samples for m in metas), eligible.numel()
         mb_id, seg = self._layout(metas, dev)
-        nan = float("nan")
-        u = torch.cat([buf.head_u.reshape(-1).to(dev) if buf is not None and buf.head_u is not None  # (B, T) -> (B·T,)
-                       else torch.full((m.n_tokens,), nan, device=dev) for m, buf in parts])
-        has = torch.tensor([buf is not None and buf.head_u is not None and m.index not in rl for m, buf in parts],
-                           device=dev)  # (M,)
+        u = scores.head_u.to(dev)  # (N,)
+        has = given & torch.tensor([m.index not in rl for m in metas], device=dev)  # (M,)
         elig = eligible & has[mb_id]
         finite = torch.isfinite(u)
         valid = elig & finite & (u != 0)

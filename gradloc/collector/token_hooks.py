@@ -19,7 +19,7 @@ from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules import rule_for
 from gradloc.collector.rules.registry import TokenRule
 from gradloc.collector.scores_buffer import MicroBatchScores
-from gradloc.collector.shards import InnerSite, TPContext, local, redistributes_inside
+from gradloc.collector.shards import InnerSite, TPContext, is_dtensor, local, redistributes_inside
 
 log = logging.getLogger("gradloc")
 # Id of the backward the calling thread is executing, -1 outside backward (torch >= 2.1).
@@ -199,11 +199,13 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
     if getattr(w.rule, "takes_over", False):  # rows, not positions: scored and routed elsewhere (parallel/ep.py)
         w.rule.capture_routed(w, buf, args, out)
         return None
-    x, y, span, factor = args[0], out, None, 1.0
+    x, y, span, factor, columns = args[0], out, None, 1.0, 0
+    head = buf.labels is not None  # the head's u_p may be read here: batch-first, its columns known
     if tp is not None:  # DTensor input/output: score this rank's shards (collector/shards.py)
         lead = len(w.rule.lead_shape(w.module, local(x), local(out)))
         view = tp.view(w.module, x, out, lead)
-        x, y, span, factor = view.x, view.out, view.span, view.factor
+        x, y, span, factor, columns = view.x, view.out, view.span, view.factor, view.features
+        head = head and span is None and is_dtensor(out)  # not Megatron's plain [s, b, v/tp] shards
     B, T = buf.batch, buf.seq
     if span is not None:
         B, T = (B, span.length) if span.dim == 1 else (span.length, T)
@@ -230,8 +232,8 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
         try:
             with torch.no_grad():
                 g = local(g)
-                if call and call == buf.last_call and buf.labels is not None and span is None:
-                    buf.head_u = _head_u(g, buf.labels, buf.batch, buf.seq)
+                if head and call and call == buf.last_call:
+                    buf.head_u = _head_u(g, buf.labels, buf.batch, buf.seq, columns, factor)
                 buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
             buf.scored_modules.add(w.name)
         except Exception as exc:  # never raise into the training loop: counted, the module left unscored
@@ -243,11 +245,15 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
     return fit.out if fit.replaced else None
 
 
-def _head_u(g: torch.Tensor, labels: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+def _head_u(g: torch.Tensor, labels: torch.Tensor, batch: int, seq: int, columns: int = 0,
+            factor: float = 1.0) -> torch.Tensor:
     """u_p = −g_p[label_p] (B, T) float32: w·(1 − p(label_p)) when g is a cross-entropy head's
-    gradient w·(softmax − onehot); 0 where the label is not a column of g (e.g. −100)."""
+    gradient w·(softmax − onehot); 0 where the label is not a column of g (e.g. −100). Under TP, g holds
+    the head's columns from ``columns`` on (a vocabulary shard: the tp ranks' u add up to the whole), or all
+    of them on every rank (``factor`` 1/tp: they add up to one)."""
     V = g.shape[-1]
-    lab = labels.to(g.device, non_blocking=True).reshape(g.shape[:-1])  # (B, T) -> lead
+    lab = labels.to(g.device, non_blocking=True).reshape(g.shape[:-1]) - columns  # (B, T) -> lead
     ok = (lab >= 0) & (lab < V)
     u = -g.gather(-1, lab.clamp(0, V - 1).unsqueeze(-1)).squeeze(-1).float()  # (*lead, 1) -> lead
-    return torch.where(ok, u, 0.0).reshape(batch, seq)  # lead -> (B, T)
+    u = torch.where(ok, u, 0.0).reshape(batch, seq)  # lead -> (B, T)
+    return u * factor if factor != 1.0 else u

@@ -28,6 +28,11 @@ class StepScores:
     exact_layer: int | None  # last watched layer in forward order (the LM head): position-exact
     # a token group's checks (parallel/tokens.py), read with the step's host transfer; None alone
     check: torch.Tensor | None = None
+    # the loss head's u_p (collector/surprise.py) when samples are judged: (N,) float32, 0 where a micro-batch has
+    # none, and per micro-batch how many ranks gave it (M,) float32 (a token group's head shards add up)
+    head_u: torch.Tensor | None = None
+    head_has: torch.Tensor | None = None
+    head_given: bool = False  # this rank read some micro-batch's u_p (known on the host: no sync to ask)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -37,12 +42,22 @@ class StepScores:
         return tuple(out)
 
 
+def head_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u (N,) float32, 0 where a micro-batch has no head u_p; has (M,) float32, 1 where it has)."""
+    u = [buf.head_u.reshape(-1).float().to(device) if buf is not None and buf.head_u is not None  # (B, T) -> (B·T,)
+         else torch.zeros(m.n_tokens, device=device) for m, buf in parts]
+    has = [buf is not None and buf.head_u is not None for _, buf in parts]
+    return torch.cat(u), torch.tensor(has, dtype=torch.float32, device=device)
+
+
 def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
-               device: torch.device, watched: frozenset[str] = frozenset()) -> StepScores:
+               device: torch.device, watched: frozenset[str] = frozenset(), heads: bool = False) -> StepScores:
     """The step's scores. ``watched``: every module with a per-token rule. One that no micro-batch
     scored — its calls could not be split per token, its hook failed, or its weight was used
     without calling it (a fused LM head) — contributed nothing to the scores, so its gradient is
-    the step's unattributed share (a module without a gradient adds nothing there)."""
+    the step's unattributed share (a module without a gradient adds nothing there). ``heads``: carry
+    the loss head's u_p (per-sample surprise is judged)."""
     breakdown = all(buf is None or buf.breakdown for _, buf in parts)
     totals, exacts, layers, eligible = [], [], [], []
     dropped, dropped_layers, exact_layer = 0, set(), None
@@ -72,9 +87,12 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
             eligible.append(torch.ones(n, dtype=torch.bool, device=device))
         else:
             eligible.append(meta.loss_mask.reshape(n).to(device, non_blocking=True))  # (B, T) -> (B·T,)
+    u, has = head_rows(parts, device) if heads else (None, None)
     return StepScores(tuple(m for m, _ in parts), torch.cat(totals), torch.cat(exacts),
                       torch.cat(layers, dim=1) if breakdown else None, torch.cat(eligible), dropped,
-                      frozenset(dropped_layers), frozenset((called | watched) - scored), exact_layer)
+                      frozenset(dropped_layers), frozenset((called | watched) - scored), exact_layer,
+                      head_u=u, head_has=has, head_given=heads and any(b is not None and b.head_u is not None
+                                                                       for _, b in parts))
 
 
 def summary_layout(s: StepScores, k: int, n_layers: int) -> Pack:

@@ -107,8 +107,8 @@ class Monitor:
         self._fanout = Fanout([*sinks, *default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)],
                               self.counters)
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
-        self.samples = SampleWatch(cfg.samples if job.judges_samples else replace(cfg.samples, enabled=False),
-                                   getattr(decode, "decode", decode), self.counters)  # outlier findings
+        self.samples = SampleWatch(cfg.samples, getattr(decode, "decode", decode), self.counters,
+                                   holds_head=job.holds_head, judges=job.judges_samples)  # outlier findings
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
@@ -292,7 +292,7 @@ class Monitor:
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
                        upd[1] if upd else None, unscored, rl_pack, self.comm,
-                       self.samples.pack(parts, scores.eligible if scores else None, set(given_rl)))
+                       self.samples.pack(scores, set(given_rl)))
         try:
             assembled = assemble(self.layer_stats, x)
         except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits

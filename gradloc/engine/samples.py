@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from gradloc.collector.batch import MicroBatchMeta
-from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.surprise import SurprisePack
+from gradloc.collector.token_summary import StepScores
 from gradloc.config import SampleConfig
 from gradloc.detector.samples import MismatchJudge, SampleJudge
 from gradloc.records import SampleStats, StepRecord
@@ -25,27 +25,31 @@ log = logging.getLogger("gradloc")
 
 
 class SampleWatch:
-    def __init__(self, cfg: SampleConfig, decode: Callable[[list[int]], str] | None, counters: Counter[str]) -> None:
+    def __init__(self, cfg: SampleConfig, decode: Callable[[list[int]], str] | None, counters: Counter[str],
+                 holds_head: bool = True, judges: bool = True) -> None:
+        """In a job (parallel/job.py): ``holds_head``, this rank reads the loss head's u_p (a last pipeline stage's
+        ranks, each tp rank its vocabulary shard's part); ``judges``, it judges its data index's samples (one rank
+        of them)."""
         self.cfg, self.decode, self.counters = cfg, decode, counters
+        self.holds_head, self.judges = cfg.enabled and holds_head, cfg.enabled and judges
         self.surprise = SurprisePack(cfg.window, cfg.token_cap)
         self.judge = SampleJudge(cfg)
         self.mismatch = MismatchJudge(cfg)
 
     @property
     def on(self) -> bool:
-        return self.cfg.enabled
+        return self.judges
 
     def labels(self, meta: MicroBatchMeta) -> torch.Tensor | None:
         """What the token hooks need to keep the head's u_p (None: nothing is kept)."""
-        return meta.token_ids if self.cfg.enabled else None
+        return meta.token_ids if self.holds_head else None
 
-    def pack(self, parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], eligible: torch.Tensor | None,
-             rl: set[int]) -> torch.Tensor | None:
+    def pack(self, scores: StepScores | None, rl: set[int]) -> torch.Tensor | None:
         """The step's device pack (travels in the step's one host transfer), or None."""
-        if not self.cfg.enabled or eligible is None:
+        if not self.judges or scores is None:
             return None
         try:
-            return self.surprise.pack(parts, eligible, rl)
+            return self.surprise.pack(scores, rl)
         except Exception:  # noqa: BLE001 - never raise into training
             self.counters["sample_errors"] += 1
             log.warning("gradloc: per-sample surprise failed this step", exc_info=True)
@@ -53,7 +57,7 @@ class SampleWatch:
 
     def judge_step(self, record: StepRecord, host: np.ndarray | None, metas: Sequence[MicroBatchMeta]) -> StepRecord:
         """The record with ``samples`` filled in (unchanged when nothing was judged or it failed)."""
-        if not self.cfg.enabled:
+        if not self.judges:
             return record
         where: dict[str, Any] = dict(job=record.job, rank=record.rank, step=record.step, time_unix=record.time_unix)
         try:

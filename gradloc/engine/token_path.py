@@ -66,7 +66,8 @@ class TokenPath:
         try:
             if self.hooks.routed is not None and not self.alone:  # expert parallelism: rows' scores home
                 self.hooks.routed.settle(parts)
-            scores = stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched)
+            scores = stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched,
+                                heads=self.job.config.samples.enabled)  # the same on every rank of a token group
             layout = self.job.layout
             if layout is None or layout.token is None or self.alone:
                 return scores

@@ -97,12 +97,16 @@ class Job:
         return 1.0 / self.layout.size("tp") if last else 0.0
 
     @property
+    def holds_head(self) -> bool:
+        """This rank reads the loss head's output gradient at the labels (collector/surprise.py): the last pipeline
+        stage's ranks, under TP each its vocabulary shard's part (the token group sums them)."""
+        return self.layout is None or self.layout.coord.get("pp", 0) == self.layout.size("pp") - 1
+
+    @property
     def judges_samples(self) -> bool:
-        """This rank judges its samples' surprise: it has the loss head's output gradient at the labels (the
-        last pipeline stage; not under TP, where the head's output is split), once per data index."""
-        if self.layout is None:
-            return True
-        return self.layout.size("tp") == 1 and self.layout.coord.get("pp", 0) == self.layout.size("pp") - 1
+        """This rank judges its samples' surprise: it holds the head, and is the first of its tp group (every tp
+        rank holds the summed u_p after the token group's exchange; one judges them), once per data index."""
+        return self.holds_head and (self.layout is None or self.layout.coord.get("tp", 0) == 0)
 
     @property
     def summed(self) -> bool:

@@ -4,7 +4,8 @@ then holds the whole view.
 Each rank scored its own part — its layers (a pipeline stage), its shards (TP), its positions (SP) —
 into rows of the job's token layers; one all-reduce over the token group adds them up: the step's
 totals, the position-exact row, the per-layer rows (when ``layer_breakdown`` is configured: a rank that
-shed its breakdown sends zeros there) and four numbers. The exact row (the loss head's, the last layer
+shed its breakdown sends zeros there), the loss head's u_p and which micro-batches have it (when samples are
+judged: a vocabulary-parallel head's tp shards each give their columns' part) and four numbers. The exact row (the loss head's, the last layer
 of the forward) is only the last stage's under PP; its index travels with it. The check: a fingerprint
 of the step's token ids and loss masks, and its square — peers fed different batches (a loader bug, a
 rank out of step) show as a non-zero variance, and the step's per-token statistics are then dropped on
@@ -55,13 +56,17 @@ def combine(scores: StepScores, token: Any, layers: int, breakdown: bool, gives_
     if breakdown:  # a rank that shed its breakdown sends zeros: the sizes match on every rank
         per = scores.per_layer if scores.per_layer is not None else torch.zeros(layers, n, device=dev)
         parts.append(per.double().flatten())  # (L, N) -> (L·N,)
+    heads = scores.head_u is not None and scores.head_has is not None  # the same on every rank (the samples setting)
+    if heads:  # the head's u_p: a vocabulary-parallel head's shards add up; ranks without the head give zeros
+        parts += [scores.head_u.double(), scores.head_has.double()]
     parts.append(tail)
     sizes = [p.numel() for p in parts]
     got = torch.split(token.all_reduce(torch.cat(parts), what="gradloc token group scores"), sizes)
     per_layer = got[2].reshape(layers, n).to(scores.totals.dtype) if breakdown and scores.per_layer is not None \
         else None  # (L·N,) -> (L, N)
+    u, has = (got[-3].float(), got[-2].float()) if heads else (None, None)
     return replace(scores, totals=got[0].to(scores.totals.dtype), exact=got[1].to(scores.exact.dtype),
-                   per_layer=per_layer, check=got[-1])
+                   per_layer=per_layer, check=got[-1], head_u=u, head_has=has)
 
 
 def mismatch(check: "list[float]") -> bool:

@@ -13,6 +13,7 @@ import gradloc
 from gradloc.collector.batch import make_meta
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, MB_RL, SurprisePack
+from gradloc.collector.token_summary import stack_step
 from gradloc.demo.model import token_losses
 from tests.helpers import single_thread, tiny_gpt  # noqa: F401
 
@@ -47,10 +48,11 @@ def test_head_u_is_the_weight_times_one_minus_p():
 
 
 def _pack(u: torch.Tensor, mask: torch.Tensor | None = None, window: int = 4, rl=(), cu=None) -> np.ndarray:
-    meta = make_meta(0, torch.zeros(u.shape, dtype=torch.long), mask, None, None, cu_seqlens=cu)
     buf = MicroBatchScores(0, u.shape[0], u.shape[1], 1, head_u=u)
-    eligible = torch.ones(u.numel(), dtype=torch.bool) if mask is None else mask.reshape(-1)
-    return SurprisePack(window, CAP).pack([(meta, buf)], eligible, set(rl)).numpy()
+    eligible = None if mask is None else mask
+    meta = make_meta(0, torch.zeros(u.shape, dtype=torch.long), eligible, None, None, cu_seqlens=cu)
+    scores = stack_step([(meta, buf)], 1, torch.device("cpu"), heads=True)
+    return SurprisePack(window, CAP).pack(scores, set(rl)).numpy()
 
 
 def test_pack_recovers_the_surprise_without_knowing_the_weight():

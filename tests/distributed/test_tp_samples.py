@@ -1,0 +1,69 @@
+"""Per-sample surprise under tensor parallelism (collector/surprise.py, parallel/tokens.py): the loss head is
+column-parallel, so each tp rank holds its vocabulary shard's columns of the head's output gradient; each reads
+u_p = −g_p[label_p] where the label is one of its columns, and the token group's one exchange per step adds the
+shards' parts up. One rank per data index (its first tp rank) judges the samples. The judged samples' surprise
+equals the same model's in one process, step by step while training (tp alone) and on the first step (FSDP2 × TP);
+the other tp rank judges none."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed.launch import run
+
+STEPS = 3
+
+
+def _samples(rank: int, world: int, tp: int) -> dict[str, Any]:
+    import gradloc
+    from tests.distributed import tp_job
+    from tests.distributed.loop import prepare, run_steps
+
+    model, _ = tp_job.build(world, tp, sp=True)
+    dp_rank = rank // tp
+    x, y, w = tp_job.data(dp_rank, STEPS)
+    cfg = gradloc.SampleConfig(warmup_samples=8)
+    opt, mon, _ = prepare(model, (x, y, w), None, dp_rank, True, False, {"samples": cfg})
+    reports, _ = run_steps(model, opt, mon, (x, y, w), STEPS, token_losses=tp_job.token_losses)
+    out = {"tp_rank": rank % tp, "dp_rank": dp_rank,
+           "judged": [r.record.samples.judged if r.record.samples else None for r in reports],
+           "surprise": [float(v) for v in mon.samples.judge.mean.values[: mon.samples.judge.mean.n]],
+           "counters": dict(mon.counters)}
+    mon.close()
+    return out
+
+
+def _reference(dp_rank: int, steps: int) -> list[float]:
+    """The judged samples' mean surprise (in judging order) of data rank ``dp_rank``'s micro-batches, the toy in one
+    process trained on them alone (its loss as a tp job's: Σ w·ce / (B·T·M))."""
+    import gradloc
+    from tests.distributed import tp_job
+    from tests.distributed.loop import prepare, run_steps
+
+    model = tp_job.Toy()
+    x, y, w = tp_job.data(dp_rank, steps)
+    opt, mon, _ = prepare(model, (x, y, w), None, dp_rank, True, False,
+                          {"samples": gradloc.SampleConfig(warmup_samples=8)})
+    run_steps(model, opt, mon, (x, y, w), steps, token_losses=tp_job.token_losses)
+    got = [float(v) for v in mon.samples.judge.mean.values[: mon.samples.judge.mean.n]]
+    mon.close()
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["tp", "fsdp-tp"])
+def test_per_sample_surprise_under_tensor_parallelism(world):
+    from tests.distributed.tp_job import B, M
+
+    tp = 2
+    results = run(_samples, world, tp, timeout_s=600)
+    per_step = B * M  # samples of a data rank per step
+    for r in results:
+        assert r["counters"].get("sample_errors", 0) == 0 and r["counters"].get("token_errors", 0) == 0
+        if r["tp_rank"] != 0:
+            assert r["judged"] == [None] * STEPS and r["surprise"] == []  # one rank of the tp group judges
+            continue
+        assert r["judged"] == [per_step] * STEPS
+        steps = STEPS if world == tp else 1  # FSDP2 × TP: the data ranks' mean trains it; step 0 is each one's own
+        ref = _reference(r["dp_rank"], steps)
+        assert r["surprise"][: len(ref)] == pytest.approx(ref, rel=1e-4)
