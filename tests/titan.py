@@ -87,11 +87,20 @@ def qwen3_moe(seed: int = 0, parallelism=None, **kw) -> nn.Module:  # noqa: ANN0
     return _materialize(qwen3_moe_config(**kw), seed, parallelism)
 
 
+def _ends(dim: int, embedding_init: dict, norm_init: dict, head_init: dict) -> dict:
+    """The token embedding, final RMSNorm and LM head configs of a model of width ``dim`` (vocab ``VOCAB``)."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    return dict(tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=embedding_init),
+                norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+                lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=head_init))
+
+
 def deepseek_v3_config(n_layers: int = 2, dim: int = 64, experts: int = 8, top_k: int = 2, hidden: int = 32):  # noqa: ANN201
     """torchtitan's DeepSeek-V3 built by its own ``_build_dsv3_layers`` (its inits; MLA attention with a low-rank kv
     path and its ``kv_norm``, a dense first layer, then MoE layers with a shared expert), the debug model's shape made
     small: no q low-rank (as ``debugmodel``), no multi-token prediction."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.deepseek_v3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
@@ -107,13 +116,8 @@ def deepseek_v3_config(n_layers: int = 2, dim: int = 64, experts: int = 8, top_k
                                 num_shared_experts=1, router_top_k=top_k, router_score_func="softmax",
                                 attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
                                 rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=256, theta=10000.0))
-    return DeepSeekV3Model.Config(vocab_size=VOCAB, dim=dim,
-                                  tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
-                                                                  param_init=_EMBEDDING_INIT),
-                                  norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-                                  lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
-                                                        param_init=_output_linear_init(dim)),
-                                  layers=_sdpa(layers), mtp_layers=[])
+    return DeepSeekV3Model.Config(vocab_size=VOCAB, dim=dim, layers=_sdpa(layers), mtp_layers=[],
+                                  **_ends(dim, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init(dim)))
 
 
 def deepseek_v3(seed: int = 0, parallelism=None, **kw) -> nn.Module:  # noqa: ANN001
@@ -125,7 +129,7 @@ def deepseek_v3(seed: int = 0, parallelism=None, **kw) -> nn.Module:  # noqa: AN
 def llama3_config(n_layers: int = 2, dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2,  # noqa: ANN201
                   hidden: int = 128):
     """torchtitan's Llama 3 built by its own ``_build_llama3_layers`` (its debugmodel's inits), made small."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.llama3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
@@ -137,13 +141,8 @@ def llama3_config(n_layers: int = 2, dim: int = 64, n_heads: int = 4, n_kv_heads
     layers = _build_llama3_layers(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
                                   hidden_dim=hidden, attn_backend="flex",
                                   rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=256, theta=500000))
-    return Llama3Model.Config(dim=dim, vocab_size=VOCAB,
-                              tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
-                                                              param_init=_EMBEDDING_INIT),
-                              norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-                              lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
-                                                    param_init=_output_linear_init(dim)),
-                              layers=_sdpa(layers))
+    return Llama3Model.Config(dim=dim, vocab_size=VOCAB, layers=_sdpa(layers),
+                              **_ends(dim, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init(dim)))
 
 
 def llama3(seed: int = 0, parallelism=None, **kw) -> nn.Module:  # noqa: ANN001
