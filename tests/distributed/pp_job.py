@@ -166,6 +166,7 @@ def train(rank: int, world: int, model: str, schedule: str, steps: int, plant: t
         out["steps"], out["trace"] = inv.steps, list(mon.comm.state.trace)
     if mon is not None:
         out["counters"] = dict(mon.counters)
+        out["surprise"] = [float(v) for v in mon.samples.judge.mean.values[: mon.samples.judge.mean.n]]  # judged samples
         out["emitted"] = emitted.incidents
         out["own_layers"] = len(mon.layer_stats.local_layers)
         mon.close()
@@ -228,3 +229,27 @@ def reference_top(model: str, world: int, steps: int) -> list[tuple]:
     rec = mon.end_step(None).record
     mon.close()
     return [(t.micro_batch, t.sample, t.position, t.score) for t in rec.tokens.top]
+
+
+def reference_surprise(steps: int, **watch: Any) -> list[float]:
+    """The judged samples' mean surprise (in judging order) of the toy unsplit in one process, trained as a 2-stage
+    job's data rank 0 (its chunks as micro-batches, the same loss and AdamW): what the last stage must judge."""
+    import gradloc
+    from gradloc.demo.parallel import ParallelGPT
+
+    net = ParallelGPT(128, 32, 2, 4, seed=0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = data(0, steps, 128)
+    token_loss = TokenLoss(1.0 / (B * SEQ))
+    mon = gradloc.watch(net, opt, store=False, **watch)
+    for s in range(steps):
+        target = _target(y[s], torch.ones(B, SEQ))
+        for xs, ts, ys in zip(x[s].chunk(M), target.chunk(M), y[s].chunk(M)):  # (B, T) -> M × (B/M, T)
+            with mon.micro_batch(ys):
+                token_loss(net(xs), ts).sum().backward()
+        mon.end_step(None)
+        opt.step()
+        opt.zero_grad()
+    got = [float(v) for v in mon.samples.judge.mean.values[: mon.samples.judge.mean.n]]
+    mon.close()
+    return got

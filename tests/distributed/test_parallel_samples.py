@@ -1,9 +1,10 @@
-"""Per-sample surprise under tensor parallelism (collector/surprise.py, parallel/tokens.py): the loss head is
+"""Per-sample surprise under tensor and pipeline parallelism (collector/surprise.py, parallel/tokens.py). TP: the loss head is
 column-parallel, so each tp rank holds its vocabulary shard's columns of the head's output gradient; each reads
 u_p = −g_p[label_p] where the label is one of its columns, and the token group's one exchange per step adds the
 shards' parts up. One rank per data index (its first tp rank) judges the samples. The judged samples' surprise
 equals the same model's in one process, step by step while training (tp alone) and on the first step (FSDP2 × TP);
-the other tp rank judges none."""
+the other tp rank judges none. PP: the last stage holds the head and judges, from the first step on (the stage's
+first-step shape inference belongs to no micro-batch); the first stage judges none."""
 from __future__ import annotations
 
 from typing import Any
@@ -67,3 +68,22 @@ def test_per_sample_surprise_under_tensor_parallelism(world):
         steps = STEPS if world == tp else 1  # FSDP2 × TP: the data ranks' mean trains it; step 0 is each one's own
         ref = _reference(r["dp_rank"], steps)
         assert r["surprise"][: len(ref)] == pytest.approx(ref, rel=1e-4)
+
+
+def _pp(rank: int, world: int) -> dict[str, Any]:
+    import gradloc
+    from tests.distributed.pp_job import train
+
+    return train(rank, world, "toy", "GPipe", STEPS, samples=gradloc.SampleConfig(warmup_samples=8))
+
+
+def test_per_sample_surprise_under_pipeline_parallelism():
+    import gradloc
+    from tests.distributed.pp_job import B, reference_surprise
+
+    results = run(_pp, 2, timeout_s=600)
+    ref = reference_surprise(STEPS, samples=gradloc.SampleConfig(warmup_samples=8))
+    assert len(ref) == B * STEPS  # one sample per micro-batch, every one judged
+    first, last = sorted(results, key=lambda r: r["stage"])
+    assert first["surprise"] == [] and first["counters"].get("sample_errors", 0) == 0
+    assert last["surprise"] == pytest.approx(ref, rel=1e-4)
