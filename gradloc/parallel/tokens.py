@@ -4,9 +4,10 @@ then holds the whole view.
 Each rank scored its own part — its layers (a pipeline stage), its shards (TP), its positions (SP) —
 into rows of the job's token layers; one all-reduce over the token group adds them up: the step's
 totals, the position-exact row, the per-layer rows (when ``layer_breakdown`` is configured: a rank that
-shed its breakdown sends zeros there), the loss head's u_p and which micro-batches have it (when samples are
-judged: a vocabulary-parallel head's tp shards each give their columns' part) and four numbers. The exact row (the loss head's, the last layer
-of the forward) is only the last stage's under PP; its index travels with it. The check: a fingerprint
+shed its breakdown sends zeros there), the loss head's u_p and which micro-batches have it (when samples
+are judged: a vocabulary-parallel head's tp shards each give their columns' part) and four numbers. The
+exact row (the loss head's, the last layer of the forward) is only the last stage's under PP; its index
+travels with it. The check: a fingerprint
 of the step's token ids and loss masks, and its square — peers fed different batches (a loader bug, a
 rank out of step) show as a non-zero variance, and the step's per-token statistics are then dropped on
 every rank of the group (counted, said once) rather than summed into nonsense. These numbers stay on
