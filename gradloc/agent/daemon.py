@@ -17,6 +17,7 @@ import gc
 import logging
 import signal
 import threading
+import time
 from typing import Any
 
 from gradloc.agent.config import AgentConfig
@@ -140,13 +141,17 @@ class Daemon:
 
     def serve_until_signal(self) -> None:
         """Block until SIGTERM/SIGINT, then shut down gracefully (main thread only)."""
-        stop = threading.Event()
+        # The handler only appends to a list: no lock. An ``Event.set()`` there deadlocked the daemon once (CI,
+        # 2026-11-27): the signal arrived while the main thread was inside ``Event.wait`` holding the event's
+        # condition lock, and the handler, run on that same thread, waited for it forever.
+        requested: list[int] = []
         if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` writes every thread's stack to stderr (a stuck stop)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
-        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, lambda signum, _frame: requested.append(signum))
+                    for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            while not stop.wait(0.5):
-                pass
+            while not requested:
+                time.sleep(0.2)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
