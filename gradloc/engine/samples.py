@@ -36,10 +36,6 @@ class SampleWatch:
         self.judge = SampleJudge(cfg)
         self.mismatch = MismatchJudge(cfg)
 
-    @property
-    def on(self) -> bool:
-        return self.judges
-
     def labels(self, meta: MicroBatchMeta) -> torch.Tensor | None:
         """What the token hooks need to keep the head's u_p (None: nothing is kept)."""
         return meta.token_ids if self.holds_head else None
