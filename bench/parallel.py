@@ -15,12 +15,14 @@ with its own AdamW, run interleaved in a rotating order, the same on every rank 
 up). The tp/pp ranks of a data index train on the same random tokens, each data rank on its own. Every step starts
 after a barrier (not timed), so no variant inherits another's stragglers. ``job_ratios``: of the median *job* step
 time (the slowest rank's time of each step: what a synchronous job waits for; under PP, where a rank's own step
-boundaries shift with the schedule, the number to read); ``ranks``: of each rank's own median; ``rank_phases_ms``:
+boundaries shift with the schedule, the number to read); ``job_paired``: the median of the per-step ratios of the job's
+step, with ``job_paired_ci95`` its distribution-free 95 % interval (:func:`median_ci`); ``ranks``: of each rank's own median; ``rank_phases_ms``:
 each rank's median forward + backward, ``end_step``, clipping and optimizer step (with ``zero_grad``). ``collectives_per_step`` counts gradloc's own (``mon.comm.collectives``) per
 healthy step; ``updates_identical``: every gradloc variant's parameters (made whole) equal plain's bitwise.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -112,6 +114,20 @@ class _Variant:
         return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in self.part.parameters()]
 
 
+def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free ~95 % confidence interval of the median of ``values``: the order statistics
+    ⌊n/2 − z·√n/2⌋ and ⌈n/2 + z·√n/2⌉ (1-based; the binomial's normal approximation), clamped to the sample. What
+    a run's paired ratio can be told apart from: on this oversubscribed machine a step's time swings by a few %,
+    more than the 2 % per-layer target, so the bench says how far its own median may be off."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_ci of no values")
+    half = z * n ** 0.5 / 2
+    lo, hi = max(math.floor(n / 2 - half), 1), min(math.ceil(n / 2 + half), n)  # 1-based ranks
+    return xs[lo - 1], xs[hi - 1]
+
+
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     B, T, V = out.shape
     return torch.nn.functional.cross_entropy(out.reshape(B * T, V).float(), y.reshape(B * T),
@@ -154,6 +170,8 @@ def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig, clip: float | N
     return {"job_ratios": {v.name: round(job[v.name] / job["plain"], 4) for v in variants[1:]},
             "job_paired": {v.name: round(statistics.median(a / b for a, b in zip(v.job_s, variants[0].job_s)), 4)
                            for v in variants[1:]},
+            "job_paired_ci95": {v.name: [round(c, 4) for c in median_ci([a / b for a, b in zip(v.job_s, variants[0].job_s)])]
+                                for v in variants[1:]},
             "job_step_ms": {v.name: round(1000 * job[v.name], 2) for v in variants},
             "ratios": {v.name: round(med[v.name] / med["plain"], 4) for v in variants[1:]},
             "paired": {v.name: round(statistics.median(a / b for a, b in zip(v.step_s, variants[0].step_s)), 4)
@@ -199,8 +217,9 @@ def format_parallel(res: dict[str, Any]) -> str:
     lines = [f"{p['mode']}, {p['world_size']} ranks (gloo, CPU), {clip}: ParallelGPT d_model {m['d_model']}, {m['n_layers']} "
              f"layers, {m['micro_batches']} micro-batches of {m['batch']} × {m['seq']} per data rank, {m['rounds']} "
              f"rounds (+{m['warmup']}), {res['wall_s']} s, load average {res['loadavg_1m'][0]} -> {res['loadavg_1m'][1]}",
-             "job (slowest rank per step): " + ", ".join(f"{n} {x:.3f} (paired {p['job_paired'][n]:.3f})"
-                                                          for n, x in p["job_ratios"].items()),
+             "job (slowest rank per step): " + ", ".join(
+                 f"{n} {x:.3f} (paired {p['job_paired'][n]:.3f}, 95 % CI {p['job_paired_ci95'][n][0]:.3f}–"
+                 f"{p['job_paired_ci95'][n][1]:.3f})" for n, x in p["job_ratios"].items()),
              "rank  variant    ratio  (paired on rank 0)"]
     for r, ratios in enumerate(p["ranks"]):
         for name, x in ratios.items():

@@ -96,6 +96,8 @@ def test_overhead_parallel_quick_json(mode, collectives):
     assert p["updates_identical"]
     assert all(r["per_token"] > 0 and r["per_layer"] > 0 for r in p["ranks"])
     assert set(p["job_ratios"]) == {"per_layer", "per_token"} and all(x > 0 for x in p["job_ratios"].values())
+    for name, (lo, hi) in p["job_paired_ci95"].items():  # the paired median lies inside its own interval
+        assert lo <= p["job_paired"][name] <= hi
     phases = p["rank_phases_ms"]  # per rank and variant: forward + backward, end_step, clip, optimizer
     assert len(phases) == 4 and all(len(ph["plain"]) == 4 and ph["plain"][1] == 0.0 and ph["per_layer"][1] > 0
                                     for ph in phases)
@@ -193,3 +195,15 @@ def test_overhead_compiled_and_moe_quick_json():
     m = res["models"]["qwen3moe"]
     assert m["model"] == "qwen3moe" and m["experts"] == 4 and res["compiled"] is False
     assert m["identical_to_plain"] == {"per_layer": True, "per_token": True, "on_spike": True}
+
+
+def test_median_ci_order_statistics():
+    """The interval is the ⌊n/2 − 0.98√n⌋-th and ⌈n/2 + 0.98√n⌉-th smallest values (1-based), clamped."""
+    from bench.parallel import median_ci
+
+    xs = [float(v) for v in range(40, 0, -1)]  # 40 values, unsorted: ranks 13 and 27 (20 ∓ 6.2)
+    assert median_ci(xs) == (13.0, 27.0)
+    assert median_ci([5.0]) == (5.0, 5.0)
+    assert median_ci([2.0, 1.0, 3.0]) == (1.0, 3.0)  # clamped to the sample
+    with pytest.raises(ValueError):
+        median_ci([])
