@@ -205,7 +205,9 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
         lead = len(w.rule.lead_shape(w.module, local(x), local(out)))
         view = tp.view(w.module, x, out, lead)
         x, y, span, factor, columns = view.x, view.out, view.span, view.factor, view.features
-        head = head and span is None and is_dtensor(out)  # not Megatron's plain [s, b, v/tp] shards
+        # readable: a DTensor (its columns known), a rule that places its own (Megatron's [s, b, v/tp] shards), or a
+        # plain output every tp rank holds whole (no split parameters: factor 1/tp, the torch rules' (B, T) lead)
+        head = head and span is None and (is_dtensor(out) or hasattr(w.rule, "head_view") or factor != 1.0)
     B, T = buf.batch, buf.seq
     if span is not None:
         B, T = (B, span.length) if span.dim == 1 else (span.length, T)
@@ -233,7 +235,9 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
             with torch.no_grad():
                 g = local(g)
                 if head and call and call == buf.last_call:
-                    buf.head_u = _head_u(g, buf.labels, buf.batch, buf.seq, columns, factor)
+                    hg, first, share = w.rule.head_view(w.module, g) if hasattr(w.rule, "head_view") else \
+                        (g, columns, factor)
+                    buf.head_u = _head_u(hg, buf.labels, buf.batch, buf.seq, first, share)
                 buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
             buf.scored_modules.add(w.name)
         except Exception as exc:  # never raise into the training loop: counted, the module left unscored

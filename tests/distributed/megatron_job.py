@@ -120,7 +120,11 @@ def init_method() -> Any:
 
 
 class MegatronToy(nn.Module):
-    def __init__(self, tp: int, seed: int = 0) -> None:
+    """``vocab_parallel``: the LM head is Megatron's own output layer, a ``ColumnParallelLinear`` whose logits stay
+    split by vocabulary, ``[s, b, V/tp]`` (``gather_output=False``), for ``vocab_parallel_token_losses``;
+    otherwise a torch ``nn.Linear`` replicated over tp, batch-first (B, T, V)."""
+
+    def __init__(self, tp: int, seed: int = 0, vocab_parallel: bool = False) -> None:
         super().__init__()
         ps, tp_mod, Config = megatron()
         cfg = Config(tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32)
@@ -129,12 +133,17 @@ class MegatronToy(nn.Module):
         self.tok = nn.Embedding(VOCAB, D)
         self.layers = nn.ModuleList(Block(cfg, tp_mod, group, kind) for kind in BLOCKS)
         self.norm = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.vocab_parallel = vocab_parallel
+        self.head = tp_mod.ColumnParallelLinear(D, VOCAB, config=cfg, init_method=init_method(), bias=False,
+                                                gather_output=False, tp_group=group) if vocab_parallel else \
+            nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx).transpose(0, 1).contiguous()  # (B, T, D) -> [s, b, D], as Megatron's embedding does
         for layer in self.layers:
             x = layer(x)
+        if self.vocab_parallel:
+            return self.head(_batch_first(self.norm, x))[0]  # [s, b, D] -> [s, b, V/tp]
         return self.head(self.norm(x.transpose(0, 1)))  # [s, b, D] -> (B, T, D) -> (B, T, V)
 
 
@@ -177,6 +186,14 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(Bl * T, V), targets.reshape(Bl * T), reduction="none").view(Bl, T)
 
 
+def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``vocab_parallel_cross_entropy`` on this rank's vocabulary shard ``[s, b, V/tp]`` (a collective
+    over the tp group) -> the whole (B, T) per-token cross entropy, on every tp rank."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits, targets.t().contiguous()).t()  # (B, T) -> [s, b] -> (B, T)
+
+
 def module_norms(grads: dict[str, Any]) -> dict[str, float]:
     """Per-module gradient norms (the "module" layer grouping) from whole per-parameter gradients, float64."""
     sq: dict[str, float] = {}
@@ -214,6 +231,26 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
     return out
 
 
+def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, samples: Any) -> dict[str, Any]:
+    """``steps`` AdamW steps with per-sample surprise judged (``samples``: a SampleConfig): which tp rank this is,
+    how many samples it judged each step, and the judged samples' mean surprise in judging order."""
+    import gradloc
+    from tests.distributed.loop import run_steps
+
+    setup(tp)
+    model = MegatronToy(tp, vocab_parallel=vocab_parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = gradloc.watch(model, opt, store=False, samples=samples)
+    losses = vocab_parallel_token_losses if vocab_parallel else token_losses
+    reports, _ = run_steps(model, opt, mon, data(steps), steps, token_losses=losses)
+    judge = mon.samples.judge.mean
+    out = {"tp_rank": rank % tp, "judged": [r.record.samples.judged if r.record.samples else None for r in reports],
+           "surprise": [float(v) for v in judge.values[: judge.n]],
+           "counters": {k: v for k, v in mon.counters.items() if v}}
+    mon.close()
+    return out
+
+
 def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple) -> dict[str, Any]:
     """Train without gradloc, then with it (the same seed and data): the watched run's results, and whether
     this rank's parameters came out bitwise the same."""
@@ -223,4 +260,5 @@ def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple) -> dict[st
     return {**watched, "bitwise": all(torch.equal(plain["params"][n], mine[n]) for n in mine)}
 
 
-__all__ = ["MegatronToy", "bitwise", "init_method", "data", "module_norms", "token_losses", "train", "B", "D", "M", "SEQ", "VOCAB"]
+__all__ = ["MegatronToy", "bitwise", "init_method", "data", "module_norms", "surprise", "token_losses", "train",
+           "vocab_parallel_token_losses", "B", "D", "M", "SEQ", "VOCAB"]

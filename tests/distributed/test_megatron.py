@@ -83,15 +83,16 @@ class PlainBlock(nn.Module):
 
 
 class PlainToy(nn.Module):
-    """The unpartitioned model, batch-first, in plain torch: the same parameter names and draws as MegatronToy."""
+    """The unpartitioned model, batch-first, in plain torch: the same parameter names and draws as MegatronToy
+    (``vocab_parallel``: its head drawn as Megatron's column-parallel output layer is)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, vocab_parallel: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.tok = nn.Embedding(VOCAB, D)
         self.layers = nn.ModuleList(PlainBlock() for _ in BLOCKS)
         self.norm = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.head = _linear(D, VOCAB, bias=False) if vocab_parallel else nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
@@ -100,13 +101,14 @@ class PlainToy(nn.Module):
         return self.head(self.norm(x))  # (B, T, V)
 
 
-def _linear(d_in: int, d_out: int) -> nn.Linear:
+def _linear(d_in: int, d_out: int, bias: bool = True) -> nn.Linear:
     """nn.Linear initialised as Megatron's CPU initialisation does: the whole (out, in) weight drawn by
     ``init_method``, the bias zero (``skip_init``: nothing else drawn)."""
-    lin = torch.nn.utils.skip_init(nn.Linear, d_in, d_out)
+    lin = torch.nn.utils.skip_init(nn.Linear, d_in, d_out, bias=bias)
     with torch.no_grad():
         init_method()(lin.weight)
-        lin.bias.zero_()
+        if bias:
+            lin.bias.zero_()
     return lin
 
 

@@ -7,11 +7,14 @@ the other tp rank judges none. PP: the last stage holds the head and judges, fro
 first-step shape inference belongs to no micro-batch); the first stage judges none."""
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
+import torch
 
 from tests.distributed.launch import run
+from tests.distributed.loop import run_steps
 
 STEPS = 3
 
@@ -68,6 +71,57 @@ def test_per_sample_surprise_under_tensor_parallelism(world):
         steps = STEPS if world == tp else 1  # FSDP2 × TP: the data ranks' mean trains it; step 0 is each one's own
         ref = _reference(r["dp_rank"], steps)
         assert r["surprise"][: len(ref)] == pytest.approx(ref, rel=1e-4)
+
+
+def _megatron_samples(gradloc: Any) -> Any:
+    from tests.distributed.megatron_job import SEQ
+
+    return gradloc.SampleConfig(warmup_samples=8, min_tokens=SEQ)  # the toy's samples have SEQ (12) loss tokens
+
+
+def _megatron(rank: int, world: int, vocab_parallel: bool) -> dict[str, Any]:
+    import gradloc
+    from tests.distributed.megatron_job import surprise
+
+    return surprise(rank, world, 2, STEPS, vocab_parallel, _megatron_samples(gradloc))
+
+
+def _megatron_reference(vocab_parallel: bool) -> list[float]:
+    """The judged samples' mean surprise of PlainToy (the Megatron toy unpartitioned, in one process) on the same
+    data, in judging order."""
+    import gradloc
+    from tests.distributed.megatron_job import data, token_losses
+    from tests.distributed.test_megatron import PlainToy
+
+    model = PlainToy(vocab_parallel=vocab_parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = gradloc.watch(model, opt, store=False, samples=_megatron_samples(gradloc))
+    run_steps(model, opt, mon, data(STEPS), STEPS, token_losses=token_losses)
+    got = [float(v) for v in mon.samples.judge.mean.values[: mon.samples.judge.mean.n]]
+    mon.close()
+    return got
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (scripts/setup.sh)")
+@pytest.mark.parametrize("vocab_parallel", [False, True], ids=["replicated-head", "vocab-parallel-head"])
+def test_per_sample_surprise_under_megatron_tensor_parallelism(vocab_parallel):
+    """Megatron-core TP on 2 gloo ranks: a torch head replicated over tp (each rank reads the whole gradient, 1/tp
+    each), or Megatron's own column-parallel output layer with vocab-parallel cross entropy (each rank reads its
+    vocabulary shard of the sequence-first ``[s, b, V/tp]`` gradient). The first tp rank judges every sample, and
+    their surprise equals the unpartitioned model's in one process over the training steps; the other judges none."""
+    from tests.distributed.megatron_job import B, M
+    from tests.distributed.test_megatron import ENV
+
+    results = run(_megatron, 2, vocab_parallel, timeout_s=300, env=ENV)
+    ref = _megatron_reference(vocab_parallel)
+    assert len(ref) == B * M * STEPS  # every sample judged in one process
+    for r in results:
+        assert not {k for k in r["counters"] if k.endswith("errors")}, r["counters"]
+        if r["tp_rank"] != 0:
+            assert r["judged"] == [None] * STEPS and r["surprise"] == []
+            continue
+        assert r["judged"] == [B * M] * STEPS
+        assert r["surprise"] == pytest.approx(ref, rel=1e-4)
 
 
 def _pp(rank: int, world: int) -> dict[str, Any]:

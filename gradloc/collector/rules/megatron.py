@@ -121,5 +121,17 @@ class MegatronLinearRule:
             score = score + (g_sq if column else g_sq / size)  # the row-parallel bias: once over the tp ranks
         return score.t().contiguous()  # [s, b] -> (b, s)
 
+    def head_view(self, module: nn.Module, g: torch.Tensor) -> tuple[torch.Tensor, int, float]:
+        """The loss head's output gradient as the per-sample surprise reads it (token_hooks._head_u): (g batch-first
+        ``(b, s, cols)``, the vocabulary column its first column is, the share of u this rank's read counts). A
+        column-parallel head (Megatron's output layer, vocab-parallel cross entropy): this rank's vocabulary
+        shard from column rank·v/tp (a gathered output narrowed to it), the tp ranks' parts adding up; a
+        row-parallel one: the whole, reduced gradient on every rank, each counting 1/tp."""
+        rank, size = tp_rank_size(module)
+        if _column(module):
+            g = _own_slice(g, module.output_size, rank, size)  # [s, b, v] -> [s, b, v/tp]
+            return g.transpose(0, 1), rank * module.output_size_per_partition, 1.0  # -> (b, s, v/tp)
+        return g.transpose(0, 1), 0, 1.0 / size  # [s, b, v] -> (b, s, v)
+
 
 __all__ = ["MegatronLinearRule", "is_megatron_linear", "tp_rank_size"]

@@ -222,6 +222,31 @@ def test_two_ranks_shares_add_up_to_the_whole_layer(kind):
     torch.testing.assert_close(full.double(), reference(whole, x, g).t(), rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind,gathered", [("column", False), ("column", True), ("row", False)])
+def test_head_view_parts_of_u_add_up_to_the_whole_heads(kind, gathered):
+    """The per-sample surprise's u_p = −g_p[label_p] (token_hooks._head_u), read through ``head_view`` on each of two
+    ranks' shards of a Megatron LM head, adds up over the ranks to the whole head's read batch-first in one
+    process: a column-parallel head's vocabulary shard ([s, b, V/2] from column r·V/2; or the whole gathered output,
+    narrowed), a row-parallel head's whole reduced gradient (1/2 each). Labels outside a shard, or -100, read 0."""
+    from gradloc.collector.token_hooks import _head_u
+
+    d_in, V, s, b = 6, 8, 3, 2
+    _, shards = _whole_and_shards(kind, d_in, V)
+    g = torch.randn(s, b, V, dtype=torch.float64)  # the head's output gradient, sequence-first
+    labels = torch.randint(0, V, (b, s))  # (B, T)
+    labels[0, 1] = -100
+    rule = rule_for(shards[0])
+    parts = []
+    for r, sh in enumerate(shards):
+        seen = g[..., r * V // 2:(r + 1) * V // 2] if kind == "column" and not gathered else g  # what r's hook gets
+        hg, first, share = rule.head_view(sh, seen)
+        assert hg.shape[:2] == (b, s)
+        parts.append(_head_u(hg, labels, b, s, first, share))
+    want = _head_u(g.transpose(0, 1), labels, b, s)  # [s, b, V] -> (B, T, V): the whole head, one process
+    torch.testing.assert_close(parts[0] + parts[1], want)
+    assert want[0, 1] == 0 and all(p[0, 1] == 0 for p in parts)
+
+
 def test_backend_reads_the_tp_coordinate_from_the_layers():
     """The Megatron backend takes (rank, size) from the layers (their partition sizes and tp_group), and refuses
     a model whose layers sit on different tp groups, or use sequence parallelism."""
