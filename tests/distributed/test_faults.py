@@ -87,3 +87,60 @@ def test_a_pipeline_stage_that_dies_mid_probe_does_not_hang_the_others():
     assert res[1] is None
     dead = res[0]["dead_peer"]
     assert dead["status"] == "unavailable" and "rank 1" in dead["note"] and "within 4 s" in dead["note"], dead
+
+
+def _tp_dies(rank, world):
+    """A tensor-parallel job (tp 2, sequence parallel) whose rank 1 exits in the middle of a probe's forward, at its
+    last module (its earlier modules' DTensor collectives done): rank 0 is then in a probe too, lockstep."""
+    import gradloc
+    from tests.distributed import tp_job
+
+    model, _ = tp_job.build(world, 2, sp=True)
+    x, y, w = tp_job.data(0, STEPS)
+    w[SPIKE, 1, 2, 5] = 3000.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5), collective_timeout_s=4)
+    probing = []
+    last = list(model.modules())[-1]
+    last.register_forward_pre_hook(lambda *_: os._exit(3) if probing and rank == 1 else None)
+    out = {"notes": []}
+    for s in range(STEPS):
+        def loss_for(i, mask=None, s=s):
+            terms = tp_job.token_losses(model(x[s, i]), y[s, i]) * w[s, i]
+            return (terms * mask if mask is not None else terms).sum() / (terms.numel() * x.shape[1])
+
+        def probe(i, mask):
+            probing.append(s == SPIKE)
+            try:
+                return loss_for(i, mask)
+            finally:
+                probing.clear()
+
+        total = torch.zeros(())
+        for i in range(x.shape[1]):
+            with mon.micro_batch(y[s, i]):
+                loss = loss_for(i)
+                loss.backward()
+            total += loss.detach()
+        rep = mon.end_step(total, probe=probe)
+        if rep.incident is not None:
+            out["notes"].append((s, str(rep.incident.localization.status), rep.incident.localization.note))
+        if s == SPIKE:
+            out["left_job"] = mon.comm is None or bool(mon.comm.broken)
+            return out  # the peer is dead: the model's own next collective would wait on it, not gradloc's
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def test_a_tensor_parallel_rank_that_dies_mid_probe_forward_does_not_hang_the_other():
+    """The dead peer's sockets close, so the next collective the survivor shares with it (here gradloc's probe
+    combine; DTensor's inside the forward the same way) fails on the closed connection instead of waiting out a
+    timeout; the survivor records an unavailable localization saying so and leaves the job (gradloc's collectives
+    off). A peer that hangs, alive, inside the model's own collectives is another matter: those wait for the
+    process group's timeout, which gradloc does not set."""
+    res = run(_tp_dies, 2, timeout_s=180, may_die=(1,))
+    assert res[1] is None
+    (step, status, note), = res[0]["notes"]
+    assert (step, status) == (SPIKE, "unavailable"), note
+    assert "localization failed" in note and "did not complete" in note and res[0]["left_job"]
