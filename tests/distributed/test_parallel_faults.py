@@ -10,8 +10,8 @@ is the per-sample surprise, read off the column-parallel or last-stage loss head
 
 - each bad sample is a ``surprise`` outlier on its step, named by its micro-batch and sample, by the one rank that
   judges data rank 1's samples (the head's holder: the last stage's rank, or the first tp rank);
-- a fault that also spikes the step (the garbage does, here) opens one job incident that is located on that sample
-  of data rank 1 and names nothing else;
+- the garbage also spikes its step: every rank holds one job incident there, located on that sample of data rank
+  1 and naming nothing else (as would any fault step that spikes);
 - nothing else is flagged: no outlier on any other step or rank, no incident on a healthy step before the faults
   (past the detector's warm-up), across the whole healthy run of every rank.
 """
@@ -83,7 +83,9 @@ def test_bad_samples_on_a_data_rank_are_flagged_there_and_nothing_else_is(backen
         assert r["errors"] == {}, r
         early = [s for s, *_ in r["incidents"] if r["warmup"] <= s < GARBAGE]
         assert early == [], f"rank {r['rank']}: incidents on healthy steps {r['incidents']}"
-        for s, status, named in r["incidents"]:  # a fault that spikes too: located on its own sample, nothing else
+        garbage = (GARBAGE, "located", [(BAD_DP_RANK, *FAULTS[GARBAGE][:2])])  # the garbage spikes the step too
+        assert [i for i in r["incidents"] if i[0] == GARBAGE] == [garbage], r["incidents"]
+        for s, status, named in r["incidents"]:  # any fault step that spikes: located on its own sample, nothing else
             if s in FAULTS:
                 assert status == "located" and named == [(BAD_DP_RANK, *FAULTS[s][:2])], r["incidents"]
         if r["dp_rank"] != BAD_DP_RANK or not r["judged"]:
