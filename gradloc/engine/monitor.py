@@ -71,6 +71,8 @@ class Monitor:
         self.job = job = resolve(model, config or WatchConfig())
         self.config = cfg = job.config
         self.comm, self.job_kind = job.world, job.kind  # a job: one gather per step, spikes together
+        if job.data.probe_hazard and job.world is not None:
+            log.warning("gradloc: %s", job.data.probe_hazard)
         watched = job.model  # DDP, DeepSpeed, a pipeline stage: the inner module (the same parameters)
         self.layer_stats = job.layer_stats()
         if job.kind == "deepspeed":

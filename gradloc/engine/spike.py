@@ -117,8 +117,12 @@ class SpikePath:
             if self.alone:
                 return self.localizer.localize(rec.step, view, stored, self._opener(x), ctx, keep_grad=keep,
                                                head=self.head_for(view))
-            return self.localizer.localize(rec.step, view, stored, None, ctx, keep_grad=keep, head=self.head_for(view),
-                                           scope=self._job_scope(x, stored), has_probe=x.probe is not None)
+            hazard = self.job.data.probe_hazard
+            res = self.localizer.localize(rec.step, view, stored, None, ctx, keep_grad=keep, head=self.head_for(view),
+                                          scope=self._job_scope(x, stored), has_probe=x.probe is not None and not hazard)
+            if hazard and x.probe is not None:
+                res = replace(res, localization=replace(res.localization, note=f"{hazard}; {res.localization.note}"))
+            return res
         except CollectiveTimeout as exc:
             self.counters["collective_timeouts"] += 1
             note = f"localization failed: {exc}"

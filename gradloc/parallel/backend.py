@@ -73,6 +73,7 @@ class DataBackend(Backend):
     lockstep: bool = False  # every rank of the data group takes part in every probe (its forward is a collective)
     linear: bool = False  # a probe's gradient is the group's already (nothing to combine): probes accumulate
     decomposes: bool = False  # the stored gradient is whole on the rank that holds a micro-batch
+    probe_hazard: str = ""  # why probes cannot run in this job (the model's own collectives): localizations unverified
 
     def probe_context(self) -> ContextManager[Any]:
         return contextlib.nullcontext()

@@ -2,10 +2,13 @@
 
 - **ddp** (``DistributedDataParallel``): every rank holds the averaged gradient whole. Hooks go on
   ``model.module`` (the same parameters, no ``module.`` prefix); a probe runs the user's closure under
-  ``no_sync()`` (its backward must not start the gradient all-reduce on one rank only), ranks without
+  ``no_sync()`` (its backward must not start the gradient all-reduce on one rank only) and without DDP's
+  buffer broadcast (``_probing``), so no probe forward issues a collective and ranks without
   candidates idle, and ∇_C is summed over the group by one all-reduce per tensor and divided by dp, as
   DDP averages the training gradient. The decomposition probe runs on the rank that holds the
-  micro-batch (the stored gradient is whole there).
+  micro-batch (the stored gradient is whole there). A model with ``SyncBatchNorm`` (collectives inside
+  its own forward and backward, which no probe plan can pair across ranks) is watched without probes
+  (``probe_hazard``: said at attach, shares unverified).
 - **fsdp** (FSDP2 ``fully_shard``): parameters and gradients are DTensor shards; a probe's forward and
   backward are collectives (all-gather, reduce-scatter), so every rank takes part in every probe
   (lockstep) and the reduce-scatter already combined ∇_C (linear).
@@ -18,7 +21,8 @@
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager
+import contextlib
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -39,6 +43,10 @@ class DDP(DataBackend):
 
     def __init__(self, wrapper: nn.Module) -> None:
         self.wrapper = wrapper
+        if any(isinstance(m, nn.SyncBatchNorm) for m in wrapper.module.modules()):
+            self.probe_hazard = (
+                "probes are off: SyncBatchNorm all-reduces batch statistics inside forward and backward, so a "
+                "probe on one rank would wait for the others (shares are attribution scores)")
 
     @classmethod
     def detect(cls, model: nn.Module, world: Any) -> "DDP | None":
@@ -50,7 +58,7 @@ class DDP(DataBackend):
         return model.module if model is self.wrapper else model
 
     def probe_context(self) -> ContextManager[Any]:
-        return self.wrapper.no_sync()
+        return _probing(self.wrapper)
 
     def combine(self, acc: Grads, data: Any, params: list[nn.Parameter]) -> Grads:
         full = [g if g is not None else torch.zeros_like(p) for g, p in zip(acc, params)]
@@ -61,6 +69,24 @@ class DDP(DataBackend):
 
     def contribution(self, dp: int) -> float:
         return 1.0 / dp
+
+
+@contextlib.contextmanager
+def _probing(ddp: nn.Module) -> Iterator[None]:
+    """DDP's forward without its collectives, for the probes: ``no_sync`` (a probe's backward must not start
+    the gradient all-reduce on one rank only) and no buffer broadcast. With its default
+    ``broadcast_buffers=True`` DDP broadcasts rank 0's buffers at the start of the first forward after a
+    synchronised backward — a collective inside ``forward``: when the ranks' probe plans differ (the ranks
+    without candidates idle) it pairs with another rank's next training forward, and every rank stalls.
+    Skipping it is exact: the probe session restores every buffer afterwards, and the flag is put back, so
+    the next training forward broadcasts exactly as it would have without gradloc."""
+    sync = ddp.require_forward_param_sync
+    with ddp.no_sync():
+        ddp.require_forward_param_sync = False
+        try:
+            yield
+        finally:
+            ddp.require_forward_param_sync = sync
 
 
 @register_backend

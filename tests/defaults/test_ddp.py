@@ -1,0 +1,63 @@
+"""DistributedDataParallel with its defaults (and each documented option) around a Hugging Face Llama, 4 gloo ranks.
+
+``DDP(model)`` keeps ``broadcast_buffers=True``: the first forward after a synchronised backward broadcasts rank
+0's buffers (``rotary_emb.inv_freq`` here), a collective inside ``forward``. Before gradloc's probes bypassed it,
+the spike step of this very job crashed or stalled every rank on a collective deadline (the probing rank's
+broadcast paired with another rank's next training forward). Each variant (tests/defaults/ddp_job.py), the token
+planted on rank 3 after 32 healthy steps:
+
+- the job's global norm equals the norm of the gradient DDP delivers (after its all-reduce and, with the fp16
+  compression hook, after decompression: gradloc reports what the optimizer sees), on every step and rank;
+- one job incident, at the planted step, located on rank 3 at the planted token in ≤ 3 probes, with the share
+  measured against the job's gradient; nothing before it;
+- no collective deadline hit (gradloc's communicators intact) and the spike step well inside the deadline;
+- the parameters bitwise those of the same run without gradloc.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.defaults.ddp_job import HEALTHY, PLANT, STEPS, variants
+from tests.distributed.launch import run
+
+pytest.importorskip("transformers")
+
+WORLD = 4
+DEADLINE_S = 60.0  # WatchConfig.collective_timeout_s's default
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    from tests.defaults.ddp_job import run_all
+
+    return run(run_all, WORLD, list(variants()), timeout_s=1200)
+
+
+@pytest.mark.parametrize("variant", list(variants()))
+def test_ddp_variant_reports_exact_norms_and_locates_the_token_on_its_rank(ranks, variant):
+    for rank, res in enumerate(ranks):
+        w = res[variant]["with"]
+        assert w["kind"] == "ddp" and w["broken"] == "", (rank, w["broken"])
+        assert len(w["steps"]) == STEPS
+        for s, st in enumerate(w["steps"]):
+            assert st["norm"] == pytest.approx(st["delivered"], rel=1e-5), (rank, s)
+        assert [s for s, st in enumerate(w["steps"]) if st["incident"]] == [HEALTHY], rank
+        spike = w["steps"][HEALTHY]
+        loc = spike["loc"]
+        assert loc["status"] == "located" and 1 <= loc["probes"] <= 3, loc["note"]
+        assert loc["culprits"][0] == (WORLD - 1, *PLANT[1:]), loc["culprits"]
+        assert {c[0] for c in loc["culprits"]} == {WORLD - 1}
+        assert 0.9 < loc["explained"] < 1.1, loc["explained"]
+        assert spike["seconds"] < DEADLINE_S / 2, spike["seconds"]  # no rank waited on a collective deadline
+    assert len({repr(r[variant]["with"]["steps"][HEALTHY]["loc"]) for r in ranks}) == 1  # one answer, every rank
+
+
+@pytest.mark.parametrize("variant", list(variants()))
+def test_ddp_variant_trains_bitwise_as_without_gradloc(ranks, variant):
+    import torch
+
+    for rank, res in enumerate(ranks):
+        with_mon, without = res[variant]["with"]["params"], res[variant]["without"]["params"]
+        assert with_mon.keys() == without.keys()
+        for name, p in without.items():
+            assert torch.equal(p, with_mon[name]), f"{variant}, rank {rank}: {name} differs"
