@@ -121,6 +121,13 @@ class Job:
             self.layers = GlobalLayers(tuple(layers), tuple(numel), tuple(range(len(layers))), tuple(token_layers),
                                        tuple(range(len(token_layers))))
             return
+        from gradloc.parallel.unsupported import context_parallel
+
+        cp = context_parallel(params)
+        if cp:
+            raise UnsupportedModelError(f"gradloc: {cp}: context parallelism is not supported (every rank holds a "
+                                        "shard of each sequence, and per-token scores, samples and probes would read "
+                                        "the shard as the whole row)")
         unclaimed = self.unclaimed_dims(params)
         if unclaimed:
             raise AttachError(f"gradloc: {unclaimed}; no parallel backend claims it, so its per-token scores and "

@@ -55,7 +55,15 @@ class Pipeline(ModelBackend):
 
     @classmethod
     def detect(cls, model: Any, world: Any) -> "Pipeline | None":
-        return cls(model) if world is not None and is_stage(model) else None
+        if world is None or not is_stage(model):
+            return None
+        from gradloc.errors import UnsupportedModelError
+        from gradloc.parallel.unsupported import several_stages
+
+        why = several_stages(model)
+        if why:
+            raise UnsupportedModelError(f"gradloc: {why}")
+        return cls(model)
 
     def unwrap(self, model: Any) -> nn.Module:
         return self.stage.submod if model is self.stage else model

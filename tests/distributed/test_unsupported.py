@@ -1,0 +1,80 @@
+"""Parallel layouts gradloc cannot answer right are refused at attach, on every rank, with the reason
+(gradloc/parallel/unsupported.py): context parallelism laid out as torchtitan lays it out (FSDP2 over the
+flattened ``dp_shard_cp`` dim: no parameter is split along ``cp``, so before this check the job was accepted as
+plain FSDP2 and its per-token scores read a sequence shard as the whole row), and several pipeline stages on one
+rank (the interleaved and zero-bubble schedules)."""
+from __future__ import annotations
+
+from tests.distributed.launch import run
+
+
+def _cp(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import gradloc
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's FSDP mesh under CP
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    fully_shard(model, mesh=flat)
+    try:
+        gradloc.watch(model, store=False).close()
+        return "attached"
+    except gradloc.UnsupportedModelError as exc:
+        return str(exc)
+
+
+def test_context_parallel_as_torchtitan_lays_it_out_is_refused_on_every_rank():
+    for msg in run(_cp, 4, timeout_s=180):
+        assert "context-parallel dim (cp = 2)" in msg and "context parallelism is not supported" in msg, msg
+
+
+def _interleaved(rank, world):
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    import gradloc
+
+    torch.manual_seed(0)
+    stages = [PipelineStage(torch.nn.Linear(8, 8), rank + world * v, 2 * world, torch.device("cpu"))
+              for v in range(2)]  # ScheduleInterleaved1F1B's layout: stage rank + world·v on this rank
+    try:
+        gradloc.watch(stages[0], store=False).close()
+        return "attached"
+    except gradloc.UnsupportedModelError as exc:
+        return str(exc)
+
+
+def test_several_pipeline_stages_on_one_rank_are_refused_on_every_rank():
+    for msg in run(_interleaved, 2, timeout_s=180):
+        assert "4 stages on 2 ranks" in msg and "one stage per rank" in msg, msg
+
+
+def _megatron_cp(rank, world):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradloc
+    from tests.distributed.megatron_job import megatron
+
+    ps, _, _ = megatron()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=2)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)))
+    try:
+        gradloc.watch(model, store=False).close()
+        return "attached"
+    except gradloc.UnsupportedModelError as exc:
+        return str(exc)
+
+
+def test_megatron_context_parallel_is_refused_on_every_rank():
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    env = {"NO_VCS_VERSION": "1"}  # as test_megatron.py: no `git rev-parse` at megatron's import
+    for msg in run(_megatron_cp, 2, timeout_s=180, env=env):
+        assert "Megatron's context_parallel_size is 2" in msg, msg
