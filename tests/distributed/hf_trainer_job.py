@@ -1,4 +1,4 @@
-"""A real ``transformers.Trainer`` (GradlocTrainer) on 2 gloo CPU processes: DDP through accelerate.
+"""A real ``transformers.Trainer`` (GradlocTrainer) on W gloo CPU processes: DDP through accelerate.
 
 Each rank (launched by tests/distributed/launch.py, process group already initialized) builds the same
 byte-level BPE tokenizer and the same tiny random ``LlamaForCausalLM`` from a config, pre-trains it for
@@ -7,7 +7,7 @@ thread), then fine-tunes it with ``TrainingArguments(use_cpu=True)``: accelerate
 and the initialized gloo group, so the Trainer wraps the model in ``DistributedDataParallel`` and
 shards the batches (rank r gets global batch ``j·W + r`` as its micro-batch j).
 
-The planted culprit (``plant``): rank 1's micro-batch ``MB`` of step ``K``, row ``ROW``, input index
+The planted culprit (``plant``): the last rank's micro-batch ``MB`` of step ``K``, row ``ROW``, input index
 ``POS`` replaced by ``Z``, a byte that never occurs in the corpus — a corrupted token on one rank.
 Logits position ``POS - 1`` scores it. ``train`` returns what the test checks, by value.
 """
@@ -20,15 +20,16 @@ from typing import Any
 from tests.tiny_llama import SEQ, labels, pretrained, windows
 
 B, GA = 4, 2
-K, MB, ROW, POS = 12, 1, 2, 17  # planted on rank 1: step K, micro-batch MB, row ROW, input index POS
+K, MB, ROW, POS = 12, 1, 2, 17  # planted on the last rank: step K, micro-batch MB, row ROW, input index POS
 STEPS = K + 2
 WARMUP = 8  # detector warm-up steps (the default 25 would double the run)
 UID0 = 1000  # dataset row k has uid UID0 + k
 
 
 def planted_row(world: int) -> int:
-    """The dataset row of the culprit: rank 1's micro-batch j = K·GA + MB is global batch j·W + 1."""
-    return ((K * GA + MB) * world + 1) * B + ROW
+    """The dataset row of the culprit, on the last rank (W − 1, a non-zero rank): its micro-batch j = K·GA + MB is
+    global batch j·W + W − 1."""
+    return ((K * GA + MB) * world + world - 1) * B + ROW
 
 
 def _dataset(tok: Any, cycle: Any, period: int, world: int, plant: bool) -> list[dict]:

@@ -1,11 +1,11 @@
-"""A real ``lightning.pytorch.Trainer`` with ``strategy="ddp"`` on 2 gloo CPU processes, GradlocCallback attached.
+"""A real ``lightning.pytorch.Trainer`` with ``strategy="ddp"`` on W gloo CPU processes, GradlocCallback attached.
 
 Each rank (launched by tests/distributed/launch.py: ``LOCAL_RANK`` set and the gloo group initialized, so
 Lightning's environment creates no processes and reuses the group) builds the tiny pre-trained Llama of
 tests/tiny_llama.py and fits the LightningModule of tests/integrations/lit_llama.py. Lightning wraps it in
 ``DistributedDataParallel``. Each rank reads its ``DistributedSampler(shuffle=False)`` slice (given here with
 ``use_distributed_sampler=False``: Lightning's own sampler shuffles the training set): rank r's micro-batch j
-holds rows ``(j·B + i)·W + r``. The planted culprit: rank 1's micro-batch ``MB`` of step ``K``,
+holds rows ``(j·B + i)·W + r``. The planted culprit: the last rank's micro-batch ``MB`` of step ``K``,
 row ``ROW``, input index ``POS`` is ``Z`` (a corrupted token on one rank). ``train`` returns what the test
 checks, by value; the same fit without the callback gives the reference parameters.
 """
@@ -20,7 +20,7 @@ UID0 = 1000
 
 
 def planted_row(world: int) -> int:
-    return ((K * GA + MB) * B + ROW) * world + 1  # rank 1's row ROW of its micro-batch K·GA + MB
+    return ((K * GA + MB) * B + ROW) * world + world - 1  # the last rank's row ROW of its micro-batch K·GA + MB
 
 
 def train(rank: int, world: int) -> dict[str, Any]:
