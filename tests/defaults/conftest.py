@@ -12,3 +12,6 @@ def pytest_collection_modifyitems(items):
         if "/tests/defaults/" in str(item.fspath):
             item.add_marker(pytest.mark.defaults)
             item.add_marker(pytest.mark.distributed)  # every test here launches a job (tests/distributed/launch.py)
+
+
+from tests.distributed.conftest import ds_shm_op  # noqa: E402,F401  (DeepSpeed's shm op, built once per session)

@@ -38,15 +38,21 @@ def variants() -> dict[str, dict[str, Any]]:
     }
 
 
-def build(kwargs: dict[str, Any]) -> torch.nn.Module:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel
+def llama(vocab: int = VOCAB) -> torch.nn.Module:
+    """A tiny random ``LlamaForCausalLM`` (seeded): it has buffers (``rotary_emb.inv_freq``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def build(kwargs: dict[str, Any]) -> torch.nn.Module:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = llama()
     kwargs = {k: v for k, v in kwargs.items() if k != "accumulate"}
     hook = kwargs.pop("comm_hook", None)
     ddp = DistributedDataParallel(model, **kwargs)

@@ -39,26 +39,30 @@ def engine_for(stage: int, bf16: bool = False, seed: int = 0) -> Any:
 
 
 def train(rank: int, stage: int, steps: int, plant: tuple | None, monitor: bool, bf16: bool = False,
-          pad: tuple[int, int] | None = None) -> dict:
-    """``pad`` = (rank, step): that rank's loader emits padding rows (id 0, labels in the loss) at that step."""
+          pad: tuple[int, int] | None = None, build: Any = None, logits: Any = None,
+          detector: Any = None) -> dict:
+    """``pad`` = (rank, step): that rank's loader emits padding rows (id 0, labels in the loss) at that step.
+    ``build(stage, bf16)``: another engine (default: TinyGPT's, ``engine_for``); ``logits(module, x)``: its
+    logits (default: the module's output); ``detector``: a DetectorConfig (default: warm-up 5)."""
     import torch
 
     import gradloc
     from gradloc.demo.model import token_losses
     from tests.distributed.ds_common import engine_params
 
-    engine = engine_for(stage, bf16)
+    engine = (build or engine_for)(stage, bf16)
+    out_of = logits or (lambda module, x: module(x))
     x, y, w = data(rank, steps)
     if plant is not None and plant[0] == rank:
         _, s, mb, b, t = plant
         w[s, mb, b, t] = 3000.0
     if pad is not None and pad[0] == rank:
         x[pad[1]], y[pad[1]] = 0, 0
-    mon = gradloc.watch(engine, detector=gradloc.DetectorConfig(warmup=5), store=False) if monitor else None
+    mon = gradloc.watch(engine, detector=detector or gradloc.DetectorConfig(warmup=5), store=False) if monitor else None
     reports, ds_norms, collectives = [], [], []  # gradloc's collectives (JobComm) per micro-step
     for s in range(steps):
         def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s, module: Any = engine.module) -> torch.Tensor:
-            terms = token_losses(module(x[s, i]), y[s, i]).float() * w[s, i]
+            terms = token_losses(out_of(module, x[s, i]), y[s, i]).float() * w[s, i]
             if mask is not None:
                 terms = terms * mask
             return terms.sum() / terms.numel()
