@@ -36,8 +36,9 @@ class BatchNormLM(nn.Module):
 
 
 def train(rank: int, world: int) -> dict[str, Any]:
-    import gradloc
     from torch.nn.parallel import DistributedDataParallel
+
+    import gradloc
 
     logs: list[str] = []
     handler = logging.Handler()
