@@ -23,7 +23,15 @@ episode's last flagged step carries ``SpikeEvent.episode`` (the step of the inci
 it) and opens no incident of its own (:func:`opens_incident`), unless its kinds are non-finite
 (always an incident, at once), include an incident kind the episode's incident did not have (a
 different trouble: a planted token's loss_spike after a natural grad_spike), or its global norm
-is more than ``ESCALATION`` × the episode's largest (a worse spike, not a reaction).
+is more than ``ESCALATION`` × the episode's largest (a worse spike, not a reaction), or it is a new
+cause (:func:`new_cause`, read from the record, no extra pass): most of its top tokens' score is in
+samples the episode's incidents did not name, and the step shows they are bad data — one is a
+per-sample surprise outlier, or its rollouts are above the rl_mismatch line
+(``SampleStats.rl_mismatch_streak``). A new cause opens its own incident, linked by
+``SpikeEvent.follows`` (the episode's incident step) and explained in ``SpikeEvent.detail``; the episode
+goes on. At most ``NEW_CAUSES`` per episode (a run that keeps spiking: bounded; a new episode opened
+inside an open one keeps its count). The echo of one bad update (fresh samples carrying the tokens it
+broke, a concentrated top included: the demo's step 187) has no such evidence and folds.
 """
 from __future__ import annotations
 
@@ -148,8 +156,9 @@ class SpikeDetector:
         flagged = INCIDENT.intersection(kinds)
         if (ep is None or not NONFINITE.isdisjoint(kinds) or norm > ESCALATION * ep.peak
                 or not flagged <= ep.kinds):
-            if horizon > 0:
-                self._episode = _Episode(step, step, norm, flagged, culprit_samples(rec))
+            if horizon > 0:  # a new episode inside an open one keeps its budget of new causes: bounded
+                self._episode = _Episode(step, step, norm, flagged, culprit_samples(rec) | (ep.seen if ep else frozenset()))
+                self._episode.causes = ep.causes if ep is not None else 0
             return None, None, ""
         ep.last, ep.peak = step, max(ep.peak, norm)
         new, why = (new_cause(rec, ep.seen) if ep.causes < NEW_CAUSES else (frozenset(), ""))
