@@ -404,3 +404,17 @@ def test_a_run_that_keeps_spiking_gets_a_bounded_number_of_incidents():
     # beyond them only the existing rules open one: here the norm's EMA rising makes a `divergence` (a new kind)
     assert [e.kinds for e in opened if e.follows is None][1:] == [("grad_spike", "divergence")]
     assert all(e.episode is not None for e in events[1 + NEW_CAUSES:] if not opens_incident(e))
+
+
+def test_in_a_job_a_new_cause_is_the_job_s_verdict():
+    """Each rank sees its own top tokens and samples; the verdict is the job's (any rank), asked only on a
+    flagged step inside an episode, so every rank opens the incident (its localization is collective)."""
+    asked: list[bool] = []
+    for other_rank_has_it in (True, False):
+        feed = Feed(DetectorConfig())
+        feed.det.agree = lambda mine, o=other_rank_has_it: asked.append(mine) or mine or o
+        feed.flat(100)
+        first = _feed(feed, 10.0)
+        assert opens_incident(first) and asked == []  # not asked outside an episode
+        ev = _feed(feed, 8.0)  # this rank: a new top but no evidence
+        assert asked.pop() is False and opens_incident(ev) is other_rank_has_it
