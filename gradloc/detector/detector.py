@@ -157,7 +157,8 @@ class SpikeDetector:
         if (ep is None or not NONFINITE.isdisjoint(kinds) or norm > ESCALATION * ep.peak
                 or not flagged <= ep.kinds):
             if horizon > 0:  # a new episode inside an open one keeps its budget of new causes: bounded
-                self._episode = _Episode(step, step, norm, flagged, culprit_samples(rec) | (ep.seen if ep else frozenset()))
+                seen = culprit_samples(rec) | (ep.seen if ep is not None else frozenset())
+                self._episode = _Episode(step, step, norm, flagged, seen)
                 self._episode.causes = ep.causes if ep is not None else 0
             return None, None, ""
         ep.last, ep.peak = step, max(ep.peak, norm)
@@ -244,14 +245,15 @@ class _Episode:
         self.start, self.last, self.peak, self.kinds, self.seen, self.causes = start, last, peak, kinds, seen, 0
 
 
-def _key(sample_id: str | None, micro_batch: int | None, sample: int | None) -> object:
-    return sample_id if sample_id is not None else (micro_batch, sample)
+def _key(step: int, sample_id: str | None, micro_batch: int | None, sample: int | None) -> object:
+    """A sample's identity: its id, or without one its place in its step (then every step's are new)."""
+    return sample_id if sample_id is not None else (step, micro_batch, sample)
 
 
 def culprit_samples(rec: StepRecord) -> frozenset:
     """The samples (sample id, or (micro-batch, sample)) of the step's top tokens."""
     top = rec.tokens.top if rec.tokens is not None else ()
-    return frozenset(_key(t.sample_id, t.micro_batch, t.sample) for t in top)
+    return frozenset(_key(rec.step, t.sample_id, t.micro_batch, t.sample) for t in top)
 
 
 def new_cause(rec: StepRecord, seen: frozenset) -> tuple[frozenset, str]:
@@ -264,7 +266,7 @@ def new_cause(rec: StepRecord, seen: frozenset) -> tuple[frozenset, str]:
     top = rec.tokens.top if rec.tokens is not None else ()
     mass: dict[object, float] = {}
     for t in top:
-        k = _key(t.sample_id, t.micro_batch, t.sample)
+        k = _key(rec.step, t.sample_id, t.micro_batch, t.sample)
         mass[k] = mass.get(k, 0.0) + t.share
     new = frozenset(k for k in mass if k not in seen)
     total = sum(mass.values())
@@ -272,7 +274,7 @@ def new_cause(rec: StepRecord, seen: frozenset) -> tuple[frozenset, str]:
         return frozenset(), ""
     found = rec.samples.outliers if rec.samples is not None else ()
     odd = sorted(str(k) for k in new if any(o.kind == OutlierKind.SURPRISE and
-                                            _key(o.sample_id, o.micro_batch, o.sample) == k for o in found))
+                                            _key(rec.step, o.sample_id, o.micro_batch, o.sample) == k for o in found))
     if odd:
         return new, f"new culprit sample(s) {', '.join(odd[:3])} are surprise outliers"
     streak = rec.samples.rl_mismatch_streak if rec.samples is not None else 0

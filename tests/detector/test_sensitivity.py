@@ -339,12 +339,12 @@ def test_a_job_s_ranks_agree_on_a_sample_spike_that_one_rank_holds():
 
 # -- a new cause inside an episode (persistent faults) ------------------------------------------------
 def _picture(step: int, share: float = 0.6, outlier: bool = False, streak: int = 0,
-             sample_id: str | None = None) -> dict:
+             sample_id: str | None = None, ids: bool = True) -> dict:
     """A step's attribution picture: its top token in one sample (``sample_id``; default new each step)
     carrying ``share``, optionally that sample a surprise outlier, optionally an rl_mismatch streak."""
     from gradloc.records import SampleOutlier, TokenScore
 
-    sid = sample_id or f"s{step}-0"
+    sid = (sample_id or f"s{step}-0") if ids else None
     tok = TokenScore(micro_batch=0, sample=0, position=3, score=share, share=share, token_id=7, sample_id=sid)
     outs = (SampleOutlier(kind="surprise", job="job", rank=0, step=step, time_unix=0.0, score=9.0, z=11.0,
                           baseline=3.0, micro_batch=0, sample=0, sample_id=sid),) if outlier else ()
@@ -371,6 +371,9 @@ def test_new_bad_data_inside_an_episode_opens_its_own_incident_that_follows_it()
     assert "new cause inside the episode of step" in again.detail and "surprise outlier" in again.detail
     echo = feed(4.0)  # the run reacting: no identifiable culprit
     assert not opens_incident(echo) and echo.episode == first.step  # still the first incident's episode
+    # without sample ids a sample is its place in its step: the same (micro-batch, sample) next step is new data
+    anon = _feed(feed, 9.0, outlier=True, ids=False)
+    assert opens_incident(anon) and anon.follows == first.step
 
 
 def test_rollouts_above_the_mismatch_line_are_new_bad_data_inside_an_episode():
