@@ -72,6 +72,8 @@ def _finding(f: Incident) -> str:
     head = (f"<h2>Rank {f.rank} ({_e(f.scope)} scope)</h2><p>detector: ‖∇‖ <b>{_num(sp.global_norm)}</b>{ratio} against a "
             f"healthy {_num(sp.mean)} ± {_num(sp.std)} (z {_num(sp.z)}); loss {_num(sp.loss)} (healthy "
             f"{_num(sp.loss_mean)}, z {_num(sp.loss_z)}); kinds {_e(', '.join(sp.kinds) or '—')}</p>")
+    if sp.detail:  # e.g. a new cause inside an earlier incident's episode (gradloc/detector/detector.py)
+        head += f'<p class="muted">{_e(sp.detail)}</p>'
     layers = _layers(f)
     if loc is None:
         return head + "<p>not localized (a trend, not a token event)</p>" + layers

@@ -277,7 +277,9 @@ def _follow_up(points: Sequence[StepPoint], inc: CorrelatedIncident, line: float
     more = f'<p class="muted">+{len(after) - rows} more step(s) in the chart</p>' if len(after) > rows else ""
     return (f'<details class="follow"><summary>Follow-up steps: {len(after)} after the incident, {len(above)} above the '
             f"line it crossed ({num(line)})</summary><p class=\"muted\">The detector folds flagged steps within its "
-            "episode horizon into this incident's episode instead of opening new incidents.</p><table class=\"num\">"
+            "episode horizon into this incident's episode instead of opening new incidents, unless a step brings a new "
+            "cause (new culprit samples shown to be bad data): that step is its own incident, which names this one's "
+            "step.</p><table class=\"num\">"
             f"<tr><th>step</th><th>‖∇‖</th><th>× healthy mean</th><th>loss</th><th>above the line</th></tr>{cells}"
             f"</table>{more}</details>")
 

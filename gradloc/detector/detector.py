@@ -23,7 +23,15 @@ episode's last flagged step carries ``SpikeEvent.episode`` (the step of the inci
 it) and opens no incident of its own (:func:`opens_incident`), unless its kinds are non-finite
 (always an incident, at once), include an incident kind the episode's incident did not have (a
 different trouble: a planted token's loss_spike after a natural grad_spike), or its global norm
-is more than ``ESCALATION`` × the episode's largest (a worse spike, not a reaction).
+is more than ``ESCALATION`` × the episode's largest (a worse spike, not a reaction), or it is a new
+cause (:func:`new_cause`, read from the record, no extra pass): most of its top tokens' score is in
+samples the episode's incidents did not name, and the step shows they are bad data — one is a
+per-sample surprise outlier, or its rollouts are above the rl_mismatch line
+(``SampleStats.rl_mismatch_streak``). A new cause opens its own incident, linked by
+``SpikeEvent.follows`` (the episode's incident step) and explained in ``SpikeEvent.detail``; the episode
+goes on. At most ``NEW_CAUSES`` per episode (a run that keeps spiking: bounded; a new episode opened
+inside an open one keeps its count). The echo of one bad update (fresh samples carrying the tokens it
+broke, a concentrated top included: the demo's step 187) has no such evidence and folds.
 """
 from __future__ import annotations
 
@@ -42,6 +50,8 @@ LOCALIZE: frozenset[SpikeKind] = frozenset({K.GRAD_SPIKE, K.ABS_THRESHOLD, K.NON
 INCIDENT: frozenset[SpikeKind] = LOCALIZE | {K.NONFINITE_LOSS, K.DIVERGENCE}
 NONFINITE: frozenset[SpikeKind] = frozenset({K.NONFINITE_GRAD, K.NONFINITE_LOSS})
 ESCALATION = 2.0  # inside an episode, a global norm above this × the episode's largest opens a new incident
+NEW_CAUSES = 8  # new-cause incidents one episode may open (a run that keeps spiking: bounded)
+NEW_SHARE = 0.5  # a new cause: at least this share of the top tokens' score is in samples the episode had not named
 _FAST_ALPHA = 0.7
 
 
@@ -129,26 +139,36 @@ class SpikeDetector:
             if self._divergence(g):
                 kinds.append(K.DIVERGENCE)
             self._global.update(np.array([g]), c.z_threshold)
-        episode = self._fold(rec.step, kinds, g)
+        episode, follows, detail = self._fold(rec, kinds, g)
         return SpikeEvent(step=rec.step, kinds=tuple(kinds), global_norm=g, z=z, mean=mean, std=std, loss=rec.loss,
-                          loss_z=loss_z, loss_mean=loss_mean, layers=hot_layers, episode=episode)
+                          loss_z=loss_z, loss_mean=loss_mean, layers=hot_layers, episode=episode, follows=follows,
+                          detail=detail)
 
-    def _fold(self, step: int, kinds: list[SpikeKind], g: float) -> int | None:
-        """The episode ``step`` belongs to (None: it opens an incident, or is outside any episode)."""
-        ep, horizon = self._episode, self.config.episode_steps
+    def _fold(self, rec: StepRecord, kinds: list[SpikeKind], g: float) -> tuple[int | None, int | None, str]:
+        """(the episode ``rec``'s step belongs to, None: it opens an incident or is outside any episode;
+        the episode a new-cause incident opens inside; the spike's detail)."""
+        step, (ep, horizon) = rec.step, (self._episode, self.config.episode_steps)
         if ep is not None and step - ep.last > horizon:
             ep = self._episode = None
         if INCIDENT.isdisjoint(kinds):
-            return ep.start if ep is not None else None
+            return (ep.start if ep is not None else None), None, ""
         norm = g if math.isfinite(g) else math.inf
         flagged = INCIDENT.intersection(kinds)
         if (ep is None or not NONFINITE.isdisjoint(kinds) or norm > ESCALATION * ep.peak
                 or not flagged <= ep.kinds):
-            if horizon > 0:
-                self._episode = _Episode(step, step, norm, flagged)
-            return None
+            if horizon > 0:  # a new episode inside an open one keeps its budget of new causes: bounded
+                seen = culprit_samples(rec) | (ep.seen if ep is not None else frozenset())
+                self._episode = _Episode(step, step, norm, flagged, seen)
+                self._episode.causes = ep.causes if ep is not None else 0
+            return None, None, ""
         ep.last, ep.peak = step, max(ep.peak, norm)
-        return ep.start
+        new, why = (new_cause(rec, ep.seen) if ep.causes < NEW_CAUSES else (frozenset(), ""))
+        if ep.causes < NEW_CAUSES and (self.agree(bool(new)) if self.agree is not None else bool(new)):
+            ep.causes += 1  # every rank counts it: the job's verdict (one all-reduce, flagged steps in an episode only)
+            ep.seen |= new
+            return None, ep.start, (f"new cause inside the episode of step {ep.start}: {why or 'on another rank'} "
+                                    f"({ep.causes} of at most {NEW_CAUSES} in one episode)")
+        return ep.start, None, ""
 
     def _outlier_sample(self, rec: StepRecord, mean: float | None) -> bool:
         """The step's norm is >= sample_ratio × its mean and a sample of it is a surprise outlier: a bad
@@ -216,9 +236,49 @@ class SpikeDetector:
 
 class _Episode:
     """An open episode: the step of its incident, its last flagged step, its largest global norm,
-    the incident kinds of its incident."""
+    the incident kinds of its incident, the samples its incidents' attribution named, the new-cause
+    incidents opened inside it."""
 
-    __slots__ = ("start", "last", "peak", "kinds")
+    __slots__ = ("start", "last", "peak", "kinds", "seen", "causes")
 
-    def __init__(self, start: int, last: int, peak: float, kinds: set[SpikeKind]) -> None:
-        self.start, self.last, self.peak, self.kinds = start, last, peak, kinds
+    def __init__(self, start: int, last: int, peak: float, kinds: set[SpikeKind], seen: frozenset) -> None:
+        self.start, self.last, self.peak, self.kinds, self.seen, self.causes = start, last, peak, kinds, seen, 0
+
+
+def _key(step: int, sample_id: str | None, micro_batch: int | None, sample: int | None) -> object:
+    """A sample's identity: its id, or without one its place in its step (then every step's are new)."""
+    return sample_id if sample_id is not None else (step, micro_batch, sample)
+
+
+def culprit_samples(rec: StepRecord) -> frozenset:
+    """The samples (sample id, or (micro-batch, sample)) of the step's top tokens."""
+    top = rec.tokens.top if rec.tokens is not None else ()
+    return frozenset(_key(rec.step, t.sample_id, t.micro_batch, t.sample) for t in top)
+
+
+def new_cause(rec: StepRecord, seen: frozenset) -> tuple[frozenset, str]:
+    """(the new culprit samples, why) when a flagged step inside an episode is new bad data, else
+    (empty, ""): most of its top tokens' score is in samples the episode's incidents did not name, and
+    the step itself shows those samples are bad data — one of them is a per-sample surprise outlier,
+    or the step's rollouts disagree with the trainer (its mismatch share is above the rl_mismatch line).
+    The echo of one bad update (Adam's moments: fresh samples that carry the broken tokens) has
+    neither, so it folds. Read from the record: no extra pass."""
+    top = rec.tokens.top if rec.tokens is not None else ()
+    mass: dict[object, float] = {}
+    for t in top:
+        k = _key(rec.step, t.sample_id, t.micro_batch, t.sample)
+        mass[k] = mass.get(k, 0.0) + t.share
+    new = frozenset(k for k in mass if k not in seen)
+    total = sum(mass.values())
+    if not new or not total > 0 or sum(mass[k] for k in new) < NEW_SHARE * total:
+        return frozenset(), ""
+    found = rec.samples.outliers if rec.samples is not None else ()
+    odd = sorted(str(k) for k in new if any(o.kind == OutlierKind.SURPRISE and
+                                            _key(rec.step, o.sample_id, o.micro_batch, o.sample) == k for o in found))
+    if odd:
+        return new, f"new culprit sample(s) {', '.join(odd[:3])} are surprise outliers"
+    streak = rec.samples.rl_mismatch_streak if rec.samples is not None else 0
+    if streak > 0:
+        return new, (f"{len(new)} new culprit sample(s) on a step whose rollouts disagree with the trainer "
+                     f"({streak} step(s) above the rl_mismatch line)")
+    return frozenset(), ""

@@ -68,4 +68,5 @@ class SampleWatch:
         stats = stats if stats is not None else SampleStats()
         if finding is not None:
             stats = replace(stats, outliers=(*stats.outliers, finding))
-        return replace(record, samples=replace(stats, rl_mismatch_baseline=baseline))
+        streak = self.mismatch.streak if record.rl is not None and record.rl.mismatch_fraction is not None else 0
+        return replace(record, samples=replace(stats, rl_mismatch_baseline=baseline, rl_mismatch_streak=streak))

@@ -71,3 +71,6 @@ class SampleStats:
     flagged: int = 0  # surprise outliers this step (``outliers`` holds at most SampleConfig.max_outliers of them)
     outliers: tuple[SampleOutlier, ...] = ()
     rl_mismatch_baseline: float | None = None  # the run's healthy mismatch share (None before its warm-up)
+    # steps in a row, up to this one, whose mismatch share is above the rl_mismatch line (0: this one is not);
+    # the finding comes when it reaches SampleConfig.rl_patience. The detector reads it (a new cause in an episode)
+    rl_mismatch_streak: int = 0

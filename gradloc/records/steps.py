@@ -178,6 +178,9 @@ class SpikeEvent:
     # the step of the incident whose episode this step belongs to (the run reacting to that spike):
     # its kinds open no new incident. None on the step that opens an incident and outside episodes.
     episode: int | None = None
+    # on a step that opens an incident inside an earlier incident's episode because its culprits are new data
+    # (gradloc/detector/detector.py, "new cause"): that incident's step. None otherwise.
+    follows: int | None = None
 
     def __post_init__(self) -> None:  # plain strings from a decoder or a test become the typed values
         if not all(type(k) is SpikeKind for k in self.kinds):

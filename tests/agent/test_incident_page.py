@@ -355,3 +355,12 @@ def test_layer_z_scores_cross_the_wire_and_a_nan_one_arrives_as_unknown():
     got = decode_incident(encode_incident(replace(f0, top_layers=layers)), 4, "$")
     assert [s.z for s in got.top_layers] == [12.5, None, None]
     assert not encode_incident(replace(f0, top_layers=layers[1:2])).top_layers[0].HasField("z")  # old readers: absent
+
+
+def test_a_new_cause_inside_an_episode_says_so_on_its_page():
+    inc = make_incident()
+    f0 = inc.findings[0]
+    detail = "new cause inside the episode of step 29: 12 new culprit sample(s) <x>"
+    page = incident_html(replace(inc, findings=(replace(f0, spike=replace(f0.spike, detail=detail)),)))
+    assert "new cause inside the episode of step 29" in page and "&lt;x&gt;" in page
+    assert "new cause" not in incident_html(replace(inc, findings=(f0,)))

@@ -335,3 +335,89 @@ def test_a_job_s_ranks_agree_on_a_sample_spike_that_one_rank_holds():
         kinds = [tuple(k for k in e.kinds if k != "layer_spike") for e in events]
         assert kinds == [want, want], (ratio, odd_on)
         assert fake.calls[0] == fake.calls[1] == (["gradloc sample flag"] if ratio > 1.25 else [])
+
+
+# -- a new cause inside an episode (persistent faults) ------------------------------------------------
+def _picture(step: int, share: float = 0.6, outlier: bool = False, streak: int = 0,
+             sample_id: str | None = None, ids: bool = True) -> dict:
+    """A step's attribution picture: its top token in one sample (``sample_id``; default new each step)
+    carrying ``share``, optionally that sample a surprise outlier, optionally an rl_mismatch streak."""
+    from gradloc.records import SampleOutlier, TokenScore
+
+    sid = (sample_id or f"s{step}-0") if ids else None
+    tok = TokenScore(micro_batch=0, sample=0, position=3, score=share, share=share, token_id=7, sample_id=sid)
+    outs = (SampleOutlier(kind="surprise", job="job", rank=0, step=step, time_unix=0.0, score=9.0, z=11.0,
+                          baseline=3.0, micro_batch=0, sample=0, sample_id=sid),) if outlier else ()
+    tokens = TokenStats(tokens=512, total_score=1.0, top=(tok,), top_share=0.006, micro_batch_shares=(1.0,),
+                        unattributed_share=0.0)
+    return dict(tokens=tokens, samples=SampleStats(judged=16, flagged=len(outs), outliers=outs,
+                                                   rl_mismatch_streak=streak))
+
+
+def _feed(feed: Feed, g: float, **picture) -> SpikeEvent:
+    ev = feed.det.observe(dataclasses.replace(record(feed.step, g, top=None), **_picture(feed.step, **picture)))
+    feed.step += 1
+    return ev
+
+
+def test_new_bad_data_inside_an_episode_opens_its_own_incident_that_follows_it():
+    feed = Feed(DetectorConfig())
+    feed.flat(100)
+    first = _feed(feed, 10.0, outlier=True)
+    assert opens_incident(first) and first.follows is None
+    # two steps later a larger spike (1.8×, below the 2× escalation), its top in a new sample that is odd
+    again = _feed(feed, 18.0, outlier=True)
+    assert opens_incident(again) and again.episode is None and again.follows == first.step
+    assert "new cause inside the episode of step" in again.detail and "surprise outlier" in again.detail
+    echo = feed(4.0)  # the run reacting: no identifiable culprit
+    assert not opens_incident(echo) and echo.episode == first.step  # still the first incident's episode
+    # without sample ids a sample is its place in its step: the same (micro-batch, sample) next step is new data
+    anon = _feed(feed, 9.0, outlier=True, ids=False)
+    assert opens_incident(anon) and anon.follows == first.step
+
+
+def test_rollouts_above_the_mismatch_line_are_new_bad_data_inside_an_episode():
+    feed = Feed(DetectorConfig())
+    feed.flat(100)
+    first = _feed(feed, 10.0, streak=1)
+    rl = _feed(feed, 8.0, streak=2)
+    assert opens_incident(rl) and rl.follows == first.step and "rl_mismatch line" in rl.detail
+
+
+def test_the_echo_of_one_bad_update_stays_folded_even_with_a_concentrated_new_top():
+    """The demo's step 187: a fresh sample carries 56% of the score (the token the update broke), 6× the
+    mean, no outlier, no rollouts: the run reacting, one incident."""
+    feed = Feed(DetectorConfig())
+    feed.flat(100)
+    first = _feed(feed, 10.0, outlier=True)
+    echo = _feed(feed, 6.0, share=0.56)
+    assert "grad_spike" in echo.kinds and not opens_incident(echo) and echo.episode == first.step
+    same = _feed(feed, 6.0, outlier=True, sample_id=f"s{first.step}-0")  # the opener's sample again
+    assert not opens_incident(same) and same.episode == first.step
+
+
+def test_a_run_that_keeps_spiking_gets_a_bounded_number_of_incidents():
+    from gradloc.detector.detector import NEW_CAUSES
+
+    feed = Feed(DetectorConfig())
+    feed.flat(100)
+    events = [_feed(feed, 10.0, outlier=True) for _ in range(60)]  # new bad data on every step
+    opened = [e for e in events if opens_incident(e)]
+    assert [e.step for e in opened if e.follows is not None] == [e.step for e in events[1:1 + NEW_CAUSES]]
+    # beyond them only the existing rules open one: here the norm's EMA rising makes a `divergence` (a new kind)
+    assert [e.kinds for e in opened if e.follows is None][1:] == [("grad_spike", "divergence")]
+    assert all(e.episode is not None for e in events[1 + NEW_CAUSES:] if not opens_incident(e))
+
+
+def test_in_a_job_a_new_cause_is_the_job_s_verdict():
+    """Each rank sees its own top tokens and samples; the verdict is the job's (any rank), asked only on a
+    flagged step inside an episode, so every rank opens the incident (its localization is collective)."""
+    asked: list[bool] = []
+    for other_rank_has_it in (True, False):
+        feed = Feed(DetectorConfig())
+        feed.det.agree = lambda mine, o=other_rank_has_it: asked.append(mine) or mine or o
+        feed.flat(100)
+        first = _feed(feed, 10.0)
+        assert opens_incident(first) and asked == []  # not asked outside an episode
+        ev = _feed(feed, 8.0)  # this rank: a new top but no evidence
+        assert asked.pop() is False and opens_incident(ev) is other_rank_has_it
