@@ -19,15 +19,26 @@ compiled, finds no sinks: it asks for them (``wanted``) and scores nothing; the 
 brings sinks and dynamo re-traces once. Not under compile: the per-sample surprise (the LM head's
 output gradient at the label ids) and activation-checkpointing re-runs — a compiled region is one
 call.
+
+Other compiled models in the process (a reference policy, an EMA copy, a teacher): dynamo caches graphs
+per code object (a class's ``forward``), and by default it does not guard on a module's *empty* hook
+dicts (``torch._dynamo.config.skip_nnmodule_hook_guards``). A graph traced for an unwatched instance
+of the same class would then run for the watched one too, without the taps. :func:`guard_hooks`
+(at attach) turns those guards on and drops the graphs traced before without them, so each instance
+gets its own graph; a graph that still runs without the taps is noticed (``TapState.reached``) and
+said (engine/token_path.py).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules.registry import TokenRule
+
+log = logging.getLogger("gradloc")
 
 
 class TapState:
@@ -40,6 +51,7 @@ class TapState:
         self.sinks: list[torch.Tensor] | None = None  # one (B, T) float32 leaf per watched module
         self.wanted = False  # a compiled region traced a watched module: create sinks from now on
         self.last = -1  # watched index of the last module tapped in forward (replayed on every run)
+        self.reached = False  # a traced hook ran in this micro-batch's forward (replayed on every run)
 
 
 def make_tap(rule: TokenRule, module: torch.nn.Module) -> type[torch.autograd.Function]:
@@ -64,15 +76,24 @@ def make_tap(rule: TokenRule, module: torch.nn.Module) -> type[torch.autograd.Fu
 
 
 def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, fn: type, args: tuple,
-        out: Any) -> torch.Tensor | None:
-    """The compiled path of a watched module's forward hook: the tapped output, or None (unchanged)."""
+        out: Any, caller: torch.nn.Module | None = None, site: torch.nn.Module | None = None) -> torch.Tensor | None:
+    """The compiled path of a watched module's forward hook: the tapped output, or None (unchanged).
+    ``caller``: the module the hook ran on; ``site``: the one it was registered on (a copy of the model,
+    ``copy.deepcopy`` after watch, carries the hook: it is not tapped, and its graph is told apart from
+    the watched model's by the identity guard ``id()`` installs)."""
     whole = out
     out = rule.output(out) if hasattr(rule, "output") else out  # a router's logits, first of a tuple
     if not state.active or not args or not isinstance(out, torch.Tensor) or not out.requires_grad:
         return None
+    region = in_region()  # inside a higher-order op (a checkpointed block): no Python side effect allowed
     if state.sinks is None:
-        state.wanted = True
+        if not region:
+            state.wanted = True
         return None
+    if caller is not None and id(caller) != id(site):
+        return None
+    if not region:
+        state.reached = True  # a store of a constant: no guard, dynamo replays it whenever the graph runs
     if not getattr(rule, "compilable", True):
         return None  # its sink gets no gradient: unscored, said once (engine/token_path.py)
     fit = fit_call(rule, module, args[0], out, state.batch, state.seq)
@@ -80,13 +101,67 @@ def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, f
         return None  # not scorable per position: the module stays unscored (its gradient unattributed)
     with torch.no_grad():
         saved = rule.capture(module, fit.x, fit.out)
-    state.last = index
+    if not region:
+        state.last = index
     tapped = fn.apply(fit.out, state.sinks[index], saved, fit.extra)
     return (tapped, *whole[1:]) if whole is not out else tapped
+
+
+@torch._dynamo.assume_constant_result  # called at trace time, its answer a constant of the graph (no guard)
+def in_region() -> bool:
+    """Whether dynamo is tracing the body of a higher-order op (``torch.utils.checkpoint`` in a compiled
+    region), where a store to a Python object is refused (an error under ``fullgraph=True``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return not InstructionTranslator.current_tx().output.is_root_tracer()
+    except Exception:  # noqa: BLE001 - not tracing, or another torch: the root graph
+        return False
+
+
+def guard_hooks(instances: int = 1) -> int:
+    """From now on dynamo guards on every module's hook dicts, empty ones included, so a graph traced for a
+    module without gradloc's hooks never runs for a watched one (nor the reverse); graphs traced before,
+    without those guards, are dropped (they retrace on their next call). Returns how many code objects
+    lost their graphs; -1 where this torch offers no way to (then an untapped graph is said, not fixed).
+
+    ``instances``: the most instances of one class that hold watched modules (the blocks). Each block's
+    taps read its own sink index, so a block compiled on its own traces once per instance: dynamo's
+    ``recompile_limit`` (8 per code object) is raised to ``instances + 8`` where lower — else the ninth
+    block falls back to eager, or fails the step under ``fullgraph=True`` (FailOnRecompileLimitHit)."""
+    try:
+        import torch._dynamo as dynamo
+        from torch._dynamo import convert_frame
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    except Exception:  # noqa: BLE001 - an older or newer torch: detection alone (TokenHooks.end)
+        log.debug("gradloc: dynamo's hook guards not available", exc_info=True)
+        return -1
+    limit = getattr(dynamo.config, "recompile_limit", None)
+    if isinstance(limit, int) and limit < instances + 8:
+        dynamo.config.recompile_limit = instances + 8
+    if not dynamo.config.skip_nnmodule_hook_guards:
+        return 0  # already guarded (a monitor attached before, or the user's setting): nothing stale
+    dynamo.config.skip_nnmodule_hook_guards = False
+    dropped = 0
+    try:
+        with convert_frame.compile_lock:
+            for ref in convert_frame.input_codes.seen + convert_frame.output_codes.seen:
+                code = ref()
+                if code is not None and _debug_get_cache_entry_list(code):
+                    reset_code(code)
+                    dropped += 1
+    except Exception:  # noqa: BLE001 - never raise into the caller's set-up: the detection stays
+        log.debug("gradloc: could not drop graphs traced before watch()", exc_info=True)
+        return -1
+    if dropped:
+        log.warning("gradloc: %d compiled graph(s) traced before watch() did not guard on module hooks; "
+                    "they are dropped and retrace on their next call, so no model (watched or not) runs "
+                    "another's graph", dropped)
+    return dropped
 
 
 def new_sinks(devices: list[torch.device], batch: int, seq: int) -> list[torch.Tensor]:
     return [torch.zeros(batch, seq, device=d, requires_grad=True) for d in devices]
 
 
-__all__ = ["TapState", "make_tap", "new_sinks", "tap"]
+__all__ = ["TapState", "guard_hooks", "make_tap", "new_sinks", "tap"]

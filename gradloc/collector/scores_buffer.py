@@ -63,6 +63,7 @@ class MicroBatchScores:
     # .grad holds that module's scores once backward ran; folded into ``scores`` by ``fold``
     sinks: list[torch.Tensor] | None = None
     sink_last: int = -1
+    untapped: bool = False  # sinks were given, but the compiled graph that ran had no tap (compiled.py)
     # scores that reach their tokens only after the step's exchange (expert parallelism: parallel/ep.py)
     routed: list = field(default_factory=list)
     # the last input-only capture (``capture``): (rule type, id, version), a weak reference to the input, state

@@ -8,6 +8,7 @@ hook: failures and shape mismatches are counted in the buffer instead.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -65,6 +66,8 @@ class TokenHooks:
         self.taps = compiled.TapState()  # what hooks traced by torch.compile read (compiled.py)
         self._tap_fns = [compiled.make_tap(w.rule, w.module) for w in self.watched]
         self._devices = [next(w.module.parameters()).device for w in self.watched]
+        holders = {n.rsplit(".", k)[0] for w in self.watched for n in [w.name] for k in range(1, n.count(".") + 1)}
+        self._instances = max(Counter(type(by_name[n]) for n in holders).values(), default=1)  # e.g. the blocks
 
     def relayer(self, names: list[str], index: list[int]) -> None:
         """The job's token layers (every pipeline stage's): this rank's token layer i is ``names[index[i]]``."""
@@ -85,6 +88,7 @@ class TokenHooks:
         return {w.name for w in self.watched}
 
     def attach(self) -> None:
+        compiled.guard_hooks(self._instances)  # no other compiled instance's graph runs for the watched model (compiled.py)
         if self.routed is not None:
             self.routed.install()
         for index, w in enumerate(self.watched):
@@ -113,7 +117,7 @@ class TokenHooks:
               labels: torch.Tensor | None = None) -> None:
         self.current = MicroBatchScores(index, batch, seq, len(self.layers), breakdown, labels=labels)
         t = self.taps
-        t.batch, t.seq, t.last = batch, seq, -1
+        t.batch, t.seq, t.last, t.reached = batch, seq, -1, False
         t.sinks = compiled.new_sinks(self._devices, batch, seq) if t.wanted else None
         t.active = not self._suspended
         self.current.sinks = t.sinks
@@ -125,6 +129,9 @@ class TokenHooks:
             current.sink_last = t.last
             if current.sinks is None and t.wanted and not current.forward_calls:  # traced before sinks existed
                 current.lost_modules.update(self.covered_modules)  # nothing scored: unattributed, not zero
+            elif current.sinks is not None and t.active and not t.reached and not current.forward_calls:
+                current.untapped = True  # a graph without the taps ran (another instance's, a stale one)
+                current.lost_modules.update(self.covered_modules)
         t.active, t.sinks = False, None
         return current
 
@@ -169,7 +176,9 @@ class TokenHooks:
 
         def hook(module: nn.Module, args: tuple, out: Any) -> torch.Tensor | None:
             if torch.compiler.is_compiling():  # traced into a graph: the tap (compiled.py), never self.current
-                return compiled.tap(self.taps, index, w.rule, w.module, fn, args, out)
+                return compiled.tap(self.taps, index, w.rule, w.module, fn, args, out, module, w.site)
+            if module is not w.site:  # a copy that inherited the hook (copy.deepcopy: an EMA model): not watched
+                return None
             buf = self.current
             if buf is None or self.suspended or not torch.is_grad_enabled():
                 return

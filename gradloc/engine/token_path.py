@@ -114,6 +114,16 @@ class TokenPath:
                             "watch it before its first compiled call, or call torch._dynamo.reset() after watch(). "
                             "Per-layer statistics go on; per-token statistics are off (all unattributed).", buf.index)
             return
+        if buf.untapped:  # compiled, sinks given, yet no traced hook ran: a graph traced without gradloc's hooks
+            self.counters["untapped_micro_batches"] += 1
+            if self.counters["untapped_micro_batches"] == 1:
+                log.warning("gradloc: micro-batch %d ran a compiled graph without gradloc's taps (one traced for "
+                            "another instance of the model's class, or before watch(), and not dropped: "
+                            "torch._dynamo.config.skip_nnmodule_hook_guards set back to True?). Per-token "
+                            "statistics are off for such micro-batches (all unattributed), counted in "
+                            "mon.counters['untapped_micro_batches'] (said once); torch._dynamo.reset() retraces.",
+                            buf.index)
+            return
         if buf.dropped_calls == 0 or buf.matched_calls > 0:
             return
         msg = (f"token_ids describe a ({buf.batch}, {buf.seq}) micro-batch, but no watched module saw "

@@ -39,6 +39,7 @@ MONITOR_EVENTS: dict[str, str] = {
     "token_errors": "steps whose per-token scores could not be assembled (no token statistics that step)",
     "token_group_mismatch": "steps whose tensor/pipeline-parallel ranks saw different token ids: token statistics dropped",
     "silent_micro_batches": "micro-batches in which no watched module's hook ran (a graph compiled before watch())",
+    "untapped_micro_batches": "compiled micro-batches whose graph ran without gradloc's taps (traced without its hooks)",
     "dropped_micro_batches": "micro-batches whose token ids matched no watched module's activations (left out of token statistics)",
     "uncompilable_said": "runs where watched modules could not be scored inside a torch.compile graph (counted once)",
     "on_spike_rerun_failed": "token_stats='on_spike': re-runs of a flagged step that failed (no token view)",

@@ -98,20 +98,49 @@ def test_a_compiled_model_is_watched_and_localized_and_trains_bitwise_the_same(h
         assert torch.equal(p, watched["params"][name]), name
 
 
-def test_a_model_compiled_and_run_before_watch_is_said_so_once_and_nothing_is_guessed(caplog):
-    """torch.compile keeps a graph traced before gradloc's hooks existed (pytorch#117758): no hook runs.
-    gradloc warns once, reports every watched module's gradient as unattributed, and names nobody."""
+def test_a_model_compiled_and_run_before_watch_is_retraced_with_the_hooks_and_said_once(caplog):
+    """torch.compile keeps a graph traced before gradloc's hooks existed (pytorch#117758): dynamo does not guard
+    on empty hook dicts by default. watch() turns those guards on and drops the graphs traced without them
+    (said once, collector/compiled.py guard_hooks), so the model retraces with the taps: every watched module
+    scored from the second micro-batch on, nothing silent. (Before: no hook ran, all unattributed.)"""
     torch._dynamo.reset()
     model = tiny_gpt(0)
     data = make_data(3, 2)
     run = torch.compile(model)
-    data.loss(run, 0, 0).backward()  # compiled and run without hooks
-    model.zero_grad()
-    mon = gradloc.watch(run, detector=DET, store=False)
-    with caplog.at_level(logging.WARNING, logger="gradloc"):
-        for s in range(3):
-            total = backward_step(run, data, s, mon)
-            rep = mon.end_step(total)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):  # torch's default (an earlier watch() set it)
+        data.loss(run, 0, 0).backward()  # compiled and run without hooks
+        model.zero_grad()
+        with caplog.at_level(logging.WARNING, logger="gradloc"):
+            mon = gradloc.watch(run, detector=DET, store=False)
+            for s in range(3):
+                total = backward_step(run, data, s, mon)
+                rep = mon.end_step(total)
+    warned = [r for r in caplog.records if "traced before watch() did not guard" in r.getMessage()]
+    assert len(warned) == 1
+    assert not mon.counters["silent_micro_batches"] and not mon.counters["untapped_micro_batches"]
+    assert rep.record.tokens is not None and rep.record.tokens.unattributed_share == 0.0
+    assert rep.record.layers and all(s.grad_norm > 0 for s in rep.record.layers)
+    mon.close()
+
+
+def test_where_the_stale_graph_cannot_be_dropped_it_is_said_once_and_nothing_is_guessed(caplog, monkeypatch):
+    """A torch without the means to drop graphs (guard_hooks answers -1): the graph traced before watch() runs
+    without any hook. gradloc warns once, reports every watched module's gradient as unattributed, names nobody."""
+    from gradloc.collector import compiled
+
+    monkeypatch.setattr(compiled, "guard_hooks", lambda *a: -1)
+    torch._dynamo.reset()
+    model = tiny_gpt(0)
+    data = make_data(3, 2)
+    run = torch.compile(model)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        data.loss(run, 0, 0).backward()  # compiled and run without hooks
+        model.zero_grad()
+        mon = gradloc.watch(run, detector=DET, store=False)
+        with caplog.at_level(logging.WARNING, logger="gradloc"):
+            for s in range(3):
+                total = backward_step(run, data, s, mon)
+                rep = mon.end_step(total)
     warned = [r for r in caplog.records if "no watched module's forward hook ran" in r.getMessage()]
     assert len(warned) == 1 and "torch._dynamo.reset()" in warned[0].getMessage()
     assert mon.counters["silent_micro_batches"] == 6
