@@ -26,7 +26,8 @@ PLANT = (2, 1, 1, 9)  # (plant on the last rank) step offset after HEALTHY is 0:
 
 
 def variants() -> dict[str, dict[str, Any]]:
-    """Name -> DDP kwargs (``comm_hook``: a torch default hook registered after construction; ``accumulate``:
+    """Name -> DDP kwargs (``comm_hook``: a torch default hook registered after construction; ``compile``: the
+    DDP model compiled whole; ``accumulate``:
     "sync" runs every micro-batch's backward synchronised — ``static_graph=True`` does not take ``no_sync``
     accumulation in torch 2.13: the reducer's internal assert fails on the next backward, without gradloc too)."""
     return {
@@ -35,6 +36,7 @@ def variants() -> dict[str, dict[str, Any]]:
         "static_graph": {"static_graph": True, "accumulate": "sync"},
         "gradient_as_bucket_view": {"gradient_as_bucket_view": True},
         "fp16_compress_hook": {"comm_hook": "fp16"},
+        "compiled": {"compile": True},  # torch.compile(DDP(model)), as PyTorch's DDP + compile docs do
     }
 
 
@@ -53,7 +55,7 @@ def build(kwargs: dict[str, Any]) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     model = llama()
-    kwargs = {k: v for k, v in kwargs.items() if k != "accumulate"}
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("accumulate", "compile")}
     hook = kwargs.pop("comm_hook", None)
     ddp = DistributedDataParallel(model, **kwargs)
     if hook is not None:
@@ -71,6 +73,8 @@ def train(rank: int, world: int, kwargs: dict[str, Any], monitor: bool, plant_ra
     import gradloc
 
     ddp = build(kwargs)
+    if kwargs.get("compile"):
+        ddp = torch.compile(ddp)  # the default backend (inductor); dynamo's DDPOptimizer splits at the buckets
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     x, y, w = data(rank)
     if rank == plant_rank:
