@@ -1,21 +1,65 @@
-"""ZClip-style running statistics: a warm-up of N samples, then EMA mean and variance.
+"""Running statistics a z-score is judged against, robust to early spikes and trend-aware.
 
-Vectorised over K channels (the global norm is K=1, per-layer norms are K=L). A sample that is
-itself a spike updates the EMA with its value clamped to μ + z_thr·σ, so one spike does not
-inflate the statistics it is judged against. NaN entries (missing or non-finite) are skipped.
+Vectorised over K channels (the global norm is K=1, per-layer norms are K=L). NaN entries (missing
+or non-finite) are skipped. Two phases:
+
+- **Warm-up** (the first ``warmup`` finite samples of a channel): nothing is judged. At its end the
+  statistics are *robust* estimates, so a real early spike or the steep fall of early training
+  does not inflate them: the level is the median of the warm-up's last quarter (at least 3
+  samples: the level the run has reached, not the warm-up's average), σ is 1.4826 × the median
+  absolute deviation of the successive differences / √2 (the step-to-step spread; a trend adds
+  nothing to it, one spike moves a median by one rank). ZClip's plain mean and variance over the
+  warm-up took a spike of 30× and the fall from initialisation into σ, and a 33-step EMA took
+  ~10 halvings of 46 steps to forget them (issue 32: σ 0.60 at step 250 where the healthy spread
+  was 0.09). :meth:`warm_level` is the median of the last quarter so far, for judging a step
+  inside the warm-up (the detector's ``warmup_spike``).
+- **After the warm-up**: a damped-trend EMA (Holt's linear method in error-correction form). The
+  forecast of the next sample is ``mean = level + trend``; a sample's forecast error
+  ``e = x − mean`` is clamped to ±``z_thr``·σ before it updates anything, so one outlier (up or
+  down) moves the level, the trend and σ only a bounded amount; σ² is the EMA of the clamped
+  forecast errors, i.e. the spread of the residuals around the trend, not around a lagging mean
+  (on a norm falling 0.6% a step a plain EMA lags by 32 steps' fall, and that lag entered σ²).
+  The trend learns at ``TREND_GAIN`` × the level's rate and is damped by ``TREND_DAMPING`` per
+  step, so it is forgotten within ~10-20 steps when the run stops trending. A persistent level shift
+  keeps its errors at the clamp, which widens σ by up to 16 % a step until the forecast has caught
+  up (the clamp cannot detach the statistics from the run).
+
+``base`` is a plain EMA of the (clamped) samples, without the trend: the slow reference of the
+detector's divergence rule, which a trend-following forecast would absorb.
+
+:class:`ZClipEma` is ZClip's own statistics, step for step (a plain mean and variance over the
+warm-up, then an EMA mean and variance with the sample clamped to μ + z_thr·σ): the detector uses it
+at ``sensitivity="zclip"``, the rule gradloc had before.
 """
 from __future__ import annotations
 
 import numpy as np
 
+TREND_GAIN = 0.3  # the trend's update per unit forecast error, × the level's (1 − alpha)
+TREND_DAMPING = 0.9  # the trend decays by this factor per step
+_MAD_SIGMA = 1.4826  # σ of a normal distribution per unit median absolute deviation
+_MIN_LEVEL_SAMPLES = 3
+
+
+def _tail(n: int) -> int:
+    """How many of the last warm-up samples make its level: a quarter, at least 3."""
+    return max(_MIN_LEVEL_SAMPLES, n // 4)
+
 
 class EmaZ:
     def __init__(self, k: int, warmup: int, alpha: float, min_std_fraction: float) -> None:
         self.warmup, self.alpha, self.min_std_fraction = warmup, alpha, min_std_fraction
-        self.mean = np.zeros(k)
+        self.level = np.zeros(k)
+        self.trend = np.zeros(k)
+        self.base = np.zeros(k)
         self.var = np.zeros(k)
         self._warm: list[np.ndarray] = []
         self.ready = np.zeros(k, dtype=bool)
+
+    @property
+    def mean(self) -> np.ndarray:
+        """The forecast of the next sample: level + damped trend."""
+        return self.level + TREND_DAMPING * self.trend
 
     @property
     def std(self) -> np.ndarray:
@@ -26,6 +70,78 @@ class EmaZ:
         out = (np.asarray(x, dtype=float) - self.mean) / self.std
         out[~self.ready] = np.nan
         return out
+
+    def warm_level(self) -> np.ndarray:
+        """During the warm-up, the median of its last quarter so far (NaN where fewer than 3 finite
+        samples, or ready)."""
+        out = np.full(self.level.shape, np.nan)
+        if not self._warm:
+            return out
+        recent = np.stack(self._warm)  # (n, K)
+        counts = np.isfinite(recent).sum(0)
+        n = _tail(int(counts.max()))
+        with np.errstate(all="ignore"):
+            tail = np.stack([_last_finite(recent[:, i], n) for i in range(recent.shape[1])], 1)  # (n, K)
+            med = np.nanmedian(tail, 0) if tail.size else out
+        return np.where((counts >= _MIN_LEVEL_SAMPLES) & ~self.ready, med, np.nan)
+
+    def update(self, x: np.ndarray, z_thr: float) -> None:
+        x = np.asarray(x, dtype=float)
+        finite = np.isfinite(x)
+        upd = finite & self.ready  # channels still warming up (never seen enough samples) wait below
+        if not self.ready.all():
+            self._warm.append(np.where(finite, x, np.nan))
+            if len(self._warm) >= self.warmup:
+                self._end_warmup(np.stack(self._warm))  # (warmup, K)
+                self._warm.clear()
+            if not upd.any():
+                return
+        a, sigma, forecast = 1 - self.alpha, self.std, self.mean
+        err = np.clip(np.where(upd, x - forecast, 0.0), -z_thr * sigma, z_thr * sigma)
+        self.level = np.where(upd, forecast + a * err, self.level)
+        self.trend = np.where(upd, TREND_DAMPING * self.trend + TREND_GAIN * a * err, self.trend)
+        self.base = np.where(upd, self.alpha * self.base + a * (forecast + err), self.base)
+        self.var = np.where(upd, self.alpha * self.var + a * err**2, self.var)
+
+    def _end_warmup(self, warm: np.ndarray) -> None:
+        """Robust statistics from the warm-up's samples ``warm`` (warmup, K), NaN where missing."""
+        k = warm.shape[1]
+        level, var = np.zeros(k), np.zeros(k)
+        ready = np.isfinite(warm).sum(0) >= _MIN_LEVEL_SAMPLES
+        for i in np.flatnonzero(ready):
+            col = warm[:, i][np.isfinite(warm[:, i])]
+            level[i] = np.median(col[-_tail(len(col)):])
+            diffs = np.diff(col)
+            var[i] = (_MAD_SIGMA * np.median(np.abs(diffs - np.median(diffs))) / np.sqrt(2)) ** 2
+        new = ready & ~self.ready  # a channel already ready keeps its running statistics
+        self.level, self.base = np.where(new, level, self.level), np.where(new, level, self.base)
+        self.var, self.trend = np.where(new, var, self.var), np.where(new, 0.0, self.trend)
+        self.ready = self.ready | ready
+
+
+def _last_finite(col: np.ndarray, n: int) -> np.ndarray:
+    """The last ``n`` finite entries of ``col``, NaN-padded in front to length ``n``."""
+    vals = col[np.isfinite(col)][-n:]
+    return np.concatenate([np.full(n - len(vals), np.nan), vals])
+
+
+class ZClipEma:
+    """ZClip's statistics (gradloc before issue 32): plain warm-up mean/variance, then EMA mean and
+    variance, a sample entering clamped to μ + z_thr·σ. The same interface as :class:`EmaZ`."""
+
+    def __init__(self, k: int, warmup: int, alpha: float, min_std_fraction: float) -> None:
+        self.warmup, self.alpha, self.min_std_fraction = warmup, alpha, min_std_fraction
+        self.mean = np.zeros(k)
+        self.var = np.zeros(k)
+        self._warm: list[np.ndarray] = []
+        self.ready = np.zeros(k, dtype=bool)
+
+    base = property(lambda self: self.mean)
+    std = EmaZ.std
+    z = EmaZ.z
+
+    def warm_level(self) -> np.ndarray:
+        return np.full(self.mean.shape, np.nan)  # ZClip judges nothing in its warm-up
 
     def update(self, x: np.ndarray, z_thr: float) -> None:
         x = np.asarray(x, dtype=float)
