@@ -13,19 +13,19 @@ or non-finite) are skipped. Two phases:
   ~10 halvings of 46 steps to forget them (issue 32: σ 0.60 at step 250 where the healthy spread
   was 0.09). :meth:`warm_level` is the median of the last quarter so far, for judging a step
   inside the warm-up (the detector's ``warmup_spike``).
-- **After the warm-up**: a damped-trend EMA (Holt's linear method in error-correction form). The
-  forecast of the next sample is ``mean = level + trend``; a sample's forecast error
-  ``e = x − mean`` is clamped to ±``z_thr``·σ before it updates anything, so one outlier (up or
-  down) moves the level, the trend and σ only a bounded amount; σ² is the EMA of the clamped
-  forecast errors, i.e. the spread of the residuals around the trend, not around a lagging mean
-  (on a norm falling 0.6% a step a plain EMA lags by 32 steps' fall, and that lag entered σ²).
-  The trend learns at ``TREND_GAIN`` × the level's rate and is damped by ``TREND_DAMPING`` per
-  step, so it is forgotten within ~10-20 steps when the run stops trending. A persistent level shift
-  keeps its errors at the clamp, which widens σ by up to 16 % a step until the forecast has caught
-  up (the clamp cannot detach the statistics from the run).
+- **After the warm-up**: an EMA level (``mean``, ``alpha``) whose σ is the spread of the residuals
+  *around the trend*, not around the lagging mean. On a trending norm the residual x − mean carries
+  the EMA's lag (32 steps' change at α 0.97), and ZClip's σ² took that lag in. Here ``lag`` is a
+  fast EMA of the residuals (``LAG_GAIN`` × the level's rate: ~8 steps), and σ² is the EMA of
+  (residual − lag)². Each residual is clamped to lag ± ``z_thr``·σ before it updates anything, so
+  one outlier, up or down, moves the level, the lag and σ only a bounded amount (σ² by at most
+  ×(1 + (1 − α)(z_thr² − 1)), 16 % at the defaults). The clamp is centred on the lag, so a steep
+  trend does not leave the level behind; a persistent level shift keeps its residuals at the clamp
+  and widens σ until the level has caught up. ``mean`` itself stays the lagging EMA: a forecast
+  that extrapolates the trend went to ~0 on the demo's norm (falling 200× in 100 steps) and made
+  every step a multiple of it.
 
-``base`` is a plain EMA of the (clamped) samples, without the trend: the slow reference of the
-detector's divergence rule, which a trend-following forecast would absorb.
+``base`` is the level (the slow reference of the detector's divergence rule).
 
 :class:`ZClipEma` is ZClip's own statistics, step for step (a plain mean and variance over the
 warm-up, then an EMA mean and variance with the sample clamped to μ + z_thr·σ): the detector uses it
@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-TREND_GAIN = 0.3  # the trend's update per unit forecast error, × the level's (1 − alpha)
-TREND_DAMPING = 0.9  # the trend decays by this factor per step
+LAG_GAIN = 4.0  # the lag's EMA rate, × the level's (1 − alpha)
 _MAD_SIGMA = 1.4826  # σ of a normal distribution per unit median absolute deviation
 _MIN_LEVEL_SAMPLES = 3
 
@@ -50,16 +49,19 @@ class EmaZ:
     def __init__(self, k: int, warmup: int, alpha: float, min_std_fraction: float) -> None:
         self.warmup, self.alpha, self.min_std_fraction = warmup, alpha, min_std_fraction
         self.level = np.zeros(k)
-        self.trend = np.zeros(k)
-        self.base = np.zeros(k)
+        self.lag = np.zeros(k)  # running mean of the residuals x − level: the level's lag behind a trend
         self.var = np.zeros(k)
         self._warm: list[np.ndarray] = []
         self.ready = np.zeros(k, dtype=bool)
 
     @property
     def mean(self) -> np.ndarray:
-        """The forecast of the next sample: level + damped trend."""
-        return self.level + TREND_DAMPING * self.trend
+        """The level: an EMA of the clamped samples."""
+        return self.level
+
+    @property
+    def base(self) -> np.ndarray:
+        return self.level
 
     @property
     def std(self) -> np.ndarray:
@@ -96,12 +98,13 @@ class EmaZ:
                 self._warm.clear()
             if not upd.any():
                 return
-        a, sigma, forecast = 1 - self.alpha, self.std, self.mean
-        err = np.clip(np.where(upd, x - forecast, 0.0), -z_thr * sigma, z_thr * sigma)
-        self.level = np.where(upd, forecast + a * err, self.level)
-        self.trend = np.where(upd, TREND_DAMPING * self.trend + TREND_GAIN * a * err, self.trend)
-        self.base = np.where(upd, self.alpha * self.base + a * (forecast + err), self.base)
-        self.var = np.where(upd, self.alpha * self.var + a * err**2, self.var)
+        a, sigma, lag = 1 - self.alpha, self.std, self.lag
+        # the residual around the lagging level, clamped to ±z_thr·σ around its own running mean (the lag)
+        err = np.where(upd, x - self.level, lag)
+        err = np.clip(err, lag - z_thr * sigma, lag + z_thr * sigma)
+        self.level = np.where(upd, self.level + a * err, self.level)
+        self.lag = np.where(upd, lag + min(1.0, LAG_GAIN * a) * (err - lag), lag)
+        self.var = np.where(upd, self.alpha * self.var + a * (err - lag) ** 2, self.var)
 
     def _end_warmup(self, warm: np.ndarray) -> None:
         """Robust statistics from the warm-up's samples ``warm`` (warmup, K), NaN where missing."""
@@ -114,8 +117,8 @@ class EmaZ:
             diffs = np.diff(col)
             var[i] = (_MAD_SIGMA * np.median(np.abs(diffs - np.median(diffs))) / np.sqrt(2)) ** 2
         new = ready & ~self.ready  # a channel already ready keeps its running statistics
-        self.level, self.base = np.where(new, level, self.level), np.where(new, level, self.base)
-        self.var, self.trend = np.where(new, var, self.var), np.where(new, 0.0, self.trend)
+        self.level = np.where(new, level, self.level)
+        self.var, self.lag = np.where(new, var, self.var), np.where(new, 0.0, self.lag)
         self.ready = self.ready | ready
 
 
