@@ -6,7 +6,11 @@ Faults can be planted on chosen steps (one sample of one micro-batch each):
 
 - ``token``: one target of a sample gets loss weight ``TOKEN_WEIGHT`` × the step's loss tokens
   (a high-weight token, as in an RL plant);
-- ``padding``: one sample becomes a row of padding (byte 0) whose loss is left unmasked.
+- ``padding``: one sample becomes a row of padding (byte 0) whose loss is left unmasked;
+- ``padded_batch``: every row of one micro-batch is padded after its first quarter (short documents
+  padded to the sequence length), the padding's loss unmasked;
+- ``scaled``: one micro-batch's loss is weighted ``SCALED`` ×: the whole step spikes (early in
+  training a planted token or padding barely moves the norm, the model predicts every byte alike).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from gradloc.engine.monitor import StepReport
 LICENSES = Path("/usr/share/common-licenses")
 TOKEN_WEIGHT = 0.15  # the planted token's loss weight, as a share of the step's loss tokens
 PAD = 0  # byte 0: no licence text holds a NUL
+SCALED = 20.0
 
 
 def licence_bytes() -> torch.Tensor:
@@ -85,6 +90,10 @@ def train(cfg: LoopConfig, faults: dict[int, str] | None = None,
                 weights[1, 2, cfg.seq // 2] = TOKEN_WEIGHT * n_tokens
             elif kind == "padding":
                 win[2, 1, 1:] = PAD  # a row of padding after its first byte, loss unmasked
+            elif kind == "scaled":
+                weights[0] *= SCALED  # one micro-batch's loss weighted ×SCALED: a real spike of the whole step
+            elif kind == "padded_batch":
+                win[2, :, cfg.seq // 4 :] = PAD  # a micro-batch of short rows padded, loss unmasked
             elif kind is not None:
                 raise ValueError(f"unknown fault {kind!r}")
             for g in opt.param_groups:

@@ -87,25 +87,33 @@ def test_zclip_sensitivity_keeps_the_old_statistics_and_reports_no_warm_up_spike
 
 
 # -- a real run ----------------------------------------------------------------------------------------
-FAULTS = {170: "token", 250: "token"}
+# two real spikes inside the warm-up, as in the issue's run (steps 13 and 21), then faults after step 100
+EARLY = {13: "scaled", 21: "scaled"}
+FAULTS = {130: "padded_batch", 170: "token", 210: "padded_batch", 250: "token"}
 
 
 @pytest.mark.skipif(not Path("/usr/share/common-licenses").is_dir(), reason="no licence texts")
 def test_a_real_run_from_initialisation_catches_faults_after_step_100_without_false_incidents():
     """The issue's loop (byte-level GPT-2, dropout, licence texts, 4 micro-batches, warm-up + cosine,
-    clip 1.0), trained from initialisation: the planted tokens after step 100 open incidents, the
-    healthy steps from 100 on open none (step 31, a real 10× spike right after the warm-up, is an
-    incident). An unmasked padding row (real_run's "padding") moves this model's norm only 1.1-1.5×
-    and is not planted here: no norm rule can call it. Per-sample findings off: their calibration on licence text is another
-    part of issue 32, and with them a healthy step holding a false outlier becomes a sample_spike."""
+    clip 1.0), trained from initialisation with two real spikes in the warm-up (steps 13 and 21: one
+    micro-batch's loss ×20, ~8×): both are reported (``warmup_spike``, no incident), and each fault
+    planted after step 100 (a micro-batch of unmasked padding, a high-weight token) opens an
+    incident. The statistics before issue 32 had σ 1.0 at step 100 and 0.52 at step 150 here and
+    missed the padding at step 130 (4.3× its mean). Per-sample findings off: their calibration on
+    licence text is another part of issue 32. A single padded row moves this model's norm only
+    1.1-1.5× (no norm rule can call it), so the padding fault is a padded micro-batch."""
     pytest.importorskip("transformers")
     from tests.detector import real_run as rr
-    cfg = rr.LoopConfig(steps=280)
-    reports = rr.train(cfg, FAULTS, samples=False)
+
+    reports = rr.train(rr.LoopConfig(steps=280), {**EARLY, **FAULTS}, samples=False)
+    assert [r.record.step for r in reports if "warmup_spike" in r.spike.kinds] == sorted(EARLY)
     opened = [r.record.step for r in reports if r.incident is not None]
+    assert all(s >= 25 for s in opened)  # nothing opened in the warm-up
     for s in FAULTS:
         assert s in opened, (s, FAULTS[s], opened)
-    false = [s for s in opened if s >= 100 and s not in FAULTS]
-    assert false == [], false  # <= 1 per 1,000 healthy steps: none in these 280
-    means = [r.spike.mean for r in reports if r.record.step >= 100 and r.record.step not in FAULTS]
-    assert all(m is not None for m in means)
+    # 180 steps cannot measure "<= 1 per 1,000" (docs/BENCHMARKS.md §5 does): at most one incident
+    # from step 100 on that is no planted fault, and a real spike at that (>= 2.5x the healthy median)
+    norms = np.array([r.record.global_norm for r in reports[100:] if r.record.step not in FAULTS])
+    false = [r for r in reports[100:] if r.incident is not None and r.record.step not in FAULTS]
+    assert len(false) <= 1, [r.record.step for r in false]
+    assert all(r.record.global_norm >= 2.5 * np.median(norms) for r in false)
