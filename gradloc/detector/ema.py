@@ -3,15 +3,16 @@
 Vectorised over K channels (the global norm is K=1, per-layer norms are K=L). NaN entries (missing
 or non-finite) are skipped. Two phases:
 
-- **Warm-up** (the first ``warmup`` finite samples of a channel): nothing is judged. At its end the
+- **Warm-up** (the first ``warmup`` samples; a channel with fewer than 3 finite ones among them
+  warms up again over the next ``warmup``, the others going on): nothing is judged. At its end the
   statistics are *robust* estimates, so a real early spike or the steep fall of early training
   does not inflate them: the level is the median of the warm-up's last quarter (at least 3
   samples: the level the run has reached, not the warm-up's average), σ is 1.4826 × the median
   absolute deviation of the successive differences / √2 (the step-to-step spread; a trend adds
   nothing to it, one spike moves a median by one rank). ZClip's plain mean and variance over the
-  warm-up took a spike of 30× and the fall from initialisation into σ, and a 33-step EMA took
-  ~10 halvings of 46 steps to forget them (issue 32: σ 0.60 at step 250 where the healthy spread
-  was 0.09). :meth:`warm_level` is the median of the last quarter so far, for judging a step
+  warm-up took the early spikes and the fall from initialisation into σ, and an EMA at α 0.97
+  halves σ only every ~46 steps (issue 32: σ 0.60 at step 250 where the healthy spread was
+  0.09). :meth:`warm_level` is the median of the last quarter so far, for judging a step
   inside the warm-up (the detector's ``warmup_spike``).
 - **After the warm-up**: an EMA level (``mean``, ``alpha``) whose σ is the spread of the residuals
   *around the trend*, not around the lagging mean. On a trending norm the residual x − mean carries
@@ -23,7 +24,9 @@ or non-finite) are skipped. Two phases:
   trend does not leave the level behind; a persistent level shift keeps its residuals at the clamp
   and widens σ until the level has caught up. ``mean`` itself stays the lagging EMA: a forecast
   that extrapolates the trend went to ~0 on the demo's norm (falling 200× in 100 steps) and made
-  every step a multiple of it.
+  every step a multiple of it. So z = (x − mean)/σ still carries the lag: on a falling norm it
+  reads low, on a rising one high (the ratio lines of the detector's rules keep the latter from
+  opening incidents on their own).
 
 ``base`` is the level (the slow reference of the detector's divergence rule).
 

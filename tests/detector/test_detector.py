@@ -238,6 +238,7 @@ def test_skipped_steps_do_not_count_towards_warmup():
     (dict(divergence_margin=0.0), "divergence_margin"),
     (dict(min_std_fraction=1.0), "min_std_fraction"),
     (dict(min_std_fraction=-0.1), "min_std_fraction"),
+    (dict(warmup_ratio=1.0), "warmup_ratio"),
 ])
 def test_detector_config_validation(kwargs, keyword):
     with pytest.raises(gradloc.ConfigError, match=keyword):
