@@ -28,9 +28,9 @@ different trouble: a planted token's loss_spike after a natural grad_spike), or 
 is more than ``ESCALATION`` × the episode's largest (a worse spike, not a reaction).
 
 Statistics (gradloc/detector/ema.py): robust at the end of the warm-up (median level, σ from the
-MAD of step-to-step differences) and trend-aware after it (a damped-trend forecast; σ is the spread
-of the clamped forecast errors), so an early spike or the fall of early training cannot inflate σ.
-``SpikeEvent.mean`` is the forecast the step was judged against.
+MAD of step-to-step differences) and trend-aware after it (σ is the spread of the clamped residuals
+around the trend, not around the lagging EMA mean), so an early spike or the fall of early training
+cannot inflate σ. ``sensitivity="zclip"`` keeps ZClip's own statistics.
 """
 from __future__ import annotations
 
@@ -229,9 +229,9 @@ class SpikeDetector:
 
     def _divergence(self, g: float) -> bool:
         self._fast = g if self._fast is None else _FAST_ALPHA * self._fast + (1 - _FAST_ALPHA) * g
-        if not self._global.ready[0]:
+        slow = self.healthy_norm()
+        if slow is None:
             return False
-        slow = float(self._global.base[0])  # a plain EMA: the trend-following forecast would absorb a rise
         self._rising = self._rising + 1 if self._fast > (1 + self.config.divergence_margin) * slow else 0
         if self._rising >= self.config.divergence_patience:
             self._rising = 0

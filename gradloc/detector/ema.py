@@ -28,8 +28,6 @@ or non-finite) are skipped. Two phases:
   reads low, on a rising one high (the ratio lines of the detector's rules keep the latter from
   opening incidents on their own).
 
-``base`` is the level (the slow reference of the detector's divergence rule).
-
 :class:`ZClipEma` is ZClip's own statistics, step for step (a plain mean and variance over the
 warm-up, then an EMA mean and variance with the sample clamped to μ + z_thr·σ): the detector uses it
 at ``sensitivity="zclip"``, the rule gradloc had before.
@@ -60,10 +58,6 @@ class EmaZ:
     @property
     def mean(self) -> np.ndarray:
         """The level: an EMA of the clamped samples."""
-        return self.level
-
-    @property
-    def base(self) -> np.ndarray:
         return self.level
 
     @property
@@ -142,7 +136,6 @@ class ZClipEma:
         self._warm: list[np.ndarray] = []
         self.ready = np.zeros(k, dtype=bool)
 
-    base = property(lambda self: self.mean)
     std = EmaZ.std
     z = EmaZ.z
 
