@@ -113,6 +113,9 @@ class DetectorConfig:
     divergence_patience: int = 20  # steps the fast EMA must stay above the slow one
     divergence_margin: float = 0.5  # fast EMA > (1 + margin) × slow EMA counts as rising
     min_std_fraction: float = 0.02  # σ is floored at this fraction of μ (flat warm-ups)
+    # warmup_spike: during the warm-up, a global norm above this × the median of the warm-up's last
+    # quarter so far (at least 3 steps) is reported on the step and in its record's band (no incident)
+    warmup_ratio: float = 3.0
 
     def __post_init__(self) -> None:
         _check(self.sensitivity in self.SENSITIVITIES,
@@ -135,6 +138,7 @@ class DetectorConfig:
         _check(self.divergence_patience >= 1, "divergence_patience must be >= 1")
         _check(self.divergence_margin > 0, "divergence_margin must be > 0")
         _check(0 <= self.min_std_fraction < 1, "min_std_fraction must be in [0, 1)")
+        _check(self.warmup_ratio > 1, f"warmup_ratio must be > 1, got {self.warmup_ratio}")
 
     def resolved(self) -> DetectorConfig:
         """This config with the fields left at None taken from its ``sensitivity`` preset."""

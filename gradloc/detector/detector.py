@@ -14,7 +14,9 @@ mean: one token
 suddenly carries a large part of the gradient, as a corrupted label does even when its bounded
 cross-entropy gradient leaves the global norm below the grad_spike line), ``divergence``
 (the fast EMA of the global norm stayed above (1 + margin) × the slow EMA for
-``divergence_patience`` steps), ``skipped_step`` (GradScaler found inf/NaN and will skip the update
+``divergence_patience`` steps), ``warmup_spike`` (during the statistics' warm-up, global norm >
+``warmup_ratio`` × the median of the warm-up's last quarter so far: reported on the step and in the
+record's band, no incident), ``skipped_step`` (GradScaler found inf/NaN and will skip the update
 — normal while the scale calibrates, so not localized).
 
 Episodes: the steps after a spike (the run reacting to it: Adam's moments, the clipped update) are
@@ -32,6 +34,11 @@ per-sample surprise outlier, or its rollouts are above the rl_mismatch line
 goes on. At most ``NEW_CAUSES`` per episode (a run that keeps spiking: bounded; a new episode opened
 inside an open one keeps its count). The echo of one bad update (fresh samples carrying the tokens it
 broke, a concentrated top included: the demo's step 187) has no such evidence and folds.
+
+Statistics (gradloc/detector/ema.py): robust at the end of the warm-up (median level, σ from the
+MAD of step-to-step differences) and trend-aware after it (σ is the spread of the clamped residuals
+around the trend, not around the lagging EMA mean), so an early spike or the fall of early training
+cannot inflate σ. ``sensitivity="zclip"`` keeps ZClip's own statistics.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ from typing import Callable
 import numpy as np
 
 from gradloc.config import DetectorConfig
-from gradloc.detector.ema import EmaZ
+from gradloc.detector.ema import EmaZ, ZClipEma
 from gradloc.records import OutlierKind, SpikeEvent, SpikeKind, StepRecord
 
 K = SpikeKind
@@ -69,11 +76,13 @@ class SpikeDetector:
     def __init__(self, config: DetectorConfig, layers: list[str]) -> None:
         self.config = c = config.resolved()  # the sensitivity preset's thresholds filled in
         self.layers = list(layers)
-        self._global = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
-        self._loss = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
-        self._layers = EmaZ(len(layers), c.warmup, c.alpha, c.min_std_fraction)
-        self._top = EmaZ(1, c.warmup, c.alpha, c.min_std_fraction)
+        stats = ZClipEma if c.sensitivity == "zclip" else EmaZ  # "zclip": the old rule, its statistics too
+        self._global = stats(1, c.warmup, c.alpha, c.min_std_fraction)
+        self._loss = stats(1, c.warmup, c.alpha, c.min_std_fraction)
+        self._layers = stats(len(layers), c.warmup, c.alpha, c.min_std_fraction)
+        self._top = stats(1, c.warmup, c.alpha, c.min_std_fraction)
         self._fast: float | None = None
+        self._warm_band: tuple[int, float] | None = None  # (step, warm-up level) of the last warm-up step judged
         self._rising = 0
         self._episode: _Episode | None = None
         self._layer_z: np.ndarray | None = None  # the last observed step's per-layer z-scores (see layer_z)
@@ -91,9 +100,13 @@ class SpikeDetector:
 
     def band(self, spike: SpikeEvent) -> dict[str, float | None]:
         """The healthy band ``spike``'s step was judged against, as StepRecord fields: the EMA mean
-        and the grad_spike line, the larger of mean + z_threshold * std and spike_ratio * mean
-        (both None during the warm-up)."""
+        and the grad_spike line, the larger of mean + z_threshold * std and spike_ratio * mean. During
+        the warm-up, the warm-up's level so far and the warmup_spike line, warmup_ratio × that level
+        (both None before 3 finite samples)."""
         if spike.mean is None or spike.std is None:
+            wb = self._warm_band
+            if wb is not None and wb[0] == spike.step:
+                return {"norm_mean": wb[1], "norm_threshold": self.config.warmup_ratio * wb[1]}
             return {"norm_mean": None, "norm_threshold": None}
         c = self.config
         return {"norm_mean": spike.mean,
@@ -120,6 +133,8 @@ class SpikeDetector:
             kinds.append(K.GRAD_SPIKE)
         elif z is not None and z > c.z_threshold and self._outlier_sample(rec, mean):
             kinds.append(K.SAMPLE_SPIKE)
+        elif mean is None and not rec.skipped and self._warmup_spike(rec.step, g):
+            kinds.append(K.WARMUP_SPIKE)
         if c.abs_threshold is not None and math.isfinite(g) and g > c.abs_threshold:
             kinds.append(K.ABS_THRESHOLD)
         hot_layers = self._layer_spikes(rec)
@@ -169,6 +184,16 @@ class SpikeDetector:
             return None, ep.start, (f"new cause inside the episode of step {ep.start}: {why or 'on another rank'} "
                                     f"({ep.causes} of at most {NEW_CAUSES} in one episode)")
         return ep.start, None, ""
+
+    def _warmup_spike(self, step: int, g: float) -> bool:
+        """During the warm-up: ``g`` is above warmup_ratio × the warm-up's recent median (a real early
+        spike, reported; the robust warm-up statistics do not take it in)."""
+        self._warm_band = None
+        level = float(self._global.warm_level()[0])
+        if not (math.isfinite(level) and level > 0):
+            return False
+        self._warm_band = (step, level)
+        return math.isfinite(g) and g > self.config.warmup_ratio * level
 
     def _outlier_sample(self, rec: StepRecord, mean: float | None) -> bool:
         """The step's norm is >= sample_ratio × its mean and a sample of it is a surprise outlier: a bad

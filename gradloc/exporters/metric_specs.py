@@ -67,11 +67,12 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("global_norm", "gradloc_grad_global_norm", "gradloc.grad.global_norm", "1", JR,
        "L2 norm of all (unscaled) gradients at the optimizer boundary, latest step."),
     _g("norm_mean", "gradloc_detector_norm_mean", "gradloc.detector.norm_mean", "1", JR,
-       "The detector's healthy level of the global norm (EMA mean) the latest step was judged against; absent during "
-       "its warm-up."),
+       "The detector's healthy level of the global norm (EMA mean) the latest step was judged against; during its "
+       "warm-up, the median of the warm-up's last quarter so far (absent before its 3rd step)."),
     _g("norm_threshold", "gradloc_detector_norm_threshold", "gradloc.detector.norm_threshold", "1", JR,
        "The detector's grad_spike line for the latest step: the larger of healthy mean + z_threshold × std and "
-       "spike_ratio × mean. A global norm above it is a spike."),
+       "spike_ratio × mean. A global norm above it is a spike. During the warm-up, the warmup_spike line "
+       "(warmup_ratio × the warm-up's recent median)."),
     _g("layer_norm", "gradloc_grad_norm", "gradloc.grad.norm", "1", JRL,
        "L2 norm of one layer group's gradient, latest step."),
     _g("layer_max_abs", "gradloc_grad_max_abs", "gradloc.grad.max_abs", "1", JRL,

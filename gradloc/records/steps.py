@@ -153,6 +153,7 @@ class SpikeKind(StrEnum):
     LOSS_SPIKE = "loss_spike"  # z of log(loss) above loss_z_threshold
     TOKEN_SPIKE = "token_spike"  # one token suddenly carries a large share of the gradient
     DIVERGENCE = "divergence"  # the fast EMA of the norm stayed above the slow one
+    WARMUP_SPIKE = "warmup_spike"  # in the detector's warm-up, norm > warmup_ratio × its median so far (no incident)
     SKIPPED_STEP = "skipped_step"  # GradScaler found inf/NaN and skips the update (no incident alone)
 
 

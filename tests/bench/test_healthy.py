@@ -46,8 +46,8 @@ def test_healthy_quick_json():
     assert run["live_incidents"] == run["incidents"]["default"]["count"]  # the live monitor runs the default
     x = run["extremes"]
     assert x["norm_ratio_max"] >= x["norm_ratio_top3"][-1] > 0 and x["norm_z_max"] >= x["norm_z_q999"]
-    # the norm's statistics are the same at every setting: each zclip grad_spike incident is a z > 2.5 step
-    assert x["steps_over_2_5_z"] >= s["zclip"]["kinds"].get("grad_spike", 0) > 0
+    # zclip keeps ZClip's own statistics (issue 32), so its z is not the default's: both see z > 2.5 steps
+    assert x["steps_over_2_5_z"] > 0 and s["zclip"]["kinds"].get("grad_spike", 0) > 0
     sig = res["fault_signals"]
     assert set(sig) == set(s["default"]["injected"])
     lo, mid, hi = sig["planted_token"]["top_share"]

@@ -8,7 +8,7 @@ import pytest
 
 import gradloc
 from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
-from gradloc.detector import INCIDENT, LOCALIZE, SpikeDetector
+from gradloc.detector import INCIDENT, LOCALIZE, SpikeDetector, opens_incident
 from gradloc.records import LayerStats, StepRecord
 
 LAYERS = ["a", "b", "c"]
@@ -50,15 +50,21 @@ class Run:
         return [self.observe() for _ in range(n)]
 
 
-def test_warmup_produces_no_spikes_even_for_outliers():
+def test_warmup_reports_an_outlier_as_warmup_spike_and_opens_no_incident():
     run = Run(DetectorConfig(warmup=10), LAYERS)
-    events = run.healthy(4) + [run.observe(g=50.0, loss=40.0, layers={"b": 30.0})] + run.healthy(5)
-    assert [e.kinds for e in events] == [()] * 10
+    events = run.healthy(4) + [run.observe(g=50.0, loss=40.0, layers={"b": 30.0})]
+    band = run.det.band(events[4])  # the record shows the warm-up line the step crossed
+    events += run.healthy(5)
+    # issue 32: a real early spike used to be dropped; now it is reported on its step (no incident)
+    assert [e.kinds for e in events] == [()] * 4 + [("warmup_spike",)] + [()] * 5
+    assert not any(opens_incident(e) for e in events)
     assert all(e.z is None and e.loss_z is None and e.layers == () for e in events)  # judged against nothing
     assert all(e.mean is None for e in events[:9])  # the 10th sample completes the warm-up
+    assert band["norm_mean"] == pytest.approx(1.0, abs=0.15) and band["norm_threshold"] == 3.0 * band["norm_mean"]
     assert run.det.healthy_norm() is not None  # ready right after the 10th sample
+    assert run.det.healthy_norm() == pytest.approx(1.0, abs=0.1)  # the spike did not enter the level
     after = run.observe()
-    assert after.mean is not None and after.z is not None
+    assert after.mean is not None and after.z is not None and abs(after.z) < 3
 
 
 def test_planted_10x_spike_is_flagged_with_its_z():
@@ -78,10 +84,11 @@ def test_single_spike_does_not_inflate_the_statistics():
     run.healthy(30)
     mean_before = run.det.healthy_norm()
     std_before = float(run.det._global.std[0])
+    lag = float(run.det._global.lag[0])
     assert run.observe(g=10.0 * mean_before).kinds == ("grad_spike",)
     mean_after = run.det.healthy_norm()
-    # the spike entered the EMA clamped to μ + z_thr·σ, not at 10 μ
-    bound = mean_before + (1 - run.cfg.alpha) * run.cfg.z_threshold * std_before
+    # the spike entered the EMA clamped to μ + lag + z_thr·σ, not at 10 μ
+    bound = mean_before + (1 - run.cfg.alpha) * (lag + run.cfg.z_threshold * std_before)
     assert mean_after <= bound + 1e-12
     assert mean_after < 1.01 * mean_before
     nxt = run.observe(g=mean_before)
@@ -231,6 +238,7 @@ def test_skipped_steps_do_not_count_towards_warmup():
     (dict(divergence_margin=0.0), "divergence_margin"),
     (dict(min_std_fraction=1.0), "min_std_fraction"),
     (dict(min_std_fraction=-0.1), "min_std_fraction"),
+    (dict(warmup_ratio=1.0), "warmup_ratio"),
 ])
 def test_detector_config_validation(kwargs, keyword):
     with pytest.raises(gradloc.ConfigError, match=keyword):
