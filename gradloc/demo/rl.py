@@ -154,6 +154,15 @@ def _step(cfg: RLDemoConfig, model: TinyGPT, mon: Any, gen: torch.Generator, ste
     if tail_row is not None:  # the tail token: the completion's first, scored at loss position P − 1
         target = (tail_row, rollouts.infos[tail_row].response_start)
         adv_tok[target] = cfg.advantage
+    report, rows = policy_step(cfg, model, mon, rollouts, adv_tok)
+    where = None if target is None else replace(_where(rollouts, rows, target, plant), rank=cfg.rank)
+    return report, where, float(rewards.mean())
+
+
+def policy_step(cfg: RLDemoConfig, model: TinyGPT, mon: Any, rollouts: Rollouts,
+                adv_tok: torch.Tensor) -> tuple[Any, list[list[int]]]:
+    """The loss over the step's micro-batches (each in its block), then ``end_step`` with the probe closure:
+    the step's report and each micro-batch's rollout rows. ``adv_tok``: (S, L) per-token advantages."""
     chunks = [c.tolist() for c in torch.arange(cfg.prompts).tensor_split(cfg.micro_batches)]
     rows = [[q * cfg.n + i for q in chunk for i in range(cfg.n)] for chunk in chunks]
     parts = make_parts(rollouts, adv_tok, rows, cfg.packed)
@@ -169,9 +178,7 @@ def _step(cfg: RLDemoConfig, model: TinyGPT, mon: Any, gen: torch.Generator, ste
             loss = loss_for(i, fields=True)
             loss.backward()
         total += loss.detach()
-    report = mon.end_step(total, probe=loss_for)
-    where = None if target is None else replace(_where(rollouts, rows, target, plant), rank=cfg.rank)
-    return report, where, float(rewards.mean())
+    return mon.end_step(total, probe=loss_for), rows
 
 
 def _policy_loss(model: TinyGPT, part: Part, olds: dict[int, torch.Tensor], i: int, eps: float, n_tokens: int,

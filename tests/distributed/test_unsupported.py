@@ -8,23 +8,29 @@ from __future__ import annotations
 from tests.distributed.launch import run
 
 
+def _watch(model) -> str:
+    """What ``watch`` says on this rank: "attached", or its UnsupportedModelError."""
+    import gradloc
+
+    try:
+        gradloc.watch(model, store=False).close()
+        return "attached"
+    except gradloc.UnsupportedModelError as exc:
+        return str(exc)
+
+
 def _cp(rank, world):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import gradloc
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
     flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's FSDP mesh under CP
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
     fully_shard(model, mesh=flat)
-    try:
-        gradloc.watch(model, store=False).close()
-        return "attached"
-    except gradloc.UnsupportedModelError as exc:
-        return str(exc)
+    return _watch(model)
 
 
 def test_context_parallel_as_torchtitan_lays_it_out_is_refused_on_every_rank():
@@ -36,16 +42,11 @@ def _interleaved(rank, world):
     import torch
     from torch.distributed.pipelining import PipelineStage
 
-    import gradloc
 
     torch.manual_seed(0)
     stages = [PipelineStage(torch.nn.Linear(8, 8), rank + world * v, 2 * world, torch.device("cpu"))
               for v in range(2)]  # ScheduleInterleaved1F1B's layout: stage rank + world·v on this rank
-    try:
-        gradloc.watch(stages[0], store=False).close()
-        return "attached"
-    except gradloc.UnsupportedModelError as exc:
-        return str(exc)
+    return _watch(stages[0])
 
 
 def test_several_pipeline_stages_on_one_rank_are_refused_on_every_rank():
@@ -57,18 +58,12 @@ def _megatron_cp(rank, world):
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    import gradloc
     from tests.distributed.megatron_job import megatron
 
     ps, _, _ = megatron()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=2)
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)))
-    try:
-        gradloc.watch(model, store=False).close()
-        return "attached"
-    except gradloc.UnsupportedModelError as exc:
-        return str(exc)
+    return _watch(DistributedDataParallel(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))))
 
 
 def test_megatron_context_parallel_is_refused_on_every_rank():

@@ -21,8 +21,8 @@ from gradloc.adapters.rl import join
 from gradloc.config import DetectorConfig, WatchConfig
 from gradloc.demo.arith import EOS, MAX_ANSWER, PAD, PROMPT_TOKENS, VOCAB, encode, problems
 from gradloc.demo.model import GPTConfig, TinyGPT
-from gradloc.demo.rl import RLDemoConfig, _policy_loss
-from gradloc.demo.rl_parts import grpo_advantages, make_parts, warm_start
+from gradloc.demo.rl import RLDemoConfig, policy_step
+from gradloc.demo.rl_parts import grpo_advantages, warm_start
 from gradloc.demo.sampler import sample
 from gradloc.detector import INCIDENT
 from gradloc.records import OutlierKind
@@ -60,21 +60,7 @@ def _run(seed: int, stale_from: int) -> list[dict]:
             adv = grpo_advantages(rewards, torch.arange(cfg.prompts).repeat_interleave(cfg.n))  # (S,)
             rollouts = join(outputs, pad_id=PAD, vocab_size=VOCAB)
             adv_tok = adv[:, None].expand_as(rollouts.loss_mask).clone()  # (S,) -> (S, L)
-            chunks = [c.tolist() for c in torch.arange(cfg.prompts).tensor_split(cfg.micro_batches)]
-            rows = [[q * cfg.n + i for q in chunk for i in range(cfg.n)] for chunk in chunks]
-            parts = make_parts(rollouts, adv_tok, rows, False)
-            n_tokens, olds = int(rollouts.loss_mask.sum()), {}
-
-            def loss_for(i, mask=None, fields=False):
-                return _policy_loss(model, parts[i], olds, i, cfg.clip_epsilon, n_tokens, mask, mon if fields else None)
-
-            total = torch.zeros(())
-            for i, part in enumerate(parts):
-                with mon.micro_batch(**part.kwargs):
-                    loss = loss_for(i, fields=True)
-                    loss.backward()
-                total += loss.detach()
-            report = mon.end_step(total, probe=loss_for)
+            report, rows = policy_step(cfg, model, mon, rollouts, adv_tok)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
