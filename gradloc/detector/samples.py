@@ -13,7 +13,8 @@ Real text holds odd but legitimate samples (URLs, tables, groff or HTML markup, 
 surprising as a bad one: the model was unsure there and knew it (Σ_v p_v² small, d ≈ 0). Garbage and
 wrong labels are surprising where it was sure (d large) or far more surprising than any text. So
 with ``SampleConfig.calibrated`` and a deficit in the pack, a sample's z is
-max(z_deficit, max(z, z_window) / 1.5): surprise alone must be 1.5 × z_threshold out, and a worst
+max(z_deficit, max(z, z_window) / 1.5), z_deficit counting only where z > 0 (a wrong label never
+makes a sample less surprising than usual): surprise alone must be 1.5 × z_threshold out, and a worst
 window (a URL, a line of ``=``) counts only when its sample's deficit is half-way (z_deficit ≥
 z_threshold / 2). Without one (``calibrated=False``, a pack without ‖g‖²) it is max(z, z_window),
 as before. Every judged sample enters the history, an outlier clamped to median + z_threshold · σ,
@@ -37,6 +38,9 @@ from gradloc.records import SAMPLE_Z_BUCKETS, OutlierKind, RLStats, SampleOutlie
 log = logging.getLogger("gradloc")
 _MIN_STD_FRACTION = 0.02
 SURPRISE_ALONE = 1.5  # with a calibration deficit: surprise alone makes a finding at this × z_threshold
+# σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
+# and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
+_DEFICIT_MIN_STD = 0.01
 
 
 class _Ring:
@@ -54,11 +58,11 @@ class _Ring:
         self.at = (self.at + len(x)) % size
         self.n = min(self.n + len(x), size)
 
-    def robust(self) -> tuple[float, float]:
-        """(median, σ from the MAD, floored at a fraction of the median)."""
+    def robust(self, floor: float = 1e-6) -> tuple[float, float]:
+        """(median, σ from the MAD, floored at a fraction of the median and at ``floor``)."""
         v = self.values[: self.n]
         med = float(np.median(v))
-        return med, max(1.4826 * float(np.median(np.abs(v - med))), _MIN_STD_FRACTION * abs(med), 1e-6)
+        return med, max(1.4826 * float(np.median(np.abs(v - med))), _MIN_STD_FRACTION * abs(med), floor)
 
 
 class SampleJudge:
@@ -93,13 +97,15 @@ class SampleJudge:
         t = cfg.z_threshold
         med, sd = self.mean.robust()
         wmed, wsd = self.win.robust() if self.win.n >= cfg.warmup_samples else (math.nan, math.nan)
-        dmed, dsd = self.deficit.robust() if self.deficit.n >= cfg.warmup_samples else (math.nan, math.nan)
+        dmed, dsd = self.deficit.robust(_DEFICIT_MIN_STD) if self.deficit.n >= cfg.warmup_samples else (math.nan, math.nan)
         n_med = float(np.median(self.length.values[: self.length.n]))
         noise = np.sqrt(np.maximum(1.0, n_med / np.maximum(n, 1)))  # a short sample's mean is noisier
         z_mean = (score - med) / (sd * noise)
         z_win = np.where(has_win & np.isfinite(wsd), (wmax - wmed) / wsd, -np.inf)
         use_d = has_d & math.isfinite(dsd)
-        z_d = np.where(use_d, (dmean - dmed) / (dsd * noise), -np.inf)
+        # a wrong label never makes a sample less surprising than usual: the deficit counts above the median only
+        # (it also keeps ŵ's error off a sample the model is sure of, e.g. a memorised sequence)
+        z_d = np.where(use_d & (z_mean > 0), (dmean - dmed) / (dsd * noise), -np.inf)
         z_win = np.where(use_d & (z_d < t / 2), -np.inf, z_win)  # a window needs its sample's deficit half-way
         z_surprise = np.maximum(z_mean, z_win)
         z = np.where(judged, np.where(use_d, np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_surprise), np.nan)
