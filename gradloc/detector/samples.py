@@ -13,9 +13,10 @@ Real text holds odd but legitimate samples (URLs, tables, groff or HTML markup, 
 surprising as a bad one: the model was unsure there and knew it (Σ_v p_v² small, d ≈ 0). Garbage and
 wrong labels are surprising where it was sure (d large) or far more surprising than any text. So
 with ``SampleConfig.calibrated`` and a deficit in the pack, a sample's z is
-max(z_deficit, max(z, z_window) / 1.5), z_deficit counting only where z > 0 (a wrong label never
-makes a sample less surprising than usual): surprise alone must be 1.5 × z_threshold out, and a worst
-window (a URL, a line of ``=``) counts only when its sample's deficit is half-way (z_deficit ≥
+max(z_deficit, max(z, z_window) / 1.5, z where z_deficit ≥ 0.75 × z_threshold), z_deficit counting
+only where z > 0 (a wrong label never makes a sample less surprising than usual): surprise alone must
+be 1.5 × z_threshold out, surprise at z_threshold needs the deficit three-quarters of the way, and a
+worst window (a URL, a line of ``=``) counts only when its sample's deficit is half-way (z_deficit ≥
 z_threshold / 2). Without one (``calibrated=False``, a pack without ‖g‖²) it is max(z, z_window),
 as before. Every judged sample enters the history, an outlier clamped to median + z_threshold · σ,
 so a minority of bad samples barely moves the baseline while a lasting change of the data becomes
@@ -38,6 +39,7 @@ from gradloc.records import SAMPLE_Z_BUCKETS, OutlierKind, RLStats, SampleOutlie
 log = logging.getLogger("gradloc")
 _MIN_STD_FRACTION = 0.02
 SURPRISE_ALONE = 1.5  # with a calibration deficit: surprise alone makes a finding at this × z_threshold
+SUPPORT = 0.75  # ... and at z_threshold when the deficit is at this × z_threshold
 # σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
 # and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
 _DEFICIT_MIN_STD = 0.01
@@ -108,7 +110,9 @@ class SampleJudge:
         z_d = np.where(use_d & (z_mean > 0), (dmean - dmed) / (dsd * noise), -np.inf)
         z_win = np.where(use_d & (z_d < t / 2), -np.inf, z_win)  # a window needs its sample's deficit half-way
         z_surprise = np.maximum(z_mean, z_win)
-        z = np.where(judged, np.where(use_d, np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_surprise), np.nan)
+        z_both = np.where(z_d >= SUPPORT * t, z_mean, -np.inf)  # surprising, and wrong where the model was sure
+        z_cal = np.maximum(np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_both)
+        z = np.where(judged, np.where(use_d, z_cal, z_surprise), np.nan)
         flagged = np.flatnonzero(judged & (z >= t))
         top = flagged[np.argsort(-z[flagged], kind="stable")][: cfg.max_outliers]  # worst first
         outliers = tuple(self._outlier(int(i), z_win[i] > z_mean[i], metas, mb_of, host, where, decode,
