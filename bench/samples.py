@@ -1,5 +1,8 @@
 """Per-sample outlier findings on a model pre-trained on natural text: ``python -m bench.samples [--json] [--quick]``.
 
+``--text``: false outliers per kind of real text (prose, legal, code, markup) on the issue's byte-level
+GPT-2 loop, and the flag rate of garbage and shifted labels (``bench/samples_text.py``).
+
 A tiny HF model (``bench/natural.py``: Qwen2 by default; the standard library's docstrings and the
 license texts, byte-level BPE) trains from step 0 with gradloc attached at its default
 ``SampleConfig``. After ``burn_in`` steps, each of the next ``eval_steps`` steps turns one random
@@ -196,9 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-rate", type=float, default=None, help="share of evaluation steps with a fault (0.5)")
     parser.add_argument("--eval-steps", type=int, default=None, help="evaluation steps after the burn-in (900)")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
+    parser.add_argument("--text", action="store_true",
+                        help="instead: false outliers per kind of real text, byte-level GPT-2 (bench/samples_text.py)")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: step time with and without per-sample findings (TinyGPT, HF Llama), interleaved")
     args = parser.parse_args(argv)
+    if args.text:
+        from bench.samples_text import TextConfig, report, run_text
+
+        progress = (lambda i, n, info: print(f"[{i}/{n}] {info}", file=sys.stderr, flush=True)) if args.verbose else None
+        out = run_text(TextConfig.quick() if args.quick else TextConfig(), progress)
+        print(json.dumps(out) if args.json else report(out))
+        return 0
     if args.overhead:
         progress = (lambda i, n, info: print(f"[{i}/{n}] {info}", file=sys.stderr, flush=True)) if args.verbose else None
         print(json.dumps(run_overhead_ab(quick=args.quick, progress=progress), indent=None if args.json else 1))

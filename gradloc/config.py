@@ -220,7 +220,10 @@ class SampleConfig:
     Each sample's surprise (mean −log p over its loss tokens, p read off the loss head's output
     gradient, each token capped at ``token_cap`` nats) and its worst ``window``-token span are judged
     against the run's own history: the median and MAD of the last ``history`` judged samples, after
-    ``warmup_samples``. z ≥ ``z_threshold`` makes a ``SampleOutlier``. Samples with fewer than
+    ``warmup_samples``. z ≥ ``z_threshold`` makes a ``SampleOutlier``. With ``calibrated`` (default), where
+    the head's ‖g‖² was read, a sample's z is the larger of its calibration deficit's z (Σ_v p_v² − p(y),
+    0 on average wherever the model is calibrated, however odd the text) and its surprise's z / 1.5: odd
+    but legitimate text must be 1.5 × z_threshold out on surprise alone. Samples with fewer than
     ``min_tokens`` loss tokens are not judged. RL: a step whose mismatch share (loss tokens with
     |log π_trainer − log π_rollout| > log 2) exceeds ``rl_factor`` × the run's baseline +
     ``rl_margin`` for ``rl_patience`` steps in a row is a ``rl_mismatch`` finding (baseline: the
@@ -237,6 +240,7 @@ class SampleConfig:
     history: int = 1024
     max_outliers: int = 16  # SampleOutlier records per step (all are counted in SampleStats.flagged)
     excerpt_tokens: int = 48
+    calibrated: bool = True  # judge the calibration deficit too, surprise alone only far out (see above)
     rl_factor: float = 2.0
     rl_margin: float = 0.05
     rl_patience: int = 3

@@ -57,6 +57,7 @@ class MicroBatchScores:
     # cross-entropy head (B, T); 0 where an id is not a column of the head's output.
     labels: torch.Tensor | None = None
     head_u: torch.Tensor | None = None
+    head_g2: torch.Tensor | None = None  # ‖g_p‖² at the head (B, T), read with head_u
     calls: int = 0  # grad-tracking forward calls captured so far (the last one is the head's)
     last_call: int = 0
     # under torch.compile (collector/compiled.py): one (B, T) sink leaf per watched module, whose

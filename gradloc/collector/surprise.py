@@ -8,6 +8,13 @@ the HF Trainer and plain loops compute it) is recovered as ŵ = max_p u_p over i
 max_p (1 − p(y_p)) is within 1e-4 of 1 in any micro-batch of a few hundred natural-text tokens, so
 p̂(y_p) = 1 − u_p/ŵ and the surprise s_p = −log max(p̂, e^−cap) follow without knowing w.
 
+The model's own expectation at p: the hooks also keep ‖g_p‖² = w²·(Σ_v p_v² − 2p(y_p) + 1) (one
+reduction over the vocabulary), so Σ_v p_v² = ‖g_p‖²/ŵ² + 2p̂ − 1. Since E_{y~p}[p(y)] = Σ_v p_v²,
+the calibration deficit d_p = Σ_v p_v² − p̂(y_p) is 0 on average wherever the model is calibrated,
+however hard the text (a URL, a table, markup: the model knows it is unsure there, Σ_v p_v² is
+small); labels that are not the text's own (shifted, garbage after natural context) make it large
+wherever the model is sure.
+
 A micro-batch is not judged (``MB_*`` codes) when it has no head gradient, gave RL fields (signed
 per-sample weights), or its head gradient is not cross-entropy shaped: u_p < 0 somewhere (label
 smoothing, logit soft-capping, a head that is not the last watched module). Positions with u_p = 0
@@ -15,11 +22,11 @@ carry no loss term (masked by the loss, or an id outside the head such as −100
 
 The step's pack (float64, appended to the step's one host transfer)::
 
-    [mb_code (M) | n (S) | Σ s (S) | nonfinite (S) | worst window mean (S) | its flat start (S)]
+    [mb_code (M) | n (S) | Σ s (S) | nonfinite (S) | worst window mean (S) | its flat start (S) | Σ d (S)]
 
 where S counts the samples of every micro-batch in order (rows, or sequences of a packed row), n is
 a sample's judged loss positions, and a window is ``window`` adjacent positions of one sample with
-at least half of them judged (−inf / N when the sample has none).
+at least half of them judged (−inf / N when the sample has none); Σ d is NaN where ‖g‖² was not read.
 """
 from __future__ import annotations
 
@@ -82,12 +89,17 @@ class SurprisePack:
         n = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, valid.double())
         total = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, s)
         nonfinite = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, (elig & ~finite).double())
+        g2 = scores.head_g2.to(dev) if scores.head_g2 is not None else torch.full_like(u, float("nan"))  # (N,)
+        w2 = torch.where(w_hat > 0, w_hat, 1.0)[mb_id] ** 2
+        collision = (g2 / w2 + 2.0 * p - 1.0).clamp(0.0, 1.0)  # Σ_v p_v²; NaN stays NaN
+        d = torch.where(valid, collision - p.clamp(0.0, 1.0), 0.0).double()  # E_{y~p}[p(y)] − p(y_p): 0 on average
+        deficit = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, d)
         wmax, wstart = self._windows(s, valid, seg, S, N)
         code = torch.where(ok_mb, float(MB_JUDGED), torch.where(~has, float(MB_NO_HEAD),
                            torch.where(negative > 0, float(MB_NOT_CE), float(MB_EMPTY)))).double()
         rl_mb = torch.tensor([m.index in rl for m in metas], device=dev)
         code = torch.where(rl_mb, float(MB_RL), code)
-        return torch.cat([code, n, total, nonfinite, wmax, wstart])  # (M + 5S,)
+        return torch.cat([code, n, total, nonfinite, wmax, wstart, deficit])  # (M + 6S,)
 
     def _windows(self, s: torch.Tensor, valid: torch.Tensor, seg: torch.Tensor, S: int,
                  N: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,4 +125,4 @@ class SurprisePack:
 
 
 def pack_length(metas: Sequence[MicroBatchMeta]) -> int:
-    return len(metas) + 5 * sum(m.n_samples for m in metas)
+    return len(metas) + 6 * sum(m.n_samples for m in metas)

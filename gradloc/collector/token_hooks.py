@@ -247,6 +247,7 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
                     hg, first, share = w.rule.head_view(w.module, g) if hasattr(w.rule, "head_view") else \
                         (g, columns, factor)
                     buf.head_u = _head_u(hg, buf.labels, buf.batch, buf.seq, first, share)
+                    buf.head_g2 = _head_g2(hg, buf.batch, buf.seq, share)
                 buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
             buf.scored_modules.add(w.name)
         except Exception as exc:  # never raise into the training loop: counted, the module left unscored
@@ -256,6 +257,15 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
 
     (fit.out if fit.replaced else out).register_hook(on_grad)  # under TP: the DTensor output (its gradient flows)
     return fit.out if fit.replaced else None
+
+
+def _head_g2(g: torch.Tensor, batch: int, seq: int, factor: float = 1.0) -> torch.Tensor:
+    """‖g_p‖² (B, T) float32 over the head's columns (a vocabulary shard's part: the tp ranks' parts add up;
+    ``factor`` 1/tp where every rank holds them all). With u_p it gives the model's own confidence Σ_v p_v²
+    (collector/surprise.py). One reduction over the vocabulary, accumulated in float32, no copy of g."""
+    n = torch.linalg.vector_norm(g, dim=-1).float()  # (*lead, V) -> lead
+    n2 = (n * n).reshape(batch, seq)  # lead -> (B, T)
+    return n2 * factor if factor != 1.0 else n2
 
 
 def _head_u(g: torch.Tensor, labels: torch.Tensor, batch: int, seq: int, columns: int = 0,

@@ -32,6 +32,7 @@ class StepScores:
     # none, and per micro-batch how many ranks gave it (M,) float32 (a token group's head shards add up)
     head_u: torch.Tensor | None = None
     head_has: torch.Tensor | None = None
+    head_g2: torch.Tensor | None = None  # (N,) float32 ‖g_p‖² at the head, 0 where head_u is 0, NaN where not read
     head_given: bool = False  # this rank read some micro-batch's u_p (known on the host: no sync to ask)
 
     @property
@@ -43,12 +44,16 @@ class StepScores:
 
 
 def head_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]],
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(u (N,) float32, 0 where a micro-batch has no head u_p; has (M,) float32, 1 where it has)."""
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u (N,) float32, 0 where a micro-batch has no head u_p; has (M,) float32, 1 where it has; ‖g‖² (N,)
+    float32, 0 where u is, NaN where u was read without it)."""
     u = [buf.head_u.reshape(-1).float().to(device) if buf is not None and buf.head_u is not None  # (B, T) -> (B·T,)
          else torch.zeros(m.n_tokens, device=device) for m, buf in parts]
     has = [buf is not None and buf.head_u is not None for _, buf in parts]
-    return torch.cat(u), torch.tensor(has, dtype=torch.float32, device=device)
+    g2 = [torch.zeros(m.n_tokens, device=device) if buf is None or buf.head_u is None
+          else torch.full((m.n_tokens,), float("nan"), device=device) if buf.head_g2 is None
+          else buf.head_g2.reshape(-1).float().to(device) for m, buf in parts]  # (B, T) -> (B·T,)
+    return torch.cat(u), torch.tensor(has, dtype=torch.float32, device=device), torch.cat(g2)
 
 
 def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
@@ -87,11 +92,11 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
             eligible.append(torch.ones(n, dtype=torch.bool, device=device))
         else:
             eligible.append(meta.loss_mask.reshape(n).to(device, non_blocking=True))  # (B, T) -> (B·T,)
-    u, has = head_rows(parts, device) if heads else (None, None)
+    u, has, g2 = head_rows(parts, device) if heads else (None, None, None)
     return StepScores(tuple(m for m, _ in parts), torch.cat(totals), torch.cat(exacts),
                       torch.cat(layers, dim=1) if breakdown else None, torch.cat(eligible), dropped,
                       frozenset(dropped_layers), frozenset((called | watched) - scored), exact_layer,
-                      head_u=u, head_has=has, head_given=heads and any(b is not None and b.head_u is not None
+                      head_u=u, head_has=has, head_g2=g2, head_given=heads and any(b is not None and b.head_u is not None
                                                                        for _, b in parts))
 
 

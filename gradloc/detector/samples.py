@@ -3,12 +3,24 @@ sustained RL training–inference mismatch against the run's own baseline. Findi
 no probe runs and nothing pages (docs/DESIGN-NOTES.md, "Per-sample surprise").
 
 Surprise: the step's pack (collector/surprise.py) gives every sample's judged loss positions n, mean
-surprise and worst-window mean. Both are judged against the last ``history`` judged samples (robust:
-median and 1.4826 × MAD, σ floored at 2% of the median) once ``warmup_samples`` are in:
-z = (mean − median) / (σ · √max(1, n_median / n)) (a short sample's mean is noisier) and
-z_window = (window − median_window) / σ_window; the sample's z is the larger. Every judged sample
-enters the history, an outlier clamped to median + z_threshold · σ, so a minority of bad samples
-barely moves the baseline while a lasting change of the data becomes the new normal.
+surprise, worst-window mean and mean calibration deficit d = Σ_v p_v² − p(y) (read off the head's
+‖g‖²: 0 on average wherever the model is calibrated, however hard the text). Each is judged against
+the last ``history`` judged samples (robust: median and 1.4826 × MAD, σ floored at 2% of the
+median) once ``warmup_samples`` are in: z = (x − median) / (σ · √max(1, n_median / n)) for the
+means (a short sample's mean is noisier) and z_window = (window − median_window) / σ_window.
+
+Real text holds odd but legitimate samples (URLs, tables, groff or HTML markup, regexes) that are as
+surprising as a bad one: the model was unsure there and knew it (Σ_v p_v² small, d ≈ 0). Garbage and
+wrong labels are surprising where it was sure (d large) or far more surprising than any text. So
+with ``SampleConfig.calibrated`` and a deficit in the pack, a sample's z is
+max(z_deficit, max(z, z_window) / 1.5, z where z_deficit ≥ 0.75 × z_threshold), z_deficit counting
+only where z > 0 (a wrong label never makes a sample less surprising than usual): surprise alone must
+be 1.5 × z_threshold out, surprise at z_threshold needs the deficit three-quarters of the way, and a
+worst window (a URL, a line of ``=``) counts only when its sample's deficit is half-way (z_deficit ≥
+z_threshold / 2). Without one (``calibrated=False``, a pack without ‖g‖²) it is max(z, z_window),
+as before. Every judged sample enters the history, an outlier clamped to median + z_threshold · σ,
+so a minority of bad samples barely moves the baseline while a lasting change of the data becomes
+the new normal. Outliers come worst (highest z) first.
 """
 from __future__ import annotations
 
@@ -26,6 +38,11 @@ from gradloc.records import SAMPLE_Z_BUCKETS, OutlierKind, RLStats, SampleOutlie
 
 log = logging.getLogger("gradloc")
 _MIN_STD_FRACTION = 0.02
+SURPRISE_ALONE = 1.5  # with a calibration deficit: surprise alone makes a finding at this × z_threshold
+SUPPORT = 0.75  # ... and at z_threshold when the deficit is at this × z_threshold
+# σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
+# and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
+_DEFICIT_MIN_STD = 0.01
 
 
 class _Ring:
@@ -43,26 +60,27 @@ class _Ring:
         self.at = (self.at + len(x)) % size
         self.n = min(self.n + len(x), size)
 
-    def robust(self) -> tuple[float, float]:
-        """(median, σ from the MAD, floored at a fraction of the median)."""
+    def robust(self, floor: float = 1e-6) -> tuple[float, float]:
+        """(median, σ from the MAD, floored at a fraction of the median and at ``floor``)."""
         v = self.values[: self.n]
         med = float(np.median(v))
-        return med, max(1.4826 * float(np.median(np.abs(v - med))), _MIN_STD_FRACTION * abs(med), 1e-6)
+        return med, max(1.4826 * float(np.median(np.abs(v - med))), _MIN_STD_FRACTION * abs(med), floor)
 
 
 class SampleJudge:
     def __init__(self, cfg: SampleConfig) -> None:
         self.cfg = cfg
         self.mean, self.win, self.length = _Ring(cfg.history), _Ring(cfg.history), _Ring(cfg.history)
+        self.deficit = _Ring(cfg.history)  # mean Σ_v p_v² − p(y), where the pack has it
         self.not_ce_warned = False
 
     def judge(self, host: np.ndarray, metas: Sequence[MicroBatchMeta], where: dict[str, Any],
               decode: Callable[[list[int]], str] | None) -> SampleStats:
         """``host``: the step's pack; ``where``: job, rank, step, time_unix of the step."""
         cfg, M = self.cfg, len(metas)
-        S = (len(host) - M) // 5
+        S = (len(host) - M) // 6
         code = host[:M]
-        n, total, nonfinite, wmax, wstart = (host[M + i * S: M + (i + 1) * S] for i in range(5))
+        n, total, nonfinite, wmax, wstart, deficit = (host[M + i * S: M + (i + 1) * S] for i in range(6))
         if (code == MB_NOT_CE).any() and not self.not_ce_warned:
             self.not_ce_warned = True
             log.warning("gradloc: the last watched module's gradient is not a cross-entropy head's "
@@ -71,40 +89,56 @@ class SampleJudge:
         judged = (code[mb_of] == MB_JUDGED) & (n >= cfg.min_tokens) & (nonfinite == 0)
         score = np.where(judged, total / np.maximum(n, 1), 0.0)
         has_win = judged & np.isfinite(wmax)
+        has_d = judged & np.isfinite(deficit) & cfg.calibrated
+        dmean = np.where(has_d, deficit, 0.0) / np.maximum(n, 1)
         stats = dict(judged=int(judged.sum()), unjudged=int((~judged & (nonfinite == 0)).sum()),
                      nonfinite=int((nonfinite > 0).sum()))
         if self.mean.n < cfg.warmup_samples or not judged.any():
-            self._remember(score[judged], wmax[has_win], n[judged])
+            self._remember(score[judged], wmax[has_win], n[judged], dmean[has_d])
             return SampleStats(**stats)
+        t = cfg.z_threshold
         med, sd = self.mean.robust()
         wmed, wsd = self.win.robust() if self.win.n >= cfg.warmup_samples else (math.nan, math.nan)
+        dmed, dsd = self.deficit.robust(_DEFICIT_MIN_STD) if self.deficit.n >= cfg.warmup_samples else (math.nan, math.nan)
         n_med = float(np.median(self.length.values[: self.length.n]))
-        z_mean = (score - med) / (sd * np.sqrt(np.maximum(1.0, n_med / np.maximum(n, 1))))
+        noise = np.sqrt(np.maximum(1.0, n_med / np.maximum(n, 1)))  # a short sample's mean is noisier
+        z_mean = (score - med) / (sd * noise)
         z_win = np.where(has_win & np.isfinite(wsd), (wmax - wmed) / wsd, -np.inf)
-        z = np.where(judged, np.maximum(z_mean, z_win), np.nan)
-        flagged = np.flatnonzero(judged & (z >= cfg.z_threshold))
-        top = flagged[np.argsort(-z[flagged])][: cfg.max_outliers]
+        use_d = has_d & math.isfinite(dsd)
+        # a wrong label never makes a sample less surprising than usual: the deficit counts above the median only
+        # (it also keeps ŵ's error off a sample the model is sure of, e.g. a memorised sequence)
+        z_d = np.where(use_d & (z_mean > 0), (dmean - dmed) / (dsd * noise), -np.inf)
+        z_win = np.where(use_d & (z_d < t / 2), -np.inf, z_win)  # a window needs its sample's deficit half-way
+        z_surprise = np.maximum(z_mean, z_win)
+        z_both = np.where(z_d >= SUPPORT * t, z_mean, -np.inf)  # surprising, and wrong where the model was sure
+        z_cal = np.maximum(np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_both)
+        z = np.where(judged, np.where(use_d, z_cal, z_surprise), np.nan)
+        flagged = np.flatnonzero(judged & (z >= t))
+        top = flagged[np.argsort(-z[flagged], kind="stable")][: cfg.max_outliers]  # worst first
         outliers = tuple(self._outlier(int(i), z_win[i] > z_mean[i], metas, mb_of, host, where, decode,
-                                       score[i], z[i], med, wmed) for i in top)
+                                       score[i], z[i], med, wmed, dmean[i] if use_d[i] else None, dmed)
+                         for i in top)
         zj = z[judged]
         counts = np.bincount(np.searchsorted(np.asarray(SAMPLE_Z_BUCKETS), zj, side="left"),
                              minlength=len(SAMPLE_Z_BUCKETS) + 1)
-        t = cfg.z_threshold
         self._remember(np.minimum(score[judged], med + t * sd), np.minimum(wmax[has_win], wmed + t * wsd)
-                       if math.isfinite(wsd) else wmax[has_win], n[judged])
+                       if math.isfinite(wsd) else wmax[has_win], n[judged],
+                       np.minimum(dmean[has_d], dmed + t * dsd) if math.isfinite(dsd) else dmean[has_d])
         return SampleStats(**stats, z_counts=tuple(int(c) for c in counts), z_sum=float(zj.sum()),
                            max_z=float(zj.max()), baseline=med, flagged=len(flagged), outliers=outliers)
 
-    def _remember(self, score: np.ndarray, window: np.ndarray, n: np.ndarray) -> None:
+    def _remember(self, score: np.ndarray, window: np.ndarray, n: np.ndarray, deficit: np.ndarray) -> None:
         self.mean.add(score)
         self.win.add(window)
         self.length.add(n)
+        self.deficit.add(deficit)
 
     def _outlier(self, i: int, by_window: bool, metas: Sequence[MicroBatchMeta], mb_of: np.ndarray,
                  host: np.ndarray, where: dict[str, Any], decode: Callable[[list[int]], str] | None,
-                 score: float, z: float, med: float, wmed: float) -> SampleOutlier:
+                 score: float, z: float, med: float, wmed: float, deficit: float | None,
+                 dmed: float) -> SampleOutlier:
         cfg, M = self.cfg, len(metas)
-        S = (len(host) - M) // 5
+        S = (len(host) - M) // 6
         m = int(mb_of[i])
         meta = metas[m]
         b = i - int(np.searchsorted(mb_of, m))  # the sample's index within its micro-batch
@@ -118,12 +152,14 @@ class SampleJudge:
             start, end, baseline = 0, e - a, med
         text = _excerpt(meta, b, start, min(end, start + cfg.excerpt_tokens), decode)
         what = f"its worst {cfg.window}-token window" if by_window else "its mean over the sample"
+        beyond = "" if deficit is None else (f"; p(label) {deficit:.3f} below the model's own Σp² on average "
+                                             f"(run median {dmed:.3f})")
         return SampleOutlier(
             kind=OutlierKind.SURPRISE, step=where["step"], job=where["job"], rank=where["rank"],
             time_unix=where["time_unix"],
             score=float(score), z=float(z), baseline=float(baseline), micro_batch=meta.index, sample=b,
             sample_id=meta.sample_id(b), start=start, end=end, tokens=n, text=text,
-            detail=f"surprise {score:.2f} nats/token ({what}; run median {baseline:.2f}), z {z:.1f}")
+            detail=f"surprise {score:.2f} nats/token ({what}; run median {baseline:.2f}){beyond}, z {z:.1f}")
 
 
 def _excerpt(meta: MicroBatchMeta, sample: int, start: int, end: int,

@@ -59,15 +59,16 @@ def combine(scores: StepScores, token: Any, layers: int, breakdown: bool, gives_
         parts.append(per.double().flatten())  # (L, N) -> (L·N,)
     heads = scores.head_u is not None and scores.head_has is not None  # the same on every rank (the samples setting)
     if heads:  # the head's u_p: a vocabulary-parallel head's shards add up; ranks without the head give zeros
-        parts += [scores.head_u.double(), scores.head_has.double()]
+        g2 = scores.head_g2 if scores.head_g2 is not None else torch.full_like(scores.head_u, float("nan"))
+        parts += [scores.head_u.double(), g2.double(), scores.head_has.double()]
     parts.append(tail)
     sizes = [p.numel() for p in parts]
     got = torch.split(token.all_reduce(torch.cat(parts), what="gradloc token group scores"), sizes)
     per_layer = got[2].reshape(layers, n).to(scores.totals.dtype) if breakdown and scores.per_layer is not None \
         else None  # (L·N,) -> (L, N)
-    u, has = (got[-3].float(), got[-2].float()) if heads else (None, None)
+    u, g2, has = (got[-4].float(), got[-3].float(), got[-2].float()) if heads else (None, None, None)
     return replace(scores, totals=got[0].to(scores.totals.dtype), exact=got[1].to(scores.exact.dtype),
-                   per_layer=per_layer, check=got[-1], head_u=u, head_has=has)
+                   per_layer=per_layer, check=got[-1], head_u=u, head_has=has, head_g2=g2)
 
 
 def mismatch(check: "list[float]") -> bool:

@@ -47,6 +47,32 @@ def test_head_u_is_the_weight_times_one_minus_p():
     mon.close()
 
 
+def test_the_pack_holds_the_models_own_calibration_deficit():
+    """‖g_p‖² at the head gives Σ_v p_v²: the pack's Σ d per sample is Σ_p (Σ_v p_v² − p(y_p)) from the exact
+    softmax (up to ŵ's error)."""
+    model = tiny_gpt(vocab=V)
+    mon = _watch(model)
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    y[0, 0] = int(model(x[:1])[0, 0].argmin())  # a token the model finds (nearly) impossible: ŵ ≈ w
+    with mon.micro_batch(y):
+        logits = model(x)
+        token_losses(logits, y).mean().backward()
+    q = logits.detach().double().softmax(-1)  # (B, T, V)
+    ((meta, buf),) = mon._parts
+    u, g2 = buf.head_u, buf.head_g2
+    g = q - torch.nn.functional.one_hot(y, V).double()  # the head's output gradient / w
+    torch.testing.assert_close(g2.double(), g.square().sum(-1) / (B * T) ** 2, rtol=1e-4, atol=0.0)
+    one = MicroBatchScores(0, B, T, 1, head_u=u, head_g2=g2)
+    scores = stack_step([(make_meta(0, y, None, None, None), one)], 1, torch.device("cpu"), heads=True)
+    host = SurprisePack(4, CAP).pack(scores, set()).numpy()
+    n, deficit = host[1:1 + B], host[1 + 5 * B:]
+    p = q.gather(-1, y[..., None]).squeeze(-1)  # (B, T)
+    np.testing.assert_allclose(deficit, (q.square().sum(-1) - p).sum(1).numpy(), atol=0.03)  # ŵ: w·max(1 − p)
+    assert (n == T).all()
+    mon.end_step(torch.zeros(()))
+    mon.close()
+
+
 def _pack(u: torch.Tensor, mask: torch.Tensor | None = None, window: int = 4, rl=(), cu=None) -> np.ndarray:
     buf = MicroBatchScores(0, u.shape[0], u.shape[1], 1, head_u=u)
     eligible = None if mask is None else mask
@@ -64,7 +90,7 @@ def test_pack_recovers_the_surprise_without_knowing_the_weight():
     p[1, 8:12] = 1e-3  # a corrupted span of 4 positions in sample 1
     w = 0.37 / (B * T)
     host = _pack(w * (1 - p))
-    code, n, total, nonfinite, wmax, wstart = host[:1], *host[1:].reshape(5, B)
+    code, n, total, nonfinite, wmax, wstart, _ = host[:1], *host[1:].reshape(6, B)  # (6B,) -> (6, B)
     s = (-torch.log(p.clamp_min(math.exp(-CAP)))).double()
     assert code.tolist() == [MB_JUDGED] and n.tolist() == [T] * B and nonfinite.tolist() == [0] * B
     np.testing.assert_allclose(total / n, s.mean(1).numpy(), rtol=1e-5)

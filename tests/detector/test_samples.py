@@ -21,7 +21,8 @@ def _metas(m: int = 2):
     return [make_meta(i, ids, None, [f"u{i}-{b}" for b in range(B)], None) for i in range(m)]
 
 
-def _host(scores, n=None, codes=None, window=None, wstart=None, nonfinite=None) -> np.ndarray:
+def _host(scores, n=None, codes=None, window=None, wstart=None, nonfinite=None, deficit=None) -> np.ndarray:
+    """A step's pack (collector/surprise.py); ``deficit``: the mean calibration deficit (default: not read, NaN)."""
     scores = np.asarray(scores, dtype=np.float64)
     S = len(scores)
     n = np.full(S, float(T)) if n is None else np.asarray(n, dtype=np.float64)
@@ -29,7 +30,8 @@ def _host(scores, n=None, codes=None, window=None, wstart=None, nonfinite=None) 
     window = scores + 0.5 if window is None else np.asarray(window, dtype=np.float64)
     wstart = np.arange(S) * T if wstart is None else np.asarray(wstart, dtype=np.float64)
     nonfinite = np.zeros(S) if nonfinite is None else np.asarray(nonfinite, dtype=np.float64)
-    return np.concatenate([codes, n, scores * n, nonfinite, window, wstart])
+    deficit = np.full(S, np.nan) if deficit is None else np.asarray(deficit, dtype=np.float64)
+    return np.concatenate([codes, n, scores * n, nonfinite, window, wstart, deficit * n])
 
 
 def _warm(judge: SampleJudge, rng: np.random.Generator, steps: int, mean: float = 3.5, sd: float = 0.3):
@@ -102,6 +104,49 @@ def test_a_minority_of_outliers_barely_moves_the_baseline():
         scores[:3] = 9.0  # 3 of 16 samples garbage, every step
         judge.judge(_host(scores), _metas(), WHERE, None)
     assert abs(judge.mean.robust()[0] - before) < 0.3
+
+
+def _warm_text(judge: SampleJudge, rng: np.random.Generator, steps: int):
+    """Healthy real text: a mean surprise of 2.5 ± 0.15 nats/token, a calibration deficit of 0 ± 0.01."""
+    for _ in range(steps):
+        scores = rng.normal(2.5, 0.15, 2 * B)
+        judge.judge(_host(scores, deficit=rng.normal(0.0, 0.01, 2 * B)), _metas(), WHERE, None)
+
+
+def test_odd_but_legit_text_is_not_flagged_while_garbage_and_shifted_labels_are_worst_first():
+    """A URL-heavy sample or a groff table is as surprising as the false outliers of the text benchmark (z ≈ 8 on
+    its mean, its worst window further out) but the model knew it was unsure there (deficit ≈ 0); garbage is far
+    more surprising, shifted labels are wrong where the model was sure. Only they are findings, garbage first."""
+    cfg = SampleConfig(warmup_samples=64, min_tokens=8)
+    judge, rng = SampleJudge(cfg), np.random.default_rng(4)
+    _warm_text(judge, rng, 8)
+    scores, deficit = rng.normal(2.5, 0.15, 16), rng.normal(0.0, 0.01, 16)
+    window = scores + 0.5
+    scores[2], deficit[2], window[2] = 3.7, 0.01, 5.5  # odd but legit: a URL-heavy sample
+    scores[5], deficit[5], window[5] = 3.6, 0.0, 4.2  # a groff table
+    scores[9], deficit[9], window[9] = 5.8, 0.0, 6.0  # random ids: the model is lost, and far more surprised
+    scores[14], deficit[14], window[14] = 3.4, 0.08, 3.9  # shifted labels: natural inputs, wrong targets
+    st = judge.judge(_host(scores, window=window, deficit=deficit), _metas(), WHERE, None)
+    assert [(o.micro_batch, o.sample) for o in st.outliers] == [(1, 1), (1, 6)] and st.flagged == 2
+    assert st.outliers[0].z > st.outliers[1].z >= cfg.z_threshold and st.max_z == st.outliers[0].z
+    assert "below the model's own" in st.outliers[1].detail and st.outliers[0].score == 5.8
+
+
+def test_a_window_of_legit_text_alone_is_not_a_finding_a_bad_span_is():
+    """A worst window far out (a line of ``=``, a URL) makes a finding only when its sample's calibration deficit
+    is itself half-way to the line: a span of wrong labels raises it, a legit one does not."""
+    cfg = SampleConfig(warmup_samples=64, min_tokens=8, window=16)
+    judge, rng = SampleJudge(cfg), np.random.default_rng(5)
+    _warm_text(judge, rng, 8)
+    scores, deficit = rng.normal(2.5, 0.15, 16), rng.normal(0.0, 0.01, 16)
+    window = scores + 0.5
+    window[3] = 9.0  # a separator line: far out on its window, calibrated over the sample
+    window[7], deficit[7] = 9.0, 0.04  # a span of wrong labels: the sample's deficit at z ≈ 4
+    wstart = np.arange(16) * T
+    wstart[7] = 7 * T + 30
+    st = judge.judge(_host(scores, window=window, wstart=wstart, deficit=deficit), _metas(), WHERE, None)
+    (o,) = st.outliers
+    assert (o.micro_batch, o.sample, o.start, o.end, o.score) == (0, 7, 30, 46, 9.0)
 
 
 def _rl(frac: float | None, tokens: int = 1000) -> RLStats:

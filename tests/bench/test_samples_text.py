@@ -1,0 +1,18 @@
+"""The real-text benchmark (``python -m bench.samples --text``, bench/samples_text.py), a smoke run: every kind of
+text is found offline and judged, faults are planted and counted, the report names each kind."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from bench.samples_text import KINDS, TextConfig, report, run_text  # noqa: E402
+
+
+@pytest.mark.slow
+def test_the_text_benchmark_judges_every_kind_and_counts_the_faults():
+    out = run_text(TextConfig(burn_in=10, eval_steps=8, fault_rate=1.0))
+    assert set(out["kinds"]) == set(KINDS) and all(v["judged"] > 0 for v in out["kinds"].values())
+    assert sum(v["injected"] for v in out["faults"].values()) == 8 and out["judged"] == 8 * 32 - 8
+    assert all(v["detected"] <= v["injected"] and v["first"] <= v["detected"] for v in out["faults"].values())
+    assert "markup" in report(out) and out["false_outliers"] >= sum(v["false"] for v in out["kinds"].values())
