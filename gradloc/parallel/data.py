@@ -43,7 +43,8 @@ class DDP(DataBackend):
 
     def __init__(self, wrapper: nn.Module) -> None:
         self.wrapper = wrapper
-        if any(isinstance(m, nn.SyncBatchNorm) for m in wrapper.module.modules()):
+        inner = getattr(wrapper, "module", None)
+        if inner is not None and any(isinstance(m, nn.SyncBatchNorm) for m in inner.modules()):
             self.probe_hazard = (
                 "probes are off: SyncBatchNorm all-reduces batch statistics inside forward and backward, so a "
                 "probe on one rank would wait for the others (shares are attribution scores)")
