@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench import torch_threads
+from bench import early, torch_threads
 from bench.natural import FAULTS, Fault, Run, RunConfig, inject
 from gradloc.config import DetectorConfig
 from gradloc.detector import SpikeDetector, opens_incident
@@ -205,10 +205,12 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
         det_cfg = DetectorConfig(sensitivity=name)
         total = steps = 0
         kinds: Counter[str] = Counter()
+        judged = []
         for t, row in zip(healthy, runs):
             inc = replay(t, det_cfg)
+            judged.append(early.judge(t.records, t.layers, det_cfg))
             row["incidents"][name] = {"count": len(inc), "per_1000": _per_1000(len(inc), len(t.records)),
-                                      "steps": [s for s, _ in inc][:50]}
+                                      "steps": [s for s, _ in inc][:50], "from_step0": judged[-1]}
             total += len(inc)
             steps += len(t.records)
             kinds.update(k for _, ks in inc for k in ks)
@@ -229,6 +231,7 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
             "recall": {k: round(found[k] / injected[k], 3) for k in cfg.faults if injected[k]},
             "detected": dict(found), "injected": dict(injected),
             "fault_run_other_incidents_per_1000": _per_1000(extra, fault_steps),
+            "from_step0": early.summarize(judged, steps),
         }
     return {"settings": settings, "runs": runs, "replay_matches_live": True if check_live else None,
             "fault_signals": fault_signals(faulty),
@@ -296,6 +299,14 @@ def format_table(res: dict[str, Any]) -> str:
                        for k in faults], f"{s['fault_run_other_incidents_per_1000']:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += ["", f"from step 0 (bench/early.py: a real spike is >= {early.RATIO}x the median norm of the "
+              f"{early.WINDOW} steps either side):"]
+    for name, s in res["settings"].items():
+        e = s["from_step0"]
+        lines.append(f"  {name:8s} real spikes after the warm-up flagged {e['flagged']}/{e['real_spikes_after_warmup']}"
+                     f"; warm-up spikes reported {e['warmup_reported']}/{e['warmup_spikes']}; incidents on real "
+                     f"spikes {e['incidents_on_real_spikes']}; false on no real spike {e['strict_false']} "
+                     f"({e['strict_false_per_1000']:.2f} /1000)")
     lines += ["", "healthy runs (incidents per 1,000 steps per setting):"]
     for r in res["runs"]:
         per = "  ".join(f"{k} {v['per_1000']:.2f}" for k, v in r["incidents"].items())
