@@ -1,10 +1,10 @@
-"""Accelerate on its own with its defaults (tests/defaults/accelerate_job.py): ``Accelerator(gradient_accumulation_steps=2)``,
-``prepare``, ``accumulate``, ``backward``, ``clip_grad_norm_`` as its docs write the loop, 4 gloo ranks, the
-tiny pre-trained HF Llama, a corrupted token on the last rank after 32 healthy steps, the default detector:
-``prepare`` wraps the model in DDP (its defaults) and gradloc watches one DDP job; gradloc's norm is the one
-``accelerator.clip_grad_norm_`` returns, on every step and rank; the token is one job incident located on data
-rank 3 in ≤ 3 probes, naming it; no collective deadline; the parameters bitwise those of the same loop without
-gradloc."""
+"""Accelerate on its own with its defaults (tests/defaults/accelerate_job.py):
+``Accelerator(gradient_accumulation_steps=2)``, ``prepare``, ``accumulate``, ``backward``, ``clip_grad_norm_`` as
+its docs write the loop, 4 gloo ranks, the tiny pre-trained HF Llama, a corrupted token on the last rank after 32
+healthy steps, the default detector: ``prepare`` wraps the model in DDP (its defaults) and gradloc watches one
+DDP job; gradloc's norm is the one ``accelerator.clip_grad_norm_`` returns, on every step and rank; the token is
+one job incident located on data rank 3 in ≤ 3 probes, naming it; no collective deadline; the parameters bitwise
+those of the same loop without gradloc."""
 from __future__ import annotations
 
 import pytest
