@@ -11,7 +11,7 @@ DEADLINE_S = 60.0  # WatchConfig.collective_timeout_s's default
 
 def norms_location_and_deadline(ranks: list[dict], variant: str, kind: str) -> None:
     """On every rank: the job kind, gradloc's norm equal (rel 1e-5) to the whole gradient the optimizer sees and
-    to ``clip_grad_norm_``'s return value on every step; one incident, at the planted step, located on the last
+    to ``clip_grad_norm_``'s return value on every step; one job incident, at the planted step, located on the last
     (data) rank at the planted token in ≤ 3 probes, its share measured against the job's gradient; no collective
     deadline hit (communicators intact, the spike step well inside the deadline); one answer on every rank."""
     world = len(ranks)
@@ -25,6 +25,7 @@ def norms_location_and_deadline(ranks: list[dict], variant: str, kind: str) -> N
         assert [s for s, st in enumerate(w["steps"]) if st["incident"]] == [HEALTHY], rank
         spike = w["steps"][HEALTHY]
         loc = spike["loc"]
+        assert spike["scope"] == "job", spike["scope"]  # the job's incident, not one rank's
         assert loc["status"] == "located" and 1 <= loc["probes"] <= 3, loc["note"]
         assert loc["culprits"][0] == (world - 1, *PLANT[1:]), loc["culprits"]
         assert {c[0] for c in loc["culprits"]} == {world - 1}

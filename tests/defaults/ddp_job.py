@@ -117,6 +117,7 @@ def train(rank: int, world: int, kwargs: dict[str, Any], monitor: bool, plant_ra
                 "seconds": time.perf_counter() - t0, "norm": rep.record.global_norm, "delivered": delivered,
                 "clip": clip,
                 "kinds": sorted(str(k) for k in rep.spike.kinds), "incident": rep.incident is not None,
+                "scope": str(rep.incident.scope) if rep.incident is not None else None,
                 "loc": None if loc is None else {
                     "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
                     "explained": loc.explained_share,

@@ -33,6 +33,7 @@ def test_default_parallelism_norms_location_and_deadline(ranks):
         assert len(norms) == len(w["clips"]) == STEPS
         assert norms == pytest.approx(w["clips"], rel=1e-5)  # torchtitan's own clip_grad_norm_
         assert [e["step"] for e in w["reports"] if e["loc"] is not None] == [HEALTHY]
+        assert w["reports"][HEALTHY]["scope"] == "job"
         loc = w["reports"][HEALTHY]["loc"]
         assert loc["status"] == "located" and 1 <= loc["probes"] <= 3, loc["note"]
         assert loc["culprits"][0] == (WORLD - 1, *PLANT) and {c[0] for c in loc["culprits"]} == {WORLD - 1}

@@ -2,9 +2,9 @@
 every other degree 1 — FSDP2 over all ranks, applied by its own ``parallelize_llama`` — around its own Llama 3
 (tests/titan.py), clipped by its own ``clip_grad_norm_`` at its default ``max_norm`` (1.0) after ``end_step``, as
 its Trainer does. The CPU workarounds tests/titan.py documents stay (``partial_dtensor``, SUM reductions for
-gloo, sdpa attention), and so do its float32 parameters (torchtitan's default ``mixed_precision_param`` is
-bfloat16; the tier's other torchtitan tests run float32 too). Its default pipeline schedule (1F1B) runs in
-tests/distributed/test_pp.py.
+gloo, sdpa attention), and so do its float32 parameters and no activation checkpointing: two of its Trainer's
+defaults not covered here (``mixed_precision_param`` is bfloat16, ``activation_checkpoint`` selective AC), as in
+the tier's other torchtitan tests. Its default pipeline schedule (1F1B) runs in tests/distributed/test_pp.py.
 
 The loop is tests/distributed/loop.py's (two micro-batches, the loss torchtitan's way: Σ ce / (B·T·M·dp)), the
 default detector, the token planted ×3000 on the last rank after ``HEALTHY`` healthy steps; with gradloc and

@@ -67,6 +67,7 @@ def essentials(rep: Any) -> dict[str, Any]:
         "total_score": tok.total_score if tok else None, "dropped": tok.dropped_calls if tok else None,
         "unattributed": tok.unattributed_share if tok else None,
         "kinds": sorted(rep.spike.kinds) if rep.incident else [],
+        "scope": str(rep.incident.scope) if rep.incident else None,
         "loc": None if loc is None else {
             "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
             "explained": loc.explained_share,
