@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -69,10 +69,15 @@ def data(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids[..., :-1].clone(), ids[..., 1:].clone(), torch.ones(STEPS, M, B, SEQ)
 
 
-def train(rank: int, world: int, kwargs: dict[str, Any], monitor: bool, plant_rank: int) -> dict[str, Any]:
+def train(rank: int, world: int, kwargs: dict[str, Any], monitor: bool, plant_rank: int,
+          builder: Callable[[dict[str, Any]], torch.nn.Module] = build) -> dict[str, Any]:
+    """One run of the README's loop around ``builder(kwargs)`` (DDP here; tests/defaults/fsdp_job.py builds
+    FSDP2 and HSDP with it). ``delivered``: the norm of the whole gradient the optimizer sees (a DTensor
+    gradient is made whole, a collective); ``clip``: what ``clip_grad_norm_`` returned (the framework's own norm)."""
     import gradloc
+    from tests.distributed.loop import whole
 
-    ddp = build(kwargs)
+    ddp = builder(kwargs)
     if kwargs.get("compile"):
         ddp = torch.compile(ddp)  # the default backend (inductor); dynamo's DDPOptimizer splits at the buckets
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -100,16 +105,19 @@ def train(rank: int, world: int, kwargs: dict[str, Any], monitor: bool, plant_ra
                 loss = loss_for(i)
                 loss.backward()
             total += loss.detach()
-        delivered = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ddp.parameters() if p.grad is not None))
+        delivered = math.sqrt(sum(float(whole(p.grad).double().pow(2).sum()) for p in ddp.parameters()
+                                  if p.grad is not None))
         rep = mon.end_step(total, probe=loss_for) if mon is not None else None
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        clip = float(whole(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
         if rep is not None:
             loc = rep.incident.localization if rep.incident is not None else None
             out["steps"].append({
                 "seconds": time.perf_counter() - t0, "norm": rep.record.global_norm, "delivered": delivered,
+                "clip": clip,
                 "kinds": sorted(str(k) for k in rep.spike.kinds), "incident": rep.incident is not None,
+                "scope": str(rep.incident.scope) if rep.incident is not None else None,
                 "loc": None if loc is None else {
                     "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
                     "explained": loc.explained_share,
@@ -117,7 +125,9 @@ def train(rank: int, world: int, kwargs: dict[str, Any], monitor: bool, plant_ra
     if mon is not None:
         out["broken"] = mon.comm.broken if mon.comm is not None else ""
         mon.close()
-    out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    inner = getattr(ddp, "module", ddp)  # DDP's module (through torch.compile's wrapper); FSDP2: the model itself
+    out["params"] = {n: whole(p).detach().clone() for n, p in inner.named_parameters()}
+    out["placements"] = sorted({str(getattr(p, "placements", "whole")) for p in inner.parameters()})
     return out
 
 

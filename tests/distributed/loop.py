@@ -13,12 +13,13 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, mon: Any,
               batches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: int, *,
               token_losses: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp: int = 1,
               end_step: Callable[..., Any] | None = None, no_sync: Callable[[int], Any] | None = None,
-              after_first_backward: Callable[[], None] | None = None, clip: float | None = None
-              ) -> tuple[list[Any], list[int]]:
+              after_first_backward: Callable[[], None] | None = None,
+              clip: float | Callable[[], Any] | None = None) -> tuple[list[Any], list[int]]:
     """``batches``: inputs, targets (steps, M, B, T) and loss weights; the loss of micro-batch i is
     Σ w·ce / (B·T·M·dp) (``dp`` = 1 where the data-parallel wrapper averages). ``end_step`` replaces
     ``mon.end_step`` (e.g. the invariants tracer), ``no_sync(i)`` is a context for micro-batch i (DDP's
-    accumulation), ``after_first_backward`` runs once after step 0's backward (reference norms).
+    accumulation), ``after_first_backward`` runs once after step 0's backward (reference norms); ``clip``: a
+    max norm for torch's ``clip_grad_norm_``, or a callable that clips (a framework's own), after ``end_step``.
     Returns the step reports and the gradloc collectives of each step."""
     x, y, w = batches
     M = x.shape[1]
@@ -44,7 +45,9 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, mon: Any,
             before = mon.comm.collectives if mon.comm is not None else 0
             reports.append((end_step or mon.end_step)(total, probe=loss_for))
             collectives.append((mon.comm.collectives if mon.comm is not None else 0) - before)
-        if clip is not None:
+        if callable(clip):
+            clip()
+        elif clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
@@ -64,6 +67,7 @@ def essentials(rep: Any) -> dict[str, Any]:
         "total_score": tok.total_score if tok else None, "dropped": tok.dropped_calls if tok else None,
         "unattributed": tok.unattributed_share if tok else None,
         "kinds": sorted(rep.spike.kinds) if rep.incident else [],
+        "scope": str(rep.incident.scope) if rep.incident else None,
         "loc": None if loc is None else {
             "status": str(loc.status), "level": str(loc.level), "probes": loc.probes, "note": loc.note,
             "explained": loc.explained_share,

@@ -54,6 +54,11 @@ class World:
 
 @pytest.fixture(scope="module")
 def world() -> World:
+    return make_world()
+
+
+def make_world() -> World:
+    """The tokenizer, the policy's config and weights (seed 0), the prompts (also tests/defaults/trl_job.py's)."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
