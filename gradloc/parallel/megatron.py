@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from gradloc.collector.rules.megatron import is_megatron_linear, tp_rank_size
@@ -74,6 +75,20 @@ class MegatronTP(ModelBackend):
             if layout is not None and layout.size("pp") > 1:
                 check_model(nn.Module(), layout.size("pp"))  # refused: the stages' factors would not line up
             configure(hooks, self.rank, self.size)
+
+    def combine_probe(self, acc: Any, params: list[nn.Parameter], layout: Any) -> Any:
+        """Under SP: the probe's ``sequence_parallel`` gradients (each rank's positions' part) summed over the tp
+        group (the token group: SP refuses PP), one all-reduce under the job's deadline, as Megatron's
+        ``finalize_model_grads`` sums the step's before they are read."""
+        idx = [i for i, p in enumerate(params) if getattr(p, "sequence_parallel", False) and acc[i] is not None]
+        if not self.sequence_parallel or not idx or layout is None or layout.token is None:
+            return acc
+        flat = torch.cat([acc[i].reshape(-1) for i in idx])  # each (*shape) -> (numel,), concatenated
+        flat = layout.token.all_reduce(flat, what="gradloc probe sequence-parallel grads")
+        out = list(acc)
+        for i, part in zip(idx, torch.split(flat, [acc[i].numel() for i in idx])):
+            out[i] = part.view_as(acc[i])  # (numel,) -> (*shape)
+        return out
 
     def slice_key(self, name: str, param: nn.Parameter) -> SliceKey | None:
         if not getattr(param, "tensor_model_parallel", False):

@@ -67,6 +67,8 @@ class JobScope:
     def measure(self, acc: Grads, loss: float, error: str) -> tuple[float, float]:
         if not self.linear:  # a rank whose probe failed still joins (its gradient so far, zeros elsewhere)
             acc[:] = self.jb.data.combine(acc, self.comm, self.params)
+        for b in self.jb.parts:  # a model backend's own reduction (Megatron SP's sequence_parallel gradients)
+            acc[:] = b.combine_probe(acc, self.params, self.jb.layout)
         vals, _ = self.reduce(acc)
         inner, loss_sum, failed = self._sums(self._dot(vals, self.grads) * self.inv_scale, loss * self.loss_weight,
                                              float(bool(error)), what="gradloc probe combine")

@@ -133,6 +133,22 @@ def reference(steps: int, vocab_parallel: bool = False) -> dict[str, Any]:
     return out
 
 
+def reference_localization(plant: tuple, vocab_parallel: bool) -> dict[str, Any]:
+    """PlainToy trained as the ranks train MegatronToy (AdamW, the planted weight): the planted step's localization."""
+    import gradloc
+    from tests.distributed.loop import run_steps
+
+    model = PlainToy(vocab_parallel=vocab_parallel)
+    x, y, w = data(STEPS)
+    s, mb, b, t = plant
+    w[s, mb, b, t] = 3000.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5))
+    reports, _ = run_steps(model, opt, mon, (x, y, w), STEPS, token_losses=token_losses)
+    mon.close()
+    return essentials(reports[s])["loc"]
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_megatron_tensor_parallel(sp: bool):
     """``sp``: sequence_parallel=True (parallel/megatron_sp.py): the SP region's norms on each rank's positions,
@@ -168,3 +184,6 @@ def test_megatron_tensor_parallel(sp: bool):
         assert loc is not None and loc["status"] == "located" and loc["probes"] <= 3, loc
         assert loc["culprits"][0] == (0, 1, 2, 5)
     assert results[0]["reports"][PLANT_STEP]["loc"] == results[1]["reports"][PLANT_STEP]["loc"]
+    want_loc, loc = reference_localization(plant, sp), results[0]["reports"][PLANT_STEP]["loc"]
+    assert loc["probes"] == want_loc["probes"] and loc["culprits"][0][1:] == want_loc["culprits"][0][1:]
+    assert loc["explained"] == pytest.approx(want_loc["explained"], rel=1e-3)  # the probes' sums are the whole model's
