@@ -79,15 +79,17 @@ class MegatronTP(ModelBackend):
     def combine_probe(self, acc: Any, params: list[nn.Parameter], layout: Any) -> Any:
         """Under SP: the probe's ``sequence_parallel`` gradients (each rank's positions' part) summed over the tp
         group (the token group: SP refuses PP), one all-reduce under the job's deadline, as Megatron's
-        ``finalize_model_grads`` sums the step's before they are read."""
-        idx = [i for i, p in enumerate(params) if getattr(p, "sequence_parallel", False) and acc[i] is not None]
+        ``finalize_model_grads`` sums the step's before they are read. A new list (``acc`` untouched); a gradient
+        this rank does not have yet counts as zeros (every rank sends the same sizes)."""
+        idx = [i for i, p in enumerate(params) if getattr(p, "sequence_parallel", False)]
         if not self.sequence_parallel or not idx or layout is None or layout.token is None:
             return acc
-        flat = torch.cat([acc[i].reshape(-1) for i in idx])  # each (*shape) -> (numel,), concatenated
+        parts = [acc[i] if acc[i] is not None else torch.zeros_like(params[i]) for i in idx]
+        flat = torch.cat([t.reshape(-1) for t in parts])  # each (*shape) -> (numel,), concatenated
         flat = layout.token.all_reduce(flat, what="gradloc probe sequence-parallel grads")
         out = list(acc)
-        for i, part in zip(idx, torch.split(flat, [acc[i].numel() for i in idx])):
-            out[i] = part.view_as(acc[i])  # (numel,) -> (*shape)
+        for i, t, part in zip(idx, parts, torch.split(flat, [t.numel() for t in parts])):
+            out[i] = part.view_as(t)  # (numel,) -> (*shape)
         return out
 
     def slice_key(self, name: str, param: nn.Parameter) -> SliceKey | None:

@@ -16,6 +16,16 @@ zeroed, no draw). The test's reference (``PlainToy`` in test_megatron.py: ``nn.L
 megatron) makes the same draws in the same order, so the same seed gives it exactly the unpartitioned weights
 (checked on the gathered partitions, bitwise).
 
+Sequence parallelism (``sp``): the config's ``sequence_parallel=True``; the embedding's output split by Megatron's
+``scatter_to_sequence_parallel_region`` (as ``LanguageModelEmbedding`` does), the parallel linears gathering and
+reduce-scattering the sequence themselves, the head Megatron's column-parallel output layer with its
+``vocab_parallel_cross_entropy``, and the ``gathered`` block's row layer fed Megatron's own split of the gathered
+activation (SP requires ``input_is_parallel=True``). The norms are torch LayerNorms on the batch-first view with
+their parameters marked ``sequence_parallel`` — a stand-in: Megatron's own SP norms are apex's ``FusedLayerNorm``
+or Transformer Engine's (neither is installed here; its torch fallback ``WrappedTorchNorm`` asserts
+``not config.sequence_parallel``), and they mark their parameters the same way; their gradients are summed over tp
+by Megatron's own ``_allreduce_non_tensor_model_parallel_grads`` (``sp_finalize``) before ``end_step``.
+
 Data: every tp rank sees the same micro-batches. Micro-batch i's loss is Σ w·mask·ce / (B·T·M); ``plant`` =
 (step, micro-batch, sample, position) multiplies one token's loss weight by 3000 there.
 """
