@@ -29,7 +29,8 @@ than the two parallel linears (e.g. ``VocabParallelEmbedding``, which reduce-sca
 Transformer Engine's fused layers), a module mixing ``sequence_parallel`` parameters with others, and one whose
 ``sequence_parallel`` parameters have no per-token rule or a rule other than the norms' (LayerNorm, RMSNorm). A
 linear called twice in one micro-batch keeps its first call; the second is a dropped call (counted, its gradient
-unattributed). Norms on a batch-first view ``(b, s/tp, h)`` are placed (the torch rules' (B, T) lead); a norm
+unattributed). The per-sample surprise reads a column-parallel head's vocabulary shard as without SP (its output
+gradient covers every position). Norms on a batch-first view ``(b, s/tp, h)`` are placed (the torch rules' (B, T) lead); a norm
 called sequence-first ``[s/tp, b, h]`` is dropped, as it is without SP.
 """
 from __future__ import annotations
@@ -41,7 +42,13 @@ import torch
 from torch import nn
 
 from gradloc.collector.rules.layer_norm import LayerNormRule
-from gradloc.collector.rules.megatron import _column, _bias_gets_gradient, _own_slice, is_megatron_linear
+from gradloc.collector.rules.megatron import (
+    MegatronLinearRule,
+    _bias_gets_gradient,
+    _column,
+    _own_slice,
+    is_megatron_linear,
+)
 from gradloc.collector.rules.registry import rule_for, sq_norm_last
 from gradloc.collector.rules.rms_norm import HFRMSNormRule, TorchRMSNormRule
 from gradloc.collector.shards import Span
@@ -182,8 +189,15 @@ class SPLinearRule:
         a_sq = sq_norm_last(x.detach()) if pair else None  # [s', b, h] -> [s', b]
 
         bias = bias_counts(w.module, column)
+        head = buf.labels is not None and call and column  # the loss head's u_p (token_hooks._capture's read)
 
         def score(g: torch.Tensor) -> None:
+            if head and call == buf.last_call:  # this rank's vocabulary shard of every position (rules/megatron.py)
+                from gradloc.collector.token_hooks import _head_g2, _head_u
+
+                hg, first, share = MegatronLinearRule().head_view(w.module, g)
+                buf.head_u = _head_u(hg, buf.labels, buf.batch, buf.seq, first, share)
+                buf.head_g2 = _head_g2(hg, buf.batch, buf.seq, share)
             if column:  # a gathered output's gradient is whole: the weight sees this rank's slice
                 g = _own_slice(g, w.module.output_size, self.rank, self.size)  # [s, b, o] -> [s, b, o/tp]
             g_sq = sq_norm_last(g)  # [s', b, h] -> [s', b]

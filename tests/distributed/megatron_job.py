@@ -289,18 +289,20 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
     return out
 
 
-def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, samples: Any) -> dict[str, Any]:
+def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, samples: Any,
+             sp: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps with per-sample surprise judged (``samples``: a SampleConfig): which tp rank this is,
     how many samples it judged each step, and the judged samples' mean surprise in judging order."""
     import gradloc
     from tests.distributed.loop import run_steps
 
-    setup(tp)
-    model = MegatronToy(tp, vocab_parallel=vocab_parallel)
+    ps = setup(tp)
+    model = MegatronToy(tp, vocab_parallel=vocab_parallel, sp=sp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = gradloc.watch(model, opt, store=False, samples=samples)
-    losses = vocab_parallel_token_losses if vocab_parallel else token_losses
-    reports, _ = run_steps(model, opt, mon, data(steps), steps, token_losses=losses)
+    losses = vocab_parallel_token_losses if vocab_parallel or sp else token_losses
+    reports, _ = run_steps(model, opt, mon, data(steps), steps, token_losses=losses,
+                           finalize=sp_finalize(model, ps) if sp else None)
     judge = mon.samples.judge.mean
     out = {"tp_rank": rank % tp, "judged": [r.record.samples.judged if r.record.samples else None for r in reports],
            "surprise": [float(v) for v in judge.values[: judge.n]],
