@@ -30,8 +30,8 @@ Transformer Engine's fused layers), a module mixing ``sequence_parallel`` parame
 ``sequence_parallel`` parameters have no per-token rule or a rule other than the norms' (LayerNorm, RMSNorm). A
 linear called twice in one micro-batch keeps its first call; the second is a dropped call (counted, its gradient
 unattributed). The per-sample surprise reads a column-parallel head's vocabulary shard as without SP (its output
-gradient covers every position). Norms on a batch-first view ``(b, s/tp, h)`` are placed (the torch rules' (B, T) lead); a norm
-called sequence-first ``[s/tp, b, h]`` is dropped, as it is without SP.
+gradient covers every position). Norms on a batch-first view ``(b, s/tp, h)`` are placed (the torch rules' (B, T)
+lead); a norm called sequence-first ``[s/tp, b, h]`` is dropped, as it is without SP.
 """
 from __future__ import annotations
 
