@@ -67,6 +67,11 @@ class MicroBatchScores:
     untapped: bool = False  # sinks were given, but the compiled graph that ran had no tap (compiled.py)
     # scores that reach their tokens only after the step's exchange (expert parallelism: parallel/ep.py)
     routed: list = field(default_factory=list)
+    # Megatron sequence parallelism (parallel/megatron_sp.py): per linear (slot) its two factors (2, B, T), summed
+    # over the token group before their product is formed (parallel/tokens.py); the slot's layer and module name
+    pairs: dict[int, torch.Tensor] = field(default_factory=dict)
+    pair_layers: dict[int, int] = field(default_factory=dict)
+    pair_names: dict[int, str] = field(default_factory=dict)
     # the last input-only capture (``capture``): (rule type, id, version), a weak reference to the input, state
     last_capture: tuple | None = field(default=None, repr=False)
 
@@ -121,6 +126,15 @@ class MicroBatchScores:
             if span is not None:
                 target = target.narrow(span.dim, span.offset, span.length)  # (B, T) -> this rank's positions
             target += s
+
+    def add_pair(self, slot: int, own: torch.Tensor, full: torch.Tensor, span: Span) -> None:
+        """A sequence-parallel linear's factors: ``own`` over this rank's positions (``span``), ``full`` over all."""
+        pair = self.pairs.get(slot)
+        if pair is None:
+            pair = self.pairs[slot] = torch.zeros(2, self.batch, self.seq, device=full.device)
+        pair[0].narrow(span.dim, span.offset, span.length).add_(own.reshape(  # (b, s/tp) -> its slice of (B, T)
+            (self.batch, span.length) if span.dim == 1 else (span.length, self.seq)).to(pair.device))
+        pair[1].add_(full.reshape(self.batch, self.seq).to(pair.device))  # (b, s) -> (B, T)
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(Σ over layers (B, T), exact layer (B, T) or None, per layer (L, B, T) or None)."""

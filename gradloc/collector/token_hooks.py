@@ -61,6 +61,7 @@ class TokenHooks:
         self._handles: list[Any] = []
         self.tp: TPContext | None = None  # tensor parallelism (the TP backend sets it): hooks see DTensors
         self.routed: Any = None  # expert parallelism (the EP backend sets it): experts scored where they live
+        self.pair_slots = 0  # Megatron sequence parallelism: linears whose factors the token group multiplies
         self.current: MicroBatchScores | None = None
         self._suspended = False
         self.taps = compiled.TapState()  # what hooks traced by torch.compile read (compiled.py)

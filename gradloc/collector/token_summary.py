@@ -34,6 +34,11 @@ class StepScores:
     head_has: torch.Tensor | None = None
     head_g2: torch.Tensor | None = None  # (N,) float32 ‖g_p‖² at the head, 0 where head_u is 0, NaN where not read
     head_given: bool = False  # this rank read some micro-batch's u_p (known on the host: no sync to ask)
+    # Megatron sequence parallelism: per linear (slot) its two factors (K, 2, N), their layers (K,), and the
+    # linears' names; the token group sums them and forms the products (parallel/tokens.py: combine)
+    pairs: torch.Tensor | None = None
+    pair_layers: tuple[int, ...] = ()
+    pair_names: frozenset[str] = frozenset()
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -56,8 +61,27 @@ def head_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]],
     return torch.cat(u), torch.tensor(has, dtype=torch.float32, device=device), torch.cat(g2)
 
 
+def pair_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], slots: int,
+              device: torch.device) -> tuple[torch.Tensor, tuple[int, ...], frozenset[str]]:
+    """The step's sequence-parallel factors (K, 2, N), zero where a micro-batch gave none; each slot's layer (-1:
+    never called this step) and the linears' names."""
+    rows, layers, names = [], [-1] * slots, set()
+    for meta, buf in parts:
+        n = meta.n_tokens
+        got = buf.pairs if buf is not None else {}
+        rows.append(torch.stack([got[k].reshape(2, n).to(device) if k in got  # (2, B, T) -> (2, B·T)
+                                 else torch.zeros(2, n, device=device) for k in range(slots)]) if slots
+                    else torch.zeros(0, 2, n, device=device))
+        if buf is not None:
+            for k, layer in buf.pair_layers.items():
+                layers[k] = layer
+            names |= set(buf.pair_names.values())
+    return torch.cat(rows, dim=2), tuple(layers), frozenset(names)
+
+
 def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
-               device: torch.device, watched: frozenset[str] = frozenset(), heads: bool = False) -> StepScores:
+               device: torch.device, watched: frozenset[str] = frozenset(), heads: bool = False,
+               pair_slots: int = 0) -> StepScores:
     """The step's scores. ``watched``: every module with a per-token rule. One that no micro-batch
     scored — its calls could not be split per token, its hook failed, or its weight was used
     without calling it (a fused LM head) — contributed nothing to the scores, so its gradient is
@@ -93,11 +117,13 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
         else:
             eligible.append(meta.loss_mask.reshape(n).to(device, non_blocking=True))  # (B, T) -> (B·T,)
     u, has, g2 = head_rows(parts, device) if heads else (None, None, None)
+    pairs, pair_layers, pair_names = pair_rows(parts, pair_slots, device) if pair_slots else (None, (), frozenset())
     return StepScores(tuple(m for m, _ in parts), torch.cat(totals), torch.cat(exacts),
                       torch.cat(layers, dim=1) if breakdown else None, torch.cat(eligible), dropped,
                       frozenset(dropped_layers), frozenset((called | watched) - scored), exact_layer,
                       head_u=u, head_has=has, head_g2=g2, head_given=heads and any(b is not None and b.head_u is not None
-                                                                       for _, b in parts))
+                                                                       for _, b in parts),
+                      pairs=pairs, pair_layers=pair_layers, pair_names=pair_names)
 
 
 def summary_layout(s: StepScores, k: int, n_layers: int) -> Pack:

@@ -67,9 +67,14 @@ class TokenPath:
             if self.hooks.routed is not None and not self.alone:  # expert parallelism: rows' scores home
                 self.hooks.routed.settle(parts)
             scores = stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched,
-                                heads=self.job.config.samples.enabled)  # the same on every rank of a token group
+                                heads=self.job.config.samples.enabled,  # the same on every rank of a token group
+                                pair_slots=self.hooks.pair_slots)
             layout = self.job.layout
             if layout is None or layout.token is None or self.alone:
+                if scores.pairs is not None:  # Megatron SP alone: its linears' factors have no product here
+                    from dataclasses import replace
+
+                    scores = replace(scores, pairs=None, unscored_modules=scores.unscored_modules | scores.pair_names)
                 return scores
             from gradloc.parallel.tokens import combine  # the token group (tp, pp ranks): their scores add up
 

@@ -67,6 +67,11 @@ class Backend:
     def configure_hooks(self, hooks: Any, layout: Any) -> None:
         """Adapt the token hooks to what they see under this parallelism (before they attach)."""
 
+    def combine_probe(self, acc: Any, params: list[nn.Parameter], layout: Any) -> Any:
+        """A probe's gradient as the training step's would be when it is read (Megatron SP: the ``sequence_parallel``
+        parameters' gradients summed over tp, as ``finalize_model_grads`` sums the step's); as it is by default."""
+        return acc
+
 
 class DataBackend(Backend):
     role = "data"

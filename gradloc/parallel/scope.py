@@ -67,7 +67,7 @@ class JobScope:
     def measure(self, acc: Grads, loss: float, error: str) -> tuple[float, float]:
         if not self.linear:  # a rank whose probe failed still joins (its gradient so far, zeros elsewhere)
             acc[:] = self.jb.data.combine(acc, self.comm, self.params)
-        vals, _ = self.reduce(acc)
+        vals, _ = self.reduce(self._model(acc))
         inner, loss_sum, failed = self._sums(self._dot(vals, self.grads) * self.inv_scale, loss * self.loss_weight,
                                              float(bool(error)), what="gradloc probe combine")
         if failed > 0:
@@ -75,8 +75,15 @@ class JobScope:
         total_sq = self.norm ** 2
         return (inner / total_sq if total_sq > 0 else math.nan), loss_sum / self.jb.layout.dp
 
+    def _model(self, acc: Grads) -> Grads:
+        """The model backends' own reduction of a probe's gradient (Megatron SP's ``sequence_parallel`` ones),
+        on a copy of the list: ``acc`` keeps this rank's part, so a probe added to it later is not summed twice."""
+        for b in self.jb.parts:
+            acc = b.combine_probe(acc, self.params, self.jb.layout)
+        return acc
+
     def norms(self, acc: Grads) -> tuple[float, float]:
-        vals, _ = self.reduce(acc)
+        vals, _ = self.reduce(self._model(acc))
         c_sq, d_sq = self._sums(self._sq(vals), self._distance_sq(vals), what="gradloc probe norms")
         return math.sqrt(max(c_sq, 0.0)), math.sqrt(max(d_sq, 0.0))
 

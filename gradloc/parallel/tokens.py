@@ -61,14 +61,39 @@ def combine(scores: StepScores, token: Any, layers: int, breakdown: bool, gives_
     if heads:  # the head's u_p: a vocabulary-parallel head's shards add up; ranks without the head give zeros
         g2 = scores.head_g2 if scores.head_g2 is not None else torch.full_like(scores.head_u, float("nan"))
         parts += [scores.head_u.double(), g2.double(), scores.head_has.double()]
+    pairs = scores.pairs is not None  # the same on every rank (Megatron SP: the tp ranks hold the same linears)
+    if pairs:
+        parts.append(scores.pairs.double().flatten())  # (K, 2, N) -> (K·2·N,)
     parts.append(tail)
     sizes = [p.numel() for p in parts]
     got = torch.split(token.all_reduce(torch.cat(parts), what="gradloc token group scores"), sizes)
-    per_layer = got[2].reshape(layers, n).to(scores.totals.dtype) if breakdown and scores.per_layer is not None \
-        else None  # (L·N,) -> (L, N)
-    u, g2, has = (got[-4].float(), got[-3].float(), got[-2].float()) if heads else (None, None, None)
-    return replace(scores, totals=got[0].to(scores.totals.dtype), exact=got[1].to(scores.exact.dtype),
-                   per_layer=per_layer, check=got[-1], head_u=u, head_has=has, head_g2=g2)
+    totals, exact = got[0], got[1]
+    per_layer = got[2].reshape(layers, n) if breakdown and scores.per_layer is not None else None  # (L·N,) -> (L, N)
+    if pairs:
+        totals, exact, per_layer = _products(got[-2].reshape(-1, 2, n), scores, totals, exact, per_layer)  # (K, 2, N)
+    if per_layer is not None:
+        per_layer = per_layer.to(scores.totals.dtype)
+    u, g2, has = (got[-4 - pairs].float(), got[-3 - pairs].float(), got[-2 - pairs].float()) if heads else \
+        (None, None, None)
+    return replace(scores, totals=totals.to(scores.totals.dtype), exact=exact.to(scores.exact.dtype),
+                   per_layer=per_layer, check=got[-1], head_u=u, head_has=has, head_g2=g2, pairs=None)
+
+
+def _products(pairs: torch.Tensor, scores: StepScores, totals: torch.Tensor, exact: torch.Tensor,
+              per_layer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Megatron SP (parallel/megatron_sp.py): each linear's summed factors (K, 2, N) multiplied into its weight
+    term, added to the totals, its layer's row and the exact row (when it is the exact layer)."""
+    prod = pairs[:, 0] * pairs[:, 1]  # (K, 2, N) -> (K, N)
+    totals = totals + prod.sum(0)
+    per_layer = per_layer.clone() if per_layer is not None else None
+    for k, layer in enumerate(scores.pair_layers):
+        if layer < 0:
+            continue  # not called this step: its factors are zero
+        if per_layer is not None:
+            per_layer[layer] += prod[k]
+        if layer == scores.exact_layer:
+            exact = exact + prod[k]
+    return totals, exact, per_layer
 
 
 def mismatch(check: "list[float]") -> bool:

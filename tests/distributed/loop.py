@@ -14,12 +14,14 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, mon: Any,
               token_losses: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp: int = 1,
               end_step: Callable[..., Any] | None = None, no_sync: Callable[[int], Any] | None = None,
               after_first_backward: Callable[[], None] | None = None,
-              clip: float | Callable[[], Any] | None = None) -> tuple[list[Any], list[int]]:
+              clip: float | Callable[[], Any] | None = None,
+              finalize: Callable[[], None] | None = None) -> tuple[list[Any], list[int]]:
     """``batches``: inputs, targets (steps, M, B, T) and loss weights; the loss of micro-batch i is
     Σ w·ce / (B·T·M·dp) (``dp`` = 1 where the data-parallel wrapper averages). ``end_step`` replaces
     ``mon.end_step`` (e.g. the invariants tracer), ``no_sync(i)`` is a context for micro-batch i (DDP's
-    accumulation), ``after_first_backward`` runs once after step 0's backward (reference norms); ``clip``: a
-    max norm for torch's ``clip_grad_norm_``, or a callable that clips (a framework's own), after ``end_step``.
+    accumulation), ``after_first_backward`` runs once after step 0's backward (reference norms), ``finalize``
+    after every step's backward, before them (Megatron's reduction of its sequence-parallel gradients); ``clip``:
+    a max norm for torch's ``clip_grad_norm_``, or a callable that clips (a framework's own), after ``end_step``.
     Returns the step reports and the gradloc collectives of each step."""
     x, y, w = batches
     M = x.shape[1]
@@ -39,6 +41,8 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, mon: Any,
                 loss = loss_for(i)
                 loss.backward()
             total += loss.detach()
+        if finalize is not None:
+            finalize()
         if s == 0 and after_first_backward is not None:
             after_first_backward()
         if mon is not None:

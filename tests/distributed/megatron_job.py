@@ -16,6 +16,16 @@ zeroed, no draw). The test's reference (``PlainToy`` in test_megatron.py: ``nn.L
 megatron) makes the same draws in the same order, so the same seed gives it exactly the unpartitioned weights
 (checked on the gathered partitions, bitwise).
 
+Sequence parallelism (``sp``): the config's ``sequence_parallel=True``; the embedding's output split by Megatron's
+``scatter_to_sequence_parallel_region`` (as ``LanguageModelEmbedding`` does), the parallel linears gathering and
+reduce-scattering the sequence themselves, the head Megatron's column-parallel output layer with its
+``vocab_parallel_cross_entropy``, and the ``gathered`` block's row layer fed Megatron's own split of the gathered
+activation (SP requires ``input_is_parallel=True``). The norms are torch LayerNorms on the batch-first view with
+their parameters marked ``sequence_parallel`` — a stand-in: Megatron's own SP norms are apex's ``FusedLayerNorm``
+or Transformer Engine's (neither is installed here; its torch fallback ``WrappedTorchNorm`` asserts
+``not config.sequence_parallel``), and they mark their parameters the same way; their gradients are summed over tp
+by Megatron's own ``_allreduce_non_tensor_model_parallel_grads`` (``sp_finalize``) before ``end_step``.
+
 Data: every tp rank sees the same micro-batches. Micro-batch i's loss is Σ w·mask·ce / (B·T·M); ``plant`` =
 (step, micro-batch, sample, position) multiplies one token's loss weight by 3000 there.
 """
@@ -88,14 +98,20 @@ class MLP(nn.Module):
         init, skip = init_method(), kind == "caller"
         self.fc1 = tp_mod.ColumnParallelLinear(D, FF, config=cfg, init_method=init, bias=True, skip_bias_add=skip,
                                                gather_output=kind == "gathered", tp_group=tp_group)
+        self.split = kind == "gathered" and cfg.sequence_parallel  # SP: the row layer's input must be parallel
         self.fc2 = tp_mod.RowParallelLinear(FF, D, config=cfg, init_method=init, bias=True,
-                                            input_is_parallel=kind != "gathered", skip_bias_add=skip,
+                                            input_is_parallel=kind != "gathered" or self.split, skip_bias_add=skip,
                                             tp_group=tp_group)
+        self.tp_group = tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, b1 = self.fc1(x)  # [s, b, FF/tp] ([s, b, FF] gathered)
         h = F.gelu(h if b1 is None else h + b1)
-        y, b2 = self.fc2(h)  # [s, b, D], whole after the all-reduce
+        if self.split:  # Megatron's own split of the last dim: [s, b, FF] -> [s, b, FF/tp]
+            from megatron.core.tensor_parallel import scatter_to_tensor_model_parallel_region
+
+            h = scatter_to_tensor_model_parallel_region(h, group=self.tp_group)
+        y, b2 = self.fc2(h)  # [s, b, D], whole after the all-reduce ([s/tp, b, D] reduce-scattered under SP)
         return y if b2 is None else y + b2
 
 
@@ -124,10 +140,13 @@ class MegatronToy(nn.Module):
     split by vocabulary, ``[s, b, V/tp]`` (``gather_output=False``), for ``vocab_parallel_token_losses``;
     otherwise a torch ``nn.Linear`` replicated over tp, batch-first (B, T, V)."""
 
-    def __init__(self, tp: int, seed: int = 0, vocab_parallel: bool = False) -> None:
+    def __init__(self, tp: int, seed: int = 0, vocab_parallel: bool = False, sp: bool = False) -> None:
         super().__init__()
         ps, tp_mod, Config = megatron()
-        cfg = Config(tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32)
+        vocab_parallel = vocab_parallel or sp  # under SP the head gathers the sequence itself
+        cfg = Config(tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
+                     sequence_parallel=sp)
+        self.sp, self.group = sp, ps.get_tensor_model_parallel_group()
         group = ps.get_tensor_model_parallel_group()
         torch.manual_seed(seed)  # every rank (and PlainToy) draws the same master weights
         self.tok = nn.Embedding(VOCAB, D)
@@ -137,9 +156,18 @@ class MegatronToy(nn.Module):
         self.head = tp_mod.ColumnParallelLinear(D, VOCAB, config=cfg, init_method=init_method(), bias=False,
                                                 gather_output=False, tp_group=group) if vocab_parallel else \
             nn.Linear(D, VOCAB, bias=False)
+        if sp:  # the SP region's norms, marked as Megatron's SP norms mark theirs (finalize_model_grads reduces them)
+            for m in self.modules():
+                if isinstance(m, nn.LayerNorm):
+                    for p in m.parameters():
+                        p.sequence_parallel = True
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx).transpose(0, 1).contiguous()  # (B, T, D) -> [s, b, D], as Megatron's embedding does
+        if self.sp:  # LanguageModelEmbedding's own split: [s, b, D] -> [s/tp, b, D]
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            x = scatter_to_sequence_parallel_region(x, group=self.group)
         for layer in self.layers:
             x = layer(x)
         if self.vocab_parallel:
@@ -147,12 +175,24 @@ class MegatronToy(nn.Module):
         return self.head(self.norm(x.transpose(0, 1)))  # [s, b, D] -> (B, T, D) -> (B, T, V)
 
 
+def cpu_device_shim() -> None:
+    """Megatron-core 0.19.2's sequence-parallel paths allocate their buffers on ``torch.cuda.current_device()``
+    (``GlobalMemoryBuffer.get_tensor``: the column-parallel layer's all-gather of its input;
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward``: the reduce-scatter of its input gradient;
+    ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``), which raises without CUDA. Here (a CPU-only
+    torch, the ranks only) it names the CPU, so those buffers are where the tensors are; the collectives are gloo's
+    own ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (both run on CPU in torch 2.13)."""
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")
+
+
 def setup(tp: int) -> Any:
-    """Megatron's parallel state for tp (the default gloo group is the launcher's) and the CPU shim."""
+    """Megatron's parallel state for tp (the default gloo group is the launcher's) and the CPU shims."""
     ps, _, _ = megatron()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     cpu_gather_shim()
+    cpu_device_shim()
     return ps
 
 
@@ -203,14 +243,30 @@ def module_norms(grads: dict[str, Any]) -> dict[str, float]:
     return {k: v ** 0.5 for k, v in sq.items()}
 
 
+def sp_finalize(model: nn.Module, ps: Any) -> Any:
+    """Megatron's own reduction of the ``sequence_parallel`` parameters' gradients over tp
+    (``finalize_model_grads``' ``_allreduce_non_tensor_model_parallel_grads``), as its schedules run it after the
+    micro-batches' backward and before the optimizer step; the model chunk carries the default DDP config it reads."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=len(BLOCKS), hidden_size=D, num_attention_heads=HEADS, sequence_parallel=True,
+                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                            use_cpu_initialization=True, params_dtype=torch.float32)
+    model.ddp_config = DistributedDataParallelConfig()
+    return lambda: _allreduce_non_tensor_model_parallel_grads([model], cfg, ps.get_tensor_model_parallel_group())
+
+
 def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None,
-          monitor: bool = True) -> dict[str, Any]:
+          monitor: bool = True, sp: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps: the reports' essentials, the whole initial parameters, the first step's whole
-    per-module gradient norms (the partitions gathered) and this rank's final parameters (its partitions)."""
+    per-module gradient norms (the partitions gathered), gradloc's collectives per step and this rank's final
+    parameters (its partitions). ``sp``: sequence parallelism (the vocabulary-parallel head, Megatron's loss)."""
     import gradloc
 
     ps = setup(tp)
-    model = MegatronToy(tp)
+    model = MegatronToy(tp, sp=sp)
     out: dict[str, Any] = {"reports": [], "init": whole_params(model, ps)}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y, w = data(steps)
@@ -223,7 +279,9 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
     def norms() -> None:
         out["norms"] = module_norms(whole_params(model, ps, grads=True))
 
-    reports, _ = run_steps(model, opt, mon, (x, y, w), steps, token_losses=token_losses, after_first_backward=norms)
+    reports, out["collectives"] = run_steps(model, opt, mon, (x, y, w), steps, after_first_backward=norms,
+                                            token_losses=vocab_parallel_token_losses if sp else token_losses,
+                                            finalize=sp_finalize(model, ps) if sp else None)
     out["reports"] = [essentials(r) for r in reports]
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if mon is not None:
@@ -231,18 +289,20 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
     return out
 
 
-def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, samples: Any) -> dict[str, Any]:
+def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, samples: Any,
+             sp: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps with per-sample surprise judged (``samples``: a SampleConfig): which tp rank this is,
     how many samples it judged each step, and the judged samples' mean surprise in judging order."""
     import gradloc
     from tests.distributed.loop import run_steps
 
-    setup(tp)
-    model = MegatronToy(tp, vocab_parallel=vocab_parallel)
+    ps = setup(tp)
+    model = MegatronToy(tp, vocab_parallel=vocab_parallel, sp=sp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = gradloc.watch(model, opt, store=False, samples=samples)
-    losses = vocab_parallel_token_losses if vocab_parallel else token_losses
-    reports, _ = run_steps(model, opt, mon, data(steps), steps, token_losses=losses)
+    losses = vocab_parallel_token_losses if vocab_parallel or sp else token_losses
+    reports, _ = run_steps(model, opt, mon, data(steps), steps, token_losses=losses,
+                           finalize=sp_finalize(model, ps) if sp else None)
     judge = mon.samples.judge.mean
     out = {"tp_rank": rank % tp, "judged": [r.record.samples.judged if r.record.samples else None for r in reports],
            "surprise": [float(v) for v in judge.values[: judge.n]],
@@ -251,11 +311,11 @@ def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, s
     return out
 
 
-def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple) -> dict[str, Any]:
+def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple, sp: bool = False) -> dict[str, Any]:
     """Train without gradloc, then with it (the same seed and data): the watched run's results, and whether
     this rank's parameters came out bitwise the same."""
-    plain = train(rank, world, tp, steps, plant=plant, monitor=False)
-    watched = train(rank, world, tp, steps, plant=plant)
+    plain = train(rank, world, tp, steps, plant=plant, monitor=False, sp=sp)
+    watched = train(rank, world, tp, steps, plant=plant, sp=sp)
     mine = watched.pop("params")  # tensors stay here (whole_params says why)
     return {**watched, "bitwise": all(torch.equal(plain["params"][n], mine[n]) for n in mine)}
 

@@ -42,10 +42,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="needs megatron-core (scripts/setup.sh)")
 
 
-def _bitwise(rank: int, world: int, plant: tuple) -> dict:
+def _bitwise(rank: int, world: int, plant: tuple, sp: bool = False) -> dict:
     from tests.distributed.megatron_job import bitwise
 
-    return bitwise(rank, world, 2, STEPS, plant)
+    return bitwise(rank, world, 2, STEPS, plant, sp=sp)
 
 
 # -- the reference: the same model unpartitioned, plain torch, batch-first, in this process ----------------
@@ -112,12 +112,12 @@ def _linear(d_in: int, d_out: int, bias: bool = True) -> nn.Linear:
     return lin
 
 
-def reference(steps: int) -> dict[str, Any]:
+def reference(steps: int, vocab_parallel: bool = False) -> dict[str, Any]:
     """PlainToy in this process (no megatron): its initial weights, the first step's per-module gradient norms
     (from ``.grad``) and gradloc's report of that step (per-layer norms, top tokens)."""
     import gradloc
 
-    model = PlainToy()
+    model = PlainToy(vocab_parallel=vocab_parallel)
     out: dict[str, Any] = {"init": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}}
     x, y, w = data(steps)
     mon = gradloc.watch(model, store=False)
@@ -133,12 +133,32 @@ def reference(steps: int) -> dict[str, Any]:
     return out
 
 
-def test_megatron_tensor_parallel():
+def reference_localization(plant: tuple, vocab_parallel: bool) -> dict[str, Any]:
+    """PlainToy trained as the ranks train MegatronToy (AdamW, the planted weight): the planted step's localization."""
+    import gradloc
+    from tests.distributed.loop import run_steps
+
+    model = PlainToy(vocab_parallel=vocab_parallel)
+    x, y, w = data(STEPS)
+    s, mb, b, t = plant
+    w[s, mb, b, t] = 3000.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5))
+    reports, _ = run_steps(model, opt, mon, (x, y, w), STEPS, token_losses=token_losses)
+    mon.close()
+    return essentials(reports[s])["loc"]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_megatron_tensor_parallel(sp: bool):
+    """``sp``: sequence_parallel=True (parallel/megatron_sp.py): the SP region's norms on each rank's positions,
+    the linears' factors multiplied at the step's token-group all-reduce, Megatron's own reduction of the
+    ``sequence_parallel`` gradients before ``end_step``; the head is then Megatron's column-parallel output layer."""
     plant = (PLANT_STEP, 1, 2, 5)  # (step, micro-batch, sample, position)
     imported = "megatron" in sys.modules
-    results = run(_bitwise, 2, plant, timeout_s=300, env=ENV)
+    results = run(_bitwise, 2, plant, sp, timeout_s=300, env=ENV)
     assert imported or "megatron" not in sys.modules  # no result imports it here (megatron_job.whole_params)
-    ref = reference(STEPS)
+    ref = reference(STEPS, vocab_parallel=sp)
     want = ref["report"]
     assert set(want["layers"]) == set(ref["norms"])  # every module with parameters is a layer
     for layer, norm in ref["norms"].items():  # gradloc's reduction of the reference equals its .grad
@@ -158,7 +178,12 @@ def test_megatron_tensor_parallel():
         for (*_, got), (*_, exp) in zip(rep0["top"], want["top"]):
             assert got == pytest.approx(exp, rel=1e-4)  # the tp group's summed scores are the whole model's
         assert rep0["total_score"] == pytest.approx(want["total_score"], rel=1e-4)
+        # a healthy step: the step gather + the token group's scores (docs/ARCHITECTURE.md 3), with SP as without
+        assert r["collectives"][:PLANT_STEP] == [2] * PLANT_STEP, r["collectives"]
         loc = r["reports"][PLANT_STEP]["loc"]
         assert loc is not None and loc["status"] == "located" and loc["probes"] <= 3, loc
         assert loc["culprits"][0] == (0, 1, 2, 5)
     assert results[0]["reports"][PLANT_STEP]["loc"] == results[1]["reports"][PLANT_STEP]["loc"]
+    want_loc, loc = reference_localization(plant, sp), results[0]["reports"][PLANT_STEP]["loc"]
+    assert loc["probes"] == want_loc["probes"] and loc["culprits"][0][1:] == want_loc["culprits"][0][1:]
+    assert loc["explained"] == pytest.approx(want_loc["explained"], rel=1e-3)  # the probes' sums are the whole model's

@@ -79,11 +79,11 @@ def _megatron_samples(gradloc: Any) -> Any:
     return gradloc.SampleConfig(warmup_samples=8, min_tokens=SEQ)  # the toy's samples have SEQ (12) loss tokens
 
 
-def _megatron(rank: int, world: int, vocab_parallel: bool) -> dict[str, Any]:
+def _megatron(rank: int, world: int, vocab_parallel: bool, sp: bool = False) -> dict[str, Any]:
     import gradloc
     from tests.distributed.megatron_job import surprise
 
-    return surprise(rank, world, 2, STEPS, vocab_parallel, _megatron_samples(gradloc))
+    return surprise(rank, world, 2, STEPS, vocab_parallel, _megatron_samples(gradloc), sp=sp)
 
 
 def _megatron_reference(vocab_parallel: bool) -> list[float]:
@@ -103,16 +103,18 @@ def _megatron_reference(vocab_parallel: bool) -> list[float]:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (scripts/setup.sh)")
-@pytest.mark.parametrize("vocab_parallel", [False, True], ids=["replicated-head", "vocab-parallel-head"])
-def test_per_sample_surprise_under_megatron_tensor_parallelism(vocab_parallel):
+@pytest.mark.parametrize("vocab_parallel,sp", [(False, False), (True, False), (True, True)],
+                         ids=["replicated-head", "vocab-parallel-head", "sequence-parallel"])
+def test_per_sample_surprise_under_megatron_tensor_parallelism(vocab_parallel, sp):
     """Megatron-core TP on 2 gloo ranks: a torch head replicated over tp (each rank reads the whole gradient, 1/tp
     each), or Megatron's own column-parallel output layer with vocab-parallel cross entropy (each rank reads its
-    vocabulary shard of the sequence-first ``[s, b, V/tp]`` gradient). The first tp rank judges every sample, and
+    vocabulary shard of the sequence-first ``[s, b, V/tp]`` gradient; with ``sequence_parallel=True`` too, the head
+    gathering the sequence itself). The first tp rank judges every sample, and
     their surprise equals the unpartitioned model's in one process over the training steps; the other judges none."""
     from tests.distributed.megatron_job import B, M
     from tests.distributed.test_megatron import ENV
 
-    results = run(_megatron, 2, vocab_parallel, timeout_s=300, env=ENV)
+    results = run(_megatron, 2, vocab_parallel, sp, timeout_s=300, env=ENV)
     ref = _megatron_reference(vocab_parallel)
     assert len(ref) == B * M * STEPS  # every sample judged in one process
     for r in results:

@@ -73,3 +73,28 @@ def test_megatron_context_parallel_is_refused_on_every_rank():
     env = {"NO_VCS_VERSION": "1"}  # as test_megatron.py: no `git rev-parse` at megatron's import
     for msg in run(_megatron_cp, 2, timeout_s=180, env=env):
         assert "Megatron's context_parallel_size is 2" in msg, msg
+
+
+def _megatron_sp_embedding(rank, world):
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    from tests.distributed.megatron_job import MegatronToy, setup
+
+    setup(2)
+    model = MegatronToy(2, sp=True)
+    cfg = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, use_cpu_initialization=True)
+    model.tok2 = VocabParallelEmbedding(16, 8, init_method=lambda w: w.zero_(), config=cfg,
+                                        reduce_scatter_embeddings=True)
+    return _watch(model)
+
+
+def test_megatron_sequence_parallel_with_a_layer_it_cannot_score_is_refused_on_every_rank():
+    """Megatron SP (parallel/megatron_sp.py): a VocabParallelEmbedding reduce-scattering into the SP region has no
+    per-token rule there; the model is refused at attach, naming the layer, on both ranks."""
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    env = {"NO_VCS_VERSION": "1"}
+    for msg in run(_megatron_sp_embedding, 2, timeout_s=180, env=env):
+        assert "tok2 (VocabParallelEmbedding) under Megatron sequence_parallel=True" in msg, msg

@@ -36,11 +36,11 @@ vanish from the token scores without being counted unattributed).
 Exactness is §3 of DESIGN.md's: each term is the exact norm² of what position p routes into that parameter;
 for layers before the last cross-position mixing it is an attribution of the step's gradient.
 
-Not covered: ``sequence_parallel=True`` is refused by the Megatron backend at attach. There the column-parallel
-input is a sequence shard ``[s/tp, b, h]`` all-gathered *inside* the layer's autograd function, so the hook
-never sees the a_p of the other ranks' positions that this rank's weight shard uses, and the row-parallel
-output is reduce-scattered, so the hook sees g_p only for this rank's positions while its weight gradient uses
-every position's (all-gathered in backward); both would need a collective inside the hooks. A layer whose
+Sequence parallelism (``sequence_parallel=True``) is scored by ``parallel/megatron_sp.py``, not here: there the
+column-parallel input is a sequence shard ``[s/tp, b, h]`` all-gathered *inside* the layer's autograd function,
+and the row-parallel output is reduce-scattered, so no hook holds both factors of a position's weight term; the
+Megatron backend replaces this rule on such layers by one that gives the factors to the step's token-group
+all-reduce. A layer whose
 weight is passed to ``forward`` (``skip_weight_param_allocation=True``: Megatron's tied output layer) has no
 weight of its own: only its bias (if any) is scored here, and what its call routes into the passed weight is
 missing from the token scores without being counted unattributed (that weight's owner, the embedding, is

@@ -249,7 +249,8 @@ def test_head_view_parts_of_u_add_up_to_the_whole_heads(kind, gathered):
 
 def test_backend_reads_the_tp_coordinate_from_the_layers():
     """The Megatron backend takes (rank, size) from the layers (their partition sizes and tp_group), and refuses
-    a model whose layers sit on different tp groups, or use sequence parallelism."""
+    a model whose layers sit on different tp groups; under sequence parallelism it refuses a Megatron layer it
+    cannot score there (parallel/megatron_sp.py), naming it."""
     from gradloc.errors import UnsupportedModelError
     from gradloc.parallel.megatron import MegatronTP
 
@@ -259,9 +260,13 @@ def test_backend_reads_the_tp_coordinate_from_the_layers():
     assert MegatronTP.detect(nn.Sequential(rank1), world=None) is None  # one process: no job to coordinate
     with pytest.raises(UnsupportedModelError, match="different tensor-parallel groups"):
         MegatronTP.detect(nn.Sequential(rank0, rank1), world=object())
-    rank1.sequence_parallel = True  # its input gathered inside the layer: not scorable from the hooks
-    with pytest.raises(UnsupportedModelError, match="sequence_parallel=True"):
-        MegatronTP.detect(nn.Sequential(rank1), world=object())
+    rank1.sequence_parallel = True  # scored from factors combined at the step's token-group all-reduce
+    assert MegatronTP.detect(nn.Sequential(rank1), world=object()).sequence_parallel
+    emb = mc["layers"].VocabParallelEmbedding(10, 4, init_method=nn.init.zeros_,
+                                              config=mc["Config"](use_cpu_initialization=True))
+    with pytest.raises(UnsupportedModelError, match=r"1 \(VocabParallelEmbedding\) under Megatron sequence_parallel"):
+        MegatronTP.detect(nn.Sequential(rank1, emb), world=object())
+    assert not MegatronTP.detect(nn.Sequential(rank0, emb), world=object()).sequence_parallel  # without SP: as before
 
 
 def _shard_reference(sh: nn.Module, a: torch.Tensor, g: torch.Tensor, bias_share: float) -> torch.Tensor:
