@@ -77,6 +77,11 @@ def _run(seed: int, stale_from: int) -> list[dict]:
 # detector statistics (issue 32.4) that run's follow-up at step 37 names 3 stale culprits of 7: the localizer's
 # culprit set, judged against the new band, not the episode rule; its precision is the open point
 # (PRECISION: the seed-0 run, issue 32's shape, holds the target).
+# Machine-dependent: GRPO's sampling turns float differences between CPUs into another trajectory. On a
+# fresh AMD EPYC machine (2026-11-28, torch 2.13.0+cpu) both runs fail at this commit and at the commits
+# that added them (1dda9a6, cfb7e1c): (0, 0) flags no fault step (step 47: z 5.1 at 2.1× the mean, below
+# the grad_spike ratio) and (0, 30) flags none either. Seeds 0-7 × stale_from 0/30 there gave 6 first
+# incidents after FAULT, none inside an episode. A scenario that spikes by construction is the open point.
 RUNS = [(0, 0), (0, 30)]
 PRECISION = {(0, 0): 0.9, (0, 30): 0.4}
 
