@@ -138,12 +138,14 @@ def test_every_stale_dominated_flagged_step_of_a_persistent_rl_fault_is_its_own_
     into an earlier episode), is located, and names stale positions: precision (share of the named
     culprits that are stale) ≥ ``FLOOR``. Measured (2026-11-28, AMD EPYC, torch 2.13.0+cpu), seed/step:
     stale share, precision, probes — 1/37: 0.82, 0.5, 2; 5/36: 0.77, 1.0, 1; 6/45: 0.92, 1.0, 1.
-    Issue 32's 0.9 is met on two of the three: on seed 1 the localizer names one stale and one healthy
-    position. With stale_from 30 (not run here: no rl_mismatch, and the same picture) seeds 3/39 and
-    6/39 gave 0.92, 1.0, 1 and 0.87, 0.5, 1; seed 1/48 is flagged but not a fault step (stale share
-    0.24: a GRPO spike of its own, 13 culprits, precision 0.15), as flagged steps may be, so only the
-    stale-dominated ones are held to the localization bar. No spike fell inside an earlier one's
-    episode in any of these runs: the follow-up path is covered by tests/detector and tests/agent."""
+    Issue 32's 0.9 is met on two of the three: on seed 1 the localizer names one stale position
+    (0.68 of ‖∇‖² by autograd) and one healthy one (0.10: a real, minor contributor). With
+    stale_from 30 (not run here: no rl_mismatch, and the same picture) seeds 3/39 and 6/39 gave
+    0.92, 1.0, 1 and 0.87, 0.5, 1 (its healthy culprit carries 0.001 of ‖∇‖²); seed 1/48 is flagged
+    but not a fault step (stale share 0.24: a GRPO spike of its own, 13 culprits, precision 0.15),
+    as flagged steps may be, so only the stale-dominated ones are held to the localization bar. No
+    spike fell inside an earlier one's episode in any of these runs: the follow-up path is covered by
+    tests/detector and tests/agent."""
     rows, fault = [], []
     for seed, stale_from in RUNS:
         for s in _flagged(seed, stale_from):
