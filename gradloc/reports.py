@@ -190,3 +190,14 @@ class CorrelatedIncident:
     # the steps the agent held of one reporting rank (the lowest that sent a finding) up to the incident's:
     # what the incident page charts (empty: an incident stored before this field, or no step records)
     history: tuple[StepPoint, ...] = field(default=())
+
+    @property
+    def follows(self) -> int | None:
+        """The step of the incident whose episode this one was opened in, as a new cause
+        (``SpikeEvent.follows`` of its findings: the job's verdict, the same on every rank); None otherwise."""
+        return next((f.spike.follows for f in self.findings if f.spike.follows is not None), None)
+
+    @property
+    def detail(self) -> str:
+        """The detector's detail of the lowest reporting rank's finding that has one ("" without)."""
+        return next((f.spike.detail for f in sorted(self.findings, key=lambda f: f.rank) if f.spike.detail), "")

@@ -28,7 +28,7 @@ from gradloc.agent.core import AgentCore
 from gradloc.agent.escape import json_text
 from gradloc.agent.incident_page import incident_html, index_html
 from gradloc.agent.links import Denied
-from gradloc.agent.page_chart import page_steps
+from gradloc.agent.page_chart import episode_opener, page_steps
 from gradloc.agent.security import Security
 from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
@@ -103,7 +103,9 @@ class _Handler(BaseHTTPRequestHandler):
                 inc = self.server.incident(key)
                 if grant == SIGNED and inc is not None and inc.incident_id != key:  # signed for exactly one id
                     raise Denied(403, "invalid")
-                return self._html(200, incident_html(inc, steps=page_steps(self.server.core.store, inc))) \
+                store = self.server.core.store
+                return self._html(200, incident_html(inc, steps=page_steps(store, inc),
+                                                     opener_id=episode_opener(store, inc))) \
                     if inc is not None else \
                     self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such incident</h1>"))
             if url.path.rstrip("/") == "/api/incidents":

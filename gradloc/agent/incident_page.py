@@ -45,14 +45,30 @@ def _page(title: str, body: str) -> str:
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{body}</body></html>\n")
 
 
-def incident_html(inc: CorrelatedIncident, steps: Sequence[Any] = ()) -> str:
+def incident_html(inc: CorrelatedIncident, steps: Sequence[Any] = (), opener_id: str | None = None,
+                  base: str = "/incidents/") -> str:
     """The page. ``steps``: the store's rows around the incident (:func:`gradloc.agent.page_chart.page_steps`),
-    which add the follow-up steps to the charts; without them the charts show the incident's own history."""
+    which add the follow-up steps to the charts; without them the charts show the incident's own history.
+    ``opener_id``: the incident a new-cause incident follows (:func:`gradloc.agent.page_chart.episode_opener`),
+    linked at ``base`` + its id."""
     parts = [f"<h1>Incident <code>{_e(inc.incident_id[:12])}</code> · job {_e(inc.job)} · step {inc.step}</h1>",
-             _summary(inc), history_section(inc, steps)]
+             _follows(inc, opener_id, base), _summary(inc), history_section(inc, steps)]
     for f in inc.findings:
         parts.append(_finding(f))
     return _page(f"gradloc incident {inc.incident_id[:12]}", "".join(parts))
+
+
+def _follows(inc: CorrelatedIncident, opener_id: str | None, base: str) -> str:
+    """A new-cause incident: which incident's episode it was opened in, linked when the store holds it."""
+    if inc.follows is None:
+        return ""
+    name = f"the incident of step {inc.follows}"
+    if opener_id:
+        name = f'<a href="{html.escape(base + opener_id, quote=True)}">{_e(name)}</a> (<code>{_e(opener_id[:12])}</code>)'
+    else:
+        name = _e(name) + " (not in this store)"
+    detail = f": {_e(inc.detail)}" if inc.detail else ""
+    return f'<p class="follows">Follows {name}: a new cause inside its episode, localized on its own{detail}</p>'
 
 
 def _summary(inc: CorrelatedIncident) -> str:

@@ -121,7 +121,7 @@ def list_cmd(db: Path | None, as_json: bool, job: str | None, limit: int, since:
 def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | None, html_file: Path | None) -> None:
     """One incident by its id or one of its rank findings' ids (what the training process printed),
     full or a unique prefix: ranks, shares, culprit spans, each rank's finding."""
-    from gradloc.agent.page_chart import page_steps
+    from gradloc.agent.page_chart import episode_opener, page_steps
     from gradloc.agent.render_correlated import correlated_text
     from gradloc.store import correlated_to_dict
 
@@ -130,6 +130,7 @@ def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | Non
         if inc is None:
             raise click.ClickException(f"no incident {incident_id.strip()!r} in {store.path}")
         steps = page_steps(store, inc) if html_file is not None else []  # the follow-up steps the chart draws
+        opener = episode_opener(store, inc)  # a new-cause incident: the one whose episode it follows
     if not inc.incident_id.startswith(incident_id.strip()):
         click.echo(f"{incident_id.strip()} names a rank finding of incident {inc.incident_id}", err=True)
     from gradloc.agent.links import cli_page_link  # this node's daemon; signed (no token needed) when one is set
@@ -139,13 +140,13 @@ def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | Non
     if html_file is not None:
         from gradloc.agent.incident_page import incident_html
 
-        html_file.write_text(incident_html(inc, steps=steps), encoding="utf-8")
+        html_file.write_text(incident_html(inc, steps=steps, opener_id=opener), encoding="utf-8")
         click.echo(f"wrote {html_file}", err=True)
     if as_json:
         click.echo(json_text(correlated_to_dict(inc)))
         return
     color = sys.stdout.isatty() if color is None else color
-    click.echo(correlated_text(inc, color=color), color=color)
+    click.echo(correlated_text(inc, color=color, opener_id=opener), color=color)
 
 
 @incidents.command("export")

@@ -246,6 +246,18 @@ def page_steps(store: Any, inc: CorrelatedIncident) -> list[Any]:
         return []
 
 
+def episode_opener(store: Any, inc: CorrelatedIncident) -> str | None:
+    """The id of the incident a new-cause incident follows (``inc.follows``: same job, that step), when
+    the store holds it; None otherwise (no store, not a follow-up, the opener not stored or pruned)."""
+    if store is None or inc.follows is None:
+        return None
+    try:
+        return store.incident_id_at(inc.job, inc.follows)
+    except Exception:  # noqa: BLE001 - the page is drawn without the link rather than not at all
+        log.warning("gradloc agent: looking up the incident %s follows failed", inc.incident_id, exc_info=True)
+        return None
+
+
 def history_section(inc: CorrelatedIncident, steps: Sequence[Any] = (), follow_rows: int = 16) -> str:
     """The charts of the steps around the incident, their legend, and the steps after it."""
     points = chart_points(inc, steps)

@@ -63,11 +63,12 @@ def incident_table(rows: Sequence[IncidentRow]) -> str:
     return terminal("\n".join(table(_LIST_HEADER, cells, right=frozenset({3, 6, 7}))))
 
 
-def correlated_text(inc: CorrelatedIncident, color: bool = True) -> str:
+def correlated_text(inc: CorrelatedIncident, color: bool = True, opener_id: str | None = None) -> str:
     """The whole incident: header, ranks, per-rank and per-micro-batch shares, culprit spans, then
-    every rank's own finding as :func:`gradloc.agent.render.incident_text` prints it."""
+    every rank's own finding as :func:`gradloc.agent.render.incident_text` prints it. ``opener_id``: the
+    id of the incident a new-cause incident follows (``inc.follows``), when known."""
     b = (lambda s: f"{_BOLD}{s}{_OFF}") if color else (lambda s: s)
-    lines = _header(inc, b)
+    lines = _header(inc, b, opener_id)
     lines += ["", b("per-rank shares"), *_rank_table(inc)]
     lines += ["", b("per-micro-batch shares"), *_micro_batch_lines(inc)]
     lines += ["", b("culprit spans, largest share first"), *_span_lines(inc, color)]
@@ -77,7 +78,7 @@ def correlated_text(inc: CorrelatedIncident, color: bool = True) -> str:
     return terminal("\n".join(lines).rstrip("\n"))
 
 
-def _header(inc: CorrelatedIncident, b) -> list[str]:
+def _header(inc: CorrelatedIncident, b, opener_id: str | None = None) -> list[str]:
     closed = f" · closed {inc.closed_unix - inc.time_unix:.1f} s later" if inc.closed_unix else ""
     lines = [b(f"incident {inc.incident_id[:12]} · job {inc.job} · step {inc.step} · {inc.status}"),
              f"  id {inc.incident_id} · trace {inc.trace_id}",
@@ -88,6 +89,11 @@ def _header(inc: CorrelatedIncident, b) -> list[str]:
               f"missing {ranks_text(inc.ranks_missing)}")]
     if inc.top_layers:
         lines.append(f"  flagged layers: {flagged_layers_text(inc)}")
+    if inc.follows is not None:
+        opener = f" (id {opener_id})" if opener_id else ""
+        lines.append(f"  follows: the incident of step {inc.follows}{opener}, whose episode this step is a new cause in")
+    if inc.detail:
+        lines.append(f"  detector: {inc.detail}")
     if inc.note:
         lines.append(f"  note: {inc.note}")
     return lines

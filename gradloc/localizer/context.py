@@ -70,6 +70,18 @@ def still_spike(norm: float, ctx: SpikeContext) -> bool:
     return norm > ctx.healthy_norm + ctx.z_threshold * ctx.healthy_std
 
 
+def rest_carries_spike(explained: float, norm: float, ctx: SpikeContext) -> bool:
+    """Does what C does not carry of ‖∇‖², ⟨∇ − ∇_C, ∇⟩ = (1 − explained)·‖∇‖², still reach the squared
+    line a flagged step's norm crosses, (μ + z·σ)²? ‖∇ − ∇_C‖ alone can stay above the line when the
+    rest of the step partly cancels C (a culprit's gradient larger than the step's own, healthy tokens
+    pulling the same rows the other way): removing C then uncovers the cancelled part, healthy data, not
+    a missed culprit. Where the rest is orthogonal to C both tests agree (tests/localizer, the tiers toy)."""
+    if ctx.healthy_norm is None or ctx.healthy_std is None or not math.isfinite(explained):
+        return True
+    line = ctx.healthy_norm + ctx.z_threshold * ctx.healthy_std
+    return (1.0 - explained) * norm**2 > line**2
+
+
 def loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float | None]:
     """(loss_share, loss_without_culprits) when the step's loss is known."""
     if ctx.loss is None or not math.isfinite(ctx.loss) or ctx.loss == 0:

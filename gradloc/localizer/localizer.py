@@ -38,6 +38,7 @@ from gradloc.localizer.context import (
     by_micro_batch,
     loss_fields,
     probe_into,
+    rest_carries_spike,
     still_spike,
     verified,
 )
@@ -190,6 +191,9 @@ class _Run:
             _, without = scope.norms(acc)
             if not still_spike(without, self.ctx):
                 break
+            if self.loc._verified(explained, self.stored.norm, loss, self.ctx) and \
+                    not rest_carries_spike(explained, self.stored.norm, self.ctx):
+                break  # the residual's norm is the rest of the step uncovered, not the spike's excess
             if used >= cfg.max_probes - 1 and not self.loc._verified(explained, self.stored.norm, loss, self.ctx):
                 break  # the last probe is kept for the levels below the tokens (below.py)
             free = view.eligible.copy()

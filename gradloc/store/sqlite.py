@@ -231,6 +231,14 @@ class IncidentStore:
             row = conn.execute("SELECT incident_id FROM incidents WHERE trace_id = ? LIMIT 1", (trace_id,)).fetchone()
         return None if row is None else row[0]
 
+    def incident_id_at(self, job: str, step: int) -> str | None:
+        """The id of job ``job``'s incident at step ``step`` (the earliest stored), or None: what a
+        new-cause incident's ``follows`` names."""
+        with self._pool.connection() as conn:
+            row = conn.execute("SELECT incident_id FROM incidents WHERE job = ? AND step = ? "
+                               "ORDER BY time_unix, incident_id LIMIT 1", (job, step)).fetchone()
+        return None if row is None else row[0]
+
     def get_incident(self, id_or_prefix: str) -> CorrelatedIncident | None:
         """One incident by full id or unique prefix (see :meth:`get_incident_json`)."""
         text = self.get_incident_json(id_or_prefix)

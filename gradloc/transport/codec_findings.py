@@ -18,6 +18,7 @@ _OPTIONAL_INTS = ("micro_batch", "sample", "start", "end")
 
 def encode_samples(s: SampleStats, out: pb.SampleStatsMsg) -> None:
     out.judged, out.unjudged, out.nonfinite, out.flagged = s.judged, s.unjudged, s.nonfinite, s.flagged
+    out.rl_mismatch_streak = s.rl_mismatch_streak
     out.z_counts.extend(s.z_counts)
     out.z_sum = s.z_sum
     for name in ("max_z", "baseline", "rl_mismatch_baseline"):
@@ -50,7 +51,8 @@ def decode_samples(m: pb.SampleStatsMsg, job: str, rank: int, step: int, time_un
         nonfinite=v.count(m.nonfinite, f"{where}.nonfinite"), z_counts=counts, z_sum=v.finite(m.z_sum, f"{where}.z_sum"),
         max_z=v.finite(m.max_z, f"{where}.max_z") if m.HasField("max_z") else None,
         baseline=v.finite(m.baseline, f"{where}.baseline") if m.HasField("baseline") else None,
-        flagged=v.count(m.flagged, f"{where}.flagged"), outliers=outliers, rl_mismatch_baseline=share)
+        flagged=v.count(m.flagged, f"{where}.flagged"), outliers=outliers, rl_mismatch_baseline=share,
+        rl_mismatch_streak=v.count(m.rl_mismatch_streak, f"{where}.rl_mismatch_streak"))
 
 
 def _outlier(o: pb.SampleOutlierMsg, job: str, rank: int, step: int, time_unix: float, where: str) -> SampleOutlier:

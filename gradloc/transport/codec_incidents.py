@@ -73,7 +73,7 @@ def encode_incident(inc: Incident) -> pb.IncidentMsg:
 
 def _encode_spike(s: SpikeEvent) -> pb.SpikeMsg:
     m = pb.SpikeMsg(step=s.step, kinds=s.kinds, global_norm=s.global_norm, layers=s.layers, detail=s.detail)
-    _set_optional(m, s, ("z", "mean", "std", "loss", "loss_z", "loss_mean"))
+    _set_optional(m, s, ("z", "mean", "std", "loss", "loss_z", "loss_mean", "follows"))
     return m
 
 
@@ -265,7 +265,8 @@ def _decode_spike(m: pb.SpikeMsg, c: _Checks, where: str) -> SpikeEvent:
         global_norm=c.grad(m.global_norm, f"{where}.global_norm"), z=opt["z"], mean=opt["mean"], std=opt["std"],
         loss=_get_optional(m, "loss", c.any_float, where), loss_z=opt["loss_z"], loss_mean=opt["loss_mean"],
         layers=tuple(c.name(x, f"{where}.layers[{i}]") for i, x in enumerate(m.layers)),
-        detail=c.free_text(m.detail, f"{where}.detail"))
+        detail=c.free_text(m.detail, f"{where}.detail"),
+        follows=v.count(m.follows, f"{where}.follows") if m.HasField("follows") else None)
 
 
 def _decode_shares(ms: Any, c: _Checks, where: str) -> tuple[LayerShare, ...]:

@@ -364,3 +364,13 @@ def test_a_new_cause_inside_an_episode_says_so_on_its_page():
     page = incident_html(replace(inc, findings=(replace(f0, spike=replace(f0.spike, detail=detail)),)))
     assert "new cause inside the episode of step 29" in page and "&lt;x&gt;" in page
     assert "new cause" not in incident_html(replace(inc, findings=(f0,)))
+
+
+def test_a_follow_up_links_its_episode_s_incident():
+    inc = make_incident()
+    f0 = inc.findings[0]
+    follow = replace(inc, findings=(replace(f0, spike=replace(f0.spike, follows=1190, detail="new cause <y>")),))
+    page = incident_html(follow, opener_id="ab" * 16)
+    assert f'<a href="/incidents/{"ab" * 16}">the incident of step 1190</a>' in page and "&lt;y&gt;" in page
+    assert "the incident of step 1190 (not in this store)" in incident_html(follow)  # opener unknown: no link
+    assert 'class="follows"' not in incident_html(inc, opener_id="ab" * 16)  # not a follow-up: nothing

@@ -286,3 +286,40 @@ def test_show_html_draws_the_follow_up_steps_the_store_holds(tmp_path: Path) -> 
     page = out.read_text()
     assert "Follow-up steps: 5 after the incident" in page
     assert all(f"<td>{s}</td>" in page for s in range(inc.step + 1, inc.step + 6))
+
+
+def _follow_up(opener_step: int, **kw) -> object:
+    """A new-cause incident at step 1207 following the incident of ``opener_step`` (every rank's finding says so)."""
+    from dataclasses import replace
+
+    inc = make_incident("cd" * 16, step=1207, time_unix=T0 + 70, **kw)
+    detail = f"new cause inside the episode of step {opener_step}: 2 new culprit sample(s) on a step whose rollouts disagree"
+    findings = tuple(replace(f, spike=replace(f.spike, follows=opener_step, detail=detail)) for f in inc.findings)
+    return replace(inc, findings=findings)
+
+
+def test_show_says_which_incident_a_follow_up_follows(tmp_path: Path) -> None:
+    path = tmp_path / "f.db"
+    with IncidentStore(str(path)) as store:
+        store.put_incident(make_incident())  # step 1200: the episode's incident
+        store.put_incident(_follow_up(1200))
+        store.put_incident(make_incident("ef" * 16, step=1300, time_unix=T0 + 200))
+    out = run("show", "cdcd", "--db", str(path), "--no-color", "--html", str(tmp_path / "p.html"))
+    assert out.exit_code == 0, out.output
+    assert f"follows: the incident of step 1200 (id {INCIDENT_ID})" in out.output
+    assert "detector: new cause inside the episode of step 1200" in out.output
+    page = (tmp_path / "p.html").read_text(encoding="utf-8")
+    assert f'href="/incidents/{INCIDENT_ID}"' in page and "the incident of step 1200" in page
+    plain = run("show", "efef", "--db", str(path), "--no-color")  # not a follow-up: no such line
+    assert plain.exit_code == 0 and "follows:" not in plain.output
+
+
+def test_show_a_follow_up_whose_opener_is_not_stored(tmp_path: Path) -> None:
+    path = tmp_path / "f.db"
+    with IncidentStore(str(path)) as store:
+        store.put_incident(_follow_up(1100))
+    out = run("show", "cdcd", "--db", str(path), "--no-color", "--html", str(tmp_path / "p.html"))
+    assert out.exit_code == 0, out.output
+    assert "follows: the incident of step 1100, whose episode" in out.output  # no id to give
+    page = (tmp_path / "p.html").read_text(encoding="utf-8")
+    assert "the incident of step 1100 (not in this store)" in page and 'href="/incidents/' not in page.split("<h1>")[1][:400]

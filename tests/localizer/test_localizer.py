@@ -218,6 +218,23 @@ def test_grow_probes_the_next_outliers_one_micro_batch_per_probe(max_probes, std
     assert sum(c.share for c in loc.culprits) == pytest.approx(loc.explained_share, rel=1e-12)
 
 
+def test_grow_stops_when_the_residual_is_the_rest_of_the_step_uncovered() -> None:
+    """A culprit 40·e_1 whose gradient the step's other tokens partly cancel (two −6·e_1 tokens of micro-
+    batch 0, relaxed candidates: score 36 ≥ 0.01 × 1600 and ≥ 20 × the median, < 0.1 × 1600), beside 21
+    noise tokens e_0: ∇ = 28·e_1 + 21·e_0, ‖∇‖ = 35. Without C the residual −12·e_1 + 21·e_0 has norm
+    √585 ≈ 24.2, above the line 19 + 2.5·1.5 = 22.75, but it carries ⟨∇ − ∇_C, ∇⟩ = 105 of ‖∇‖² (below the
+    line's square, 517.6): the rest of the step, uncovered — GRPO's other completions on a stale token's
+    row (issue 32's persistent fault). The culprit alone is named; before, the two cancelling tokens were
+    grown into the set (3 culprits, 2 probes)."""
+    plants = {(1, 0, 1): basis(D, 1, 40), (0, 0, 2): basis(D, 1, -6), (0, 1, 1): basis(D, 1, -6)}
+    toy = planted(plants)
+    loc = localize(toy, context=ctx(healthy=19.0, std=1.5)).localization
+    assert toy.norm() == 35.0 and toy.norm(without=[toy.flat(1, 0, 1)]) > 19.0 + 2.5 * 1.5
+    assert loc.status == "located" and loc.probes == 1
+    assert keys(loc) == [(1, 0, 1)]
+    assert loc.explained_share == pytest.approx(toy.share_of([toy.flat(1, 0, 1)]), rel=1e-12)  # 1120 / 1225
+
+
 # -- 4. candidates in more micro-batches than max_probes ------------------------------------------------
 def test_candidates_left_unprobed_by_max_probes_are_named_in_the_note() -> None:
     plants = {(0, 0, 0): basis(D, 1, 50), (1, 0, 0): basis(D, 2, 40), (2, 0, 0): basis(D, 3, 60),

@@ -41,7 +41,7 @@ def sample_stats(draw: st.DrawFn, n: int = 3) -> SampleStats:
                        z_counts=draw(st.just(()) | st.lists(count, min_size=14, max_size=14).map(tuple)),
                        z_sum=draw(finite), max_z=draw(st.none() | finite), baseline=draw(st.none() | finite),
                        flagged=draw(count), outliers=tuple(draw(st.lists(outliers(n), max_size=4))),
-                       rl_mismatch_baseline=draw(st.none() | st.floats(0, 1)))
+                       rl_mismatch_baseline=draw(st.none() | st.floats(0, 1)), rl_mismatch_streak=draw(count))
 
 
 @settings(max_examples=100, deadline=None)
@@ -80,6 +80,7 @@ def _rejected(stats: SampleStats, edit=None) -> RejectedBatch:
     (SampleStats(max_z=float("inf")), None, "nonfinite", "samples.max_z"),
     (SampleStats(rl_mismatch_baseline=2.0), None, "invalid_value", "rl_mismatch_baseline"),
     (SampleStats(judged=-1), None, "invalid_value", "samples.judged"),
+    (SampleStats(rl_mismatch_streak=-1), None, "invalid_value", "samples.rl_mismatch_streak"),
     (SampleStats(outliers=(replace(GOOD, text="x" * 70_000),)), None, "invalid_value", "outliers[0].text"),
 ])
 def test_bad_findings_are_rejected_with_the_field(stats, edit, reason, words):

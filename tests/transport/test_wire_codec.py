@@ -269,6 +269,8 @@ STRUCTURE = [  # (what, batch bytes, reason, words in the message)
      "steps[0].norm_threshold 1.5 is below norm_mean 2.0"),
     ("negative band mean", lambda: to_bytes([step(norm_mean=-1.0, norm_threshold=1.0)]), "invalid_value",
      "steps[0].norm_mean is -1.0"),
+    ("negative follows", lambda: to_bytes([], [incident(spike=replace(incident().spike, follows=-3))]),
+     "invalid_value", "incidents[0].spike.follows is -3"),
     ("infinite remedy norm", lambda: to_bytes([], [incident(remedy=Remedy("drop_culprits", True, INF))]),
      "nonfinite", "incidents[0].remedy.norm_before"),
 ]

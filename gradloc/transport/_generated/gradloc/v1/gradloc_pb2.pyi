@@ -138,7 +138,7 @@ class Step(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ..., norm_mean: _Optional[float] = ..., norm_threshold: _Optional[float] = ..., samples: _Optional[_Union[SampleStatsMsg, _Mapping]] = ..., events: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SampleStatsMsg(_message.Message):
-    __slots__ = ("judged", "unjudged", "nonfinite", "z_counts", "z_sum", "max_z", "baseline", "flagged", "outliers", "rl_mismatch_baseline")
+    __slots__ = ("judged", "unjudged", "nonfinite", "z_counts", "z_sum", "max_z", "baseline", "flagged", "outliers", "rl_mismatch_baseline", "rl_mismatch_streak")
     JUDGED_FIELD_NUMBER: _ClassVar[int]
     UNJUDGED_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class SampleStatsMsg(_message.Message):
     FLAGGED_FIELD_NUMBER: _ClassVar[int]
     OUTLIERS_FIELD_NUMBER: _ClassVar[int]
     RL_MISMATCH_BASELINE_FIELD_NUMBER: _ClassVar[int]
+    RL_MISMATCH_STREAK_FIELD_NUMBER: _ClassVar[int]
     judged: int
     unjudged: int
     nonfinite: int
@@ -159,7 +160,8 @@ class SampleStatsMsg(_message.Message):
     flagged: int
     outliers: _containers.RepeatedCompositeFieldContainer[SampleOutlierMsg]
     rl_mismatch_baseline: float
-    def __init__(self, judged: _Optional[int] = ..., unjudged: _Optional[int] = ..., nonfinite: _Optional[int] = ..., z_counts: _Optional[_Iterable[int]] = ..., z_sum: _Optional[float] = ..., max_z: _Optional[float] = ..., baseline: _Optional[float] = ..., flagged: _Optional[int] = ..., outliers: _Optional[_Iterable[_Union[SampleOutlierMsg, _Mapping]]] = ..., rl_mismatch_baseline: _Optional[float] = ...) -> None: ...
+    rl_mismatch_streak: int
+    def __init__(self, judged: _Optional[int] = ..., unjudged: _Optional[int] = ..., nonfinite: _Optional[int] = ..., z_counts: _Optional[_Iterable[int]] = ..., z_sum: _Optional[float] = ..., max_z: _Optional[float] = ..., baseline: _Optional[float] = ..., flagged: _Optional[int] = ..., outliers: _Optional[_Iterable[_Union[SampleOutlierMsg, _Mapping]]] = ..., rl_mismatch_baseline: _Optional[float] = ..., rl_mismatch_streak: _Optional[int] = ...) -> None: ...
 
 class SampleOutlierMsg(_message.Message):
     __slots__ = ("kind", "score", "z", "baseline", "micro_batch", "sample", "sample_id", "start", "end", "tokens", "text", "detail")
@@ -286,7 +288,7 @@ class LayerStatsMsg(_message.Message):
     def __init__(self, layer: _Optional[str] = ..., grad_norm: _Optional[float] = ..., grad_max_abs: _Optional[float] = ..., nonfinite: _Optional[int] = ..., param_norm: _Optional[float] = ..., numel: _Optional[int] = ..., update_ratio: _Optional[float] = ..., z: _Optional[float] = ...) -> None: ...
 
 class SpikeMsg(_message.Message):
-    __slots__ = ("step", "kinds", "global_norm", "z", "mean", "std", "loss", "loss_z", "loss_mean", "layers", "detail")
+    __slots__ = ("step", "kinds", "global_norm", "z", "mean", "std", "loss", "loss_z", "loss_mean", "layers", "detail", "follows")
     STEP_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +300,7 @@ class SpikeMsg(_message.Message):
     LOSS_MEAN_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     step: int
     kinds: _containers.RepeatedScalarFieldContainer[str]
     global_norm: float
@@ -309,7 +312,8 @@ class SpikeMsg(_message.Message):
     loss_mean: float
     layers: _containers.RepeatedScalarFieldContainer[str]
     detail: str
-    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ..., global_norm: _Optional[float] = ..., z: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., loss: _Optional[float] = ..., loss_z: _Optional[float] = ..., loss_mean: _Optional[float] = ..., layers: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    follows: int
+    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ..., global_norm: _Optional[float] = ..., z: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., loss: _Optional[float] = ..., loss_z: _Optional[float] = ..., loss_mean: _Optional[float] = ..., layers: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ..., follows: _Optional[int] = ...) -> None: ...
 
 class CulpritMsg(_message.Message):
     __slots__ = ("micro_batch", "sample", "position", "share", "score_share", "token_id", "text", "sample_id", "layers", "rl", "classification", "sample_info", "rank")
