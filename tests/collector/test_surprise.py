@@ -73,6 +73,49 @@ def test_the_pack_holds_the_models_own_calibration_deficit():
     mon.close()
 
 
+def test_the_heads_vocabulary_is_reduced_once_for_its_score_and_the_surprise(monkeypatch):
+    """‖g_p‖² of the head's output gradient is one reduction: the head Linear's score and head_g2 both come from
+    it (token_hooks, registry.reusing_sq_norm), with the same numbers as when each reduced it on its own."""
+    import contextlib
+
+    from gradloc.collector import token_hooks
+    from gradloc.collector.rules import registry
+
+    vocab = 200  # no other watched output has 200 features (d_model 32, MLP 128)
+    reduced: list[tuple[int, ...]] = []
+    real = torch.linalg.vector_norm
+
+    def counting(t, *a, **kw):
+        if t.shape[-1] == vocab:
+            reduced.append(tuple(t.shape))
+        return real(t, *a, **kw)
+
+    def one_micro_batch():
+        model = tiny_gpt(vocab=vocab)
+        mon = _watch(model)
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randint(0, vocab, (B, T), generator=gen), torch.randint(0, vocab, (B, T), generator=gen)
+        with mon.micro_batch(y):
+            logits = model(x)
+            logits.retain_grad()
+            token_losses(logits, y).mean().backward()
+        ((_, buf),) = mon._parts
+        out = (buf.scores.clone(), buf.head_g2.clone(), logits.grad.float().square().sum(-1))  # (B, T, V) -> (B, T)
+        mon.end_step(torch.zeros(()))
+        mon.close()
+        return out
+
+    monkeypatch.setattr(registry.torch.linalg, "vector_norm", counting)
+    scores, g2, exact = one_micro_batch()
+    assert reduced == [(B, T, vocab)]  # once per micro-batch
+    reduced.clear()
+    monkeypatch.setattr(token_hooks, "reusing_sq_norm", lambda t, sq: contextlib.nullcontext())  # each its own
+    scores_apart, g2_apart, _ = one_micro_batch()
+    assert reduced == [(B, T, vocab), (B, T, vocab)]
+    assert torch.equal(scores, scores_apart) and torch.equal(g2, g2_apart)  # the same numbers, bit for bit
+    torch.testing.assert_close(g2, exact, rtol=1e-5, atol=0.0)
+
+
 def _pack(u: torch.Tensor, mask: torch.Tensor | None = None, window: int = 4, rl=(), cu=None) -> np.ndarray:
     buf = MicroBatchScores(0, u.shape[0], u.shape[1], 1, head_u=u)
     eligible = None if mask is None else mask
