@@ -65,10 +65,12 @@ def test_the_pack_holds_the_models_own_calibration_deficit():
     one = MicroBatchScores(0, B, T, 1, head_u=u, head_g2=g2)
     scores = stack_step([(make_meta(0, y, None, None, None), one)], 1, torch.device("cpu"), heads=True)
     host = SurprisePack(4, CAP).pack(scores, set()).numpy()
-    n, deficit = host[1:1 + B], host[1 + 5 * B:]
+    n, deficit, var = host[1:1 + B], host[1 + 5 * B:1 + 6 * B], host[1 + 6 * B:]
     p = q.gather(-1, y[..., None]).squeeze(-1)  # (B, T)
     np.testing.assert_allclose(deficit, (q.square().sum(-1) - p).sum(1).numpy(), atol=0.03)  # ŵ: w·max(1 − p)
     assert (n == T).all()
+    c = q.square().sum(-1)  # (B, T) Σ_v p_v²: the spread bound Σ_p max(c^1.5 − c², 1e-4) per sample
+    np.testing.assert_allclose(var, (c.pow(1.5) - c.square()).clamp_min(1e-4).sum(1).numpy(), rtol=0.05)
     mon.end_step(torch.zeros(()))
     mon.close()
 
@@ -133,7 +135,7 @@ def test_pack_recovers_the_surprise_without_knowing_the_weight():
     p[1, 8:12] = 1e-3  # a corrupted span of 4 positions in sample 1
     w = 0.37 / (B * T)
     host = _pack(w * (1 - p))
-    code, n, total, nonfinite, wmax, wstart, _ = host[:1], *host[1:].reshape(6, B)  # (6B,) -> (6, B)
+    code, n, total, nonfinite, wmax, wstart, _, _ = host[:1], *host[1:].reshape(7, B)  # (7B,) -> (7, B)
     s = (-torch.log(p.clamp_min(math.exp(-CAP)))).double()
     assert code.tolist() == [MB_JUDGED] and n.tolist() == [T] * B and nonfinite.tolist() == [0] * B
     np.testing.assert_allclose(total / n, s.mean(1).numpy(), rtol=1e-5)
