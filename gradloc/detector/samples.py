@@ -3,24 +3,26 @@ sustained RL training–inference mismatch against the run's own baseline. Findi
 no probe runs and nothing pages (docs/DESIGN-NOTES.md, "Per-sample surprise").
 
 Surprise: the step's pack (collector/surprise.py) gives every sample's judged loss positions n, mean
-surprise, worst-window mean and mean calibration deficit d = Σ_v p_v² − p(y) (read off the head's
-‖g‖²: 0 on average wherever the model is calibrated, however hard the text). Each is judged against
-the last ``history`` judged samples (robust: median and 1.4826 × MAD, σ floored at 2% of the
-median) once ``warmup_samples`` are in: z = (x − median) / (σ · √max(1, n_median / n)) for the
-means (a short sample's mean is noisier) and z_window = (window − median_window) / σ_window.
+surprise, worst-window mean, mean calibration deficit d = Σ_v p_v² − p(y) (read off the head's
+‖g‖²: 0 on average wherever the model is calibrated, however hard the text) and Σ v, a bound on the
+deficit's variance under the model. Each is judged against the last ``history`` judged samples
+(robust: median and 1.4826 × MAD, σ floored at 2% of the median) once ``warmup_samples`` are in:
+z = (x − median) / (σ · √max(1, n_median / n)) for the means (a short sample's mean is noisier) and
+z_window = (window − median_window) / σ_window.
 
 Real text holds odd but legitimate samples (URLs, tables, groff or HTML markup, regexes) that are as
 surprising as a bad one: the model was unsure there and knew it (Σ_v p_v² small, d ≈ 0). Garbage and
 wrong labels are surprising where it was sure (d large) or far more surprising than any text. So
 with ``SampleConfig.calibrated`` and a deficit in the pack, a sample's z is
-max(z_deficit, max(z, z_window) / 1.5, z where z_deficit ≥ 0.75 × z_threshold), z_deficit counting
-only where z > 0 (a wrong label never makes a sample less surprising than usual): surprise alone must
-be 1.5 × z_threshold out, surprise at z_threshold needs the deficit three-quarters of the way, and a
-worst window (a URL, a line of ``=``) counts only when its sample's deficit is half-way (z_deficit ≥
-z_threshold / 2). Without one (``calibrated=False``, a pack without ‖g‖²) it is max(z, z_window),
-as before. Every judged sample enters the history, an outlier clamped to median + z_threshold · σ,
-so a minority of bad samples barely moves the baseline while a lasting change of the data becomes
-the new normal. Outliers come worst (highest z) first.
+max(z_deficit, max(z, z_window) / 1.5), z_deficit = 0.25 × the mean deficit's z + 0.85 × the z of
+Σ d / √Σ v (the deficit in units of its own spread: a deficit means little where the model spreads its
+bets), counting only where z > 0 (a wrong label never makes a sample less surprising than usual):
+surprise alone must be 1.5 × z_threshold out, and a worst window (a URL, a line of ``=``) counts only
+when its sample's deficit is half-way (z_deficit ≥ z_threshold / 2); the weights were measured on
+bench/samples_text.py (docs/DESIGN-NOTES.md, "Per-sample surprise"). Without one (``calibrated=False``,
+a pack without ‖g‖²) it is max(z, z_window), as before. Every judged sample enters the history, an
+outlier clamped to median + z_threshold · σ, so a minority of bad samples barely moves the baseline while
+a lasting change of the data becomes the new normal. Outliers come worst (highest z) first.
 """
 from __future__ import annotations
 
