@@ -14,10 +14,12 @@ Real text holds odd but legitimate samples (URLs, tables, groff or HTML markup, 
 surprising as a bad one: the model was unsure there and knew it (Σ_v p_v² small, d ≈ 0). Garbage and
 wrong labels are surprising where it was sure (d large) or far more surprising than any text. So
 with ``SampleConfig.calibrated`` and a deficit in the pack, a sample's z is
-max(z_deficit, max(z, z_window) / 1.5), z_deficit = 0.25 × the mean deficit's z + 0.85 × the z of
+max(z_deficit, max(z, z_window) / 1.5, z where the mean deficit's z ≥ 0.75 × z_threshold),
+z_deficit = 0.25 × the mean deficit's z + 0.85 × the z of
 Σ d / √Σ v (the deficit in units of its own spread: a deficit means little where the model spreads its
 bets), counting only where z > 0 (a wrong label never makes a sample less surprising than usual):
-surprise alone must be 1.5 × z_threshold out, and a worst window (a URL, a line of ``=``) counts only
+surprise alone must be 1.5 × z_threshold out, surprise at z_threshold needs the mean deficit's own z
+three-quarters of the way (0.75 × z_threshold), and a worst window (a URL, a line of ``=``) counts only
 when its sample's deficit is half-way (z_deficit ≥ z_threshold / 2); the weights were measured on
 bench/samples_text.py (docs/DESIGN-NOTES.md, "Per-sample surprise"). Without one (``calibrated=False``,
 a pack without ‖g‖²) it is max(z, z_window), as before. Every judged sample enters the history, an
@@ -44,6 +46,7 @@ SURPRISE_ALONE = 1.5  # with a calibration deficit: surprise alone makes a findi
 # the wrong-label z: this mix of the mean deficit's z and the self-normalised deficit's z (Σ d / √Σ v), measured on
 # bench/samples_text.py (seed 0 to choose, seed 1 held out: docs/BENCHMARKS.md §4.2)
 W_DEFICIT, W_SELF = 0.25, 0.85
+SUPPORT = 0.75  # surprise at z_threshold is a finding when the mean deficit's own z is at this × z_threshold
 # σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
 # and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
 _DEFICIT_MIN_STD = 0.01
@@ -114,11 +117,12 @@ class SampleJudge:
         use_d = has_d & math.isfinite(dsd) & math.isfinite(ssd)
         # a wrong label never makes a sample less surprising than usual: the deficit counts above the median only
         # (it also keeps ŵ's error off a sample the model is sure of, e.g. a memorised sequence)
-        z_d = np.where(use_d & (z_mean > 0), W_DEFICIT * (dmean - dmed) / (dsd * noise) + W_SELF * (dself - smed) / ssd,
-                       -np.inf)
+        z_dmean = np.where(use_d & (z_mean > 0), (dmean - dmed) / (dsd * noise), -np.inf)
+        z_d = np.where(use_d & (z_mean > 0), W_DEFICIT * z_dmean + W_SELF * (dself - smed) / ssd, -np.inf)
         z_win = np.where(use_d & (z_d < t / 2), -np.inf, z_win)  # a window needs its sample's deficit half-way
         z_surprise = np.maximum(z_mean, z_win)
-        z_cal = np.maximum(z_d, z_surprise / SURPRISE_ALONE)
+        z_both = np.where(z_dmean >= SUPPORT * t, z_mean, -np.inf)  # surprising, and wrong where the model was sure
+        z_cal = np.maximum(np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_both)
         z = np.where(judged, np.where(use_d, z_cal, z_surprise), np.nan)
         flagged = np.flatnonzero(judged & (z >= t))
         top = flagged[np.argsort(-z[flagged], kind="stable")][: cfg.max_outliers]  # worst first
