@@ -208,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.samples_text import TextConfig, report, run_text
 
         progress = (lambda i, n, info: print(f"[{i}/{n}] {info}", file=sys.stderr, flush=True)) if args.verbose else None
-        out = run_text(TextConfig.quick() if args.quick else TextConfig(), progress)
+        cfg_text = TextConfig.quick() if args.quick else TextConfig()
+        if args.seed is not None:  # another model initialisation and other text windows (a held-out run)
+            from dataclasses import replace
+
+            cfg_text = replace(cfg_text, seed=args.seed)
+        out = run_text(cfg_text, progress)
         print(json.dumps(out) if args.json else report(out))
         return 0
     if args.overhead:

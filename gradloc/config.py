@@ -222,8 +222,9 @@ class SampleConfig:
     against the run's own history: the median and MAD of the last ``history`` judged samples, after
     ``warmup_samples``. z ≥ ``z_threshold`` makes a ``SampleOutlier``. With ``calibrated`` (default), where
     the head's ‖g‖² was read, a sample's z is the larger of its calibration deficit's z (Σ_v p_v² − p(y),
-    0 on average wherever the model is calibrated, however odd the text) and its surprise's z / 1.5: odd
-    but legitimate text must be 1.5 × z_threshold out on surprise alone. Samples with fewer than
+    0 on average wherever the model is calibrated, however odd the text; judged both as a mean and in units
+    of its own spread under the model) and its surprise's z / 1.5: odd but legitimate text must be
+    1.5 × z_threshold out on surprise alone. Samples with fewer than
     ``min_tokens`` loss tokens are not judged. RL: a step whose mismatch share (loss tokens with
     |log π_trainer − log π_rollout| > log 2) exceeds ``rl_factor`` × the run's baseline +
     ``rl_margin`` for ``rl_patience`` steps in a row is a ``rl_mismatch`` finding (baseline: the

@@ -22,11 +22,16 @@ carry no loss term (masked by the loss, or an id outside the head such as −100
 
 The step's pack (float64, appended to the step's one host transfer)::
 
-    [mb_code (M) | n (S) | Σ s (S) | nonfinite (S) | worst window mean (S) | its flat start (S) | Σ d (S)]
+    [mb_code (M) | n (S) | Σ s (S) | nonfinite (S) | worst window mean (S) | its flat start (S) | Σ d (S) | Σ v (S)]
 
 where S counts the samples of every micro-batch in order (rows, or sequences of a packed row), n is
 a sample's judged loss positions, and a window is ``window`` adjacent positions of one sample with
-at least half of them judged (−inf / N when the sample has none); Σ d is NaN where ‖g‖² was not read.
+at least half of them judged (−inf / N when the sample has none); Σ d and Σ v are NaN where ‖g‖² was not
+read. v_p = max((Σ_v p_v²)^1.5 − (Σ_v p_v²)², 1e-4) bounds the variance of p(y) for y ~ p at p (Σ_v p_v³ ≤
+max_v p_v · Σ_v p_v² ≤ (Σ_v p_v²)^1.5), so Σ d / √Σ v is the deficit in units of its own spread under the
+model: a sample of confident positions with wrong labels is far out, one of unsure positions is not, however
+surprising (detector/samples.py). Every row is a function of u_p and ‖g_p‖², both already summed over a
+token group's tp ranks before the pack (parallel/tokens.py): exact under TP/FSDP.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.token_summary import StepScores
 
 MB_JUDGED, MB_NO_HEAD, MB_RL, MB_NOT_CE, MB_EMPTY = 1, 0, -1, -2, -3
+ROWS = 7  # per-sample rows of the pack
+_MIN_VAR = 1e-4  # per position: a model sure of one token (Σp² → 1) still has ŵ's error
 
 
 class SurprisePack:
@@ -94,12 +101,14 @@ class SurprisePack:
         collision = (g2 / w2 + 2.0 * p - 1.0).clamp(0.0, 1.0)  # Σ_v p_v²; NaN stays NaN
         d = torch.where(valid, collision - p.clamp(0.0, 1.0), 0.0).double()  # E_{y~p}[p(y)] − p(y_p): 0 on average
         deficit = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, d)
+        spread = torch.where(valid, (collision.pow(1.5) - collision.square()).clamp_min(_MIN_VAR), 0.0).double()
+        var = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, spread)  # ≥ Σ_p Var_{y~p}[p(y)]
         wmax, wstart = self._windows(s, valid, seg, S, N)
         code = torch.where(ok_mb, float(MB_JUDGED), torch.where(~has, float(MB_NO_HEAD),
                            torch.where(negative > 0, float(MB_NOT_CE), float(MB_EMPTY)))).double()
         rl_mb = torch.tensor([m.index in rl for m in metas], device=dev)
         code = torch.where(rl_mb, float(MB_RL), code)
-        return torch.cat([code, n, total, nonfinite, wmax, wstart, deficit])  # (M + 6S,)
+        return torch.cat([code, n, total, nonfinite, wmax, wstart, deficit, var])  # (M + 7S,)
 
     def _windows(self, s: torch.Tensor, valid: torch.Tensor, seg: torch.Tensor, S: int,
                  N: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,4 +134,4 @@ class SurprisePack:
 
 
 def pack_length(metas: Sequence[MicroBatchMeta]) -> int:
-    return len(metas) + 6 * sum(m.n_samples for m in metas)
+    return len(metas) + ROWS * sum(m.n_samples for m in metas)

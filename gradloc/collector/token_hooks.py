@@ -18,7 +18,7 @@ from torch import nn
 from gradloc.collector import compiled
 from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules import rule_for
-from gradloc.collector.rules.registry import TokenRule
+from gradloc.collector.rules.registry import TokenRule, reusing_sq_norm, sq_norm_last
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.shards import InnerSite, TPContext, is_dtensor, local, redistributes_inside
 
@@ -248,8 +248,12 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
                     hg, first, share = w.rule.head_view(w.module, g) if hasattr(w.rule, "head_view") else \
                         (g, columns, factor)
                     buf.head_u = _head_u(hg, buf.labels, buf.batch, buf.seq, first, share)
-                    buf.head_g2 = _head_g2(hg, buf.batch, buf.seq, share)
-                buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
+                    g2 = sq_norm_last(hg)  # (*lead, V) -> lead: one reduction for the surprise and the rule's score
+                    buf.head_g2 = _head_g2(g2, buf.batch, buf.seq, share)
+                    with reusing_sq_norm(hg, g2):  # the rule's sq_norm_last(g) of this g is g2 (not when hg is a view)
+                        buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
+                else:
+                    buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
             buf.scored_modules.add(w.name)
         except Exception as exc:  # never raise into the training loop: counted, the module left unscored
             buf.hook_errors += 1
@@ -260,12 +264,12 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
     return fit.out if fit.replaced else None
 
 
-def _head_g2(g: torch.Tensor, batch: int, seq: int, factor: float = 1.0) -> torch.Tensor:
-    """‖g_p‖² (B, T) float32 over the head's columns (a vocabulary shard's part: the tp ranks' parts add up;
-    ``factor`` 1/tp where every rank holds them all). With u_p it gives the model's own confidence Σ_v p_v²
-    (collector/surprise.py). One reduction over the vocabulary, accumulated in float32, no copy of g."""
-    n = torch.linalg.vector_norm(g, dim=-1).float()  # (*lead, V) -> lead
-    n2 = (n * n).reshape(batch, seq)  # lead -> (B, T)
+def _head_g2(g2: torch.Tensor, batch: int, seq: int, factor: float = 1.0) -> torch.Tensor:
+    """‖g_p‖² (B, T) float32 over the head's columns from ``g2`` = ``sq_norm_last`` of its output gradient (a
+    vocabulary shard's part: the tp ranks' parts add up; ``factor`` 1/tp where every rank holds them all). With
+    u_p it gives the model's own confidence Σ_v p_v² (collector/surprise.py). The same reduction is the head
+    rule's ‖g_p‖² (``reusing_sq_norm``): the vocabulary is reduced once per position, not twice."""
+    n2 = g2.reshape(batch, seq)  # lead -> (B, T)
     return n2 * factor if factor != 1.0 else n2
 
 

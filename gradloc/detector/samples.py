@@ -3,24 +3,28 @@ sustained RL training–inference mismatch against the run's own baseline. Findi
 no probe runs and nothing pages (docs/DESIGN-NOTES.md, "Per-sample surprise").
 
 Surprise: the step's pack (collector/surprise.py) gives every sample's judged loss positions n, mean
-surprise, worst-window mean and mean calibration deficit d = Σ_v p_v² − p(y) (read off the head's
-‖g‖²: 0 on average wherever the model is calibrated, however hard the text). Each is judged against
-the last ``history`` judged samples (robust: median and 1.4826 × MAD, σ floored at 2% of the
-median) once ``warmup_samples`` are in: z = (x − median) / (σ · √max(1, n_median / n)) for the
-means (a short sample's mean is noisier) and z_window = (window − median_window) / σ_window.
+surprise, worst-window mean, mean calibration deficit d = Σ_v p_v² − p(y) (read off the head's
+‖g‖²: 0 on average wherever the model is calibrated, however hard the text) and Σ v, a bound on the
+deficit's variance under the model. Each is judged against the last ``history`` judged samples
+(robust: median and 1.4826 × MAD, σ floored at 2% of the median) once ``warmup_samples`` are in:
+z = (x − median) / (σ · √max(1, n_median / n)) for the means (a short sample's mean is noisier) and
+z_window = (window − median_window) / σ_window.
 
 Real text holds odd but legitimate samples (URLs, tables, groff or HTML markup, regexes) that are as
 surprising as a bad one: the model was unsure there and knew it (Σ_v p_v² small, d ≈ 0). Garbage and
 wrong labels are surprising where it was sure (d large) or far more surprising than any text. So
 with ``SampleConfig.calibrated`` and a deficit in the pack, a sample's z is
-max(z_deficit, max(z, z_window) / 1.5, z where z_deficit ≥ 0.75 × z_threshold), z_deficit counting
-only where z > 0 (a wrong label never makes a sample less surprising than usual): surprise alone must
-be 1.5 × z_threshold out, surprise at z_threshold needs the deficit three-quarters of the way, and a
-worst window (a URL, a line of ``=``) counts only when its sample's deficit is half-way (z_deficit ≥
-z_threshold / 2). Without one (``calibrated=False``, a pack without ‖g‖²) it is max(z, z_window),
-as before. Every judged sample enters the history, an outlier clamped to median + z_threshold · σ,
-so a minority of bad samples barely moves the baseline while a lasting change of the data becomes
-the new normal. Outliers come worst (highest z) first.
+max(z_deficit, max(z, z_window) / 1.5, z where the mean deficit's z ≥ 0.75 × z_threshold),
+z_deficit = 0.25 × the mean deficit's z + 0.85 × the z of
+Σ d / √Σ v (the deficit in units of its own spread: a deficit means little where the model spreads its
+bets), counting only where z > 0 (a wrong label never makes a sample less surprising than usual):
+surprise alone must be 1.5 × z_threshold out, surprise at z_threshold needs the mean deficit's own z
+three-quarters of the way (0.75 × z_threshold), and a worst window (a URL, a line of ``=``) counts only
+when its sample's deficit is half-way (z_deficit ≥ z_threshold / 2); the weights were measured on
+bench/samples_text.py (docs/DESIGN-NOTES.md, "Per-sample surprise"). Without one (``calibrated=False``,
+a pack without ‖g‖²) it is max(z, z_window), as before. Every judged sample enters the history, an
+outlier clamped to median + z_threshold · σ, so a minority of bad samples barely moves the baseline while
+a lasting change of the data becomes the new normal. Outliers come worst (highest z) first.
 """
 from __future__ import annotations
 
@@ -32,14 +36,17 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from gradloc.collector.batch import MicroBatchMeta
-from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE
+from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, ROWS
 from gradloc.config import SampleConfig
 from gradloc.records import SAMPLE_Z_BUCKETS, OutlierKind, RLStats, SampleOutlier, SampleStats
 
 log = logging.getLogger("gradloc")
 _MIN_STD_FRACTION = 0.02
 SURPRISE_ALONE = 1.5  # with a calibration deficit: surprise alone makes a finding at this × z_threshold
-SUPPORT = 0.75  # ... and at z_threshold when the deficit is at this × z_threshold
+# the wrong-label z: this mix of the mean deficit's z and the self-normalised deficit's z (Σ d / √Σ v), measured on
+# bench/samples_text.py (seed 0 to choose, seed 1 held out: docs/BENCHMARKS.md §4.2)
+W_DEFICIT, W_SELF = 0.25, 0.85
+SUPPORT = 0.75  # surprise at z_threshold is a finding when the mean deficit's own z is at this × z_threshold
 # σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
 # and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
 _DEFICIT_MIN_STD = 0.01
@@ -72,15 +79,16 @@ class SampleJudge:
         self.cfg = cfg
         self.mean, self.win, self.length = _Ring(cfg.history), _Ring(cfg.history), _Ring(cfg.history)
         self.deficit = _Ring(cfg.history)  # mean Σ_v p_v² − p(y), where the pack has it
+        self.self_z = _Ring(cfg.history)  # Σ d / √Σ v: the deficit in units of its spread under the model
         self.not_ce_warned = False
 
     def judge(self, host: np.ndarray, metas: Sequence[MicroBatchMeta], where: dict[str, Any],
               decode: Callable[[list[int]], str] | None) -> SampleStats:
         """``host``: the step's pack; ``where``: job, rank, step, time_unix of the step."""
         cfg, M = self.cfg, len(metas)
-        S = (len(host) - M) // 6
+        S = (len(host) - M) // ROWS
         code = host[:M]
-        n, total, nonfinite, wmax, wstart, deficit = (host[M + i * S: M + (i + 1) * S] for i in range(6))
+        n, total, nonfinite, wmax, wstart, deficit, var = (host[M + i * S: M + (i + 1) * S] for i in range(ROWS))
         if (code == MB_NOT_CE).any() and not self.not_ce_warned:
             self.not_ce_warned = True
             log.warning("gradloc: the last watched module's gradient is not a cross-entropy head's "
@@ -91,26 +99,29 @@ class SampleJudge:
         has_win = judged & np.isfinite(wmax)
         has_d = judged & np.isfinite(deficit) & cfg.calibrated
         dmean = np.where(has_d, deficit, 0.0) / np.maximum(n, 1)
+        dself = np.where(has_d, deficit, 0.0) / np.sqrt(np.where(has_d & (var > 0), var, 1.0))
         stats = dict(judged=int(judged.sum()), unjudged=int((~judged & (nonfinite == 0)).sum()),
                      nonfinite=int((nonfinite > 0).sum()))
         if self.mean.n < cfg.warmup_samples or not judged.any():
-            self._remember(score[judged], wmax[has_win], n[judged], dmean[has_d])
+            self._remember(score[judged], wmax[has_win], n[judged], dmean[has_d], dself[has_d])
             return SampleStats(**stats)
         t = cfg.z_threshold
         med, sd = self.mean.robust()
         wmed, wsd = self.win.robust() if self.win.n >= cfg.warmup_samples else (math.nan, math.nan)
         dmed, dsd = self.deficit.robust(_DEFICIT_MIN_STD) if self.deficit.n >= cfg.warmup_samples else (math.nan, math.nan)
+        smed, ssd = self.self_z.robust() if self.self_z.n >= cfg.warmup_samples else (math.nan, math.nan)
         n_med = float(np.median(self.length.values[: self.length.n]))
         noise = np.sqrt(np.maximum(1.0, n_med / np.maximum(n, 1)))  # a short sample's mean is noisier
         z_mean = (score - med) / (sd * noise)
         z_win = np.where(has_win & np.isfinite(wsd), (wmax - wmed) / wsd, -np.inf)
-        use_d = has_d & math.isfinite(dsd)
+        use_d = has_d & math.isfinite(dsd) & math.isfinite(ssd)
         # a wrong label never makes a sample less surprising than usual: the deficit counts above the median only
         # (it also keeps ŵ's error off a sample the model is sure of, e.g. a memorised sequence)
-        z_d = np.where(use_d & (z_mean > 0), (dmean - dmed) / (dsd * noise), -np.inf)
+        z_dmean = np.where(use_d & (z_mean > 0), (dmean - dmed) / (dsd * noise), -np.inf)
+        z_d = np.where(use_d & (z_mean > 0), W_DEFICIT * z_dmean + W_SELF * (dself - smed) / ssd, -np.inf)
         z_win = np.where(use_d & (z_d < t / 2), -np.inf, z_win)  # a window needs its sample's deficit half-way
         z_surprise = np.maximum(z_mean, z_win)
-        z_both = np.where(z_d >= SUPPORT * t, z_mean, -np.inf)  # surprising, and wrong where the model was sure
+        z_both = np.where(z_dmean >= SUPPORT * t, z_mean, -np.inf)  # surprising, and wrong where the model was sure
         z_cal = np.maximum(np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_both)
         z = np.where(judged, np.where(use_d, z_cal, z_surprise), np.nan)
         flagged = np.flatnonzero(judged & (z >= t))
@@ -123,22 +134,25 @@ class SampleJudge:
                              minlength=len(SAMPLE_Z_BUCKETS) + 1)
         self._remember(np.minimum(score[judged], med + t * sd), np.minimum(wmax[has_win], wmed + t * wsd)
                        if math.isfinite(wsd) else wmax[has_win], n[judged],
-                       np.minimum(dmean[has_d], dmed + t * dsd) if math.isfinite(dsd) else dmean[has_d])
+                       np.minimum(dmean[has_d], dmed + t * dsd) if math.isfinite(dsd) else dmean[has_d],
+                       np.minimum(dself[has_d], smed + t * ssd) if math.isfinite(ssd) else dself[has_d])
         return SampleStats(**stats, z_counts=tuple(int(c) for c in counts), z_sum=float(zj.sum()),
                            max_z=float(zj.max()), baseline=med, flagged=len(flagged), outliers=outliers)
 
-    def _remember(self, score: np.ndarray, window: np.ndarray, n: np.ndarray, deficit: np.ndarray) -> None:
+    def _remember(self, score: np.ndarray, window: np.ndarray, n: np.ndarray, deficit: np.ndarray,
+                  self_z: np.ndarray) -> None:
         self.mean.add(score)
         self.win.add(window)
         self.length.add(n)
         self.deficit.add(deficit)
+        self.self_z.add(self_z)
 
     def _outlier(self, i: int, by_window: bool, metas: Sequence[MicroBatchMeta], mb_of: np.ndarray,
                  host: np.ndarray, where: dict[str, Any], decode: Callable[[list[int]], str] | None,
                  score: float, z: float, med: float, wmed: float, deficit: float | None,
                  dmed: float) -> SampleOutlier:
         cfg, M = self.cfg, len(metas)
-        S = (len(host) - M) // 6
+        S = (len(host) - M) // ROWS
         m = int(mb_of[i])
         meta = metas[m]
         b = i - int(np.searchsorted(mb_of, m))  # the sample's index within its micro-batch

@@ -16,3 +16,16 @@ def test_the_text_benchmark_judges_every_kind_and_counts_the_faults():
     assert sum(v["injected"] for v in out["faults"].values()) == 8 and out["judged"] == 8 * 32 - 8
     assert all(v["detected"] <= v["injected"] and v["first"] <= v["detected"] for v in out["faults"].values())
     assert "markup" in report(out) and out["false_outliers"] >= sum(v["false"] for v in out["kinds"].values())
+
+
+def test_the_text_benchmark_takes_a_held_out_seed(monkeypatch):
+    """``python -m bench.samples --text --seed 1`` runs the benchmark with another initialisation and other text
+    windows (the held-out run of docs/BENCHMARKS.md §4.2); without --seed it is seed 0."""
+    import bench.samples
+    import bench.samples_text as st
+
+    seen = []
+    monkeypatch.setattr(st, "run_text", lambda cfg, progress=None: seen.append(cfg) or {})
+    monkeypatch.setattr(st, "report", lambda out: "")
+    assert bench.samples.main(["--text", "--seed", "1"]) == 0 and bench.samples.main(["--text"]) == 0
+    assert [c.seed for c in seen] == [1, 0] and seen[0].eval_steps == TextConfig().eval_steps

@@ -65,12 +65,57 @@ def test_the_pack_holds_the_models_own_calibration_deficit():
     one = MicroBatchScores(0, B, T, 1, head_u=u, head_g2=g2)
     scores = stack_step([(make_meta(0, y, None, None, None), one)], 1, torch.device("cpu"), heads=True)
     host = SurprisePack(4, CAP).pack(scores, set()).numpy()
-    n, deficit = host[1:1 + B], host[1 + 5 * B:]
+    n, deficit, var = host[1:1 + B], host[1 + 5 * B:1 + 6 * B], host[1 + 6 * B:]
     p = q.gather(-1, y[..., None]).squeeze(-1)  # (B, T)
     np.testing.assert_allclose(deficit, (q.square().sum(-1) - p).sum(1).numpy(), atol=0.03)  # ŵ: w·max(1 − p)
     assert (n == T).all()
+    c = q.square().sum(-1)  # (B, T) Σ_v p_v²: the spread bound Σ_p max(c^1.5 − c², 1e-4) per sample
+    np.testing.assert_allclose(var, (c.pow(1.5) - c.square()).clamp_min(1e-4).sum(1).numpy(), rtol=0.05)
     mon.end_step(torch.zeros(()))
     mon.close()
+
+
+def test_the_heads_vocabulary_is_reduced_once_for_its_score_and_the_surprise(monkeypatch):
+    """‖g_p‖² of the head's output gradient is one reduction: the head Linear's score and head_g2 both come from
+    it (token_hooks, registry.reusing_sq_norm), with the same numbers as when each reduced it on its own."""
+    import contextlib
+
+    from gradloc.collector import token_hooks
+    from gradloc.collector.rules import registry
+
+    vocab = 200  # no other watched output has 200 features (d_model 32, MLP 128)
+    reduced: list[tuple[int, ...]] = []
+    real = torch.linalg.vector_norm
+
+    def counting(t, *a, **kw):
+        if t.shape[-1] == vocab:
+            reduced.append(tuple(t.shape))
+        return real(t, *a, **kw)
+
+    def one_micro_batch():
+        model = tiny_gpt(vocab=vocab)
+        mon = _watch(model)
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randint(0, vocab, (B, T), generator=gen), torch.randint(0, vocab, (B, T), generator=gen)
+        with mon.micro_batch(y):
+            logits = model(x)
+            logits.retain_grad()
+            token_losses(logits, y).mean().backward()
+        ((_, buf),) = mon._parts
+        out = (buf.scores.clone(), buf.head_g2.clone(), logits.grad.float().square().sum(-1))  # (B, T, V) -> (B, T)
+        mon.end_step(torch.zeros(()))
+        mon.close()
+        return out
+
+    monkeypatch.setattr(registry.torch.linalg, "vector_norm", counting)
+    scores, g2, exact = one_micro_batch()
+    assert reduced == [(B, T, vocab)]  # once per micro-batch
+    reduced.clear()
+    monkeypatch.setattr(token_hooks, "reusing_sq_norm", lambda t, sq: contextlib.nullcontext())  # each its own
+    scores_apart, g2_apart, _ = one_micro_batch()
+    assert reduced == [(B, T, vocab), (B, T, vocab)]
+    assert torch.equal(scores, scores_apart) and torch.equal(g2, g2_apart)  # the same numbers, bit for bit
+    torch.testing.assert_close(g2, exact, rtol=1e-5, atol=0.0)
 
 
 def _pack(u: torch.Tensor, mask: torch.Tensor | None = None, window: int = 4, rl=(), cu=None) -> np.ndarray:
@@ -90,7 +135,7 @@ def test_pack_recovers_the_surprise_without_knowing_the_weight():
     p[1, 8:12] = 1e-3  # a corrupted span of 4 positions in sample 1
     w = 0.37 / (B * T)
     host = _pack(w * (1 - p))
-    code, n, total, nonfinite, wmax, wstart, _ = host[:1], *host[1:].reshape(6, B)  # (6B,) -> (6, B)
+    code, n, total, nonfinite, wmax, wstart, _, _ = host[:1], *host[1:].reshape(7, B)  # (7B,) -> (7, B)
     s = (-torch.log(p.clamp_min(math.exp(-CAP)))).double()
     assert code.tolist() == [MB_JUDGED] and n.tolist() == [T] * B and nonfinite.tolist() == [0] * B
     np.testing.assert_allclose(total / n, s.mean(1).numpy(), rtol=1e-5)

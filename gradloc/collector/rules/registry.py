@@ -19,7 +19,9 @@ Modules without a rule are not ignored: their parameters' gradient norm² is rep
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -81,12 +83,32 @@ def feature_lead(y: torch.Tensor, n_feature_dims: int = 1) -> tuple[int, ...]:
     return tuple(y.shape[: y.dim() - n_feature_dims])
 
 
+_REUSE = threading.local()  # (tensor, its sq_norm_last) while reusing_sq_norm is active in this thread
+
+
+@contextmanager
+def reusing_sq_norm(t: torch.Tensor, sq: torch.Tensor) -> Iterator[None]:
+    """Inside, ``sq_norm_last(t)`` of this very tensor (one feature dimension) returns ``sq`` (= its
+    ``sq_norm_last``) instead of reducing ``t`` again: one reduction of the loss head's output gradient serves
+    both the head's own score and the per-sample surprise (collector/token_hooks.py). Per thread (backward hooks
+    may run on the autograd engine's device threads)."""
+    prev = getattr(_REUSE, "hit", None)
+    _REUSE.hit = (t, sq)
+    try:
+        yield
+    finally:
+        _REUSE.hit = prev
+
+
 def sq_norm_last(t: torch.Tensor, n_dims: int = 1) -> torch.Tensor:
     """Σ of squares over the last ``n_dims`` dimensions, in float32. (*lead, *feat) -> (*lead).
 
     ``vector_norm(dtype=float32)`` accumulates in float32 without materialising a float copy of a
     bf16/fp16 tensor; ~3× faster than ``.float().pow(2).sum()`` on the LM head's gradient.
     """
+    hit = getattr(_REUSE, "hit", None)
+    if hit is not None and n_dims == 1 and t is hit[0]:
+        return hit[1]
     dims = tuple(range(t.dim() - n_dims, t.dim()))
     if t.dtype == torch.float64:  # vector_norm refuses to narrow float64 -> float32
         return t.pow(2).sum(dim=dims).float()
