@@ -197,7 +197,7 @@ class SPLinearRule:
 
                 hg, first, share = MegatronLinearRule().head_view(w.module, g)
                 buf.head_u = _head_u(hg, buf.labels, buf.batch, buf.seq, first, share)
-                buf.head_g2 = _head_g2(hg, buf.batch, buf.seq, share)
+                buf.head_g2 = _head_g2(sq_norm_last(hg), buf.batch, buf.seq, share)  # (B, T, V') -> (B, T)
             if column:  # a gathered output's gradient is whole: the weight sees this rank's slice
                 g = _own_slice(g, w.module.output_size, self.rank, self.size)  # [s, b, o] -> [s, b, o/tp]
             g_sq = sq_norm_last(g)  # [s', b, h] -> [s', b]
