@@ -37,7 +37,6 @@ def train(rank: int, world: int, monitor: bool, plant: bool = True) -> dict[str,
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    import gradloc
     from gradloc.integrations.accelerate import GradlocAccelerate, causal_lm_token_loss
     from gradloc.integrations.loop import hf_view
     from tests.tiny_llama import causal_lm, pretrained, rows

@@ -33,7 +33,7 @@ def test_grpo_with_a_reference_model_runs_ddp_and_gradloc_reports_trls_norm(rank
 
 
 def test_the_stale_token_on_rank_1_is_one_job_incident_naming_it(ranks):
-    from tests.integrations.test_trl import K, STEPS
+    from tests.integrations.test_trl import STEPS, K
 
     step, mb, row, _, _ = ranks[-1]["planted"]
     assert ranks[0]["planted"] == PLANT_OFF and K <= step < STEPS - 1

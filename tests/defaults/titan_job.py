@@ -27,8 +27,9 @@ MAX_NORM = 1.0  # torchtitan's TrainingConfig.max_norm default
 
 
 def train(rank: int, world: int, monitor: bool) -> dict[str, Any]:
-    import gradloc
     from torchtitan.distributed.utils import clip_grad_norm_
+
+    import gradloc
 
     dims = titan.parallel_dims(world)  # its defaults: dp_shard -1 (every rank), tp = pp = ep = 1
     model = titan.parallelize(titan.llama3(0, parallelism=titan.parallelism_config()), dims, "llama3")

@@ -26,7 +26,7 @@ from gradloc.errors import UnsupportedModelError
 from gradloc.parallel.megatron_sp import SPLinearRule, SPShardRule, check_model
 from gradloc.parallel.tokens import combine
 
-TP, S, Bn, H, O = 2, 6, 3, 5, 4  # S != Bn: a transposed factor would not fit
+TP, S, Bn, H, O = 2, 6, 3, 5, 4  # noqa: E741 (O: output features)  S != Bn: a transposed factor would not fit
 
 
 def _standin(kind: str, w: torch.Tensor, b: torch.Tensor | None, size: int, rank: int) -> nn.Module:
