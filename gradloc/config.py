@@ -242,6 +242,7 @@ class SampleConfig:
     max_outliers: int = 16  # SampleOutlier records per step (all are counted in SampleStats.flagged)
     excerpt_tokens: int = 48
     calibrated: bool = True  # judge the calibration deficit too, surprise alone only far out (see above)
+    label_shifts: int = 8  # labels compared with the model's predictions 1 … this many positions away (0: off)
     rl_factor: float = 2.0
     rl_margin: float = 0.05
     rl_patience: int = 3
@@ -254,6 +255,7 @@ class SampleConfig:
         _check(self.min_tokens >= 1, f"samples.min_tokens must be >= 1, got {self.min_tokens}")
         _check(1 <= self.warmup_samples <= self.history,
                f"samples.warmup_samples must be in [1, history={self.history}], got {self.warmup_samples}")
+        _check(0 <= self.label_shifts <= 64, f"samples.label_shifts must be in [0, 64], got {self.label_shifts}")
         for name in ("max_outliers", "excerpt_tokens", "rl_patience", "rl_warmup"):
             _check(getattr(self, name) >= 1, f"samples.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.max_outliers <= 255, f"samples.max_outliers must be <= 255 (the agent takes 256 findings "

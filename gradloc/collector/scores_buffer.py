@@ -58,6 +58,8 @@ class MicroBatchScores:
     labels: torch.Tensor | None = None
     head_u: torch.Tensor | None = None
     head_g2: torch.Tensor | None = None  # ‖g_p‖² at the head (B, T), read with head_u
+    shifts: int = 0  # K: the head's gradient at p ± 1 … K is read at p's label too (collector/head_read.py)
+    head_shift: torch.Tensor | None = None  # (2K, B, T) g_{p+k}[label_p], read with head_u
     calls: int = 0  # grad-tracking forward calls captured so far (the last one is the head's)
     last_call: int = 0
     # under torch.compile (collector/compiled.py): one (B, T) sink leaf per watched module, whose

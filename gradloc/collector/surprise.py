@@ -22,7 +22,8 @@ carry no loss term (masked by the loss, or an id outside the head such as −100
 
 The step's pack (float64, appended to the step's one host transfer)::
 
-    [mb_code (M) | n (S) | Σ s (S) | nonfinite (S) | worst window mean (S) | its flat start (S) | Σ d (S) | Σ v (S)]
+    [mb_code (M) | n (S) | Σ s (S) | nonfinite (S) | worst window mean (S) | its flat start (S) | Σ d (S) | Σ v (S)
+     | gain at each offset k (2K × S) | its paired t (2K × S)]
 
 where S counts the samples of every micro-batch in order (rows, or sequences of a packed row), n is
 a sample's judged loss positions, and a window is ``window`` adjacent positions of one sample with
@@ -41,10 +42,11 @@ from typing import Sequence
 import torch
 
 from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.head_read import offsets
 from gradloc.collector.token_summary import StepScores
 
 MB_JUDGED, MB_NO_HEAD, MB_RL, MB_NOT_CE, MB_EMPTY = 1, 0, -1, -2, -3
-ROWS = 7  # per-sample rows of the pack
+ROWS = 7  # per-sample rows of the pack before the per-offset rows (2·2K of them, collector/head_read.py)
 _MIN_VAR = 1e-4  # per position: a model sure of one token (Σp² → 1) still has ŵ's error
 
 
@@ -108,7 +110,38 @@ class SurprisePack:
                            torch.where(negative > 0, float(MB_NOT_CE), float(MB_EMPTY)))).double()
         rl_mb = torch.tensor([m.index in rl for m in metas], device=dev)
         code = torch.where(rl_mb, float(MB_RL), code)
-        return torch.cat([code, n, total, nonfinite, wmax, wstart, deficit, var])  # (M + 7S,)
+        align = self._alignment(scores, p, s, valid, mb_id, seg, w_hat, S)
+        return torch.cat([code, n, total, nonfinite, wmax, wstart, deficit, var, *align])  # (M + (7 + 4K)·S,)
+
+    def _alignment(self, scores: StepScores, p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor,
+                   mb_id: torch.Tensor, seg: torch.Tensor, w_hat: torch.Tensor, S: int) -> list[torch.Tensor]:
+        """Per offset k of ``head_read.offsets`` and sample (2·2K rows of S, none when nothing was read): the mean gain
+        of d_p = s_p − s_p(k), nats per position by which the model at p + k predicts p's label better than at p, then
+        the paired t of each mean (mean·√n / sd of d_p over the n positions where p and p + k are both judged in the
+        sample; −inf where n < 2)."""
+        if scores.head_shift is None or not scores.head_shift.numel():
+            return []
+        dev, N = s.device, s.numel()
+        lab = torch.cat([m.token_ids.reshape(-1).to(dev) if m.token_ids is not None  # (B, T) -> (B·T,)
+                         else torch.full((m.n_tokens,), -1, device=dev, dtype=torch.long) for m in scores.metas])
+        shift = scores.head_shift.to(dev)  # (2K, N)
+        w = torch.where(w_hat > 0, w_hat, 1.0)[mb_id]  # (N,)
+        gains, ts = [], []
+        for i, k in enumerate(offsets(shift.shape[0] // 2)):
+            at = torch.arange(N, device=dev) + k
+            inside = (at >= 0) & (at < N)
+            at = at.clamp(0, N - 1)
+            ok = valid & inside & valid[at] & (seg[at] == seg)  # p and p + k judged, in one sample
+            pk = shift[i] / w + (lab[at] == lab).float()  # p_{p+k}(y_p)
+            d = torch.where(ok, s - (-torch.log(pk.clamp(self.floor, 1.0))).double(), 0.0)
+            nk = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, ok.double())
+            total = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, d)
+            total2 = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, seg, d * d)
+            mean = total / nk.clamp_min(1.0)
+            spread = (total2 / nk.clamp_min(1.0) - mean * mean).clamp_min(1e-6).sqrt()
+            gains.append(mean)
+            ts.append(torch.where(nk >= 2, mean * nk.sqrt() / spread, float("-inf")))
+        return gains + ts
 
     def _windows(self, s: torch.Tensor, valid: torch.Tensor, seg: torch.Tensor, S: int,
                  N: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +164,3 @@ class SurprisePack:
         is_max = ok & (mean == wmax[first])
         wstart = wstart.scatter_reduce(0, first, torch.where(is_max, at, float(N)), "amin")
         return wmax, wstart
-
-
-def pack_length(metas: Sequence[MicroBatchMeta]) -> int:
-    return len(metas) + ROWS * sum(m.n_samples for m in metas)

@@ -17,6 +17,7 @@ from torch import nn
 
 from gradloc.collector import compiled
 from gradloc.collector.fit import fit_call, score
+from gradloc.collector.head_read import read_head
 from gradloc.collector.rules import rule_for
 from gradloc.collector.rules.registry import TokenRule, reusing_sq_norm, sq_norm_last
 from gradloc.collector.scores_buffer import MicroBatchScores
@@ -41,6 +42,7 @@ class TokenHooks:
         """``layer_of`` maps a module name to its layer group (the per-layer stats' grouping)."""
         self.layers: list[str] = []
         self.watched: list[WatchedModule] = []
+        self.label_shifts = 0  # the head's neighbour offsets read per micro-batch with labels (collector/head_read.py)
         self.unruled: set[str] = set()  # classes with trainable parameters of their own and no rule
         by_name = dict(model.named_modules())
         for name, module in by_name.items():
@@ -116,7 +118,8 @@ class TokenHooks:
 
     def begin(self, index: int, batch: int, seq: int, breakdown: bool = True,
               labels: torch.Tensor | None = None) -> None:
-        self.current = MicroBatchScores(index, batch, seq, len(self.layers), breakdown, labels=labels)
+        self.current = MicroBatchScores(index, batch, seq, len(self.layers), breakdown, labels=labels,
+                                        shifts=self.label_shifts if labels is not None else 0)
         t = self.taps
         t.batch, t.seq, t.last, t.reached = batch, seq, -1, False
         t.sinks = compiled.new_sinks(self._devices, batch, seq) if t.wanted else None
@@ -247,9 +250,8 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
                 if head and call and call == buf.last_call:
                     hg, first, share = w.rule.head_view(w.module, g) if hasattr(w.rule, "head_view") else \
                         (g, columns, factor)
-                    buf.head_u = _head_u(hg, buf.labels, buf.batch, buf.seq, first, share)
                     g2 = sq_norm_last(hg)  # (*lead, V) -> lead: one reduction for the surprise and the rule's score
-                    buf.head_g2 = _head_g2(g2, buf.batch, buf.seq, share)
+                    read_head(buf, hg, g2, first, share)
                     with reusing_sq_norm(hg, g2):  # the rule's sq_norm_last(g) of this g is g2 (not when hg is a view)
                         buf.add(w.layer, score(w.rule, w.module, saved, g, extra), span, factor)
                 else:
@@ -263,25 +265,3 @@ def _capture(w: WatchedModule, buf: MicroBatchScores, args: tuple, out: Any,
     (fit.out if fit.replaced else out).register_hook(on_grad)  # under TP: the DTensor output (its gradient flows)
     return fit.out if fit.replaced else None
 
-
-def _head_g2(g2: torch.Tensor, batch: int, seq: int, factor: float = 1.0) -> torch.Tensor:
-    """‖g_p‖² (B, T) float32 over the head's columns from ``g2`` = ``sq_norm_last`` of its output gradient (a
-    vocabulary shard's part: the tp ranks' parts add up; ``factor`` 1/tp where every rank holds them all). With
-    u_p it gives the model's own confidence Σ_v p_v² (collector/surprise.py). The same reduction is the head
-    rule's ‖g_p‖² (``reusing_sq_norm``): the vocabulary is reduced once per position, not twice."""
-    n2 = g2.reshape(batch, seq)  # lead -> (B, T)
-    return n2 * factor if factor != 1.0 else n2
-
-
-def _head_u(g: torch.Tensor, labels: torch.Tensor, batch: int, seq: int, columns: int = 0,
-            factor: float = 1.0) -> torch.Tensor:
-    """u_p = −g_p[label_p] (B, T) float32: w·(1 − p(label_p)) when g is a cross-entropy head's
-    gradient w·(softmax − onehot); 0 where the label is not a column of g (e.g. −100). Under TP, g holds
-    the head's columns from ``columns`` on (a vocabulary shard: the tp ranks' u add up to the whole), or all
-    of them on every rank (``factor`` 1/tp: they add up to one)."""
-    V = g.shape[-1]
-    lab = labels.to(g.device, non_blocking=True).reshape(g.shape[:-1]) - columns  # (B, T) -> lead
-    ok = (lab >= 0) & (lab < V)
-    u = -g.gather(-1, lab.clamp(0, V - 1).unsqueeze(-1)).squeeze(-1).float()  # (*lead, 1) -> lead
-    u = torch.where(ok, u, 0.0).reshape(batch, seq)  # lead -> (B, T)
-    return u * factor if factor != 1.0 else u

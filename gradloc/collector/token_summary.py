@@ -33,6 +33,7 @@ class StepScores:
     head_u: torch.Tensor | None = None
     head_has: torch.Tensor | None = None
     head_g2: torch.Tensor | None = None  # (N,) float32 ‖g_p‖² at the head, 0 where head_u is 0, NaN where not read
+    head_shift: torch.Tensor | None = None  # (2K, N) float32 g_{p+k}[y_p] (collector/head_read.py), 0 where not read
     head_given: bool = False  # this rank read some micro-batch's u_p (known on the host: no sync to ask)
     # Megatron sequence parallelism: per linear (slot) its two factors (K, 2, N), their layers (K,), and the
     # linears' names; the token group sums them and forms the products (parallel/tokens.py: combine)
@@ -48,17 +49,22 @@ class StepScores:
         return tuple(out)
 
 
-def head_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]],
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def head_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], device: torch.device,
+              shifts: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(u (N,) float32, 0 where a micro-batch has no head u_p; has (M,) float32, 1 where it has; ‖g‖² (N,)
-    float32, 0 where u is, NaN where u was read without it)."""
+    float32, 0 where u is, NaN where u was read without it; the neighbour reads (2K, N) float32, 0 where a
+    micro-batch gave none, or None without ``shifts``: the same size on every rank of a token group)."""
     u = [buf.head_u.reshape(-1).float().to(device) if buf is not None and buf.head_u is not None  # (B, T) -> (B·T,)
          else torch.zeros(m.n_tokens, device=device) for m, buf in parts]
     has = [buf is not None and buf.head_u is not None for _, buf in parts]
     g2 = [torch.zeros(m.n_tokens, device=device) if buf is None or buf.head_u is None
           else torch.full((m.n_tokens,), float("nan"), device=device) if buf.head_g2 is None
           else buf.head_g2.reshape(-1).float().to(device) for m, buf in parts]  # (B, T) -> (B·T,)
-    return torch.cat(u), torch.tensor(has, dtype=torch.float32, device=device), torch.cat(g2)
+    rows = 2 * shifts
+    shift = torch.cat([buf.head_shift.reshape(rows, -1).to(device)  # (2K, B, T) -> (2K, B·T)
+                       if buf is not None and buf.head_shift is not None and buf.head_shift.shape[0] == rows
+                       else torch.zeros(rows, m.n_tokens, device=device) for m, buf in parts], dim=1) if rows else None
+    return torch.cat(u), torch.tensor(has, dtype=torch.float32, device=device), torch.cat(g2), shift
 
 
 def pair_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], slots: int,
@@ -81,12 +87,12 @@ def pair_rows(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], s
 
 def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], n_layers: int,
                device: torch.device, watched: frozenset[str] = frozenset(), heads: bool = False,
-               pair_slots: int = 0) -> StepScores:
+               pair_slots: int = 0, shifts: int = 0) -> StepScores:
     """The step's scores. ``watched``: every module with a per-token rule. One that no micro-batch
     scored — its calls could not be split per token, its hook failed, or its weight was used
     without calling it (a fused LM head) — contributed nothing to the scores, so its gradient is
     the step's unattributed share (a module without a gradient adds nothing there). ``heads``: carry
-    the loss head's u_p (per-sample surprise is judged)."""
+    the loss head's u_p (per-sample surprise is judged), with its reads at ``shifts`` neighbours each side."""
     breakdown = all(buf is None or buf.breakdown for _, buf in parts)
     totals, exacts, layers, eligible = [], [], [], []
     dropped, dropped_layers, exact_layer = 0, set(), None
@@ -116,12 +122,12 @@ def stack_step(parts: Sequence[tuple[MicroBatchMeta, MicroBatchScores | None]], 
             eligible.append(torch.ones(n, dtype=torch.bool, device=device))
         else:
             eligible.append(meta.loss_mask.reshape(n).to(device, non_blocking=True))  # (B, T) -> (B·T,)
-    u, has, g2 = head_rows(parts, device) if heads else (None, None, None)
+    u, has, g2, shift = head_rows(parts, device, shifts) if heads else (None, None, None, None)
     pairs, pair_layers, pair_names = pair_rows(parts, pair_slots, device) if pair_slots else (None, (), frozenset())
     return StepScores(tuple(m for m, _ in parts), torch.cat(totals), torch.cat(exacts),
                       torch.cat(layers, dim=1) if breakdown else None, torch.cat(eligible), dropped,
                       frozenset(dropped_layers), frozenset((called | watched) - scored), exact_layer,
-                      head_u=u, head_has=has, head_g2=g2, head_given=heads and any(b is not None and b.head_u is not None
+                      head_u=u, head_has=has, head_g2=g2, head_shift=shift, head_given=heads and any(b is not None and b.head_u is not None
                                                                        for _, b in parts),
                       pairs=pairs, pair_layers=pair_layers, pair_names=pair_names)
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.head_read import offsets
 from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, ROWS
 from gradloc.config import SampleConfig
 from gradloc.records import SAMPLE_Z_BUCKETS, OutlierKind, RLStats, SampleOutlier, SampleStats
@@ -45,8 +46,14 @@ _MIN_STD_FRACTION = 0.02
 SURPRISE_ALONE = 1.5  # with a calibration deficit: surprise alone makes a finding at this × z_threshold
 # the wrong-label z: this mix of the mean deficit's z and the self-normalised deficit's z (Σ d / √Σ v), measured on
 # bench/samples_text.py (seed 0 to choose, seed 1 held out: docs/BENCHMARKS.md §4.2)
-W_DEFICIT, W_SELF = 0.25, 0.85
-SUPPORT = 0.75  # surprise at z_threshold is a finding when the mean deficit's own z is at this × z_threshold
+W_DEFICIT, W_SELF = 0.2, 0.7
+SUPPORT = 1.0  # surprise at z_threshold is a finding when the mean deficit's own z is at this × z_threshold
+# misaligned labels (collector/head_read.py): a neighbour predicts the sample's labels SHIFT_GAIN nats per position
+# better than their own positions, with a paired t of SHIFT_T making z_threshold (bench/samples_text.py: on 22,008
+# healthy samples of four kinds of text no offset but +1 reached a gain of 0.46 or a t of 3.4). Offset +1 is not
+# judged: its position's input *is* the label, and a model's prior to repeat its current token (runs of spaces,
+# doubled letters) makes it a better predictor than the label's own position on healthy text (gain up to 1.76, t 10.3)
+SHIFT_GAIN, SHIFT_T, COPY_OFFSET = 0.3, 4.0, 1
 # σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
 # and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
 _DEFICIT_MIN_STD = 0.01
@@ -86,9 +93,10 @@ class SampleJudge:
               decode: Callable[[list[int]], str] | None) -> SampleStats:
         """``host``: the step's pack; ``where``: job, rank, step, time_unix of the step."""
         cfg, M = self.cfg, len(metas)
-        S = (len(host) - M) // ROWS
+        S = sum(m.n_samples for m in metas)
         code = host[:M]
         n, total, nonfinite, wmax, wstart, deficit, var = (host[M + i * S: M + (i + 1) * S] for i in range(ROWS))
+        shift_k, shift_gain, shift_t = _misaligned(host[M + ROWS * S:].reshape(-1, S))  # (4K·S,) -> (4K, S)
         if (code == MB_NOT_CE).any() and not self.not_ce_warned:
             self.not_ce_warned = True
             log.warning("gradloc: the last watched module's gradient is not a cross-entropy head's "
@@ -124,10 +132,16 @@ class SampleJudge:
         z_both = np.where(z_dmean >= SUPPORT * t, z_mean, -np.inf)  # surprising, and wrong where the model was sure
         z_cal = np.maximum(np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_both)
         z = np.where(judged, np.where(use_d, z_cal, z_surprise), np.nan)
+        # labels the model predicts far better a few positions away than where they stand: shifted (head_read.py)
+        z_shift = np.where(judged & (shift_gain >= SHIFT_GAIN) & np.isfinite(shift_t), t * shift_t / SHIFT_T, -np.inf)
+        by_shift = z_shift > z
+        z = np.where(by_shift, z_shift, z)
         flagged = np.flatnonzero(judged & (z >= t))
         top = flagged[np.argsort(-z[flagged], kind="stable")][: cfg.max_outliers]  # worst first
         outliers = tuple(self._outlier(int(i), z_win[i] > z_mean[i], metas, mb_of, host, where, decode,
-                                       score[i], z[i], med, wmed, dmean[i] if use_d[i] else None, dmed)
+                                       score[i], z[i], med, wmed, dmean[i] if use_d[i] else None, dmed,
+                                       (int(shift_k[i]), float(shift_gain[i]), float(shift_t[i]))
+                                       if by_shift[i] else None)
                          for i in top)
         zj = z[judged]
         counts = np.bincount(np.searchsorted(np.asarray(SAMPLE_Z_BUCKETS), zj, side="left"),
@@ -150,16 +164,16 @@ class SampleJudge:
     def _outlier(self, i: int, by_window: bool, metas: Sequence[MicroBatchMeta], mb_of: np.ndarray,
                  host: np.ndarray, where: dict[str, Any], decode: Callable[[list[int]], str] | None,
                  score: float, z: float, med: float, wmed: float, deficit: float | None,
-                 dmed: float) -> SampleOutlier:
+                 dmed: float, shifted: tuple[int, float, float] | None = None) -> SampleOutlier:
         cfg, M = self.cfg, len(metas)
-        S = (len(host) - M) // ROWS
+        S = sum(x.n_samples for x in metas)
         m = int(mb_of[i])
         meta = metas[m]
         b = i - int(np.searchsorted(mb_of, m))  # the sample's index within its micro-batch
         first = sum(x.n_tokens for x in metas[:m])  # flat offset of the micro-batch
         a, e = meta.bounds(b)
         n = int(host[M + i])
-        if by_window:
+        if by_window and shifted is None:
             start = int(host[M + 4 * S + i]) - first - a
             end, score, baseline = start + cfg.window, float(host[M + 3 * S + i]), wmed
         else:
@@ -168,12 +182,33 @@ class SampleJudge:
         what = f"its worst {cfg.window}-token window" if by_window else "its mean over the sample"
         beyond = "" if deficit is None else (f"; p(label) {deficit:.3f} below the model's own Σp² on average "
                                              f"(run median {dmed:.3f})")
+        if shifted is not None:
+            k, gain, t = shifted
+            what = f"its mean over the sample; labels look shifted by {k:+d}"
+            beyond = (f"; the model predicts its labels {gain:.2f} nats/token better {abs(k)} position"
+                      f"{'s' if abs(k) > 1 else ''} {'later' if k > 0 else 'earlier'} than where they stand "
+                      f"(paired t {t:.1f}): misaligned labels")
         return SampleOutlier(
             kind=OutlierKind.SURPRISE, step=where["step"], job=where["job"], rank=where["rank"],
             time_unix=where["time_unix"],
             score=float(score), z=float(z), baseline=float(baseline), micro_batch=meta.index, sample=b,
             sample_id=meta.sample_id(b), start=start, end=end, tokens=n, text=text,
             detail=f"surprise {score:.2f} nats/token ({what}; run median {baseline:.2f}){beyond}, z {z:.1f}")
+
+
+def _misaligned(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sample, from the pack's per-offset rows (2K gains, then 2K paired t; collector/surprise.py): the offset
+    that predicts its labels best, that offset's gain and t (0, 0, −inf where none was read)."""
+    S = rows.shape[1]
+    if not len(rows):
+        return np.zeros(S), np.zeros(S), np.full(S, -np.inf)
+    gain, t = np.split(rows, 2)  # (2K, S) each
+    ks = np.asarray(offsets(len(gain) // 2))
+    judged = np.isfinite(t) & (ks != COPY_OFFSET)[:, None]  # (2K, S)
+    best = np.argmax(np.where(judged, gain, -np.inf), axis=0)  # (S,)
+    col = np.arange(S)
+    found = judged[best, col]
+    return ks[best].astype(float), np.where(found, gain[best, col], 0.0), np.where(found, t[best, col], -np.inf)
 
 
 def _excerpt(meta: MicroBatchMeta, sample: int, start: int, end: int,

@@ -78,6 +78,8 @@ class Monitor:
         if job.kind == "deepspeed":
             self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
+        if self.hooks is not None and cfg.samples.enabled:
+            self.hooks.label_shifts = cfg.samples.label_shifts  # the head's neighbour reads (collector/head_read.py)
         check_rules(model, self.hooks, job)
         try:  # every rank together: layout, the job's layers, replica weights (one gather)
             job.attach_collectors(self.layer_stats, self.hooks)

@@ -68,7 +68,7 @@ class TokenPath:
                 self.hooks.routed.settle(parts)
             scores = stack_step(parts, len(self.hooks.layers), self.layer_stats.device, self.watched,
                                 heads=self.job.config.samples.enabled,  # the same on every rank of a token group
-                                pair_slots=self.hooks.pair_slots)
+                                pair_slots=self.hooks.pair_slots, shifts=self.hooks.label_shifts)
             layout = self.job.layout
             if layout is None or layout.token is None or self.alone:
                 if scores.pairs is not None:  # Megatron SP alone: its linears' factors have no product here

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradloc.collector.head_read import read_head
 from gradloc.collector.rules.layer_norm import LayerNormRule
 from gradloc.collector.rules.megatron import (
     MegatronLinearRule,
@@ -193,11 +194,8 @@ class SPLinearRule:
 
         def score(g: torch.Tensor) -> None:
             if head and call == buf.last_call:  # this rank's vocabulary shard of every position (rules/megatron.py)
-                from gradloc.collector.token_hooks import _head_g2, _head_u
-
                 hg, first, share = MegatronLinearRule().head_view(w.module, g)
-                buf.head_u = _head_u(hg, buf.labels, buf.batch, buf.seq, first, share)
-                buf.head_g2 = _head_g2(sq_norm_last(hg), buf.batch, buf.seq, share)  # (B, T, V') -> (B, T)
+                read_head(buf, hg, sq_norm_last(hg), first, share)  # (B, T, V') -> (B, T) reads
             if column:  # a gathered output's gradient is whole: the weight sees this rank's slice
                 g = _own_slice(g, w.module.output_size, self.rank, self.size)  # [s, b, o] -> [s, b, o/tp]
             g_sq = sq_norm_last(g)  # [s', b, h] -> [s', b]

@@ -61,6 +61,8 @@ def combine(scores: StepScores, token: Any, layers: int, breakdown: bool, gives_
     if heads:  # the head's u_p: a vocabulary-parallel head's shards add up; ranks without the head give zeros
         g2 = scores.head_g2 if scores.head_g2 is not None else torch.full_like(scores.head_u, float("nan"))
         parts += [scores.head_u.double(), g2.double(), scores.head_has.double()]
+        if scores.head_shift is not None:  # the same size on every rank (the samples setting): shards add up
+            parts.append(scores.head_shift.double().flatten())  # (2K, N) -> (2K·N,)
     pairs = scores.pairs is not None  # the same on every rank (Megatron SP: the tp ranks hold the same linears)
     if pairs:
         parts.append(scores.pairs.double().flatten())  # (K, 2, N) -> (K·2·N,)
@@ -73,10 +75,13 @@ def combine(scores: StepScores, token: Any, layers: int, breakdown: bool, gives_
         totals, exact, per_layer = _products(got[-2].reshape(-1, 2, n), scores, totals, exact, per_layer)  # (K, 2, N)
     if per_layer is not None:
         per_layer = per_layer.to(scores.totals.dtype)
-    u, g2, has = (got[-4 - pairs].float(), got[-3 - pairs].float(), got[-2 - pairs].float()) if heads else \
-        (None, None, None)
+    shifted = heads and scores.head_shift is not None
+    at = -2 - pairs - shifted  # the head rows end here
+    u, g2, has = (got[at - 2].float(), got[at - 1].float(), got[at].float()) if heads else (None, None, None)
+    shift = got[at + 1].float().reshape(-1, n) if shifted else None  # (2K·N,) -> (2K, N)
     return replace(scores, totals=totals.to(scores.totals.dtype), exact=exact.to(scores.exact.dtype),
-                   per_layer=per_layer, check=got[-1], head_u=u, head_has=has, head_g2=g2, pairs=None)
+                   per_layer=per_layer, check=got[-1], head_u=u, head_has=has, head_g2=g2,
+                   head_shift=shift, pairs=None)
 
 
 def _products(pairs: torch.Tensor, scores: StepScores, totals: torch.Tensor, exact: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 import gradloc
 from gradloc.collector.batch import make_meta
 from gradloc.collector.scores_buffer import MicroBatchScores
-from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, MB_RL, SurprisePack
+from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, MB_RL, ROWS, SurprisePack
 from gradloc.collector.token_summary import stack_step
 from gradloc.demo.model import token_losses
 from tests.helpers import single_thread, tiny_gpt  # noqa: F401
@@ -65,7 +65,7 @@ def test_the_pack_holds_the_models_own_calibration_deficit():
     one = MicroBatchScores(0, B, T, 1, head_u=u, head_g2=g2)
     scores = stack_step([(make_meta(0, y, None, None, None), one)], 1, torch.device("cpu"), heads=True)
     host = SurprisePack(4, CAP).pack(scores, set()).numpy()
-    n, deficit, var = host[1:1 + B], host[1 + 5 * B:1 + 6 * B], host[1 + 6 * B:]
+    n, deficit, var = host[1:1 + B], host[1 + 5 * B:1 + 6 * B], host[1 + 6 * B:1 + 7 * B]
     p = q.gather(-1, y[..., None]).squeeze(-1)  # (B, T)
     np.testing.assert_allclose(deficit, (q.square().sum(-1) - p).sum(1).numpy(), atol=0.03)  # ŵ: w·max(1 − p)
     assert (n == T).all()
@@ -135,7 +135,7 @@ def test_pack_recovers_the_surprise_without_knowing_the_weight():
     p[1, 8:12] = 1e-3  # a corrupted span of 4 positions in sample 1
     w = 0.37 / (B * T)
     host = _pack(w * (1 - p))
-    code, n, total, nonfinite, wmax, wstart, _, _ = host[:1], *host[1:].reshape(7, B)  # (7B,) -> (7, B)
+    code, n, total, nonfinite, wmax, wstart, *_ = host[:1], *host[1:1 + ROWS * B].reshape(ROWS, B)  # (ROWS·B,) -> (ROWS, B)
     s = (-torch.log(p.clamp_min(math.exp(-CAP)))).double()
     assert code.tolist() == [MB_JUDGED] and n.tolist() == [T] * B and nonfinite.tolist() == [0] * B
     np.testing.assert_allclose(total / n, s.mean(1).numpy(), rtol=1e-5)

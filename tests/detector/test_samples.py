@@ -22,9 +22,10 @@ def _metas(m: int = 2):
 
 
 def _host(scores, n=None, codes=None, window=None, wstart=None, nonfinite=None, deficit=None,
-          spread=0.01) -> np.ndarray:
+          spread=0.01, shift=None) -> np.ndarray:
     """A step's pack (collector/surprise.py); ``deficit``: the mean calibration deficit (default: not read, NaN);
-    ``spread``: each position's bound on the variance of p(y) under the model (Σ v = spread · n)."""
+    ``spread``: each position's bound on the variance of p(y) under the model (Σ v = spread · n); ``shift``: the
+    per-offset rows (gains (2K, S), paired t (2K, S)) of collector/surprise.py (default: none read)."""
     scores = np.asarray(scores, dtype=np.float64)
     S = len(scores)
     n = np.full(S, float(T)) if n is None else np.asarray(n, dtype=np.float64)
@@ -34,7 +35,9 @@ def _host(scores, n=None, codes=None, window=None, wstart=None, nonfinite=None, 
     nonfinite = np.zeros(S) if nonfinite is None else np.asarray(nonfinite, dtype=np.float64)
     deficit = np.full(S, np.nan) if deficit is None else np.asarray(deficit, dtype=np.float64)
     var = np.where(np.isnan(deficit), np.nan, spread * n)
-    return np.concatenate([codes, n, scores * n, nonfinite, window, wstart, deficit * n, var])
+    rows = [] if shift is None else [np.asarray(shift[0], dtype=np.float64).ravel(),  # (2K, S) -> (2K·S,)
+                                     np.asarray(shift[1], dtype=np.float64).ravel()]
+    return np.concatenate([codes, n, scores * n, nonfinite, window, wstart, deficit * n, var, *rows])
 
 
 def _warm(judge: SampleJudge, rng: np.random.Generator, steps: int, mean: float = 3.5, sd: float = 0.3):
@@ -139,7 +142,7 @@ def test_the_deficit_is_judged_in_units_of_its_own_spread_under_the_model():
     """The same mean deficit means little where the model spreads its bets (each p(y) varies a lot under its own
     distribution: Σ v large) and much where it is sure (Σ v small). Sample 3: a deficit 7 MADs out over
     positions of large spread, within 2 of its own spread: no finding (the mean deficit alone flagged it). Sample
-    12: a smaller deficit over confident positions, 6 of its own spread out: a finding (the mean deficit alone
+    12: a smaller deficit over confident positions, 7.6 of its own spread out: a finding (the mean deficit alone
     did not reach the line, nor did its surprise)."""
     cfg = SampleConfig(warmup_samples=64, min_tokens=8)
     judge, rng = SampleJudge(cfg), np.random.default_rng(6)
@@ -147,7 +150,7 @@ def test_the_deficit_is_judged_in_units_of_its_own_spread_under_the_model():
     scores, deficit = rng.normal(2.5, 0.15, 16), rng.normal(0.0, 0.01, 16)
     spread = np.full(16, 0.01)
     scores[3], deficit[3], spread[3] = 3.1, 0.07, 0.1  # hard text, the model unsure and honest about it
-    scores[12], deficit[12], spread[12] = 3.1, 0.05, 0.004  # confident positions, wrong labels
+    scores[12], deficit[12], spread[12] = 3.1, 0.06, 0.004  # confident positions, wrong labels
     st = judge.judge(_host(scores, deficit=deficit, spread=spread), _metas(), WHERE, None)
     assert [(o.micro_batch, o.sample) for o in st.outliers] == [(1, 4)] and st.flagged == 1
 

@@ -224,11 +224,11 @@ def test_two_ranks_shares_add_up_to_the_whole_layer(kind):
 
 @pytest.mark.parametrize("kind,gathered", [("column", False), ("column", True), ("row", False)])
 def test_head_view_parts_of_u_add_up_to_the_whole_heads(kind, gathered):
-    """The per-sample surprise's u_p = −g_p[label_p] (token_hooks._head_u), read through ``head_view`` on each of two
+    """The per-sample surprise's u_p = −g_p[label_p] (head_read.head_u), read through ``head_view`` on each of two
     ranks' shards of a Megatron LM head, adds up over the ranks to the whole head's read batch-first in one
     process: a column-parallel head's vocabulary shard ([s, b, V/2] from column r·V/2; or the whole gathered output,
     narrowed), a row-parallel head's whole reduced gradient (1/2 each). Labels outside a shard, or -100, read 0."""
-    from gradloc.collector.token_hooks import _head_u
+    from gradloc.collector.head_read import head_u as _head_u
 
     d_in, V, s, b = 6, 8, 3, 2
     _, shards = _whole_and_shards(kind, d_in, V)
