@@ -12,7 +12,9 @@ because every decision comes from gathered values:
    a lockstep scope the others take part with nothing to probe), then the scope measures the job's
    ⟨∇_C, ∇⟩ / ‖∇‖² and ℓ_C (``context.verified``). While the step would still be a spike without
    C, rounds *grow* C with the next outliers (a relaxed relative threshold) — into the last probe
-   only when C is verified already: that probe is kept for the levels below.
+   only when C is verified already: that probe is kept for the levels below. A probe left after C
+   is verified measures its weakest-scored members, which are not named when they carry less than
+   a sample must to be named (``prune.py``).
 3. **Below the tokens** (``below.py``) — the sample, span or micro-batch that carries it, with the
    decomposition probe (``decompose.py``), else ``diffuse`` with the measured sample shares.
 4. **Records** — every rank builds its own culprits and spans (its rank named when W > 1) and one
@@ -45,6 +47,7 @@ from gradloc.localizer.context import (
 from gradloc.localizer.diffuse import describe
 from gradloc.localizer.picture import Picture, merge_samples, summary, top_samples
 from gradloc.localizer.probes import Grads, ProbeSession
+from gradloc.localizer.prune import prune
 from gradloc.localizer.scope import Scope, SoloComm, SoloScope
 from gradloc.localizer.spans import Decode, build_culprits, build_spans
 from gradloc.localizer.token_view import TokenView
@@ -163,11 +166,11 @@ class _Run:
         taken = [groups[m] for m in order[:rounds]]
         explained, loss = scope.measure(acc, float(sum(session.losses[start:])), error)
         acc, explained, loss, used = self._grow(acc, explained, loss, taken, rounds)
-        c_norm, without = scope.norms(acc)
         flats = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
         if self.loc._verified(explained, self.stored.norm, loss, self.ctx):
-            note = _note(n_groups, rounds, self.W)
-            loc = self._located(flats, explained, (c_norm, without), loss, used, note)
+            acc, explained, loss, flats, used, pruned = prune(self, acc, explained, loss, flats, used)
+            note = "; ".join(x for x in (_note(n_groups, rounds, self.W), pruned) if x)
+            loc = self._located(flats, explained, scope.norms(acc), loss, used, note)
             return LocalizeResult(loc, acc if self.keep_grad else None)
         n = int(self.comm.all_reduce(torch.tensor([float(flats.size)], dtype=torch.float64), what="gradloc count")[0]) \
             if not self.solo else flats.size
