@@ -8,15 +8,18 @@ real but minor share beside the micro-batch that holds the spike.
 
 The rule, when a probe is left after C is verified (never beyond ``max_probes``):
 
-1. K = the smallest set of C's best-scoring tokens (job-wide) whose *estimated* share alone would
-   pass the verification test; the rest, D, are the tokens the estimate calls unnecessary. When K is
-   all of C, nothing is tested.
+1. K = the tokens the growth rounds added (they were probed because the step would still be a
+   spike without the others: ``Localizer._grow``) and the smallest set of C's best-scoring
+   candidates (job-wide) with which K, by its *estimated* share, would replace C: it passes the
+   verification test and, where C leaves no spike uncovered, so does K
+   (``context.rest_carries_spike``). The other candidates, D, are those the estimate calls
+   unnecessary. When K is all of C, nothing is tested.
 2. One probe measures D exactly, ⟨∇_D, ∇⟩/‖∇‖² and ℓ_D (each rank probes its members of D in one
    micro-batch, the one holding the most of its D's score; D's members elsewhere stay named).
 3. D is dropped — K named, ∇_K = ∇_C − ∇_D kept — when D carries less than ``MIN_SAMPLE_SHARE``
-   (0.1, the share below which the sample level names no sample either: ``levels.py``), K still
-   passes the verification test, and dropping D does not leave the spike uncovered where C did not
-   (``context.rest_carries_spike``). Otherwise C stays named; the probe is spent.
+   (0.1, the share below which the sample level names no sample either: ``levels.py``) and K, as
+   measured (C's share and loss minus D's), still replaces C by step 1's test. Otherwise C stays named, and the measurement is not lost: D's
+   members share D's measured share and the others C's minus D's (split by score within each part).
 
 A member carrying 9.6% of ‖∇‖² is thus not named beside one carrying 68%: the same bar as for a
 sample. The probe's gradient is a second buffer beside ∇_C while it is measured (as in the growth
@@ -25,6 +28,7 @@ rounds of a non-linear scope), freed after.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,28 +42,71 @@ if TYPE_CHECKING:
     from gradloc.localizer.localizer import _Run
 
 
-def prune(run: "_Run", acc: Grads, explained: float, loss: float, flats: np.ndarray,
-          used: int) -> tuple[Grads, float, float, np.ndarray, int, str]:
-    """(∇ of the named set, its explained share, its loss, this rank's named flats, probes used, note)."""
-    same = (acc, explained, loss, flats, used, "")
-    if used >= run.cfg.max_probes or not math.isfinite(explained):
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """A verified token set C as the token phase measured it."""
+
+    acc: Grads  # ∇_C (the scope's form, as measured)
+    explained: float  # ⟨∇_C, ∇⟩ / ‖∇‖²
+    loss: float  # ℓ_C
+    rounds: tuple[np.ndarray, ...]  # this rank's candidates probed in each first round (round i: index i)
+    round_shares: list[float] | None  # the job's measured share of each first round (None: not measured apart)
+    first: float  # the first rounds' measured share, together
+    n_rounds: int  # first rounds (the job's)
+    used: int  # probes so far
+
+
+@dataclass(frozen=True, kw_only=True)
+class Named:
+    """The token set a verified localization names, after :func:`prune`."""
+
+    acc: Grads
+    explained: float
+    loss: float
+    used: int
+    note: str
+    # (this rank's flats, the job's measured share of that part): each part's share is split by its
+    # members' scores; one part when nothing was measured apart
+    parts: tuple[tuple[np.ndarray, float], ...]
+
+
+def estimates(run: "_Run", c: Measured) -> list[tuple[float, int, int]]:
+    """(estimated share, rank, flat) of every first-round candidate of the job: its round's measured
+    share split by score within the round (C's first-round share split over them all when the rounds
+    were not measured apart)."""
+    view, comm = run.view, run.comm
+    n = c.n_rounds if c.round_shares is not None else 1
+    rounds = list(c.rounds) + [np.zeros(0, dtype=np.int64)] * (c.n_rounds - len(c.rounds))
+    if c.round_shares is None:
+        rounds = [np.concatenate(rounds) if rounds else np.zeros(0, dtype=np.int64)]
+    shares = c.round_shares if c.round_shares is not None else [c.first]
+    local = torch.tensor([float(view.rank_scores[r].sum()) for r in rounds], dtype=torch.float64)  # (n,)
+    totals = comm.all_reduce(local, what="gradloc prune scores").tolist() if n else []
+    mine = [(share * float(w) / t if t > 0 else 0.0, int(f))
+            for r, share, t in zip(rounds, shares, totals) for w, f in zip(view.rank_scores[r], r)]
+    every = comm.all_gather_object(mine, "gradloc prune members")
+    return sorted(((e, rank, f) for rank, items in enumerate(every) for e, f in items), key=lambda x: (x[0], x[1], x[2]))
+
+
+def prune(run: "_Run", c: Measured, flats: np.ndarray) -> Named:
+    """C (``flats``: this rank's members, first rounds and grown), with the candidates whose estimated
+    share is below the floor measured and dropped when the module docstring's rule says so."""
+    same = Named(acc=c.acc, explained=c.explained, loss=c.loss, used=c.used, note="", parts=((flats, c.explained),))
+    if c.used >= run.cfg.max_probes or not math.isfinite(c.explained):
         return same
-    view, comm, norm, ctx = run.view, run.comm, run.stored.norm, run.ctx
-    w = view.rank_scores[flats]  # (n,) this rank's members' scores
-    every = comm.all_gather_object([(float(s), int(f)) for s, f in zip(w, flats)], "gradloc prune members")
-    members = sorted(((s, r, f) for r, items in enumerate(every) for s, f in items), key=lambda e: (-e[0], e[1], e[2]))
-    total = sum(s for s, _, _ in members)
-    if len(members) < 2 or not total > 0:
-        return same
-    cum, k = 0.0, len(members)
-    for i, (s, _, _) in enumerate(members):
-        cum += s
-        if run.loc._verified(explained * cum / total, norm, 0.0, ctx):
-            k = i + 1
-            break
-    if k == len(members):
-        return same
-    drop = [f for _, r, f in members[k:] if r == run.rank]
+    comm, norm, ctx, view = run.comm, run.stored.norm, run.ctx, run.view
+    members = estimates(run, c)
+    weak = [(e, r, f) for e, r, f in members if e < MIN_SAMPLE_SHARE]
+    if not weak:
+        return same  # every candidate is estimated at the floor or above
+    complete = not rest_carries_spike(c.explained, norm, ctx)  # C leaves no spike uncovered
+
+    def enough(share: float, loss_k: float) -> bool:  # what K = C \ D must do to replace C
+        return run.loc._verified(share, norm, loss_k, ctx) and not (complete and rest_carries_spike(share, norm, ctx))
+
+    if not enough(c.explained - sum(e for e, _, _ in weak), 0.0):
+        return same  # by the estimates, C without them would not be the answer
+    drop = [f for _, r, f in weak if r == run.rank]
     group = None
     if drop:
         groups = by_micro_batch(view, drop)
@@ -67,25 +114,21 @@ def prune(run: "_Run", acc: Grads, explained: float, loss: float, flats: np.ndar
         group = (m, groups[m])
     session = run.session
     start = len(session.losses)
-    new, err = run.probe_round([None] * len(acc), group)
+    new, err = run.probe_round([None] * len(c.acc), group)
     d, d_loss = run.scope.measure(new, float(sum(session.losses[start:])), err)
-    used += 1
     n_drop = int(comm.all_reduce(torch.tensor([float(group[1].size if group else 0)], dtype=torch.float64),
                                  what="gradloc prune count")[0])
-    kept, kept_loss = explained - d, loss - d_loss
-    ok = (math.isfinite(d) and d < MIN_SAMPLE_SHARE and run.loc._verified(kept, norm, kept_loss, ctx)
-          and (rest_carries_spike(explained, norm, ctx) or not rest_carries_spike(kept, norm, ctx)))
-    what = f"{n_drop} "
-    if not ok:
+    kept, kept_loss = c.explained - d, c.loss - d_loss
+    part = group[1] if group is not None else np.zeros(0, dtype=np.int64)
+    rest = flats[~np.isin(flats, part)]
+    if not (math.isfinite(d) and d < MIN_SAMPLE_SHARE and enough(kept, kept_loss)):
         del new
-        return acc, explained, loss, flats, used, (f"the {what}weakest-scored token(s) measured: {d:.1%} of ‖∇‖², "
-                                                   "kept")
-    acc = [a if n is None else (-n if a is None else a.sub_(n)) for a, n in zip(acc, new)]
+        return Named(acc=c.acc, explained=c.explained, loss=c.loss, used=c.used + 1, parts=((rest, kept), (part, d)),
+                     note=f"{n_drop} token(s) estimated below {MIN_SAMPLE_SHARE:.0%} of ‖∇‖² measured: {d:.1%}, named")
+    acc = [a if n is None else (-n if a is None else a.sub_(n)) for a, n in zip(c.acc, new)]
     del new
-    if group is not None:
-        flats = flats[~np.isin(flats, group[1])]
-    return acc, kept, kept_loss, flats, used, (f"the {what}weakest-scored token(s) measured: {d:.1%} of ‖∇‖² "
-                                               f"(< {MIN_SAMPLE_SHARE:.0%}), not named")
+    return Named(acc=acc, explained=kept, loss=kept_loss, used=c.used + 1, parts=((rest, kept),),
+                 note=f"{n_drop} token(s) estimated below {MIN_SAMPLE_SHARE:.0%} of ‖∇‖² measured: {d:.1%}, not named")
 
 
-__all__ = ["prune"]
+__all__ = ["Measured", "Named", "estimates", "prune"]
