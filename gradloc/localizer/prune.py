@@ -1,29 +1,29 @@
-"""Naming only the tokens that carry the spike: a verified token set's weak members, measured.
+"""Naming only the tokens that carry the spike: a verified token set's weak candidates, measured.
 
-A verified set C names every token it holds, and the share each one is reported with is C's measured
-⟨∇_C, ∇⟩/‖∇‖² split by the tokens' attribution scores — an estimate, not a measurement. Two members
-of one micro-batch are one probe: a token the scores credit with 9% of ‖∇‖² may carry 0.1% (a
-healthy token beside a culprit), and a micro-batch probed for its runner-up candidate may carry a
-real but minor share beside the micro-batch that holds the spike.
+A verified set C names every token it holds, with shares that are estimates: each first round's
+measured share (one probe: one micro-batch per rank; a linear scope measures each round apart, an
+inner product, no probe — otherwise C's first rounds together) split over its tokens by attribution
+score. Two tokens of one micro-batch are one probe: a token the split credits with 9% of ‖∇‖² may
+carry 0.1% (a healthy token beside a culprit, issue 32's persistent RL fault).
 
 The rule, when a probe is left after C is verified (never beyond ``max_probes``):
 
-1. K = the tokens the growth rounds added (they were probed because the step would still be a
-   spike without the others: ``Localizer._grow``) and the smallest set of C's best-scoring
-   candidates (job-wide) with which K, by its *estimated* share, would replace C: it passes the
-   verification test and, where C leaves no spike uncovered, so does K
-   (``context.rest_carries_spike``). The other candidates, D, are those the estimate calls
-   unnecessary. When K is all of C, nothing is tested.
+1. D = the first-round candidates whose estimated share is below ``MIN_SAMPLE_SHARE`` (0.1: the
+   share below which the sample level names no sample either, ``levels.py``). The tokens the growth
+   rounds added are never in D: they were probed because the step would still be a spike without
+   the others (``Localizer._grow``). D is tested only when C without it would, by the estimates,
+   replace C: pass the verification test and, where C leaves no spike uncovered, leave none either
+   (``context.rest_carries_spike``).
 2. One probe measures D exactly, ⟨∇_D, ∇⟩/‖∇‖² and ℓ_D (each rank probes its members of D in one
-   micro-batch, the one holding the most of its D's score; D's members elsewhere stay named).
-3. D is dropped — K named, ∇_K = ∇_C − ∇_D kept — when D carries less than ``MIN_SAMPLE_SHARE``
-   (0.1, the share below which the sample level names no sample either: ``levels.py``) and K, as
-   measured (C's share and loss minus D's), still replaces C by step 1's test. Otherwise C stays named, and the measurement is not lost: D's
-   members share D's measured share and the others C's minus D's (split by score within each part).
+   micro-batch, the one holding the most of its D's score; its members elsewhere stay in C).
+3. D is not named — ∇_C − ∇_D kept (the norms, the remedy's gradient) — when it carries less than
+   the floor and C without it, as measured (C's share and loss minus D's), still replaces C by step
+   1's test. Otherwise D stays named, and the measurement is not lost: D's members share D's measured
+   share and the rest of C gets C's minus D's (split by score within each part).
 
-A member carrying 9.6% of ‖∇‖² is thus not named beside one carrying 68%: the same bar as for a
-sample. The probe's gradient is a second buffer beside ∇_C while it is measured (as in the growth
-rounds of a non-linear scope), freed after.
+A token carrying 9.6% of ‖∇‖² is thus not named beside one carrying 68%: the sample level's bar,
+measured rather than split. The probe's gradient is a second buffer beside ∇_C while it is measured
+(as in the growth rounds of a non-linear scope), freed after. docs/DESIGN-NOTES.md, "Naming".
 """
 from __future__ import annotations
 
