@@ -12,7 +12,9 @@ because every decision comes from gathered values:
    a lockstep scope the others take part with nothing to probe), then the scope measures the job's
    ⟨∇_C, ∇⟩ / ‖∇‖² and ℓ_C (``context.verified``). While the step would still be a spike without
    C, rounds *grow* C with the next outliers (a relaxed relative threshold) — into the last probe
-   only when C is verified already: that probe is kept for the levels below.
+   only when C is verified already: that probe is kept for the levels below. A probe left after C
+   is verified measures its weakest-scored members, which are not named when they carry less than
+   a sample must to be named (``prune.py``).
 3. **Below the tokens** (``below.py``) — the sample, span or micro-batch that carries it, with the
    decomposition probe (``decompose.py``), else ``diffuse`` with the measured sample shares.
 4. **Records** — every rank builds its own culprits and spans (its rank named when W > 1) and one
@@ -45,6 +47,7 @@ from gradloc.localizer.context import (
 from gradloc.localizer.diffuse import describe
 from gradloc.localizer.picture import Picture, merge_samples, summary, top_samples
 from gradloc.localizer.probes import Grads, ProbeSession
+from gradloc.localizer.prune import Measured, prune
 from gradloc.localizer.scope import Scope, SoloComm, SoloScope
 from gradloc.localizer.spans import Decode, build_culprits, build_spans
 from gradloc.localizer.token_view import TokenView
@@ -157,18 +160,24 @@ class _Run:
         acc: Grads = [None] * len(self.stored.grads)
         start, error = len(session.losses), ""
         self.phase_start = start
+        cum: list[float] = []  # a linear scope's running ⟨∇_C, ∇⟩/‖∇‖²: each round's own share, measured
         for i in range(rounds):
             acc, err = self.probe_round(acc, (order[i], groups[order[i]]) if i < len(order) else None)
             error = error or err
+            if scope.linear and i < rounds - 1:
+                cum.append(scope.measure(acc, 0.0, error)[0])
         taken = [groups[m] for m in order[:rounds]]
         explained, loss = scope.measure(acc, float(sum(session.losses[start:])), error)
+        each = [float(x) for x in np.diff([0.0, *cum, explained])] if scope.linear or rounds == 1 else None
+        first, first_share = len(taken), explained
         acc, explained, loss, used = self._grow(acc, explained, loss, taken, rounds)
-        c_norm, without = scope.norms(acc)
         flats = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
         if self.loc._verified(explained, self.stored.norm, loss, self.ctx):
-            note = _note(n_groups, rounds, self.W)
-            loc = self._located(flats, explained, (c_norm, without), loss, used, note)
-            return LocalizeResult(loc, acc if self.keep_grad else None)
+            named = prune(self, Measured(acc=acc, explained=explained, loss=loss, rounds=tuple(taken[:first]),
+                                         round_shares=each, first=first_share, n_rounds=rounds, used=used), flats)
+            note = "; ".join(x for x in (_note(n_groups, rounds, self.W), named.note) if x)
+            loc = self._located(named.parts, named.explained, scope.norms(named.acc), named.loss, named.used, note)
+            return LocalizeResult(loc, named.acc if self.keep_grad else None)
         n = int(self.comm.all_reduce(torch.tensor([float(flats.size)], dtype=torch.float64), what="gradloc count")[0]) \
             if not self.solo else flats.size
         on = "" if self.solo else f" on {len({c.rank for c in cands})} rank(s)"
@@ -263,12 +272,15 @@ class _Run:
                             unattributed_share=self.view.unattributed_share, loss_share=ls,
                             loss_without_culprits=lw, note=note, samples=samples, groups=groups)
 
-    def _located(self, flats: np.ndarray, explained: float, norms: tuple[float, float], loss: float, probes: int,
-                 note: str) -> Localization:
-        w = self.view.rank_scores[flats]
-        total = float(self.comm.all_reduce(torch.tensor([float(w.sum())], dtype=torch.float64),
-                                           what="gradloc culprit scores")[0]) if not self.solo else float(w.sum())
-        shares = explained * w / total if math.isfinite(explained) and total > 0 else w * np.nan
+    def _located(self, parts: tuple[tuple[np.ndarray, float], ...], explained: float, norms: tuple[float, float],
+                 loss: float, probes: int, note: str) -> Localization:
+        """``parts``: (this rank's flats, the part's measured share): each share split by score in its part."""
+        flats = np.concatenate([f for f, _ in parts])
+        w = [self.view.rank_scores[f] for f, _ in parts]
+        local = torch.tensor([float(x.sum()) for x in w], dtype=torch.float64)
+        totals = (self.comm.all_reduce(local, what="gradloc culprit scores") if not self.solo else local).tolist()
+        shares = np.concatenate([share * x / t if math.isfinite(share) and t > 0 else x * np.nan
+                                 for x, t, (_, share) in zip(w, totals, parts)])
         culprits, spans, samples = self.gather_records([int(f) for f in flats], [float(x) for x in shares])
         level = Level.SPAN if any(x.end - x.start > 1 for x in spans) else Level.TOKEN
         return self.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=probes,
