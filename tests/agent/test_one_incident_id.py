@@ -26,6 +26,9 @@ def test_the_lowest_reporting_ranks_finding_id_is_the_incidents() -> None:
     _close(c, "j", 8, {0: "a" * 32, 1: "d" * 32}, world=3)
     assert [i.incident_id for i in out] == ["b" * 32, "a" * 32]
     assert [f.incident_id for f in out[1].findings] == ["a" * 32, "d" * 32]  # rank 1's: an alias
+    # the correlated incident's summary: its id's head and the lowest localizing rank's answer
+    assert out[1].summary() == f"incident {'a' * 12} · job j · step 8: {out[1].findings[0].localization.summary()}"
+    assert out[0].answer() == out[0].findings[0].localization.summary()  # rank 1's (rank 0 found nothing)
 
 
 def test_an_id_that_is_no_trainer_id_or_is_taken_gets_a_fresh_one() -> None:
