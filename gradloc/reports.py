@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradloc.records import CulpritSpan, Incident, RLStats, SampleStats, StepRecord, TokenStats
+from gradloc.records.summary import bare
 
 CORRELATED_SCHEMA_VERSION = 1
 
@@ -196,6 +197,19 @@ class CorrelatedIncident:
         """The step of the incident whose episode this one was opened in, as a new cause
         (``SpikeEvent.follows`` of its findings: the job's verdict, the same on every rank); None otherwise."""
         return next((f.spike.follows for f in self.findings if f.spike.follows is not None), None)
+
+    def summary(self) -> str:
+        """The answer in one line: the id's first 12 hex digits (what the trainer, the store and the page
+        show; any prefix resolves), job, step and :meth:`answer`."""
+        return f"incident {bare(self.incident_id[:12])} · job {bare(self.job)} · step {self.step}: {self.answer()}"
+
+    def answer(self) -> str:
+        """``Localization.summary()`` of the lowest reporting rank that localized (a job-scope incident's
+        finding holds the whole job's answer)."""
+        f = next((f for f in sorted(self.findings, key=lambda f: f.rank) if f.localization is not None), None)
+        if f is None:
+            return f"{', '.join(self.kinds) or 'nothing'} · not localized"
+        return f.localization.summary(f.scope == "job")
 
     @property
     def detail(self) -> str:

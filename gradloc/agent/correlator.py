@@ -15,11 +15,12 @@ Single-threaded by design: the agent's worker thread owns it (no locks).
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from gradloc.agent.merge import RankView, merge_incident
 from gradloc.errors import ConfigError
@@ -47,6 +48,8 @@ class _Pending:
     deadline: float
     incidents: dict[int, Incident] = field(default_factory=dict)
 
+_HEX32 = re.compile("[0-9a-f]{32}")
+
 
 class Correlator:
     """Feed it ``on_step``/``on_incident``/``declare``; call ``poll`` regularly; closed incidents
@@ -62,6 +65,7 @@ class Correlator:
         self._seen: dict[str, set[int]] = {}
         self._recent: dict[tuple[str, int], OrderedDict[int, RankView]] = {}
         self._pending: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
+        self._given: OrderedDict[str, tuple[str, int]] = OrderedDict()  # recent incident ids -> (job, step)
 
     @property
     def pending(self) -> int:
@@ -156,10 +160,21 @@ class Correlator:
     def _close(self, key: tuple[str, int], note: str) -> None:
         p = self._pending.pop(key)
         inc = merge_incident(p.job, p.step, self._expected(p.job, self._job_scope(p)), self._views(p.job, p.step),
-                             p.incidents, incident_id=uuid.uuid4().hex, trace_id=self._new_trace_id(),
+                             p.incidents, incident_id=self._id(p), trace_id=self._new_trace_id(),
                              closed_unix=time.time(), note=note, world_size=self._world.get(p.job, 0),
                              history=self._history(p))
         self._emit(inc)
+
+    def _id(self, p: _Pending) -> str:
+        """:func:`headline_id`, unless a recent incident of another (job, step) already has that id (a client
+        that reuses ids): then a fresh one, the finding's id an alias of it."""
+        incident_id = headline_id(p.incidents)
+        if self._given.get(incident_id, (p.job, p.step)) != (p.job, p.step):
+            incident_id = uuid.uuid4().hex
+        self._given[incident_id] = (p.job, p.step)
+        while len(self._given) > 4096:
+            self._given.popitem(last=False)
+        return incident_id
 
     def _history(self, p: _Pending) -> tuple[StepPoint, ...]:
         """The recent steps (at most ``history_steps``) of the lowest rank that sent a finding: the
@@ -170,3 +185,14 @@ class Correlator:
         ring = self._recent.get((p.job, rank), {})
         return tuple(StepPoint(rank=rank, step=step, global_norm=v.global_norm, loss=v.loss, norm_mean=v.norm_mean,
                                norm_threshold=v.norm_threshold) for step, v in sorted(ring.items()))
+
+
+def headline_id(findings: Mapping[int, Incident]) -> str:
+    """The correlated incident's id: the id the lowest reporting rank's trainer printed for its finding
+    (``StepReport.incident.incident_id``; rank 0 of a job, the only finding of a job-scope or one-process
+    incident), so the trainer, the store, the CLI, the API, the page and the trace all show one id. The
+    other ranks' finding ids stay aliases (gradloc/store/aliases.py). A fresh id without a finding, or when
+    that finding's id is not 32 lowercase hex digits (what the trainer makes; the store's documented form)."""
+    ids = [findings[r].incident_id for r in sorted(findings)]
+    ids = [i for i in ids[:1] if _HEX32.fullmatch(i)]
+    return ids[0] if ids else uuid.uuid4().hex

@@ -58,7 +58,7 @@ def _incident_text(inc: Incident, color: bool) -> str:
         lines.append("  not localized: this kind of event is a trend, not a token event")
         lines += _remedy_lines(inc.remedy)
         return "\n".join(lines)
-    lines.append(_outcome(loc))
+    lines += _outcome(loc, inc.scope == "job")
     if inc.classification is not None:
         lines.append(f"  class: {inc.classification.kind} — {inc.classification.reason}")
     if loc.note:
@@ -95,16 +95,13 @@ def group_text(g: CulpritGroup, job_scope: bool = False) -> str:
     return f"{where} · {g.samples} sample(s) · {g.tokens} loss token(s) · share {_pct(g.share)}"
 
 
-def _outcome(loc: Localization) -> str:
-    passes = f" (+{loc.passes} extra pass(es))" if loc.passes else ""
-    level = f" at the {loc.level.replace('_', '-')} level" if loc.level else ""
-    head = f"  localized by {loc.method} with {loc.probes} probe(s){passes}: {loc.status}{level}"
+def _outcome(loc: Localization, job_scope: bool = False) -> list[str]:
+    """The answer (``Localization.summary``: the line the README's recipe prints), then the measured detail."""
+    lines = [f"  {loc.summary(job_scope)}"]
     if loc.status == "located" or loc.explained_share is not None:
-        return (f"{head}; culprits carry {_pct(loc.explained_share)} of ‖∇‖² and {_pct(loc.loss_share)} of the "
-                f"loss; without them ‖∇‖ would be {_num(loc.norm_without_culprits)}")
-    if loc.status == "diffuse":
-        return f"{head} — no small set of tokens explains the spike; no token is named"
-    return head
+        lines.append(f"  culprits carry {_pct(loc.explained_share)} of ‖∇‖² and {_pct(loc.loss_share)} of the loss; "
+                     f"without them ‖∇‖ would be {_num(loc.norm_without_culprits)}")
+    return lines
 
 
 def _rl_text(r: TokenRL) -> str:
@@ -137,24 +134,12 @@ def _remedy_lines(r: Remedy | None) -> list[str]:
 
 
 def incident_line(inc: Incident) -> str:
-    """One line: step, kinds, status and the top culprits."""
+    """One line: step, kinds, norm, and the answer (``Localization.summary``)."""
     loc = inc.localization
     head = f"step {inc.step} · {', '.join(inc.spike.kinds)} · ‖∇‖ {_num(inc.spike.global_norm)} (z {_num(inc.spike.z)})"
     if loc is None:
         return terminal(head + " · not localized")
-    job = inc.scope == "job"
-    tops = ", ".join(f"{_visible(c.text)!r} {f'r {c.rank}/' if job and c.rank is not None else ''}mb {c.micro_batch}/s {c.sample}/p {c.position} {_pct(c.share)}"
-                     for c in loc.culprits[:3])
-    more = f" +{len(loc.culprits) - 3} more" if len(loc.culprits) > 3 else ""
-    level = f" ({loc.level.replace('_', '-')})" if loc.level else ""
-    if not tops and loc.spans:  # a sample or span level: the spans are the culprits
-        tops = ", ".join(f"{f'r {s.rank}/' if job and s.rank is not None else ''}mb {s.micro_batch}/s {s.sample}/"
-                         f"p {s.start}-{s.end - 1} {_pct(s.share)}" for s in loc.spans[:3])
-    if not tops and loc.groups:  # a micro-batch or rank level
-        tops = ", ".join(f"rank {g.rank} {_pct(g.share)}" if g.micro_batch is None else
-                         f"{f'r {g.rank}/' if job and g.rank is not None else ''}mb {g.micro_batch} {_pct(g.share)}"
-                         for g in loc.groups)
-    return terminal(f"{head} · {loc.status}{level} by {loc.method}, {loc.probes} probe(s): {tops or 'no culprits'}{more}")
+    return terminal(f"{head} · {loc.summary(inc.scope == 'job')}")
 
 
 def culprit_json(c: Culprit, rank: int = 0) -> dict[str, Any]:

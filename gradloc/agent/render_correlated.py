@@ -81,6 +81,7 @@ def correlated_text(inc: CorrelatedIncident, color: bool = True, opener_id: str 
 def _header(inc: CorrelatedIncident, b, opener_id: str | None = None) -> list[str]:
     closed = f" · closed {inc.closed_unix - inc.time_unix:.1f} s later" if inc.closed_unix else ""
     lines = [b(f"incident {inc.incident_id[:12]} · job {inc.job} · step {inc.step} · {inc.status}"),
+             f"  answer: {inc.answer()}",
              f"  id {inc.incident_id} · trace {inc.trace_id}",
              f"  time {local_time(inc.time_unix, offset=True)}{closed}",
              (f"  detected: {', '.join(inc.kinds) or 'nothing'} — ‖∇‖ {_num(inc.global_norm)}; culprits "

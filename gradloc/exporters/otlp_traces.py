@@ -95,7 +95,7 @@ def root_attributes(inc: CorrelatedIncident) -> dict[str, Any]:
 
 
 def detect_attributes(f: Incident, rank_share: float | None) -> dict[str, Any]:
-    attrs = {"gradloc.rank": f.rank, "gradloc.step": f.step, "gradloc.incident_id": f.incident_id}
+    attrs = {"gradloc.rank": f.rank, "gradloc.step": f.step, "gradloc.finding_id": f.incident_id}  # the root has the incident_id
     attrs.update(flat_attributes("gradloc.spike.", f.spike))
     if rank_share is not None:
         attrs["gradloc.rank.share"] = rank_share

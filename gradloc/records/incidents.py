@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gradloc.records.steps import INCIDENT_SCHEMA_VERSION, LayerShare, LayerStats, SpikeEvent
+from gradloc.records.summary import incident_summary, localization_summary
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,11 @@ class Localization:
         object.__setattr__(self, "status", Status(self.status))
         object.__setattr__(self, "level", Level(self.level))
 
+    def summary(self, job_scope: bool = False) -> str:
+        """The answer in one line: status, level, what was named there, its share of ‖∇‖², the probes
+        (gradloc/records/summary.py)."""
+        return localization_summary(self, job_scope)
+
 
 class IncidentScope(StrEnum):
     """``Incident.scope``: ``rank``, one rank's own finding; ``job``, localized across the ranks of a
@@ -281,3 +287,7 @@ class Incident:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scope", IncidentScope(self.scope))
+
+    def summary(self) -> str:
+        """One line: the incident's id (first 12 hex digits), job, step and ``localization.summary()``."""
+        return incident_summary(self)

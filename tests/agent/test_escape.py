@@ -30,6 +30,8 @@ def test_terminal_output_has_no_raw_control_characters() -> None:
         assert "\\x1b]0;pwned\\x07" in text and "\\u202e" in text and "\\x9b" in text
     line = incident_line(_evil_incident())
     assert not any(ch in line for ch in RAW)
+    summary = _evil_incident().summary()  # what the README's recipe prints, outside any renderer
+    assert not any(ch in summary for ch in RAW) and "\\x1b]0;pwned" in summary, summary
 
 
 def test_terminal_keeps_only_gradlocs_own_colours() -> None:

@@ -98,7 +98,7 @@ def test_a_rank_level_finding_names_its_rank_everywhere_a_user_reads_it():
     assert "at the rank level" in text and "(+3 extra pass(es))" in text
     assert "• rank 1 · every micro-batch (2) · 8 sample(s) · 128 loss token(s) · share 96.0%" in text
     assert "no culprit tokens found" not in text
-    assert incident_line(f0).endswith(": rank 1 96.0%")
+    assert "located at the rank level: rank 1 (all 2 micro-batches, 8 samples, 128 loss tokens)" in incident_line(f0)
     row = demo_json([], [f0])["incidents"][0]
     assert (row["level"], row["groups"]) == ("rank", [{"share": 0.96, "micro_batch": None, "rank": 1,
                                                       "micro_batches": 2, "samples": 8, "tokens": 128}])

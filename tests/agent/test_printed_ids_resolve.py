@@ -1,7 +1,7 @@
-"""Every incident id a user sees resolves: the rank finding's id that the training process prints
-(the demo, ``StepReport.incident``, the JSONL file) is accepted by ``incidents show``, the JSON API
-and the incident page, as the correlated incident's own id is; with a store and without one, in
-embedded mode and against a daemon."""
+"""One incident id a user sees: the id the training process prints for its finding (the demo,
+``StepReport.incident``, the JSONL file) is the correlated incident's own id (the lowest reporting rank's
+finding; the other ranks' finding ids stay aliases), accepted by ``incidents show``, the JSON API and the
+incident page; with a store and without one, in embedded mode and against a daemon."""
 from __future__ import annotations
 
 import json
@@ -32,8 +32,9 @@ def _served(core: AgentCore):
     return http, "http://%s:%d" % http.address
 
 
-def _feed(core: AgentCore, job: str, step: int, finding_id: str) -> None:
-    core.submit([Declare(job, 0, 1), replace(finding(job, 0, step), incident_id=finding_id), summary(job, 0, step)])
+def _feed(core: AgentCore, job: str, step: int, finding_id: str, rank: int = 0, world: int = 1) -> None:
+    core.submit([Declare(job, r, world) for r in range(world)] +
+                [replace(finding(job, rank, step), incident_id=finding_id)] + [summary(job, r, step) for r in range(world)])
     assert core.flush(10)
 
 
@@ -54,7 +55,7 @@ def test_the_api_and_the_page_accept_a_finding_id(tmp_path: Path, with_store: bo
         _feed(core, "j", 3, "f1a2b3c4d5e6" + "0" * 20)
         _feed(core, "k", 4, "f1a9" + "1" * 28)
         ours = next(i for i in core.recent if i.job == "j")
-        assert ours.incident_id != ours.findings[0].incident_id  # two ids for one event
+        assert ours.incident_id == ours.findings[0].incident_id == "f1a2b3c4d5e6" + "0" * 20  # one id
         for key in ("f1a2b3c4d5e6" + "0" * 20, "f1a2b3c4d5e6", ours.incident_id, ours.incident_id[:10]):
             _assert_resolves(base, key, ours.incident_id)
         code, body = get(f"{base}/api/incidents/f1a")  # a finding of each incident
@@ -66,18 +67,29 @@ def test_the_api_and_the_page_accept_a_finding_id(tmp_path: Path, with_store: bo
 
 
 def test_incidents_show_takes_a_finding_id_and_says_so(tmp_path: Path) -> None:
+    """A one-process incident is known by its finding's id (no note); a rank-1 finding of a two-rank job
+    whose rank 0 found nothing is too (the lowest reporting rank's); an id that is no 32-hex-digit id
+    gets a fresh one, the finding's an alias that ``show`` resolves with a note."""
     db = tmp_path / "s.db"
     core = AgentCore(store=IncidentStore(db)).start()
     _feed(core, "j", 3, "5eed" * 8)
+    _feed(core, "k", 4, "be11" * 8, rank=1, world=2)
+    _feed(core, "m", 5, "not-hex-" * 4)
     core.close()
     with IncidentStore(db) as store:
-        (row,) = store.list_incidents()
-    res = CliRunner().invoke(main, ["incidents", "show", "5eed5eed5eed", "--db", str(db), "--json"])
+        rows = {r.job: r for r in store.list_incidents()}
+    assert (rows["j"].incident_id, rows["k"].incident_id) == ("5eed" * 8, "be11" * 8)
+    for job, key in (("j", "5eed5eed5eed"), ("k", "be11be11be11")):
+        res = CliRunner().invoke(main, ["incidents", "show", key, "--db", str(db), "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["incident_id"] == rows[job].incident_id
+        assert "names a rank finding" not in res.stderr  # its own id: no note
+    other = rows["m"].incident_id
+    assert other != "not-hex-" * 4 and re.fullmatch("[0-9a-f]{32}", other)
+    res = CliRunner().invoke(main, ["incidents", "show", "not-hex-", "--db", str(db), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["incident_id"] == row.incident_id
-    assert f"5eed5eed5eed names a rank finding of incident {row.incident_id}" in res.stderr
-    res = CliRunner().invoke(main, ["incidents", "show", row.incident_id[:12], "--db", str(db), "--no-color"])
-    assert res.exit_code == 0 and "names a rank finding" not in res.stderr  # its own id: no note
+    assert json.loads(res.stdout)["incident_id"] == other
+    assert f"not-hex- names a rank finding of incident {other}" in res.stderr
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
@@ -99,7 +111,8 @@ def test_the_id_the_embedded_demo_prints_resolves(tmp_path: Path) -> None:
         res = CliRunner().invoke(main, ["incidents", "show", key, "--db", str(db), "--json"])
         assert res.exit_code == 0, res.output
         stored = json.loads(res.stdout)
-        assert any(f["incident_id"].startswith(key) for f in stored["findings"]), stored["findings"]
+        assert stored["incident_id"].startswith(key), (key, stored["incident_id"])  # the id printed is the stored one
+        assert "names a rank finding" not in res.stderr
         core = AgentCore(store=IncidentStore(db, create=False))  # not started: the handlers only read the store
         http, base = _served(core)
         try:
@@ -126,8 +139,7 @@ def test_the_ids_a_demo_shipping_to_a_daemon_reports_resolve(tmp_path: Path) -> 
                 time.sleep(0.2)
             code, body = get(f"http://{daemon.http}/api/incidents/{key[:12]}")
             assert code == 200, body
-            correlated = json.loads(body)["incident_id"]
-            assert correlated != key and key in [f["incident_id"] for f in json.loads(body)["findings"]]
+            assert json.loads(body)["incident_id"] == key  # the demo's own id is the daemon's
             assert get(f"http://{daemon.http}/incidents/{key[:12]}")[0] == 200
     for key in ids:
         res = CliRunner().invoke(main, ["incidents", "show", key[:12], "--db", str(daemon.db), "--json"])

@@ -290,6 +290,9 @@ def test_incident_trace_has_root_stage_and_micro_batch_spans(exported):
     assert all(s.parent_span_id == root.span_id for s in by_name["gradloc.detect"] + by_name["gradloc.localize"])
     detect = {attrs(s.attributes)["gradloc.rank"]: attrs(s.attributes) for s in by_name["gradloc.detect"]}
     assert sorted(detect) == [0, 1] and detect[0]["gradloc.spike.z"] == 41.2
+    # one id: the root carries the incident's, each rank's detect span its finding's (an alias)
+    assert [detect[r]["gradloc.finding_id"] for r in (0, 1)] == [f.incident_id for f in inc.findings]
+    assert all("gradloc.incident_id" not in a for a in detect.values())
     localize = {attrs(s.attributes)["gradloc.rank"]: s for s in by_name["gradloc.localize"]}
     assert attrs(localize[1].attributes)["gradloc.localization.status"] == "unverified"
     assert attrs(localize[0].attributes)["gradloc.localization.norm_without_culprits"] == 0.9
