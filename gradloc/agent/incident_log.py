@@ -40,7 +40,7 @@ def top_culprit(inc: CorrelatedIncident) -> tuple[str, str]:
         text = visible(s.text)
         text = text if len(text) <= _TEXT_CHARS else text[:_TEXT_CHARS] + "…"
         return level, (f"rank {rs.rank} · micro-batch {s.micro_batch} · sample {s.sample} · positions "
-                       f"{s.start}–{s.end - 1} {text!r} · {_pct(rs.share)}")
+                       f"{s.start}–{s.end - 1} '{text}' · {_pct(rs.share)}")  # escaped once: no repr()
     if level == "sample" and loc.samples:
         s = max(loc.samples, key=lambda s: s.share if s.share is not None else s.score_share)
         rank = located[0].rank if s.rank is None else s.rank

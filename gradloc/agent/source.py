@@ -14,7 +14,7 @@ Resolution (first that applies):
 
 Page links are built for the daemon actually read (its address, signed when the config holds the
 token); reading a store with no daemon answering prints no link, since none would open.
-Nothing here imports torch or the store.
+Nothing here imports torch (the store module only for its default path).
 """
 from __future__ import annotations
 

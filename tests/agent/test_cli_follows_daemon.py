@@ -171,15 +171,18 @@ def test_each_closed_incident_is_one_info_line_at_its_level(caplog: pytest.LogCa
     loc = replace(token_level.localization, level="sample", spans=(),
                   samples=(SampleShare(2, 4, 0.5, share=0.94, tokens=12), SampleShare(0, 1, 0.3, share=0.02)))
     sample_level = replace(finding("b", 0, 6), localization=loc)
+    control = finding("c", 0, 8, text="\x00\x1b[31m" + "z" * 60)  # client text: escaped once, cut short
     with caplog.at_level("INFO", logger="gradloc.agent.daemon"):
-        for inc in (token_level, sample_level):
+        for inc in (token_level, sample_level, control):
             core.submit([Declare(inc.job, 0, 1), inc, summary(inc.job, 0, inc.step)])
         assert core.flush(10)
     core.close()
     lines = [r for r in caplog.records if r.getMessage().startswith("gradloc-agent: incident ")]
-    assert [r.levelname for r in lines] == ["INFO", "INFO"]
+    assert [r.levelname for r in lines] == ["INFO", "INFO", "INFO"]
     ids = {i.job: i.incident_id for i in core.recent}
-    first, second = (r.getMessage() for r in lines)
+    first, second, third = (r.getMessage() for r in lines)
+    assert "positions 7–7 '\\x00\\x1b[31m" + "z" * 28 + "…' · 80.0% of ‖∇‖²" in third, third
+    assert "\x1b" not in third and "\x00" not in third
     assert first.endswith(f"job a step 5 complete · level token · top culprit rank 0 · micro-batch 1 · sample 0 · "
                           f"positions 7–7 ' bad' · 60.0% of ‖∇‖² · http://node-3:19917/incidents/{ids['a']}"), first
     assert second.endswith(f"job b step 6 complete · level sample · top culprit rank 0 · micro-batch 2 · sample 4 · "
