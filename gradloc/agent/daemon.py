@@ -24,7 +24,9 @@ from gradloc.agent.config import AgentConfig
 from gradloc.agent.core import AgentCore, CoreConfig, Declare, DropReport, Journaled
 from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.agent.http import AgentHttpServer
+from gradloc.agent.incident_log import IncidentLog
 from gradloc.agent.limits import IncidentLimits
+from gradloc.agent.links import origin
 from gradloc.exporters.state import StateConfig
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ class Daemon:
 
             self.core.exporters.append(OtlpExporter(self.core.state, OtlpConfig(
                 endpoint=cfg.otlp_endpoint, export_interval_s=cfg.otlp_interval_s, insecure=cfg.otlp_insecure)))
+        self._page_base: str | None = None  # http(s)://host:port of the pages, once the HTTP server is bound
+        self.core.exporters.append(IncidentLog(lambda: self._page_base))  # one info line per closed incident
         self.limits = IncidentLimits(cfg.max_incidents_per_minute, cfg.max_culprits,
                                      lambda limit, n: self.core.state.count("limited", (limit,), n))
         self._grpc: Any = None
@@ -71,6 +75,11 @@ class Daemon:
         from gradloc.transport.codec import BatchDecoder
         from gradloc.transport.server import start_ingest_server
 
+        security = self.config.security()
+        # bound first (port 0 picks one), served after the core starts: the incident log lines name its pages
+        self._http = AgentHttpServer(self.core, self.config.http, security)
+        self.http_address = self._http.address
+        self._page_base = origin(None, self.http_address, security.tls)
         self.core.start()
         # Ingest allocates many short-lived objects: freeze what start-up built, and collect
         # generation 0 less often (a full collection per few batches cost ~25% of ingest time).
@@ -79,13 +88,15 @@ class Daemon:
         gc.set_threshold(50_000, 20, 20)
         host, port = parse_address(self.config.ingest)
         decoder = BatchDecoder(max_message_bytes=self.config.max_message_bytes, keep_top_tokens=False)
-        security = self.config.security()
-        self._grpc, bound = start_ingest_server(self._ingest, self._reject, address=_grpc_address(host, port),
-                                                max_message_bytes=self.config.max_message_bytes, decoder=decoder,
-                                                security=security)
+        try:
+            self._grpc, bound = start_ingest_server(self._ingest, self._reject, address=_grpc_address(host, port),
+                                                    max_message_bytes=self.config.max_message_bytes,
+                                                    decoder=decoder, security=security)
+        except BaseException:
+            self._http.stop()  # bound, not served: release the port
+            raise
         self.ingest_address = (host, bound)
-        self._http = AgentHttpServer(self.core, self.config.http, security).start()
-        self.http_address = self._http.address
+        self._http.start()
         log.info("gradloc-agent: ingest on %s:%d, http on %s:%d", *self.ingest_address, *self.http_address)
         return self
 

@@ -301,5 +301,6 @@ class AgentHttpServer:
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever: never call it on a server never started
+            self._server.shutdown()
         self._server.server_close()

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 import click
 
 from gradloc.agent.escape import json_text
+from gradloc.agent.source import AgentUnreachable, Source, quoted, resolve
 
 if TYPE_CHECKING:
     from gradloc.store import IncidentStore
 
+_API_MAX = 10_000  # rows one /api/incidents answer holds at most (gradloc/agent/http.py)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _DB_HELP = "Incident database [default: $GRADLOC_DB, else ${XDG_STATE_HOME:-~/.local/state}/gradloc/incidents.db]."
 
@@ -66,6 +68,46 @@ def _since_option(fn):
                         help="Only incidents from this time on: 30m, 2h, 1d, 1w ago, or a unix time.")(fn)
 
 
+def _agent_option(fn):
+    return click.option("--agent", default=None, metavar="HOST:PORT",
+                        help="Read this daemon's HTTP API (its `--http` address; http(s)://HOST:PORT too) instead of "
+                             "a store. Without --db/--agent: the daemon the agent config names ($GRADLOC_AGENT_CONFIG, "
+                             "GRADLOC_AGENT_HTTP), else its store; stderr says which (docs/agent.md).")(fn)
+
+
+def _source(db: Path | None, agent: str | None) -> Source:
+    """Where to read (gradloc/agent/source.py), said on stderr when no flag named it; errors exit 1."""
+    ctx = click.get_current_context()
+    from_env = db is not None and ctx.get_parameter_source("db") is click.core.ParameterSource.ENVIRONMENT
+    try:
+        source = resolve(db, from_env, agent)
+    except AgentUnreachable as exc:
+        raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:
+        raise click.UsageError(str(exc), ctx=ctx) from exc
+    if source.said:
+        click.echo(source.said, err=True)
+    return source
+
+
+def _api(source: Source, path: str, params: dict | None = None):
+    """The daemon's answer as JSON; no answer, no token, a bad query: one line, exit 1."""
+    try:
+        return source.fetch_json(path, params)
+    except (AgentUnreachable, LookupError, ValueError) as exc:
+        raise click.ClickException(str(exc).strip("'\"")) from exc
+
+
+def _row(data: dict):
+    """An ``/api/incidents`` row as the store's IncidentRow (the JSON spells non-finite floats as strings)."""
+    from gradloc.store.rows import IncidentRow
+
+    share = data.get("explained_share")
+    return IncidentRow(data["incident_id"], data["trace_id"], data["job"], int(data["step"]), float(data["time_unix"]),
+                       data["status"], tuple(data["kinds"]), float(data["global_norm"]),
+                       tuple(data["ranks_missing"]), None if share is None else float(share), int(data["probes"]))
+
+
 @contextlib.contextmanager
 def _opened(db: Path | None) -> Iterator[IncidentStore]:
     """The store, opened without creating it; store failures become one-line click errors (exit 1)."""
@@ -92,17 +134,23 @@ def incidents() -> None:
 
 @incidents.command("list")
 @_db_option
+@_agent_option
 @_json_option
 @click.option("--job", default=None, help="Only this job.")
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1), help="At most this many.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1, max=10_000), help="At most this many.")
 @_since_option
-def list_cmd(db: Path | None, as_json: bool, job: str | None, limit: int, since: float | None) -> None:
+def list_cmd(db: Path | None, agent: str | None, as_json: bool, job: str | None, limit: int,
+             since: float | None) -> None:
     """The newest incidents first, one line each."""
     from gradloc.agent.render_correlated import incident_table
     from gradloc.records import to_dict
 
-    with _opened(db) as store:
-        rows = store.list_incidents(job=job, limit=limit, since_unix=since)
+    source = _source(db, agent)
+    if source.agent is not None:
+        rows = [_row(r) for r in _api(source, "/api/incidents", {"job": job, "limit": limit, "since": since})]
+    else:
+        with _opened(source.store) as store:
+            rows = store.list_incidents(job=job, limit=limit, since_unix=since)
     if as_json:
         click.echo(json_text([to_dict(r) for r in rows]))
     elif rows:
@@ -114,33 +162,35 @@ def list_cmd(db: Path | None, as_json: bool, job: str | None, limit: int, since:
 @incidents.command("show")
 @click.argument("incident_id")
 @_db_option
+@_agent_option
 @_json_option
 @click.option("--color/--no-color", default=None, help="Highlight culprit tokens [default: when stdout is a terminal].")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the incident page (one self-contained HTML file) here.")
-def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | None, html_file: Path | None) -> None:
+def show_cmd(incident_id: str, db: Path | None, agent: str | None, as_json: bool, color: bool | None,
+             html_file: Path | None) -> None:
     """One incident by its id or one of its rank findings' ids (what the training process printed),
     full or a unique prefix: ranks, shares, culprit spans, each rank's finding."""
-    from gradloc.agent.page_chart import episode_opener, page_steps
     from gradloc.agent.render_correlated import correlated_text
     from gradloc.store import correlated_to_dict
 
-    with _opened(db) as store:
-        inc = store.get_incident(incident_id)
-        if inc is None:
-            raise click.ClickException(f"no incident {incident_id.strip()!r} in {store.path}")
-        steps = page_steps(store, inc) if html_file is not None else []  # the follow-up steps the chart draws
-        opener = episode_opener(store, inc)  # a new-cause incident: the one whose episode it follows
+    source = _source(db, agent)
+    inc, opener, page = _show_from_agent(source, incident_id, html_file) if source.agent is not None else \
+        _show_from_store(source, incident_id, html_file)
     if not inc.incident_id.startswith(incident_id.strip()):
         click.echo(f"{incident_id.strip()} names a rank finding of incident {inc.incident_id}", err=True)
-    from gradloc.agent.links import cli_page_link  # this node's daemon; signed (no token needed) when one is set
+    if source.agent is not None:
+        link = source.page_link(inc.incident_id)
+    elif source.said:  # no flag named the store: the daemon the config names did not answer, no link would open
+        link = None
+    else:  # --db: the page on the daemon the agent config names; signed (no token needed) when one is set
+        from gradloc.agent.links import cli_page_link
 
-    if (link := cli_page_link(inc.incident_id)) is not None:
-        click.echo(f"page: {link}", err=True)
+        link = cli_page_link(inc.incident_id)
+    click.echo(f"page: {link}" if link else "page: none (no gradloc agent serves this store here; --html FILE "
+                                            "writes the page)", err=True)
     if html_file is not None:
-        from gradloc.agent.incident_page import incident_html
-
-        html_file.write_text(incident_html(inc, steps=steps, opener_id=opener), encoding="utf-8")
+        html_file.write_text(page, encoding="utf-8")
         click.echo(f"wrote {html_file}", err=True)
     if as_json:
         click.echo(json_text(correlated_to_dict(inc)))
@@ -149,22 +199,76 @@ def show_cmd(incident_id: str, db: Path | None, as_json: bool, color: bool | Non
     click.echo(correlated_text(inc, color=color, opener_id=opener), color=color)
 
 
+def _show_from_store(source: Source, incident_id: str, html_file: Path | None):
+    """(incident, the id of the incident whose episode it follows, its page HTML or "")."""
+    from gradloc.agent.page_chart import episode_opener, page_steps
+
+    with _opened(source.store) as store:
+        inc = store.get_incident(incident_id)
+        if inc is None:
+            raise click.ClickException(f"no incident {incident_id.strip()!r} in {store.path}")
+        steps = page_steps(store, inc) if html_file is not None else []  # the follow-up steps the chart draws
+        opener = episode_opener(store, inc)  # a new-cause incident: the one whose episode it follows
+    if html_file is None:
+        return inc, opener, ""
+    from gradloc.agent.incident_page import incident_html
+
+    return inc, opener, incident_html(inc, steps=steps, opener_id=opener)
+
+
+def _show_from_agent(source: Source, incident_id: str, html_file: Path | None):
+    """The same through the daemon's API; the page is the daemon's own (its chart reads its store)."""
+    from gradloc.store.incident_json import correlated_from_dict
+
+    key = quoted(incident_id)
+    if not key:
+        raise click.UsageError("an incident id (or a prefix of one) is required")
+    try:
+        inc = correlated_from_dict(source.fetch_json(f"/api/incidents/{key}"))
+    except LookupError as exc:
+        raise click.ClickException(f"no incident {incident_id.strip()!r} at the agent {source.agent}") from exc
+    except (AgentUnreachable, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except (TypeError, KeyError) as exc:
+        raise click.ClickException(f"the agent at {source.agent} sent an incident this CLI cannot read: {exc}") from exc
+    page = ""
+    if html_file is not None:
+        try:
+            page = source.fetch(f"/incidents/{quoted(inc.incident_id)}").decode("utf-8")
+        except (AgentUnreachable, LookupError, ValueError) as exc:
+            raise click.ClickException(str(exc).strip("'\"")) from exc
+    return inc, None, page
+
+
 @incidents.command("export")
 @_db_option
+@_agent_option
 @click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: export always writes JSON Lines.")
 @click.option("--job", default=None, help="Only this job.")
 @_since_option
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write to this file instead of stdout.")
-def export_cmd(db: Path | None, as_json: bool, job: str | None, since: float | None, output: Path | None) -> None:
+def export_cmd(db: Path | None, agent: str | None, as_json: bool, job: str | None, since: float | None,
+               output: Path | None) -> None:
     """Every matching incident, oldest first, as JSON Lines (one correlated incident per line)."""
     from gradloc.store import correlated_to_dict
 
-    with _opened(db) as store, _sink(output) as out:
-        count = 0
-        for inc in store.iter_incidents(job=job, since_unix=since):
-            out.write(json_text(correlated_to_dict(inc), allow_nan=False) + "\n")
-            count += 1
+    source = _source(db, agent)
+    if source.agent is not None:
+        rows = _api(source, "/api/incidents", {"job": job, "since": since, "limit": _API_MAX})
+        if len(rows) == _API_MAX:
+            click.echo(f"the agent lists at most {_API_MAX} incidents: exported the newest {_API_MAX}; "
+                       "--since or --db for the rest", err=True)
+        with _sink(output) as out:
+            for row in reversed(rows):  # the API lists newest first
+                out.write(json_text(_api(source, f"/api/incidents/{quoted(row['incident_id'])}")) + "\n")
+        count = len(rows)
+    else:
+        with _opened(source.store) as store, _sink(output) as out:
+            count = 0
+            for inc in store.iter_incidents(job=job, since_unix=since):
+                out.write(json_text(correlated_to_dict(inc), allow_nan=False) + "\n")
+                count += 1
     if output is not None:
         click.echo(f"exported {count} incident(s) to {output}", err=True)
 

@@ -10,7 +10,8 @@ into a directory a stock Grafana container can mount (``gradloc-agent grafana pr
                -v $DIR/dashboards:/var/lib/grafana/dashboards/gradloc grafana/grafana
 
 Incident links, one daemon per node: an exemplar (a dot on a panel) links to
-``<scheme>://${__data.fields["instance"]}/incidents/trace/<trace id>?sig=${__data.fields["sig"]}``.
+``<scheme>://${__data.fields["instance"]}/incidents/trace/<trace id>``, followed by
+``?sig=${__data.fields["sig"]}`` when the daemons have an auth token (``signed``).
 Grafana fills it in at click time from the exemplar's frame, one field per label: ``instance`` is the
 scrape target Prometheus read the exemplar from (the daemon that holds the incident, whose HTTP server
 serves the page), ``sig`` the signed-link signature that daemon put next to ``trace_id`` (present when
@@ -43,10 +44,12 @@ def agent_scheme(agent_url: str) -> str:
     return scheme if scheme in SCHEMES else SCHEMES[0]
 
 
-def exemplar_links(agent_url: str = AGENT_URL) -> list[dict[str, str]]:
+def exemplar_links(agent_url: str = AGENT_URL, signed: bool = False) -> list[dict[str, str]]:
     """The datasource's exemplar links (``exemplarTraceIdDestinations``): the daemon that holds the
-    incident (the exemplar's ``instance``), then ``agent_url``; both carry the exemplar's ``sig``."""
-    page = '/incidents/trace/${__value.raw}?sig=${__data.fields["sig"]}'
+    incident (the exemplar's ``instance``), then ``agent_url``. ``signed`` (the daemons have an auth
+    token): both carry the exemplar's ``sig``; without a token there is no ``sig`` label, and a link
+    template cannot drop its ``?sig=`` at click time, so the unsigned links have none."""
+    page = '/incidents/trace/${__value.raw}' + ('?sig=${__data.fields["sig"]}' if signed else "")
     per_node = agent_scheme(agent_url) + '://${__data.fields["instance"]}' + page
     return [{"name": "trace_id", "url": per_node, "urlDisplayLabel": "gradloc incident page (its daemon)"},
             {"name": "trace_id", "url": agent_url.rstrip("/") + page, "urlDisplayLabel": "gradloc incident page (agent URL)"}]
@@ -77,8 +80,10 @@ def dashboard_json(name: str, agent_url: str = AGENT_URL, datasource_uid: str | 
     return dash
 
 
-def provision(out: Path, prometheus_url: str = "http://localhost:9090", agent_url: str = AGENT_URL) -> list[Path]:
-    """Write everything under ``out``; returns the files written."""
+def provision(out: Path, prometheus_url: str = "http://localhost:9090", agent_url: str = AGENT_URL,
+              signed: bool = False) -> list[Path]:
+    """Write everything under ``out``; returns the files written. ``signed``: the daemons have an auth token,
+    so exemplar links carry the ``sig`` they mint (:func:`exemplar_links`)."""
     written = []
 
     def put(rel: str, text: str) -> None:
@@ -97,7 +102,7 @@ def provision(out: Path, prometheus_url: str = "http://localhost:9090", agent_ur
         # an exemplar (a dot on a panel; the incident counter and norm histogram carry them) links to its incident
         "    jsonData:\n      exemplarTraceIdDestinations:\n"
         + "".join(f"        - name: {d['name']}\n          url: {json.dumps(_literal(d['url']))}\n"
-                  f"          urlDisplayLabel: {json.dumps(d['urlDisplayLabel'])}\n" for d in exemplar_links(agent_url)))
+                  f"          urlDisplayLabel: {json.dumps(d['urlDisplayLabel'])}\n" for d in exemplar_links(agent_url, signed)))
     put("provisioning/dashboards/gradloc.yaml",
         "apiVersion: 1\nproviders:\n"
         "  - name: gradloc\n    folder: gradloc\n    type: file\n    disableDeletion: false\n"

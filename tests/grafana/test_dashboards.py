@@ -95,9 +95,35 @@ def test_a_wrong_expectation_fails_promtool(tmp_path: Path) -> None:
     assert res.returncode == 1 and "FAILED" in res.stdout + res.stderr
 
 
+NO_AGENT_CONFIG = {"GRADLOC_AGENT_CONFIG": None, "GRADLOC_AGENT_AUTH_TOKEN": None, "GRADLOC_AGENT_AUTH_TOKEN_FILE": None}
+
+
+def _exemplar_urls(out: Path) -> list[str]:
+    source = yaml.safe_load((out / "provisioning/datasources/gradloc.yaml").read_text())["datasources"][0]
+    return [provisioned(d["url"]) for d in source["jsonData"]["exemplarTraceIdDestinations"]]
+
+
+def test_exemplar_links_carry_sig_only_for_daemons_with_a_token(tmp_path: Path) -> None:
+    """Without a token a daemon mints no ``sig``: the links end at the trace id (no dangling ``?sig=``); with
+    one (the agent config's token, or --signed-links) they carry the exemplar's ``sig``."""
+    page = "/incidents/trace/${__value.raw}"
+    sig = '?sig=${__data.fields["sig"]}'
+    cases = [([], NO_AGENT_CONFIG, ""), (["--signed-links"], NO_AGENT_CONFIG, sig),
+             ([], {**NO_AGENT_CONFIG, "GRADLOC_AGENT_AUTH_TOKEN": "t" * 32}, sig),
+             (["--no-signed-links"], {**NO_AGENT_CONFIG, "GRADLOC_AGENT_AUTH_TOKEN": "t" * 32}, "")]
+    for i, (flags, env, tail) in enumerate(cases):
+        out = tmp_path / str(i)
+        res = CliRunner().invoke(main, ["grafana", "provision", str(out), "--agent-url", "http://agent:9917", *flags],
+                                 env=env)
+        assert res.exit_code == 0, res.output
+        assert _exemplar_urls(out) == ['http://${__data.fields["instance"]}' + page + tail,
+                                       "http://agent:9917" + page + tail], (flags, env)
+        assert ("do not carry ?sig=" in res.stderr) == (tail == "")
+
+
 def test_provision_and_export_cli(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["grafana", "provision", str(tmp_path), "--prometheus-url", "http://prom:9090",
-                                    "--agent-url", "http://agent:9917"])
+                                    "--agent-url", "http://agent:9917", "--signed-links"], env=NO_AGENT_CONFIG)
     assert res.exit_code == 0, res.output
     dashes = sorted((tmp_path / "dashboards").glob("*.json"))
     assert len(dashes) == 5

@@ -137,7 +137,7 @@ def _check_exemplar_links(tmp_path: Path, prom: PromHandle, held: dict[str, str]
     """The provisioned datasource's exemplar links, built from the exemplars Prometheus returns for the
     'Incidents per hour by status' panel's query."""
     out = tmp_path / "grafana"
-    provision(out, agent_url=f"http://{next(iter(held))}")  # --agent-url: the first daemon (a single-URL setup)
+    provision(out, agent_url=f"http://{next(iter(held))}", signed=True)  # the first daemon (a single-URL setup)
     source = yaml.safe_load((out / "provisioning/datasources/gradloc.yaml").read_text())["datasources"][0]
     per_node, single = ({**d, "url": provisioned(d["url"])} for d in source["jsonData"]["exemplarTraceIdDestinations"])
     tokens = dashboard_json("tokens")
