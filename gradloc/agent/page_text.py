@@ -8,9 +8,9 @@ collapsed into one ``N × token`` element, so no run makes one unbreakable line 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator, Sequence
 
+from gradloc.agent.escape import repeats
 from gradloc.agent.page_chart import esc as _e
 from gradloc.agent.page_chart import num as _num
 from gradloc.agent.render import group_text
@@ -18,9 +18,7 @@ from gradloc.records import Incident
 from gradloc.reports import CorrelatedIncident, RankSpan
 
 MIN_RUN = 4  # identical tokens in a row shown as one "N × token"
-MIN_CHAR_RUN = 8  # repeats of one short unit (1-8 characters) in a context string collapsed the same way
 CONTEXT_CHARS = 160  # the answer block shows at most this much context each side of the culprit text
-_REPEAT = re.compile(r"(.{1,8}?)\1{%d,}" % (MIN_CHAR_RUN - 1), re.S)
 
 
 def pct(x: float | None) -> str:
@@ -31,24 +29,13 @@ def run_html(count: int, unit: str) -> str:
     return f'<span class="run" title="{count} identical in a row">{count} × {_e(unit)}</span>'
 
 
-def _segments(text: str) -> list[tuple[str, int]]:
-    """``text`` as (piece, 1) plain pieces and (unit, N) runs of >= MIN_CHAR_RUN repeats of a 1-8 character unit."""
-    out, at = [], 0
-    for m in _REPEAT.finditer(text):
-        if m.start() > at:
-            out.append((text[at:m.start()], 1))
-        out.append((m.group(1), len(m.group(0)) // len(m.group(1))))
-        at = m.end()
-    return out + ([(text[at:], 1)] if at < len(text) else [])
-
-
 def _render(segments: Sequence[tuple[str, int]]) -> str:
     return "".join(_e(piece) if n == 1 else run_html(n, piece) for piece, n in segments)
 
 
 def collapsed(text: str | None) -> str:
     """``text`` escaped for HTML with every run of >= MIN_CHAR_RUN repeats of a 1-8 character unit as "N × unit"."""
-    return _e(None) if text is None else _render(_segments(text))
+    return _e(None) if text is None else _render(repeats(text))
 
 
 def token_runs(tokens: Sequence[str], keys: Sequence[object]) -> Iterator[tuple[int, int]]:
@@ -68,7 +55,7 @@ def token_runs(tokens: Sequence[str], keys: Sequence[object]) -> Iterator[tuple[
 def _clip(text: str | None, keep_end: bool) -> str:
     """The context nearest the culprit, collapsed: plain characters up to CONTEXT_CHARS from the culprit's side
     (a run counts as its "N × unit" and is kept whole), "…" where more was left out."""
-    segments = _segments(text or "")
+    segments = repeats(text or "")
     if keep_end:
         segments = [(piece[::-1], n) for piece, n in reversed(segments)]
     kept, room = [], CONTEXT_CHARS
