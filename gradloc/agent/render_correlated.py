@@ -18,7 +18,7 @@ from gradloc.store.rows import IncidentRow
 
 _LIST_HEADER = ("ID", "TIME", "JOB", "STEP", "STATUS", "KINDS", "‖∇‖", "EXPLAINED", "MISSING")
 _RANK_HEADER = ("RANK", "SHARE", "‖∇‖", "LOSS", "FLAGGED", "STATUS", "PROBES")
-FLAGGED_SHOWN = 5  # flagged layers named in the header (the rest: "+N more")
+FLAGGED_SHOWN = 5  # layers named in the header, largest share of ‖∇‖² first (the rest: "+N more")
 
 
 def local_time(t: float, offset: bool = False) -> str:
