@@ -34,6 +34,29 @@ def visible(text: str | None) -> str:
     return "?" if text is None else _CONTROL.sub(lambda m: _esc(m.group(0)), text)
 
 
+MIN_CHAR_RUN = 8  # repeats of one short unit (1-8 characters) shown once with its count
+_REPEAT = re.compile(r"(.{1,8}?)\1{%d,}" % (MIN_CHAR_RUN - 1), re.S)
+
+
+def repeats(text: str) -> list[tuple[str, int]]:
+    """``text`` as (piece, 1) plain pieces and (unit, N) runs of >= MIN_CHAR_RUN repeats of a 1-8 character
+    unit: a sample of 10,000 identical tokens is one run, shown as "10000 × unit", not one unbreakable line."""
+    out, at = [], 0
+    for m in _REPEAT.finditer(text):
+        if m.start() > at:
+            out.append((text[at:m.start()], 1))
+        out.append((m.group(1), len(m.group(0)) // len(m.group(1))))
+        at = m.end()
+    return out + ([(text[at:], 1)] if at < len(text) else [])
+
+
+def visible_runs(text: str | None) -> str:
+    """:func:`visible` with each run of :func:`repeats` written once with its count: ``⟨121 × \\x00⟩``."""
+    if text is None:
+        return visible(text)
+    return "".join(visible(piece) if n == 1 else f"⟨{n} × {visible(piece)}⟩" for piece, n in repeats(text))
+
+
 def terminal(text: str) -> str:
     """A rendered block: control characters escaped, except gradloc's own colour codes and line breaks."""
     return _TERMINAL.sub(lambda m: m.group(1) or _esc(m.group(2)), text)

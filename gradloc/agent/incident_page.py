@@ -21,13 +21,18 @@ from typing import Any
 from gradloc.agent.page_chart import esc as _e
 from gradloc.agent.page_chart import history_section
 from gradloc.agent.page_chart import num as _num
+from gradloc.agent.page_text import answer_html, collapsed, run_html, token_runs
 from gradloc.agent.render import group_text
-from gradloc.agent.render_correlated import flagged_layers_text, ranks_text
+from gradloc.agent.render_correlated import flagged_layers_text, header_note, layer_shares, ranks_summary
 from gradloc.records import Culprit, Incident, SampleOutlier
 from gradloc.reports import CorrelatedIncident
 from gradloc.store.rows import IncidentRow
 
-_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222}
+_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:1em auto;max-width:70em;padding:0 1em;color:#222;
+overflow-wrap:anywhere}h1{margin:.2em 0}td{overflow-wrap:anywhere}.kv td:first-child,th{white-space:nowrap}
+.answer{border:2px solid #c0392b;border-radius:4px;padding:.1em .9em;margin:.5em 0 1em;background:#fff8f6}
+.answer p{margin:.35em 0}.answer .tok{background:rgba(231,76,60,.35)}.verdict{font-size:1.15em}.answer .text{max-height:9em;overflow-y:auto}
+.run{background:#eee;border:1px dashed #999;border-radius:2px;padding:0 .2em;margin:0 .1em}
 h1{font-size:1.4em}table{border-collapse:collapse}td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:left}
 .text{font-family:ui-monospace,monospace;white-space:pre-wrap;background:#fafafa;padding:.6em;border:1px solid #ddd}
 .tok{border-radius:2px;outline:1px solid #c0392b}.w{border-radius:2px}.ctx{color:#777}.bar{background:#e67e22;height:.8em;display:inline-block}
@@ -52,7 +57,7 @@ def incident_html(inc: CorrelatedIncident, steps: Sequence[Any] = (), opener_id:
     ``opener_id``: the incident a new-cause incident follows (:func:`gradloc.agent.page_chart.episode_opener`),
     linked at ``base`` + its id."""
     parts = [f"<h1>Incident <code>{_e(inc.incident_id[:12])}</code> · job {_e(inc.job)} · step {inc.step}</h1>",
-             _follows(inc, opener_id, base), _summary(inc), history_section(inc, steps)]
+             answer_html(inc, header_note(inc)), _follows(inc, opener_id, base), _summary(inc), history_section(inc, steps)]
     for f in inc.findings:
         parts.append(_finding(f))
     return _page(f"gradloc incident {inc.incident_id[:12]}", "".join(parts))
@@ -72,12 +77,11 @@ def _follows(inc: CorrelatedIncident, opener_id: str | None, base: str) -> str:
 
 
 def _summary(inc: CorrelatedIncident) -> str:
-    ranks = (f"reported {ranks_text(inc.ranks_reported)} · missing {ranks_text(inc.ranks_missing)}"
-             + (f" (expected {ranks_text(inc.ranks_expected)})" if inc.ranks_expected else ""))
+    ranks = ranks_summary(inc)
+    layers = flagged_layers_text(inc) if inc.top_layers or layer_shares(inc) else "none"
     rows = [("status", inc.status), ("kinds", ", ".join(inc.kinds) or "—"), ("global ‖∇‖", _num(inc.global_norm)),
             ("explained share", _pct(inc.explained_share)), ("probes", inc.probes), ("ranks", ranks),
-            ("flagged layers", flagged_layers_text(inc) if inc.top_layers else "none"),
-            ("trace id", inc.trace_id), ("note", inc.note or "—")]
+            ("layers", layers), ("trace id", inc.trace_id), ("note", header_note(inc) or "—")]
     return '<table class="kv">' + "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
@@ -177,25 +181,42 @@ def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001
 
 
 def _culprits_only(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001 - CulpritSpan
-    toks = "".join(f'<span class="tok" style="background:rgba(231,76,60,{_alpha(c.share, top):.2f})" '
-                   f'title="position {c.position} · share {_pct(c.share)}">{_e(c.text)}</span>' for c in culprits)
-    return (f'<div class="text"><span class="ctx">…{_e(span.context_before)}</span>{toks}<span class="ctx">'
-            f'{_e(span.context_after)}…</span></div>')
+    texts = [c.text for c in culprits]
+    toks = []
+    for i, j in token_runs(texts, [None] * len(texts)):  # identical culprit tokens in a row: one "N × token"
+        run, share = culprits[i:j], max((c.share for c in culprits[i:j]), default=0.0)
+        where = f"position {run[0].position}" if j - i == 1 else f"positions {run[0].position}–{run[-1].position}"
+        body = _e(run[0].text) if j - i == 1 else run_html(j - i, run[0].text)
+        toks.append(f'<span class="tok" style="background:rgba(231,76,60,{_alpha(share, top):.2f})" '
+                    f'title="{where} · share {_pct(share)}">{body}</span>')
+    return (f'<div class="text"><span class="ctx">…{collapsed(span.context_before)}</span>{"".join(toks)}'
+            f'<span class="ctx">{collapsed(span.context_after)}…</span></div>')
 
 
 def _window(span, culprits: Sequence[Culprit]) -> str:  # noqa: ANN001 - CulpritSpan
-    """Every window token coloured by its score share (relative to the window's largest); culprits outlined."""
+    """Every window token coloured by its score share (relative to the window's largest); culprits outlined.
+    A run of MIN_RUN or more identical tokens of the same kind (culprit or not) is one "N × token" element."""
     measured = {c.position: c.share for c in culprits}
     top = max((x for x in span.window_scores if math.isfinite(x)), default=0.0)
+    tokens = list(span.window_tokens[:len(span.window_scores)])  # (as zip: a token without a score is left out)
+    kind = [span.start <= span.window_start + i < span.end for i in range(len(tokens))]
     out = []
-    for i, (text, score) in enumerate(zip(span.window_tokens, span.window_scores)):
-        pos = span.window_start + i
+    for i, j in token_runs(tokens, kind):
+        first, last, culprit = span.window_start + i, span.window_start + j - 1, kind[i]
+        scores = [x for x in span.window_scores[i:j] if math.isfinite(x)]
+        score = max(scores, default=math.nan)
         alpha = 0.85 * score / top if top > 0 and math.isfinite(score) else 0.0
-        culprit = span.start <= pos < span.end
-        title = f"position {pos} · score share {_pct(score)}" + (
-            f" · culprit, share of ‖∇‖² {_pct(measured.get(pos))}" if culprit else "")
+        if j - i == 1:
+            title = f"position {first} · score share {_pct(score)}" + (
+                f" · culprit, share of ‖∇‖² {_pct(measured.get(first))}" if culprit else "")
+            body = _e(tokens[i])
+        else:
+            shares = [measured[p] for p in range(first, last + 1) if p in measured and math.isfinite(measured[p])]
+            title = f"positions {first}–{last} · score share up to {_pct(score)}" + (
+                f" · culprits, share of ‖∇‖² {_pct(sum(shares)) if shares else '—'}" if culprit else "")
+            body = run_html(j - i, tokens[i])
         out.append(f'<span class="{"tok" if culprit else "w"}" style="background:rgba(231,76,60,'
-                   f'{max(alpha, 0.15) if culprit else alpha:.2f})" title="{title}">{_e(text)}</span>')
+                   f'{max(alpha, 0.15) if culprit else alpha:.2f})" title="{title}">{body}</span>')
     after = "" if span.context_after == "" else "…"  # "": the sample ends inside the window
     return f'<div class="text">{"…" if span.window_start > 0 else ""}{"".join(out)}{after}</div>'
 
@@ -235,7 +256,7 @@ def _outliers(outliers: Sequence[SampleOutlier]) -> str:
             "<th>baseline</th><th>text</th></tr>")
     body = "".join(f"<tr><td>{_e(o.job)}</td><td>{o.rank}</td><td>{o.step}</td><td>{_e(o.kind)}</td><td>{_where(o)}</td>"
                    f"<td>{_num(o.score)}</td><td>{_num(o.z)}</td><td>{_num(o.baseline)}</td>"
-                   f'<td class="text" title="{_e(o.detail)}">{_e(o.text)}</td></tr>' for o in outliers)
+                   f'<td class="text" title="{_e(o.detail)}">{collapsed(o.text)}</td></tr>' for o in outliers)
     return (f"<h2>Sample outliers</h2><p class=\"muted\">Findings, not incidents: samples whose surprise stands out "
             f"against the run's history, sustained RL mismatch.</p><table>{head}{body}</table>")
 

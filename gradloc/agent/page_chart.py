@@ -172,7 +172,7 @@ def norm_chart(points: Sequence[StepPoint], incident_step: int, line: float | No
     if _finite(line) and after:
         out.append(f'<line class="ref" x1="{xs(incident_step):.1f}" x2="{xs(max(after)):.1f}" y1="{y(line):.1f}" '
                    f'y2="{y(line):.1f}" stroke="{_RED}" stroke-opacity=".5" stroke-dasharray="2 3">'
-                   f"<title>the grad_spike line at the incident: {num(line)}</title></line>")
+                   f"<title>the detector's ‖∇‖ line at the incident step: {num(line)}</title></line>")
     out += _polylines([(xs(p.step), y(p.global_norm)) if _finite(p.global_norm) else None for p in points],
                       _BLUE, "norm")
     out.append(_marker(xs, incident_step, height))
@@ -270,7 +270,7 @@ def history_section(inc: CorrelatedIncident, steps: Sequence[Any] = (), follow_r
                        "incident closed (or it was stored by an older gradloc)</p>")
     legend = ('<p class="muted legend">blue: global ‖∇‖ (log scale) · green: the detector\'s band, from the healthy '
               "mean (dashed) up to the grad_spike line a norm must cross · red: the incident and steps above their "
-              "line · dotted red: the line at the incident, over the steps after it (the store keeps no band)</p>")
+              "line · dotted red: the line at the incident step, over the steps after it (the store keeps no band)</p>")
     return (head + norm_chart(points, inc.step, line) + loss_chart(points, inc.step) + legend
             + _follow_up(points, inc, line, follow_rows))
 
@@ -287,13 +287,29 @@ def _follow_up(points: Sequence[StepPoint], inc: CorrelatedIncident, line: float
         f"<td>{'yes' if p in above else ('—' if not _finite(line) or not _finite(p.global_norm) else 'no')}</td></tr>"
         for p in after[:rows])
     more = f'<p class="muted">+{len(after) - rows} more step(s) in the chart</p>' if len(after) > rows else ""
-    return (f'<details class="follow"><summary>Follow-up steps: {len(after)} after the incident, {len(above)} above the '
-            f"line it crossed ({num(line)})</summary><p class=\"muted\">The detector folds flagged steps within its "
+    return (f'<details class="follow"><summary>Follow-up steps: {len(after)} after the incident, {len(above)} above '
+            f"{_line_words(inc, line, points)}</summary><p class=\"muted\">The detector folds flagged steps within its "
             "episode horizon into this incident's episode instead of opening new incidents, unless a step brings a new "
             "cause (new culprit samples shown to be bad data): that step is its own incident, which names this one's "
             "step.</p><table class=\"num\">"
             f"<tr><th>step</th><th>‖∇‖</th><th>× healthy mean</th><th>loss</th><th>above the line</th></tr>{cells}"
             f"</table>{more}</details>")
+
+
+def _line_words(inc: CorrelatedIncident, line: float | None, points: Sequence[StepPoint]) -> str:
+    """The line the follow-up steps are compared with, in true words: the detector's grad_spike line (the
+    warm-up line during the warm-up) at the incident step. A step flagged for another reason (a loss, layer
+    or token spike) may sit under it: then said, with its norm and kinds, never "the line it crossed"."""
+    if not _finite(line):
+        return "the detector's line at the incident step (unknown: no band was recorded)"
+    words = f"the detector's ‖∇‖ line at the incident step ({num(line)})"
+    own = next((p.global_norm for p in points if p.step == inc.step), inc.global_norm)  # the charted rank's
+    if _finite(own) and own <= line:
+        kinds = ", ".join(str(k) for k in inc.kinds if k not in ("grad_spike", "warmup_spike")) or "another check"
+        words += f"; the incident step's own ‖∇‖ {num(own)} was under it: it was flagged by {esc(kinds)}"
+    elif _finite(own):
+        words += f", which the incident step's ‖∇‖ {num(own)} crossed"
+    return words
 
 
 def _ratio(x: float, mean: float | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-from gradloc.agent.escape import terminal, visible
+from gradloc.agent.escape import terminal, visible, visible_runs
 from gradloc.records import (
     Classification,
     Culprit,
@@ -34,8 +34,9 @@ def _visible(text: str | None) -> str:
 
 
 def highlight(span: CulpritSpan, color: bool) -> str:
-    """Context before, the culprit tokens (highlighted, or in [[ ]] without colour), context after."""
-    before, text, after = _visible(span.context_before), _visible(span.text), _visible(span.context_after)
+    """Context before, the culprit tokens (highlighted, or in [[ ]] without colour), context after; a run of
+    repeats shown once with its count (``⟨121 × \\x00⟩``: a flood of identical tokens is not a 40,000-character line)."""
+    before, text, after = (visible_runs(x) for x in (span.context_before, span.text, span.context_after))
     if color:
         return f"{_DIM}…{before}{_OFF}{_HL}{text}{_OFF}{_DIM}{after}…{_OFF}"
     return f"…{before}[[{text}]]{after}…"

@@ -18,7 +18,7 @@ from gradloc.store.rows import IncidentRow
 
 _LIST_HEADER = ("ID", "TIME", "JOB", "STEP", "STATUS", "KINDS", "‖∇‖", "EXPLAINED", "MISSING")
 _RANK_HEADER = ("RANK", "SHARE", "‖∇‖", "LOSS", "FLAGGED", "STATUS", "PROBES")
-FLAGGED_SHOWN = 5  # flagged layers named in the header (the rest: "+N more")
+FLAGGED_SHOWN = 5  # layers named in the header, largest share of ‖∇‖² first (the rest: "+N more")
 
 
 def local_time(t: float, offset: bool = False) -> str:
@@ -86,43 +86,91 @@ def _header(inc: CorrelatedIncident, b, opener_id: str | None = None) -> list[st
              f"  time {local_time(inc.time_unix, offset=True)}{closed}",
              (f"  detected: {', '.join(inc.kinds) or 'nothing'} — ‖∇‖ {_num(inc.global_norm)}; culprits "
               f"explain {_pct(inc.explained_share)} of ‖∇‖² (best verified rank), {inc.probes} probe(s) over all ranks"),
-             (f"  ranks: expected {ranks_text(inc.ranks_expected)} · reported {ranks_text(inc.ranks_reported)} · "
-              f"missing {ranks_text(inc.ranks_missing)}")]
-    if inc.top_layers:
-        lines.append(f"  flagged layers: {flagged_layers_text(inc)}")
+             f"  ranks: {ranks_summary(inc)}"]
+    if inc.top_layers or layer_shares(inc):
+        lines.append(f"  layers: {flagged_layers_text(inc)}")
     if inc.follows is not None:
         opener = f" (id {opener_id})" if opener_id else ""
         lines.append(f"  follows: the incident of step {inc.follows}{opener}, whose episode this step is a new cause in")
     if inc.detail:
         lines.append(f"  detector: {inc.detail}")
-    if inc.note:
-        lines.append(f"  note: {inc.note}")
+    if header_note(inc):
+        lines.append(f"  note: {header_note(inc)}")
     return lines
+
+
+def ranks_summary(inc: CorrelatedIncident) -> str:
+    """The ranks counted for what they are: "single process (rank 0)" for a one-process run, else
+    "3 expected (0–2) · 2 reported (0–1) · 1 missing (2)" (counts first: "expected 0" read as zero ranks)."""
+    exp, rep, mis = inc.ranks_expected, inc.ranks_reported, inc.ranks_missing
+    if len(exp) == 1 and set(rep) <= set(exp) and not mis:
+        return f"single process (rank {exp[0]})"
+
+    def part(word: str, ranks: Sequence[int]) -> str:
+        return f"{len(ranks)} {word}" + (f" ({ranks_text(ranks)})" if ranks else "")
+
+    expected = part("expected", exp) if exp else "world size unknown"
+    return f"{expected} · {part('reported', rep)} · {part('missing', mis) if mis else 'none missing'}"
+
+
+def header_note(inc: CorrelatedIncident) -> str:
+    """The incident's note (the correlator's, e.g. a rank that missed its deadline), then each finding's
+    localization note (why it stopped where it did), prefixed with its rank when several ranks reported."""
+    notes = [inc.note] if inc.note else []
+    many = len(inc.findings) > 1
+    for f in sorted(inc.findings, key=lambda f: f.rank):
+        loc = f.localization
+        if loc is not None and loc.note:
+            text = f"rank {f.rank}: {loc.note}" if many else loc.note
+            if text not in notes:
+                notes.append(text)
+    return "; ".join(notes)
 
 
 def layer_shares(inc: CorrelatedIncident) -> dict[str, float]:
     """Each layer's share of ‖∇‖² at the spike, (layer norm / global norm)², the largest over the findings
     (a finding lists every layer since the z field, the five largest before)."""
-    out: dict[str, float] = {}
+    return {name: share for name, (share, _) in _layer_view(inc).items()}
+
+
+def _layer_view(inc: CorrelatedIncident) -> dict[str, tuple[float, float | None]]:
+    """layer -> (share of ‖∇‖², z of the finding with that largest share)."""
+    out: dict[str, tuple[float, float | None]] = {}
     for f in inc.findings:
         g = f.spike.global_norm
         for s in f.top_layers:
             if math.isfinite(g) and g > 0 and math.isfinite(s.grad_norm):
-                out[s.layer] = max(out.get(s.layer, 0.0), (s.grad_norm / g) ** 2)
+                share = (s.grad_norm / g) ** 2
+                if s.layer not in out or share > out[s.layer][0]:
+                    out[s.layer] = (share, s.z)
     return out
 
 
 def flagged_layers_text(inc: CorrelatedIncident, k: int = FLAGGED_SHOWN) -> str:
-    """The ``k`` flagged layers that matter most (largest share of ‖∇‖² first; layers without a known share
-    after, in the detector's order), then "+N more" and how many of the model's layers were flagged."""
-    shares = layer_shares(inc)
-    order = sorted(inc.top_layers, key=lambda name: -shares.get(name, -1.0))  # stable: unknown shares keep z order
-    shown = ", ".join(f"{name} {_pct(shares[name])}" if name in shares else name for name in order[:k])
-    more = f" +{len(order) - k} more" if len(order) > k else ""
-    complete = [len(f.top_layers) for f in inc.findings if any(s.z is not None for s in f.top_layers)]
-    total = f" of {max(complete)}" if complete else ""
-    what = "; % of ‖∇‖²" if any(name in shares for name in order[:k]) else ""
-    return f"{shown}{more} ({len(order)}{total} layer(s) above the layer z threshold{what})"
+    """The ``k`` layers that carry the most of ‖∇‖² (largest share first, its z beside, the layers the
+    detector flagged marked ▲), then "+N more" and how many of the model's layers were flagged. Without
+    shares (a client before the z field sent five layers, or no finding), the flagged names in the
+    detector's order (largest z first)."""
+    view = _layer_view(inc)
+    flagged = set(inc.top_layers)
+    listed = [f for f in inc.findings if any(s.z is not None for s in f.top_layers)]
+    total = f" of {max(len(f.top_layers) for f in listed)}" if listed else ""
+    count = f"{len(flagged)}{total} layer(s) flagged ▲: z above the layer z threshold"
+    if not view:
+        shown = ", ".join(inc.top_layers[:k])
+        more = f" +{len(inc.top_layers) - k} more" if len(inc.top_layers) > k else ""
+        return f"{shown}{more} ({count})"
+    names = sorted(view, key=lambda n: -view[n][0])  # largest share of ‖∇‖² first
+    names += [n for n in inc.top_layers if n not in view]  # flagged, share unknown: last, detector's order
+
+    def one(name: str) -> str:
+        if name not in view:
+            return f"{name} ▲"
+        share, z = view[name]
+        return f"{name} {_pct(share)}{'' if z is None else f' (z {_num(z)})'}{' ▲' if name in flagged else ''}"
+
+    more = f" +{len(names) - k} more" if len(names) > k else ""
+    return f"{', '.join(one(n) for n in names[:k])}{more} (% of ‖∇‖², largest first; {count})"
 
 
 def _rank_table(inc: CorrelatedIncident) -> list[str]:

@@ -42,3 +42,22 @@ def test_json_is_valid_and_escapes_c1_and_bidi() -> None:
     text = json_text({"t": EVIL})
     assert json.loads(text) == {"t": EVIL}
     assert not any(ch in text for ch in RAW)
+
+
+def test_runs_of_repeats_are_shown_once_with_their_count():
+    """Issue 33's bad input (a sample of 10,000 identical tokens): one "N × unit", in the terminal as on the page."""
+    from gradloc.agent.escape import MIN_CHAR_RUN, repeats, visible_runs
+
+    assert repeats("ab" + "\x00" * 10_000 + "cd") == [("ab", 1), ("\x00", 10_000), ("cd", 1)]
+    assert repeats("xy" * MIN_CHAR_RUN) == [("xy", MIN_CHAR_RUN)]
+    assert repeats("xy" * (MIN_CHAR_RUN - 1)) == [("xy" * (MIN_CHAR_RUN - 1), 1)]  # too few: as written
+    assert visible_runs("a" + "\x1b" * 9) == "a⟨9 × \\x1b⟩" and visible_runs(None) == "?"
+
+
+def test_the_cli_prints_a_flood_of_identical_tokens_as_one_count():
+    from gradloc.agent.render_correlated import correlated_text
+    from tests.store.fixtures import flooded_incident
+
+    text = correlated_text(flooded_incident(), color=False)
+    assert "…⟨4939 × \\x00⟩[[⟨121 × \\x00⟩]]⟨4940 × \\x00⟩…" in text
+    assert max(len(line) for line in text.splitlines()) < 300 and "\x00" not in text

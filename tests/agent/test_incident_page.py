@@ -298,9 +298,10 @@ def test_samples_show_their_attributed_and_measured_shares():
 
 def test_ranks_and_numbers_read_as_words_not_python():
     page = incident_html(make_incident())
-    assert "reported 0–1 · missing 2 (expected 0–2)" in page and "[0" not in page and "()" not in page
+    assert "3 expected (0–2) · 2 reported (0–1) · 1 missing (2)" in page and "[0" not in page and "()" not in page
     assert "(4.38× the healthy mean)" in page  # 3.5 against 0.8
-    assert "blocks.1.proj 0.0% (1 layer(s) above the layer z threshold; % of ‖∇‖²)" in page
+    assert ("blocks.1.proj 0.0% ▲, head 0.0% (% of ‖∇‖², largest first; 1 layer(s) flagged ▲: z above the layer "
+            "z threshold)") in page
 
 
 def test_a_wide_window_is_drawn_whole():
@@ -374,3 +375,99 @@ def test_a_follow_up_links_its_episode_s_incident():
     assert f'<a href="/incidents/{"ab" * 16}">the incident of step 1190</a>' in page and "&lt;y&gt;" in page
     assert "the incident of step 1190 (not in this store)" in incident_html(follow)  # opener unknown: no link
     assert 'class="follows"' not in incident_html(inc, opener_id="ab" * 16)  # not a follow-up: nothing
+
+
+# -- issue 33: the words, and a page that leads with the answer --------------------------------------
+
+def test_a_one_process_run_reads_single_process_on_the_page_and_in_the_cli():
+    from gradloc.agent.render_correlated import correlated_text, ranks_summary
+    from tests.store.fixtures import flooded_incident
+
+    inc = flooded_incident(tokens=40, culprits=4)
+    assert ranks_summary(inc) == "single process (rank 0)"
+    assert "<td>ranks</td><td>single process (rank 0)</td>" in incident_html(inc)
+    assert "  ranks: single process (rank 0)" in correlated_text(inc, color=False)
+    assert "expected 0 ·" not in correlated_text(inc, color=False)
+    assert ranks_summary(replace(inc, ranks_expected=())) == "world size unknown · 1 reported (0) · none missing"
+
+
+def test_the_header_note_is_the_localizations_note_when_the_incident_has_none():
+    from gradloc.agent.render_correlated import correlated_text, header_note
+    from tests.store.fixtures import flooded_incident
+
+    inc = flooded_incident(tokens=40, culprits=4)
+    note = inc.findings[0].localization.note
+    assert inc.note == "" and note and header_note(inc) == note
+    assert f"<td>note</td><td>{note.replace(chr(39), '&#x27;')}</td>" in incident_html(inc)
+    assert f"  note: {note}" in correlated_text(inc, color=False)
+    two = make_incident()  # the correlator's note first, then each rank's own (rank-prefixed: two reported)
+    f1 = replace(two.findings[1], localization=replace(two.findings[1].localization, note="ran out of probes"))
+    assert header_note(replace(two, findings=(two.findings[0], f1))) == \
+        "rank 2 missed the straggler deadline; rank 1: ran out of probes"
+
+
+def test_the_layers_line_leads_with_the_largest_share_even_unflagged_z_beside():
+    """Issue 33: transformer.wte carried 31.7% (not flagged) while the header led with h.2.* at 3–4% (flagged)."""
+    from gradloc.agent.render_correlated import flagged_layers_text
+    from gradloc.records import LayerStats
+
+    inc = make_incident()
+    f0 = inc.findings[0]
+    g = f0.spike.global_norm
+    norms = {"transformer.wte": 0.317, "h.2.attn": 0.04, "h.2.mlp": 0.03, "h.0.mlp": 0.001}
+    zs = {"transformer.wte": 1.2, "h.2.attn": 9.0, "h.2.mlp": 12.0, "h.0.mlp": 0.1}
+    layers = tuple(LayerStats(layer=n, grad_norm=g * math.sqrt(s), grad_max_abs=1.0, nonfinite=0, param_norm=1.0,
+                              numel=4, z=zs[n]) for n, s in norms.items())
+    f0 = replace(f0, top_layers=layers, spike=replace(f0.spike, layers=("h.2.mlp", "h.2.attn")))
+    inc = replace(inc, findings=(f0,), top_layers=("h.2.mlp", "h.2.attn"))  # the detector's order: largest z first
+    assert flagged_layers_text(inc, k=3) == (
+        "transformer.wte 31.7% (z 1.2), h.2.attn 4.0% (z 9) ▲, h.2.mlp 3.0% (z 12) ▲ +1 more (% of ‖∇‖², largest "
+        "first; 2 of 4 layer(s) flagged ▲: z above the layer z threshold)")
+
+
+def test_the_follow_up_line_is_named_truly_when_the_incident_step_was_under_it():
+    """Issue 33: "1 above the line it crossed (1.994)" for a step whose norm was 1.668 (flagged by another check)."""
+    from gradloc.reports import StepPoint
+
+    inc = make_incident()
+    hist = tuple(StepPoint(rank=0, step=s, global_norm=1.668 if s == 1200 else 0.9, loss=2.0, norm_mean=0.9,
+                           norm_threshold=1.994) for s in range(1190, 1201))
+    rows = [StepPoint(rank=0, step=1201, global_norm=2.5, loss=2.0), StepPoint(rank=0, step=1202, global_norm=0.9, loss=2.0)]
+    under = incident_html(replace(inc, history=hist, kinds=("layer_spike", "loss_spike")), steps=rows)
+    assert ("2 after the incident, 1 above the detector's ‖∇‖ line at the incident step (1.994); the incident "
+            "step's own ‖∇‖ 1.668 was under it: it was flagged by layer_spike, loss_spike</summary>") in under
+    assert "line it crossed" not in under
+    over = incident_html(replace(inc, history=hist[:-1] + (replace(hist[-1], global_norm=3.5),)), steps=rows)
+    assert "1 above the detector's ‖∇‖ line at the incident step (1.994), which the incident step's ‖∇‖ 3.5 crossed" in over
+
+
+def test_the_answer_opens_the_page_and_10000_identical_tokens_collapse():
+    """Issue 33's bad input: the verdict, level, culprit text and share come before the summary table; the
+    sample of 10,000 ``\\x00`` tokens is a handful of "N × \\x00" runs, not 10,000 spans."""
+    from tests.store.fixtures import flooded_incident
+
+    page = incident_html(flooded_incident())
+    answer = page[page.index('<section class="answer">'):page.index("</section>")]
+    assert page.index('<section class="answer">') < page.index('<table class="kv">')
+    assert "<b>located</b> at the <b>sample</b> level: culprits carry <b>94.0%</b>" in answer
+    assert "share <b>94.0%</b> of ‖∇‖²" in answer
+    assert '<span class="tok top"><span class="run" title="121 identical in a row">121 × \\x00</span></span>' in answer
+    assert "4939 × \\x00" in answer and "4940 × \\x00" in answer  # the context each side, whole runs
+    window = page[page.index("<h3>micro-batch 1 · sample 0"):]
+    assert [t[3] for t in _tokens(window)] == ["4939 × \\x00", "121 × \\x00", "4940 × \\x00"]
+    assert [t[0] for t in _tokens(window)] == ["w", "tok", "w"]
+    assert "positions 4939–5059 · score share up to 0.7% · culprits, share of ‖∇‖² 94.0%" in window
+    assert len(page) < 20_000 and page.count("\\x00") < 20
+
+
+def test_short_runs_stay_tokens_and_context_runs_collapse():
+    from gradloc.agent.page_text import MIN_RUN, collapsed
+
+    span = replace(BELL, window_tokens=("a",) * (MIN_RUN - 1) + (" bell", "b", "b"),
+                   window_scores=(0.1,) * (MIN_RUN - 1) + (0.81, 0.0, 0.0), window_start=41 - (MIN_RUN - 1))
+    f0 = make_incident().findings[0]
+    page = incident_html(replace(make_incident(), findings=(replace(f0, localization=replace(
+        f0.localization, spans=(span,))),)))
+    assert [t[3] for t in _tokens(page)][:MIN_RUN + 2] == ["a"] * (MIN_RUN - 1) + [" bell", "b", "b"]
+    assert collapsed("x" + "ab" * 8 + "<y>") == 'x<span class="run" title="8 identical in a row">8 × ab</span>&lt;y&gt;'
+    assert collapsed("ab" * 7) == "ab" * 7  # fewer than MIN_CHAR_RUN repeats: as written

@@ -101,7 +101,7 @@ def test_show_renders_ranks_shares_spans_and_findings(db: Path) -> None:
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert out.startswith("incident 7f3c9a0e5b2d · job llm-7b · step 1200 · partial\n")
-    assert "ranks: expected 0–2 · reported 0–1 · missing 2" in out
+    assert "ranks: 3 expected (0–2) · 2 reported (0–1) · 1 missing (2)" in out
     assert "note: rank 2 missed the straggler deadline" in out
     rank_rows = {line.split()[0]: line.split() for line in out.splitlines() if re.match(r"^\s+[0-2]\s", line)}
     assert rank_rows["0"] == ["0", "72.0%", "3.5", "2.9", "yes", "located", "2"]
@@ -253,10 +253,11 @@ def test_show_names_the_flagged_layers_that_matter_and_counts_the_rest(tmp_path:
     with IncidentStore(tmp_path / "f.db") as store:
         store.put_incident(inc)
     out = run("show", inc.incident_id[:8], "--db", str(tmp_path / "f.db")).stdout
-    line = next(x for x in out.splitlines() if x.startswith("  flagged layers: "))
+    line = next(x for x in out.splitlines() if x.startswith("  layers: "))
     top5 = sorted(names, key=lambda n: -norms[n])[:5]
-    shares = [f"{n} {100 * (norms[n] / f0.spike.global_norm) ** 2:.1f}%" for n in top5]
-    assert line == f"  flagged layers: {', '.join(shares)} +11 more (16 of 16 layer(s) above the layer z threshold; % of ‖∇‖²)"
+    shares = [f"{n} {100 * (norms[n] / f0.spike.global_norm) ** 2:.1f}% (z {20.0 - norms[n]:.4g}) ▲" for n in top5]
+    assert line == (f"  layers: {', '.join(shares)} +11 more (% of ‖∇‖², largest first; 16 of 16 layer(s) flagged ▲: "
+                    "z above the layer z threshold)")
 
 
 def test_flagged_layers_without_shares_keep_the_detectors_order() -> None:
@@ -266,8 +267,10 @@ def test_flagged_layers_without_shares_keep_the_detectors_order() -> None:
     from gradloc.agent.render_correlated import flagged_layers_text
 
     inc = dataclasses.replace(make_incident(), top_layers=("x", "blocks.1.proj", "y", "z", "w", "v"))
-    assert flagged_layers_text(inc, k=3) == "blocks.1.proj 0.0%, x, y +3 more (6 layer(s) above the layer z threshold; % of ‖∇‖²)"
-    assert flagged_layers_text(dataclasses.replace(inc, findings=()), k=2) == "x, blocks.1.proj +4 more (6 layer(s) above the layer z threshold)"
+    assert flagged_layers_text(inc, k=3) == ("blocks.1.proj 0.0% ▲, head 0.0%, x ▲ +4 more (% of ‖∇‖², largest first; "
+                                             "6 layer(s) flagged ▲: z above the layer z threshold)")
+    assert flagged_layers_text(dataclasses.replace(inc, findings=()), k=2) == \
+        "x, blocks.1.proj +4 more (6 layer(s) flagged ▲: z above the layer z threshold)"
 
 
 def test_show_html_draws_the_follow_up_steps_the_store_holds(tmp_path: Path) -> None:

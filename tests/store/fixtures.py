@@ -122,3 +122,23 @@ def step_summary(job: str, rank: int, step: int, time_unix: float, *, loss: floa
                         unattributed_share=0.02)
     return StepSummary(job, rank, step, time_unix, global_norm=0.8 + step / 1e4, loss=loss, micro_batches=2,
                        layers=cols, tokens=tokens, nonfinite=0, skipped=skipped)
+
+
+def flooded_incident(tokens: int = 10_000, culprits: int = 121, time_unix: float = T0) -> CorrelatedIncident:
+    """Issue 33's bad input: a one-process run whose culprit sample is ``tokens`` identical ``\\x00`` tokens,
+    ``culprits`` of them in the middle named at the sample level (94% of ‖∇‖²), the window sent whole."""
+    from dataclasses import replace
+
+    start = (tokens - culprits) // 2
+    span = CulpritSpan(micro_batch=1, sample=0, start=start, end=start + culprits, share=0.94,
+                       token_ids=(0,) * culprits, text="\x00" * culprits, context_before="\x00" * start,
+                       context_after="\x00" * (tokens - start - culprits), sample_id="nul-flood", window_start=0,
+                       window_tokens=("\x00",) * tokens,
+                       window_scores=tuple(0.9 / culprits if start <= i < start + culprits else 0.0 for i in range(tokens)))
+    f0 = finding(0, 1200, span, incident_id=INCIDENT_ID, time_unix=time_unix)
+    note = "sample level: 121 tokens share the sample's norm; no smaller set explains it"
+    f0 = replace(f0, localization=replace(f0.localization, level="sample", explained_share=0.94, note=note))
+    return replace(make_incident(time_unix=time_unix), status="complete", ranks_expected=(0,), ranks_reported=(0,),
+                   ranks_missing=(), rank_shares=(RankShare(0, 1.0, 3.5, 2.9, True, "located", 2),),
+                   micro_batch_shares=(MicroBatchShare(0, 1, 0.94),), spans=(RankSpan(0, 0.94, span),),
+                   findings=(f0,), note="", explained_share=0.94)

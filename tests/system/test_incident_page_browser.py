@@ -34,7 +34,7 @@ from gradloc.localizer.spans import WINDOW_TOKENS
 from gradloc.reports import StepPoint
 from gradloc.store.sqlite import IncidentStore
 from tests.reliability.daemon import ROOT, serving
-from tests.store.fixtures import make_incident
+from tests.store.fixtures import flooded_incident, make_incident
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 CHROMIUM = "/usr/lib/chromium/chromium"
@@ -55,7 +55,9 @@ def _evil():
                                                                          note=XSS)))
     history = tuple(StepPoint(rank=0, step=s, global_norm=4.95 if s == inc.step else 0.8 + 0.01 * (s % 3),
                               loss=2.0, norm_mean=0.8, norm_threshold=1.0) for s in range(inc.step - 30, inc.step + 1))
-    return replace(inc, job="job" + XSS, note=XSS, findings=tuple(findings), history=history)
+    spans = tuple(replace(rs, span=replace(rs.span, text=XSS, context_before=XSS, context_after=XSS, sample_id=XSS))
+                  for rs in inc.spans)  # the correlated spans: the answer block at the top of the page shows one
+    return replace(inc, job="job" + XSS, note=XSS, findings=tuple(findings), history=history, spans=spans)
 
 
 def _browse(url: str, shot: Path) -> dict:
@@ -80,6 +82,45 @@ def _browse(url: str, shot: Path) -> dict:
                     "charts": page.eval_on_selector_all("svg.chart", _BOXES)}
         finally:
             browser.close()
+
+
+_LAYOUT = """() => { const box = s => { const e = document.querySelector(s); if (!e) return null;
+  const r = e.getBoundingClientRect(); return [r.top, r.bottom, r.left, r.right, e.textContent]; };
+  return {scroll: document.documentElement.scrollWidth, inner: window.innerWidth, height: window.innerHeight,
+          verdict: box(".answer .verdict"), culprit: box(".answer .culprit")}; }"""
+FOLDS = ((1300, 1800), (1300, 900))  # issue 33: the first screen at 1300×1800 and at 1300×900
+
+
+def _layout(url: str, shots: Path | None = None) -> list[dict]:
+    """At each of FOLDS, unscrolled: the page's scroll width against the viewport's, and where the answer's
+    verdict and culprit lie (top, bottom, left, right, text)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the test extra (playwright)")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} missing: run scripts/setup.sh (Debian's chromium)", pytrace=False)
+    out = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            for w, h in FOLDS:
+                page = browser.new_page(viewport={"width": w, "height": h})
+                page.goto(url, timeout=30_000)
+                if shots is not None:
+                    page.screenshot(path=str(shots / f"fold-{w}x{h}.png"))
+                out.append({"viewport": (w, h), **page.evaluate(_LAYOUT)})
+                page.close()
+        finally:
+            browser.close()
+    return out
+
+
+def _check_fold(layouts: list[dict], culprit_text: str) -> None:
+    """Nothing wider than the viewport; the verdict and the culprit's text wholly inside the first screen."""
+    for got in layouts:
+        assert got["scroll"] <= got["inner"], got  # no horizontal scrollbar at 1300 px
+        for key in ("verdict", "culprit"):
+            top, bottom, left, right, _ = got[key]
+            assert 0 <= top < bottom <= got["height"] and 0 <= left < right <= got["inner"], (key, got)
+        assert culprit_text in got["culprit"][4], got
 
 
 _BOXES = "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.width, r.height]; })"
@@ -161,7 +202,31 @@ def test_demo_incident_page_draws_the_steps_around_it_and_is_the_readme_screensh
     got = _browse(out.as_uri(), shot)
     assert got["pwned"] == "undefined" and got["requests"] == [out.as_uri()] and got["scripts"] == 0
     _check_charts(got, sum(1 for p in points if math.isfinite(p.global_norm)))
-    assert "+11 more (16 of 16 layer(s) above the layer z threshold" in got["text"]
+    assert "+11 more (% of ‖∇‖², largest first; 16 of 16 layer(s) flagged ▲" in got["text"]
     assert len(got["window"]) + len(got["tokens"]) >= len(span.window_tokens)
+    _check_fold(_layout(out.as_uri()), " bell")
     if os.environ.get("GRADLOC_SCREENSHOT"):
         shutil.copyfile(shot, os.environ["GRADLOC_SCREENSHOT"])
+
+
+def test_the_page_leads_with_the_answer_and_10000_identical_tokens_neither_overflow_nor_bury_it(tmp_path: Path) -> None:
+    """Issue 33: at 1300×1800 and 1300×900 the first screen holds the status, level, culprit text and share, and
+    the page is no wider than the viewport: with the issue's bad input (a sample of 10,000 identical ``\x00``
+    tokens, 121 of them the culprits, sent whole as the window and the context) and with the XSS incident
+    (long unbreakable payloads in every client string), both with their charts drawn."""
+    flood = flooded_incident(time_unix=time.time())
+    history = tuple(StepPoint(rank=0, step=s, global_norm=3.5 if s == flood.step else 0.8 + 0.01 * (s % 3), loss=2.0,
+                              norm_mean=0.8, norm_threshold=1.0) for s in range(flood.step - 30, flood.step + 1))
+    flood = replace(flood, history=history)
+    out = tmp_path / "flood.html"
+    out.write_text(incident_html(flood), encoding="utf-8")
+    layouts = _layout(out.as_uri(), tmp_path)
+    _check_fold(layouts, "121 × \\x00")
+    assert "located at the sample level: culprits carry 94.0%" in layouts[0]["verdict"][4]
+    got = _browse(out.as_uri(), tmp_path / "flood-full.png")
+    assert [t for t, _ in got["tokens"]] == ["121 × \\x00", "121 × \\x00"]  # the answer's and the window's
+    assert [t for t, _ in got["window"]] == ["4939 × \\x00", "4940 × \\x00"]
+    _check_charts(got, len(history))
+    evil = tmp_path / "evil.html"
+    evil.write_text(incident_html(_evil()), encoding="utf-8")
+    _check_fold(_layout(evil.as_uri()), "<script>window.pwned=1</script>")
