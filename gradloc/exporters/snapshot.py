@@ -7,6 +7,7 @@ exporters apply to them: which per-rank gauges a step gives, which are the job's
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -40,6 +41,16 @@ RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
 # window key -> the per-step value whose maximum between two collections it exports (TelemetryState.snapshot)
 WINDOW_GAUGES: dict[str, str] = {"global_norm_max": "global_norm", "loss_max": "loss"}
 WINDOW_READERS = ("prometheus", "otlp")  # each exporter collects its own windows (one never empties another's)
+
+
+def widen_window(window: dict[str, float], s: StepSummary) -> None:
+    """Fold one step into a rank's window maxima (a NaN step keeps the window NaN: a NaN norm must show)."""
+    for key, base in WINDOW_GAUGES.items():
+        v = RANK_GAUGES[base](s)
+        if v is None:
+            continue
+        v, old = float(v), window.get(key)
+        window[key] = v if old is None or math.isnan(v) or (not math.isnan(old) and v > old) else old
 
 
 # Where a step's layer columns are the job's (DDP, FSDP2, ZeRO: ``StepSummary.layers_global``), these

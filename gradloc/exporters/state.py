@@ -26,9 +26,7 @@ from gradloc.exporters.metric_specs import BY_KEY, MetricSpec
 from gradloc.exporters.snapshot import (
     JOB_KEYS,
     JOB_RANK,
-    RANK_GAUGES,
     RANK_KEYS,
-    WINDOW_GAUGES,
     WINDOW_READERS,
     CounterPoint,
     Exemplar,
@@ -37,6 +35,7 @@ from gradloc.exporters.snapshot import (
     RankPoint,
     TelemetrySnapshot,
     norm_hist_labels,
+    widen_window,
 )
 from gradloc.records.events import labelled
 from gradloc.reports import CorrelatedIncident, StepSummary
@@ -164,7 +163,7 @@ class TelemetryState:
             self._bump("series_dropped", ("max_layers",))
         self._ranks[key] = RankPoint(s, now, n, scope)
         for windows in self._windows.values():
-            _widen(windows.setdefault(key, {}), s)
+            widen_window(windows.setdefault(key, {}), s)
 
     def observe_incident(self, inc: CorrelatedIncident, now: float | None = None) -> None:
         """Count a closed incident; its trace id becomes the exemplar of the spike metrics."""
@@ -311,13 +310,3 @@ class TelemetryState:
             pending, queued = self._pending, self._queued
         return TelemetrySnapshot(now, ranks, counters, hists, pending, queued)
 
-
-def _widen(window: dict[str, float], s: StepSummary) -> None:
-    """Fold one step into a rank's window maxima (a NaN step keeps the window NaN: a NaN norm must show)."""
-    for key, base in WINDOW_GAUGES.items():
-        v = RANK_GAUGES[base](s)
-        if v is None:
-            continue
-        v = float(v)
-        old = window.get(key)
-        window[key] = v if old is None or math.isnan(v) or (not math.isnan(old) and v > old) else old
