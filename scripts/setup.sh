@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine: a virtual environment in .venv with gradloc, its extras and the
-# test tools, torch pinned to the local CPU build through constraints.txt. Safe to re-run: each part
-# checks what is already there and does nothing when it is.
+# The test suite's set-up (the README's second command; .ci/run): a virtual environment in .venv with
+# gradloc, every extra and the test tools, torch pinned to the local CPU build through constraints.txt, the
+# Debian binaries the integration tests drive, and the vLLM and verl tiers' own environments. The demo needs
+# none of this beyond scripts/setup_demo.sh, which runs first. Safe to re-run: each part checks what is already
+# there and does nothing when it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,10 +23,8 @@ if [ ${#apt_packages[@]} -gt 0 ]; then
   fi
 fi
 
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
+# .venv with gradloc and the demo extra (the demo command's whole set-up); the rest adds to it
+bash scripts/setup_demo.sh
 stamp=.venv/.gradloc-setup
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

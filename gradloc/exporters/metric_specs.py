@@ -66,6 +66,13 @@ SPECS: tuple[MetricSpec, ...] = (
     # Latest step of each rank (gauges read from the newest record at scrape/export time).
     _g("global_norm", "gradloc_grad_global_norm", "gradloc.grad.global_norm", "1", JR,
        "L2 norm of all (unscaled) gradients at the optimizer boundary, latest step."),
+    # Window maxima: what the latest-step gauges miss between two collections (docs/metrics.md, Window maxima).
+    _g("global_norm_max", "gradloc_grad_global_norm_max", "gradloc.grad.global_norm_max", "1", JR,
+       "Largest global gradient norm of the steps received since this exporter's previous collection (scrape or "
+       "OTLP export); the latest step's norm when none arrived since. A one-step spike between two scrapes shows."),
+    _g("loss_max", "gradloc_loss_max", "gradloc.loss_max", "1", JR,
+       "Largest training loss of the steps received since this exporter's previous collection; the latest step's "
+       "loss when none arrived since."),
     _g("norm_mean", "gradloc_detector_norm_mean", "gradloc.detector.norm_mean", "1", JR,
        "The detector's healthy level of the global norm (EMA mean) the latest step was judged against; during its "
        "warm-up, the median of the warm-up's last quarter so far (absent before its 3rd step)."),

@@ -5,6 +5,11 @@ Where each value comes from, and why:
 * **Gauges** are observable gauges read from one :meth:`TelemetryState.snapshot` per collection:
   the state already holds the latest step of each rank (bounded, stale ranks expired), so the OTLP
   view and the Prometheus scrape show the same numbers and nothing is re-aggregated per record.
+* **Window maxima** (``gradloc.grad.global_norm_max``, ``gradloc.loss_max``) are observable gauges too,
+  from the same snapshot taken as reader "otlp": the largest value over the steps since the previous OTLP
+  collection (the latest step's value when none arrived), kept apart from the Prometheus scrape's windows so
+  neither exporter empties the other's. Chosen over a histogram: the step-norm histogram is already exported
+  (``gradloc.step.grad_norm``) but gives a spike only to its bucket's bound; the gauge gives the value.
 * **Counters** are observable counters reporting the state's cumulative values — except
   ``gradloc.incident.count`` and ``gradloc.spike.count``, which are synchronous counters added in
   ``on_incident`` *inside the incident's root span*: the SDK's trace-based exemplar filter then
@@ -150,7 +155,7 @@ class _SnapshotReader:
         self._lock = threading.Lock()
 
     def refresh(self) -> TelemetrySnapshot:
-        snap = self._state.snapshot()
+        snap = self._state.snapshot(reader="otlp")  # the OTLP export's own window maxima (not the scrape's)
         by_key: dict[str, list[CounterPoint]] = {}
         for c in snap.counters:
             by_key.setdefault(c.key, []).append(c)

@@ -238,13 +238,15 @@ def families(snap: TelemetrySnapshot, sign: ExemplarSigner | None = None) -> lis
 
 
 class GradlocCollector(Collector):
-    """prometheus_client custom collector: one ``state.snapshot()`` per scrape."""
+    """prometheus_client custom collector: one ``state.snapshot()`` per scrape. A scrape reads and empties the
+    "prometheus" windows: ``gradloc_grad_global_norm_max`` is the largest norm since the previous scrape (of
+    any Prometheus: two servers scraping one daemon split the steps between them, docs/metrics.md)."""
 
     def __init__(self, state: TelemetryState, sign: ExemplarSigner | None = None) -> None:
         self._state, self._sign = state, sign
 
     def collect(self) -> Iterable[Metric]:
-        return families(self._state.snapshot(), self._sign)
+        return families(self._state.snapshot(reader="prometheus"), self._sign)
 
     def describe(self) -> Iterable[Metric]:
         """Empty families: lets a registry detect name clashes without taking a snapshot."""

@@ -7,6 +7,7 @@ exporters apply to them: which per-rank gauges a step gives, which are the job's
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -33,12 +34,28 @@ RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
     "rl_mismatch_baseline": lambda s: None if s.samples is None else s.samples.rl_mismatch_baseline,
     "norm_mean": lambda s: s.norm_mean,
     "norm_threshold": lambda s: s.norm_threshold,
+    # the window maxima read the latest step only where no window was kept (RankPoint.window_max)
+    "global_norm_max": lambda s: s.global_norm,
+    "loss_max": lambda s: s.loss,
 }
+# window key -> the per-step value whose maximum between two collections it exports (TelemetryState.snapshot)
+WINDOW_GAUGES: dict[str, str] = {"global_norm_max": "global_norm", "loss_max": "loss"}
+WINDOW_READERS = ("prometheus", "otlp")  # each exporter collects its own windows (one never empties another's)
+
+
+def widen_window(window: dict[str, float], s: StepSummary) -> None:
+    """Fold one step into a rank's window maxima (a NaN step keeps the window NaN: a NaN norm must show)."""
+    for key, base in WINDOW_GAUGES.items():
+        v = RANK_GAUGES[base](s)
+        if v is None:
+            continue
+        v, old = float(v), window.get(key)
+        window[key] = v if old is None or math.isnan(v) or (not math.isnan(old) and v > old) else old
 
 
 # Where a step's layer columns are the job's (DDP, FSDP2, ZeRO: ``StepSummary.layers_global``), these
 # and the layer series are the same on every rank: exported once, from rank 0, with rank="job".
-JOB_GAUGES = frozenset({"global_norm", "nonfinite", "norm_mean", "norm_threshold"})
+JOB_GAUGES = frozenset({"global_norm", "global_norm_max", "nonfinite", "norm_mean", "norm_threshold"})
 JOB_RANK = "job"
 
 
@@ -93,6 +110,9 @@ class RankPoint:
     received_unix: float
     layers_exported: int  # the first n layers have series (bounded by max_layers)
     scope: str = "all"
+    # (WINDOW_GAUGES key, max) over the steps since the reading exporter's previous collection; empty: the
+    # latest step's values (no step since, or a snapshot taken without a reader)
+    window_max: tuple[tuple[str, float], ...] = ()
 
     @property
     def rank_label(self) -> str:
@@ -100,10 +120,11 @@ class RankPoint:
 
     def gauges(self) -> Iterator[tuple[str, float]]:
         """(RANK_GAUGES key, value) of the per-rank gauges this point exports (None values left out)."""
+        window = dict(self.window_max)
         for key, get in RANK_GAUGES.items():
             if (self.scope == "job") != (key in JOB_GAUGES) and self.scope != "all":
                 continue
-            value = get(self.summary)
+            value = window[key] if key in window else get(self.summary)
             if value is not None:
                 yield key, value
 

@@ -12,6 +12,7 @@ forgets the rank or its job (:meth:`TelemetryState.forget`, after the agent's ``
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -26,6 +27,7 @@ from gradloc.exporters.snapshot import (
     JOB_KEYS,
     JOB_RANK,
     RANK_KEYS,
+    WINDOW_READERS,
     CounterPoint,
     Exemplar,
     HistogramPoint,
@@ -33,6 +35,7 @@ from gradloc.exporters.snapshot import (
     RankPoint,
     TelemetrySnapshot,
     norm_hist_labels,
+    widen_window,
 )
 from gradloc.records.events import labelled
 from gradloc.reports import CorrelatedIncident, StepSummary
@@ -99,6 +102,8 @@ class TelemetryState:
         self._exemplars: dict[tuple[str, Labels], Exemplar] = {}
         self._hists: dict[tuple[str, Labels], _Hist] = {}
         self._pending = self._queued = 0
+        # reader -> (job, rank label) -> window key -> max since that reader's previous snapshot
+        self._windows: dict[str, dict[tuple[str, str], dict[str, float]]] = {r: {} for r in WINDOW_READERS}
 
     # -- ingest side -------------------------------------------------------------------------
     def observe_step(self, s: StepSummary, received_unix: float | None = None) -> None:
@@ -157,6 +162,8 @@ class TelemetryState:
         if scope != "rank" and n < len(s.layers):
             self._bump("series_dropped", ("max_layers",))
         self._ranks[key] = RankPoint(s, now, n, scope)
+        for windows in self._windows.values():
+            widen_window(windows.setdefault(key, {}), s)
 
     def observe_incident(self, inc: CorrelatedIncident, now: float | None = None) -> None:
         """Count a closed incident; its trace id becomes the exemplar of the spike metrics."""
@@ -267,23 +274,39 @@ class TelemetryState:
                     del d[k]
                 n += len(doomed) if d is not self._exemplars else 0
             for k in [k for k in self._ranks if k in ranks or k[0] in jobs]:
-                del self._ranks[k]
+                self._drop_rank(k)
         return n
+
+    def _drop_rank(self, key: tuple[str, str]) -> None:
+        del self._ranks[key]
+        for windows in self._windows.values():
+            windows.pop(key, None)
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.config.stale_after_s
         for key in [k for k, p in self._ranks.items() if p.received_unix < cutoff]:
-            del self._ranks[key]
+            self._drop_rank(key)
 
     # -- export side -------------------------------------------------------------------------
-    def snapshot(self, now: float | None = None) -> TelemetrySnapshot:
+    def snapshot(self, now: float | None = None, reader: str | None = None) -> TelemetrySnapshot:
+        """The state now. ``reader`` (one of WINDOW_READERS: the exporter collecting) gets, and empties, its
+        own windows: each rank's window maxima (``gradloc_grad_global_norm_max``...) over the steps since that
+        reader's previous snapshot; a rank with no step since shows its latest step's values, never 0. Without
+        ``reader`` no window is read or emptied (the window gauges show the latest step's values)."""
         now = time.time() if now is None else now
+        if reader is not None and reader not in self._windows:
+            raise ValueError(f"unknown snapshot reader {reader!r} (one of {', '.join(WINDOW_READERS)})")
         with self._lock:
             self._expire(now)
-            ranks = tuple(self._ranks.values())
+            windows = self._windows[reader] if reader is not None else {}
+            if reader is not None:
+                self._windows[reader] = {}
+            ranks = tuple(dataclasses.replace(p, window_max=tuple(windows[k].items())) if windows.get(k) else p
+                          for k, p in self._ranks.items())
             counters = tuple(CounterPoint(key, labels, v, self._exemplars.get((key, labels)))
                              for (key, labels), v in self._counters.items() if "#" not in key)
             hists = tuple(HistogramPoint(key, labels, tuple(h.counts), h.sum, h.count, tuple(h.exemplars))
                           for (key, labels), h in self._hists.items())
             pending, queued = self._pending, self._queued
         return TelemetrySnapshot(now, ranks, counters, hists, pending, queued)
+

@@ -38,13 +38,17 @@ INCIDENT_LINK = [{"title": "incidents of ${__field.labels.job} on ${__field.labe
 
 def overview() -> dict[str, Any]:
     panels = [
-        Panel("Loss", [q(f"gradloc_loss{S}", "{{job}} r{{rank}}")], "none"),
-        Panel("Global gradient norm and the detector's band", [
-            q(f"gradloc_grad_global_norm{S}", "{{job}} r{{rank}}"),
+        Panel("Loss (largest per scrape)", [q(f"gradloc_loss_max{S}", "{{job}} r{{rank}}")], "none",
+              description="The largest loss of the steps since the previous scrape (a one-step jump shows at any "
+                          "step rate); the latest step's loss when no step arrived since."),
+        Panel("Global gradient norm (largest per scrape) and the detector's band", [
+            q(f"gradloc_grad_global_norm_max{S}", "{{job}} r{{rank}}"),
             q(f"gradloc_detector_norm_threshold{S}", "spike line {{job}} r{{rank}}"),
             q(f"gradloc_detector_norm_mean{S}", "healthy mean {{job}} r{{rank}}")],
             "none", overrides=[dashed("B", "red"), dashed("C", "green")],
-            description="The detector's view of each step: its healthy EMA mean of the norm and its grad_spike "
+            description="The largest global norm of the steps since the previous scrape (gradloc_grad_global_norm_max: "
+                        "a one-step spike between two scrapes still shows), against "
+                        "the detector's view of the latest step: its healthy EMA mean of the norm and its grad_spike "
                         "line (the larger of mean + z_threshold × std and spike_ratio × mean); a norm above the line "
                         "is a spike. No band during the "
                         "detector's warm-up."),

@@ -273,9 +273,9 @@ class CountingState(TelemetryState):
         super().__init__()
         self.snapshots = 0
 
-    def snapshot(self, now=None):
+    def snapshot(self, now=None, reader=None):
         self.snapshots += 1
-        return super().snapshot(now)
+        return super().snapshot(now, reader)
 
 
 def test_one_snapshot_per_scrape_and_none_at_registration():
