@@ -114,8 +114,9 @@ def test_the_cli_reads_the_daemon_it_is_pointed_at_and_its_links_open(tmp_path: 
     lines = [ln for ln in daemon.log.read_text().splitlines() if "gradloc-agent: incident " in ln]
     assert len(lines) == 1, lines
     assert " INFO " in lines[0]
-    assert (f"incident {incident_id} job {JOB} step 7 complete · level token · top culprit rank 0 · micro-batch 1 "
-            f"· sample 0 · positions 7–7 ' bad' · 80.0% of ‖∇‖² · {base}/incidents/{incident_id}") in lines[0], lines[0]
+    assert f"incident {incident_id} job {JOB} step 7 complete · located at the token level: micro-batch 1 · sample 0" \
+        in lines[0], lines[0]
+    assert lines[0].endswith(f"position 7 ' bad' · 80.0% of ‖∇‖² · 1 probe(s) · {base}/incidents/{incident_id}"), lines[0]
     assert "sig=" not in lines[0]
 
 
@@ -181,9 +182,9 @@ def test_each_closed_incident_is_one_info_line_at_its_level(caplog: pytest.LogCa
     assert [r.levelname for r in lines] == ["INFO", "INFO", "INFO"]
     ids = {i.job: i.incident_id for i in core.recent}
     first, second, third = (r.getMessage() for r in lines)
-    assert "positions 7–7 '\\x00\\x1b[31m" + "z" * 28 + "…' · 80.0% of ‖∇‖²" in third, third
+    assert "position 7 '\\x00\\x1b[31m" + "z" * 33 + "…' · 80.0% of ‖∇‖²" in third, third
     assert "\x1b" not in third and "\x00" not in third
-    assert first.endswith(f"job a step 5 complete · level token · top culprit rank 0 · micro-batch 1 · sample 0 · "
-                          f"positions 7–7 ' bad' · 60.0% of ‖∇‖² · http://node-3:19917/incidents/{ids['a']}"), first
-    assert second.endswith(f"job b step 6 complete · level sample · top culprit rank 0 · micro-batch 2 · sample 4 · "
-                           f"94.0% of ‖∇‖² · http://node-3:19917/incidents/{ids['b']}"), second
+    assert first.endswith(f"job a step 5 complete · located at the token level: micro-batch 1 · sample 0 (id s0) · "
+                          f"position 7 ' bad' · 60.0% of ‖∇‖² · 1 probe(s) · http://node-3:19917/incidents/{ids['a']}"), first
+    assert second.endswith(f"job b step 6 complete · located at the sample level: micro-batch 2 · sample 4 (12 loss "
+                           f"tokens) (+1 more) · 60.0% of ‖∇‖² · 1 probe(s) · http://node-3:19917/incidents/{ids['b']}"), second
