@@ -11,8 +11,8 @@ from gradloc.collector.head_read import head_shift, offsets, read_head
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.surprise import ROWS, SurprisePack
 from gradloc.collector.token_summary import stack_step
-from gradloc.detector.samples import _misaligned
 from gradloc.demo.model import token_losses
+from gradloc.detector.samples import _misaligned
 from tests.helpers import single_thread, tiny_gpt  # noqa: F401
 
 B, T, V, K = 3, 20, 11, 6
