@@ -224,7 +224,9 @@ class SampleConfig:
     the head's ‖g‖² was read, a sample's z is the larger of its calibration deficit's z (Σ_v p_v² − p(y),
     0 on average wherever the model is calibrated, however odd the text; judged both as a mean and in units
     of its own spread under the model) and its surprise's z / 1.5: odd but legitimate text must be
-    1.5 × z_threshold out on surprise alone. Samples with fewer than
+    1.5 × z_threshold out on surprise alone. A sample whose labels the model predicts far better at a
+    neighbouring position (up to ``label_shifts`` away) than where they stand is a finding too: misaligned
+    labels, its own reference (collector/head_read.py). Samples with fewer than
     ``min_tokens`` loss tokens are not judged. RL: a step whose mismatch share (loss tokens with
     |log π_trainer − log π_rollout| > log 2) exceeds ``rl_factor`` × the run's baseline +
     ``rl_margin`` for ``rl_patience`` steps in a row is a ``rl_mismatch`` finding (baseline: the

@@ -14,15 +14,17 @@ Real text holds odd but legitimate samples (URLs, tables, groff or HTML markup, 
 surprising as a bad one: the model was unsure there and knew it (Σ_v p_v² small, d ≈ 0). Garbage and
 wrong labels are surprising where it was sure (d large) or far more surprising than any text. So
 with ``SampleConfig.calibrated`` and a deficit in the pack, a sample's z is
-max(z_deficit, max(z, z_window) / 1.5, z where the mean deficit's z ≥ 0.75 × z_threshold),
-z_deficit = 0.25 × the mean deficit's z + 0.85 × the z of
+max(z_deficit, max(z, z_window) / 1.5, z where the mean deficit's z ≥ z_threshold),
+z_deficit = 0.2 × the mean deficit's z + 0.7 × the z of
 Σ d / √Σ v (the deficit in units of its own spread: a deficit means little where the model spreads its
 bets), counting only where z > 0 (a wrong label never makes a sample less surprising than usual):
 surprise alone must be 1.5 × z_threshold out, surprise at z_threshold needs the mean deficit's own z
-three-quarters of the way (0.75 × z_threshold), and a worst window (a URL, a line of ``=``) counts only
+there too (1.0 × z_threshold), and a worst window (a URL, a line of ``=``) counts only
 when its sample's deficit is half-way (z_deficit ≥ z_threshold / 2); the weights were measured on
 bench/samples_text.py (docs/DESIGN-NOTES.md, "Per-sample surprise"). Without one (``calibrated=False``,
-a pack without ‖g‖²) it is max(z, z_window), as before. Every judged sample enters the history, an
+a pack without ‖g‖²) it is max(z, z_window), as before. Either way a sample whose labels a neighbouring position
+predicts far better than their own (misaligned labels: ``_misaligned``, SHIFT_*) gets that z when it is larger,
+judged against the sample itself, not the history. Every judged sample enters the history, an
 outlier clamped to median + z_threshold · σ, so a minority of bad samples barely moves the baseline while
 a lasting change of the data becomes the new normal. Outliers come worst (highest z) first.
 """
