@@ -16,6 +16,8 @@ import json
 import re
 from typing import Any
 
+from gradloc.records.summary import MIN_CHAR_RUN, repeats  # noqa: F401 - the run finder, shared with the one-line summary
+
 COLOURS = ("\x1b[1;97;41m", "\x1b[2m", "\x1b[1m", "\x1b[0m")  # render.py's own: highlight, dim, bold, off
 _BAD = "\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2028\u2029\u2060-\u2064\u2066-\u2069\ufeff"
 _CONTROL = re.compile(f"[{_BAD}\t\n]")
@@ -32,22 +34,6 @@ def _esc(ch: str) -> str:
 def visible(text: str | None) -> str:
     """One piece of client text (a token, its context) with every control/format character escaped."""
     return "?" if text is None else _CONTROL.sub(lambda m: _esc(m.group(0)), text)
-
-
-MIN_CHAR_RUN = 8  # repeats of one short unit (1-8 characters) shown once with its count
-_REPEAT = re.compile(r"(.{1,8}?)\1{%d,}" % (MIN_CHAR_RUN - 1), re.S)
-
-
-def repeats(text: str) -> list[tuple[str, int]]:
-    """``text`` as (piece, 1) plain pieces and (unit, N) runs of >= MIN_CHAR_RUN repeats of a 1-8 character
-    unit: a sample of 10,000 identical tokens is one run, shown as "10000 × unit", not one unbreakable line."""
-    out, at = [], 0
-    for m in _REPEAT.finditer(text):
-        if m.start() > at:
-            out.append((text[at:m.start()], 1))
-        out.append((m.group(1), len(m.group(0)) // len(m.group(1))))
-        at = m.end()
-    return out + ([(text[at:], 1)] if at < len(text) else [])
 
 
 def visible_runs(text: str | None) -> str:

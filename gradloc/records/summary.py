@@ -12,12 +12,27 @@ Pure string work on frozen records (no torch): the agent side imports it. Client
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gradloc.records.incidents import Incident, Localization
 
 TEXT_SHOWN = 40  # characters of a culprit's text in the line
+MIN_CHAR_RUN = 8  # repeats of one short unit (1-8 characters) shown once with its count
+_REPEAT = re.compile(r"(.{1,8}?)\1{%d,}" % (MIN_CHAR_RUN - 1), re.S)
+
+
+def repeats(text: str) -> list[tuple[str, int]]:
+    """``text`` as (piece, 1) plain pieces and (unit, N) runs of >= MIN_CHAR_RUN repeats of a 1-8 character
+    unit: a sample of 10,000 identical tokens is one run, shown as "10000 × unit", not one unbreakable line."""
+    out, at = [], 0
+    for m in _REPEAT.finditer(text):
+        if m.start() > at:
+            out.append((text[at:m.start()], 1))
+        out.append((m.group(1), len(m.group(0)) // len(m.group(1))))
+        at = m.end()
+    return out + ([(text[at:], 1)] if at < len(text) else [])
 
 
 def _pct(x: float | None) -> str:
@@ -25,11 +40,12 @@ def _pct(x: float | None) -> str:
 
 
 def quoted(text: str | None) -> str:
-    """A culprit's text for one line: repr-escaped, a long run of one character as "121 × '\\x00'"."""
+    """A culprit's text for one line: repr-escaped, a text that is one run of :func:`repeats` as "121 × '\\x00'"."""
     if text is None:
         return "?"
-    if len(text) > 3 and len(set(text)) == 1:
-        return f"{len(text)} × {text[0]!r}"
+    runs = repeats(text)
+    if len(runs) == 1 and runs[0][1] > 1:  # the whole text one run: "121 × '\x00'"
+        return f"{runs[0][1]} × {runs[0][0]!r}"
     return repr(text if len(text) <= TEXT_SHOWN else text[: TEXT_SHOWN - 1] + "…")
 
 
