@@ -55,7 +55,9 @@ SUPPORT = 1.0  # surprise at z_threshold is a finding when the mean deficit's ow
 # healthy samples of four kinds of text no offset but +1 reached a gain of 0.46 or a t of 3.4). Offset +1 is not
 # judged: its position's input *is* the label, and a model's prior to repeat its current token (runs of spaces,
 # doubled letters) makes it a better predictor than the label's own position on healthy text (gain up to 1.76, t 10.3)
-SHIFT_GAIN, SHIFT_T, COPY_OFFSET = 0.3, 4.0, 1
+# A sample needs SHIFT_MIN_TOKENS judged positions: a paired t over a few positions, maximised over 15 offsets,
+# reaches 4 by chance (a 16-position sample of an untrained model on random ids: t 4.2 at offset −5).
+SHIFT_GAIN, SHIFT_T, COPY_OFFSET, SHIFT_MIN_TOKENS = 0.3, 4.0, 1, 48
 # σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
 # and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
 _DEFICIT_MIN_STD = 0.01
@@ -135,7 +137,8 @@ class SampleJudge:
         z_cal = np.maximum(np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_both)
         z = np.where(judged, np.where(use_d, z_cal, z_surprise), np.nan)
         # labels the model predicts far better a few positions away than where they stand: shifted (head_read.py)
-        z_shift = np.where(judged & (shift_gain >= SHIFT_GAIN) & np.isfinite(shift_t), t * shift_t / SHIFT_T, -np.inf)
+        z_shift = np.where(judged & (n >= SHIFT_MIN_TOKENS) & (shift_gain >= SHIFT_GAIN) & np.isfinite(shift_t),
+                           t * shift_t / SHIFT_T, -np.inf)
         by_shift = z_shift > z
         z = np.where(by_shift, z_shift, z)
         flagged = np.flatnonzero(judged & (z >= t))

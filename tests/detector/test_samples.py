@@ -204,3 +204,24 @@ def test_the_mismatch_line_follows_the_runs_own_baseline():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError):
         SampleConfig(**bad)
+
+
+def test_misaligned_labels_are_judged_on_the_sample_itself_and_only_over_enough_positions():
+    """A sample whose labels a neighbour predicts far better (gain ≥ SHIFT_GAIN, paired t ≥ SHIFT_T) is a finding
+    however ordinary its surprise, named as shifted; offset +1 (the copy prior) is not judged; a short sample
+    (fewer than SHIFT_MIN_TOKENS positions: its max-over-offsets t reaches 4 by chance) is not judged for it."""
+    from gradloc.collector.head_read import offsets
+    from gradloc.detector.samples import SHIFT_MIN_TOKENS
+
+    ks = list(offsets(8))
+    for n, k, want in ((64, 5, [(0, 3)]), (64, 1, []), (SHIFT_MIN_TOKENS - 1, 5, [])):
+        judge, rng = SampleJudge(SampleConfig(warmup_samples=64, min_tokens=8)), np.random.default_rng(3)
+        _warm(judge, rng, 8)
+        S = 2 * B
+        gains, ts = np.full((16, S), -1.0), np.full((16, S), -5.0)
+        gains[ks.index(k), 3], ts[ks.index(k), 3] = 1.2, 9.0
+        st = judge.judge(_host(rng.normal(3.5, 0.3, S), n=np.full(S, float(n)), shift=(gains, ts)), _metas(),
+                         WHERE, None)
+        assert [(o.micro_batch, o.sample) for o in st.outliers] == want, (n, k)
+        if want:
+            assert "labels look shifted by +5" in st.outliers[0].detail
