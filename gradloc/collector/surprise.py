@@ -127,8 +127,9 @@ class SurprisePack:
         shift = scores.head_shift.to(dev)  # (2K, N)
         w = torch.where(w_hat > 0, w_hat, 1.0)[mb_id]  # (N,)
         gains, ts = [], []
+        flat = torch.arange(N, device=dev)  # (N,): one allocation for every offset
         for i, k in enumerate(offsets(shift.shape[0] // 2)):
-            at = torch.arange(N, device=dev) + k
+            at = flat + k
             inside = (at >= 0) & (at < N)
             at = at.clamp(0, N - 1)
             ok = valid & inside & valid[at] & (seg[at] == seg)  # p and p + k judged, in one sample
