@@ -73,15 +73,27 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
               env: dict[str, str] | None = None, may_die: tuple[int, ...] = (), init: bool = True,
-              on_progress: Callable[[int, Any], None] | None = None, paths: tuple[str, ...] = ()) -> list[Any]:
+              on_progress: Callable[[int, Any], None] | None = None, paths: tuple[str, ...] = (),
+              preload: tuple[str, ...] = ()) -> list[Any]:
     """``fn(rank, world_size, *args)`` in ``world_size`` processes; their return values by rank.
 
     ``fn`` must be importable by name in a fresh interpreter (a module-level function); ``paths``
     are put first on the children's ``sys.path``. ``may_die``: ranks expected to crash (their result
-    is None). ``init=False``: no process group (the function makes its own)."""
+    is None). ``init=False``: no process group (the function makes its own).
+
+    ``preload``: modules imported once by a fork server (``forkserver`` start method) whose forks become
+    the ranks, instead of fresh interpreters that each import them again — for callers that launch many
+    jobs (the test suite: torch and transformers cost a rank ~10 s of imports on a loaded 2-core box). The
+    server imports nothing else and starts no thread; ``env`` is applied in each rank, so a variable read
+    at import time must belong to a module not preloaded. The first preload list of a process is the one
+    its fork server keeps."""
     if world_size < 1:
         raise SpawnError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    if preload:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(preload))
+    else:
+        ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, out, env or {}, init, list(paths)),

@@ -13,6 +13,10 @@ from typing import Any, Callable
 from gradloc.demo.spawn import SpawnError, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Imported once by the suite's fork server; each rank is a fork of it (run_ranks' ``preload``). Nothing here
+# reads a variable a test sets through ``env`` at import (DeepSpeed, Megatron and Accelerate are not preloaded).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.nn.parallel", "numpy", "gradloc",
+           "transformers", "transformers.models.llama.modeling_llama")
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
@@ -24,6 +28,6 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 
     env = env or {}
     try:
         return run_ranks(fn, world_size, *args, timeout_s=timeout_s, env=env, may_die=may_die,
-                         init=not env.get("GRADLOC_TEST_NO_INIT"), paths=(ROOT,))
+                         init=not env.get("GRADLOC_TEST_NO_INIT"), paths=(ROOT,), preload=PRELOAD)
     except SpawnError as exc:
         raise AssertionError(str(exc)) from None

@@ -30,13 +30,13 @@ def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path,
         request.getfixturevalue("ds_shm_op")  # built once into .torch_extensions (skips without deepspeed)
         extra = ("--zero-stage", "3")
     world = "4" if backend in ("tp", "fsdp-tp", "pp") else "2"
-    res = _demo(tmp_path, "--world-size", world, "--backend", backend, "--steps", "60", "--inject-step", "50", "--json",
+    res = _demo(tmp_path, "--world-size", world, "--backend", backend, "--steps", "36", "--inject-step", "30", "--json",
                 *extra)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     (planted,) = doc["planted"]
     assert planted["rank"] == 1
-    at_plant = [i for i in doc["incidents"] if i["step"] == 50]
+    at_plant = [i for i in doc["incidents"] if i["step"] == 30]
     assert len(at_plant) == 1, doc["incidents"]
     inc = at_plant[0]
     assert inc["scope"] == "job" and inc["rank"] == 0 and inc["status"] == "located" and 1 <= inc["probes"] <= 3

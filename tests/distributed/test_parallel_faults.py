@@ -23,7 +23,7 @@ import pytest
 
 from tests.distributed.launch import run
 
-STEPS, GARBAGE, SHIFTED = 120, 95, 110
+STEPS, GARBAGE, SHIFTED = 72, 52, 64
 FAULTS = {GARBAGE: (1, 2, "random_ids"), SHIFTED: (3, 0, "shifted_labels_5")}  # step -> (micro-batch, sample, kind)
 BAD_DP_RANK = 1
 
