@@ -19,7 +19,7 @@ loss and backward but do not update the weights otherwise (as test_grpo.py).
 Ground truth, independent of gradloc: only output rows are stale, so a loss position is stale when the token it
 scores is one of ``STALE``; a step's stale share is ⟨∇_S, ∇⟩ / ‖∇‖² by plain autograd on an unwatched copy of the
 trainer (∇_S: the same loss restricted to the stale positions). A stale output row also shifts every other token's
-log π through the softmax normaliser (that is why 17–38% of the loss tokens end up off by more than log 2); those
+log π through the softmax normaliser (that is why 15–33% of the loss tokens end up off by more than log 2); those
 positions are not counted as stale.
 
 Why these rows (measured 2026-11-28 with a throw-away script, 12 healthy + 16 fault batches as here): each of the
