@@ -42,18 +42,14 @@ import pytest
 import torch
 
 import gradloc
-from gradloc.adapters.rl import join
 from tests.vllm_tier.inside import engine
+from tests.vllm_tier.inside.grpo import MICRO_BATCHES, Batch, N, grpo_step, make_batch, sample_batch
 
 pytestmark = pytest.mark.vllm
 
-N = 4  # completions per prompt (the GRPO group)
-MAX_TOKENS = 16
-MICRO_BATCHES = 2  # 32 rows -> 2 micro-batches of 16 (4 prompt groups each)
 WARMUP = 6  # healthy GRPO steps that make the detector's baseline (its warm-up)
 QUIET = 2  # healthy steps after the warm-up, on which the detector must stay quiet
 SPIKE = WARMUP + QUIET  # the step with the planted culprit (the last)
-EPS = 0.2  # PPO clip range
 CORRUPTION = 8.0  # nats taken off one response token's engine logprob in the spike step
 # Bound on |log π_train − log π_rollout| for an unplanted token: same weights, both float32. The engine smoke
 # test measures max 1.2e-4 over 386 tokens (test_engine_smoke.MAX_GAP, same bound); a bf16 engine is off by
@@ -64,42 +60,10 @@ MAX_GAP = 1e-3
 MAX_LAYOUT_GAP = 1e-4
 
 
-def reward(c) -> float:
-    """1 − 0.5·len/MAX_TOKENS for a completion that stopped on EOS (shorter is better), −0.5 when cut."""
-    return 1.0 - 0.5 * len(c.token_ids) / MAX_TOKENS if c.finish_reason == "stop" else -0.5
-
-
-def grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """(S,) rewards -> (S,) advantages normalised within each group (GRPO; unbiased std, as TRL)."""
-    adv = torch.zeros_like(rewards)
-    for g in groups.unique():
-        rows = groups == g
-        adv[rows] = (rewards[rows] - rewards[rows].mean()) / (rewards[rows].std() + 1e-4)
-    return adv
-
-
-@dataclass
-class Batch:
-    """One step's rollouts: the real RequestOutputs, the join, and the GRPO advantages."""
-
-    outs: list
-    rollouts: object
-    advantages: torch.Tensor  # (S,)
-    planted: tuple | None = None  # (row, response token index) of the corrupted logprob
-
-
-def make_batch(outs, tokenizer) -> Batch:
-    ro = join(outs, pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), max_length=engine.MAX_MODEL_LEN)
-    rewards = torch.tensor([reward(c) for o in outs for c in o.outputs])  # join order: request, then completion
-    return Batch(outs, ro, grpo_advantages(rewards, ro.groups))
-
-
 @pytest.fixture(scope="module")
 def batches(llm, tokenizer, measured):
     """SPIKE + 1 rollout batches (8 prompts × n=4 × ≤16 tokens, T=1, logprobs=0), engine seed = step."""
-    outs = [engine.rollouts(llm, engine.PROMPTS, n=N, max_tokens=MAX_TOKENS, logprobs=0, seed=s)
-            for s in range(SPIKE + 1)]
-    return [make_batch(o, tokenizer) for o in outs]
+    return [sample_batch(llm, tokenizer, seed=s) for s in range(SPIKE + 1)]
 
 
 # -- 1. the join on real RequestOutputs ---------------------------------------------------------------
@@ -160,34 +124,12 @@ def plant(batch: Batch, tokenizer) -> Batch:
     return out
 
 
-def micro_batches(ro, layout: str) -> list:
-    S = len(ro.sample_ids)
-    size = S // MICRO_BATCHES
-    mbs = [ro.rows(slice(i * size, (i + 1) * size)) for i in range(MICRO_BATCHES)]
-    return [mb.packed() for mb in mbs] if layout == "packed" else mbs
-
-
 def fed_sequences(mb, layout: str) -> list[list[int]]:
     """The token ids the trainer's model gets, one list per sequence."""
     if layout == "padded":
         return [mb.input_ids[row, :n].tolist() for row, n in enumerate(mb.lengths)]
     cu = mb.cu_seqlens.tolist()
     return [mb.input_ids[0, a:b].tolist() for a, b in zip(cu, cu[1:])]
-
-
-def token_logp(model, mb, layout: str) -> torch.Tensor:
-    """log π_train of each position's target, (B, T) padded or (1, N) packed."""
-    if layout == "packed":  # block-diagonal attention from restarting position ids; needs no attention mask, no cache
-        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
-    else:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask.long(), use_cache=False).logits
-    return logits.float().log_softmax(-1).gather(-1, mb.targets[..., None]).squeeze(-1)  # (B, T, V) -> (B, T)
-
-
-def per_token(adv: torch.Tensor, mb, layout: str) -> torch.Tensor:
-    if layout == "packed":
-        return torch.repeat_interleave(adv, mb.cu_seqlens.diff())[None]  # (S,) -> (1, N)
-    return adv[:, None].expand(mb.loss_mask.shape)  # (B,) -> (B, T)
 
 
 def run_grpo(model_dir, batches: list[Batch], layout: str) -> Run:
@@ -197,37 +139,8 @@ def run_grpo(model_dir, batches: list[Batch], layout: str) -> Run:
     run = Run()
     try:
         for batch in batches:
-            ro = batch.rollouts
-            mbs = micro_batches(ro, layout)
-            size = len(ro.sample_ids) // MICRO_BATCHES
-            advs = [batch.advantages[i * size:(i + 1) * size] for i in range(MICRO_BATCHES)]
-            n_loss = ro.loss_mask.sum()  # token-mean over the whole step
-
-            def loss_for(i, token_mask=None, fields=False, mbs=mbs, advs=advs, n_loss=n_loss, out=None):
-                mb = mbs[i]
-                logp = token_logp(model, mb, layout)
-                old = logp.detach()
-                rollout = torch.where(mb.loss_mask, mb.rollout_logp, old)  # NaN off the loss positions
-                a = per_token(advs[i], mb, layout)
-                ratio = torch.exp(logp - old)
-                unclipped, clipped = ratio * a, ratio.clamp(1 - EPS, 1 + EPS) * a
-                terms = -torch.minimum(unclipped, clipped) * torch.exp(old - rollout) * mb.loss_mask
-                if token_mask is not None:
-                    terms = terms * token_mask
-                if fields:
-                    mon.rl_fields(logp=logp, rollout_logp=mb.rollout_logp, old_logp=old, advantages=advs[i],
-                                  ratio=ratio, clipped=clipped < unclipped)
-                if out is not None:
-                    out.append(old)
-                return terms.sum() / n_loss
-
-            total, logps = torch.zeros(()), []
-            for i, mb in enumerate(mbs):
-                with mon.micro_batch(**mb.micro_batch_kwargs()):
-                    loss = loss_for(i, fields=True, out=logps)
-                    loss.backward()
-                total += loss.detach()
-            run.reports.append(mon.end_step(total, probe=loss_for))
+            report, mbs, logps = grpo_step(model, mon, batch, layout)
+            run.reports.append(report)
             model.zero_grad(set_to_none=True)
             run.train_logp.append(_by_response_token(mbs, logps, layout))
             check_fed_tokens(batch, mbs, layout)
