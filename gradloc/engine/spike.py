@@ -94,7 +94,7 @@ class SpikePath:
         if self.cfg.remedy is not None:
             grad_scale = 1.0 if x.unscaled else x.scale
             remedy = apply_remedy(self.cfg.remedy, loc, result.culprit_grad if result else None,
-                                  self.params, grad_scale, x.has_scaler)
+                                  self.params, grad_scale, x.has_scaler, unnamed=result.unnamed if result else 0)
             self.counters[f"remedy_{'applied' if remedy.applied else 'refused'}"] += 1
         rec = x.record
         top = tuple(replace(s, z=x.layer_z.get(s.layer)) for s in  # every layer, largest norm first

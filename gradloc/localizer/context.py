@@ -44,6 +44,7 @@ class StoredGradient:
 class LocalizeResult:
     localization: Localization
     culprit_grad: Grads | None = None  # unscaled ∇_C of a verified culprit set, when asked to keep it
+    unnamed: int = 0  # tokens of the verified set (in ∇_C) that the localization does not name (naming.py)
 
 
 def verified(need: float, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:

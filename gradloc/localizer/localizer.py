@@ -45,6 +45,7 @@ from gradloc.localizer.context import (
     verified,
 )
 from gradloc.localizer.diffuse import describe
+from gradloc.localizer.naming import name
 from gradloc.localizer.picture import Picture, merge_samples, summary, top_samples
 from gradloc.localizer.probes import Grads, ProbeSession
 from gradloc.localizer.prune import Measured, prune
@@ -170,14 +171,21 @@ class _Run:
         explained, loss = scope.measure(acc, float(sum(session.losses[start:])), error)
         each = [float(x) for x in np.diff([0.0, *cum, explained])] if scope.linear or rounds == 1 else None
         first, first_share = len(taken), explained
-        acc, explained, loss, used = self._grow(acc, explained, loss, taken, rounds)
+        acc, explained, loss, used, grown = self._grow(acc, explained, loss, taken, rounds)
         flats = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
         if self.loc._verified(explained, self.stored.norm, loss, self.ctx):
+            firsts = [*taken[:first]] + [np.zeros(0, dtype=np.int64)] * (rounds - first)  # the job's rounds
+            parts = [*zip(firsts, each)] if each is not None else \
+                [(np.concatenate(firsts) if firsts else np.zeros(0, dtype=np.int64), first_share)]
             named = prune(self, Measured(acc=acc, explained=explained, loss=loss, rounds=tuple(taken[:first]),
-                                         round_shares=each, first=first_share, n_rounds=rounds, used=used), flats)
-            note = "; ".join(x for x in (_note(n_groups, rounds, self.W), named.note) if x)
-            loc = self._located(named.parts, named.explained, scope.norms(named.acc), named.loss, named.used, note)
-            return LocalizeResult(loc, named.acc if self.keep_grad else None)
+                                         round_shares=each, first=first_share, n_rounds=rounds, used=used,
+                                         parts=(*parts, *grown)), flats)
+            naming = name(self, named.parts, named.explained)
+            note = "; ".join(x for x in (_note(n_groups, rounds, self.W), self._grown_note(grown), named.note,
+                                         naming.note) if x)
+            loc = self._located(naming.flats, naming.shares, named.explained, scope.norms(named.acc), named.loss,
+                                named.used, note)
+            return LocalizeResult(loc, named.acc if self.keep_grad else None, unnamed=naming.unnamed)
         n = int(self.comm.all_reduce(torch.tensor([float(flats.size)], dtype=torch.float64), what="gradloc count")[0]) \
             if not self.solo else flats.size
         on = "" if self.solo else f" on {len({c.rank for c in cands})} rank(s)"
@@ -191,11 +199,13 @@ class _Run:
         return why
 
     def _grow(self, acc: Grads, explained: float, loss: float, taken: list[np.ndarray],
-              used: int) -> tuple[Grads, float, float, int]:
+              used: int) -> tuple[Grads, float, float, int, list[tuple[np.ndarray, float]]]:
         """While the step would still be a spike without C, a round probes each rank's next outlier
         tokens (relative threshold ÷ 10, over the job's untaken tokens), one micro-batch per rank. ∇ is
-        linear in the token mask, so the new tokens' gradient adds exactly to ∇_C."""
+        linear in the token mask, so the new tokens' gradient adds exactly to ∇_C. Also returns each
+        round's part: (this rank's tokens, the job's measured share of the round)."""
         view, cfg, scope, session = self.view, self.cfg, self.scope, self.session
+        grown: list[tuple[np.ndarray, float]] = []
         while used < cfg.max_probes:
             _, without = scope.norms(acc)
             if not still_spike(without, self.ctx):
@@ -217,7 +227,7 @@ class _Run:
                 m = view.locate(int(extra[0]))[0]
                 group = (m, groups[m])
                 taken.append(groups[m])
-            start = len(session.losses)
+            start, before = len(session.losses), explained
             if scope.linear:
                 acc, err = self.probe_round(acc, group)
                 explained, loss = scope.measure(acc, float(sum(session.losses[self.phase_start:])), err)
@@ -226,8 +236,19 @@ class _Run:
                 d_exp, d_loss = scope.measure(new, float(sum(session.losses[start:])), err)
                 acc = [a if n is None else (n if a is None else a.add_(n)) for a, n in zip(acc, new)]
                 explained, loss = explained + d_exp, loss + d_loss
+            grown.append((group[1] if group is not None else np.zeros(0, dtype=np.int64), explained - before))
             used += 1
-        return acc, explained, loss, used
+        return acc, explained, loss, used, grown
+
+    def _grown_note(self, grown: list[tuple[np.ndarray, float]]) -> str:
+        """What the growth rounds added to C, measured (every rank runs the same rounds)."""
+        if not grown:
+            return ""
+        mine = float(sum(f.size for f, _ in grown))
+        n = int(mine if self.solo else self.comm.all_reduce(torch.tensor([mine], dtype=torch.float64),
+                                                            what="gradloc grown count")[0])
+        return (f"{n} token(s) added by {len(grown)} growth round(s), the step's rest still above μ + zσ without "
+                f"them: {sum(x for _, x in grown):.1%} of ‖∇‖², measured")
 
     def _relaxed(self, free: np.ndarray) -> np.ndarray:
         """This rank's untaken tokens above the job's relaxed floor, best first (≤ max_candidates)."""
@@ -272,15 +293,9 @@ class _Run:
                             unattributed_share=self.view.unattributed_share, loss_share=ls,
                             loss_without_culprits=lw, note=note, samples=samples, groups=groups)
 
-    def _located(self, parts: tuple[tuple[np.ndarray, float], ...], explained: float, norms: tuple[float, float],
+    def _located(self, flats: np.ndarray, shares: np.ndarray, explained: float, norms: tuple[float, float],
                  loss: float, probes: int, note: str) -> Localization:
-        """``parts``: (this rank's flats, the part's measured share): each share split by score in its part."""
-        flats = np.concatenate([f for f, _ in parts])
-        w = [self.view.rank_scores[f] for f, _ in parts]
-        local = torch.tensor([float(x.sum()) for x in w], dtype=torch.float64)
-        totals = (self.comm.all_reduce(local, what="gradloc culprit scores") if not self.solo else local).tolist()
-        shares = np.concatenate([share * x / t if math.isfinite(share) and t > 0 else x * np.nan
-                                 for x, t, (_, share) in zip(w, totals, parts)])
+        """``flats``: this rank's named tokens, ``shares`` their estimated shares (``naming.py``)."""
         culprits, spans, samples = self.gather_records([int(f) for f in flats], [float(x) for x in shares])
         level = Level.SPAN if any(x.end - x.start > 1 for x in spans) else Level.TOKEN
         return self.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=probes,

@@ -54,6 +54,9 @@ class Measured:
     first: float  # the first rounds' measured share, together
     n_rounds: int  # first rounds (the job's)
     used: int  # probes so far
+    # (this rank's tokens, the job's measured share) of each round measured apart: the first rounds (one
+    # part when not measured apart) and each growth round; what the record's shares are split from
+    parts: tuple[tuple[np.ndarray, float], ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +94,7 @@ def estimates(run: "_Run", c: Measured) -> list[tuple[float, int, int]]:
 def prune(run: "_Run", c: Measured, flats: np.ndarray) -> Named:
     """C (``flats``: this rank's members, first rounds and grown), with the candidates whose estimated
     share is below the floor measured and dropped when the module docstring's rule says so."""
-    same = Named(acc=c.acc, explained=c.explained, loss=c.loss, used=c.used, note="", parts=((flats, c.explained),))
+    same = Named(acc=c.acc, explained=c.explained, loss=c.loss, used=c.used, note="", parts=c.parts)
     if c.used >= run.cfg.max_probes or not math.isfinite(c.explained):
         return same
     comm, norm, ctx, view = run.comm, run.stored.norm, run.ctx, run.view

@@ -25,8 +25,10 @@ from gradloc.records import Localization, Remedy
 
 
 def apply_remedy(action: str, loc: Localization | None, culprit_grad: Grads | None,
-                 params: Sequence[torch.nn.Parameter], grad_scale: float, has_scaler: bool) -> Remedy:
-    """Apply ``action`` to the params' ``.grad`` (which carry ``grad_scale``, 1.0 once unscaled)."""
+                 params: Sequence[torch.nn.Parameter], grad_scale: float, has_scaler: bool,
+                 unnamed: int = 0) -> Remedy:
+    """Apply ``action`` to the params' ``.grad`` (which carry ``grad_scale``, 1.0 once unscaled); ``unnamed``:
+    tokens of the verified set that ∇_C holds but the localization does not name (``naming.py``)."""
     norm = loc.global_norm if loc is not None else math.nan
     why = _refusal(action, loc, culprit_grad, has_scaler)
     if why:
@@ -42,7 +44,8 @@ def apply_remedy(action: str, loc: Localization | None, culprit_grad: Grads | No
             if p.grad is not None and g_c is not None:
                 p.grad.sub_(g_c.to(p.grad.dtype), alpha=grad_scale)
     return Remedy(action, True, norm, loc.norm_without_culprits,
-                  f"∇ − ∇_C: {len(loc.culprits)} culprit token(s) dropped from the update")
+                  f"∇ − ∇_C: {len(loc.culprits)} culprit token(s)"
+                  f"{f' and {unnamed} more of the verified set, not named,' if unnamed else ''} dropped from the update")
 
 
 def _refusal(action: str, loc: Localization | None, culprit_grad: Grads | None, has_scaler: bool) -> str:

@@ -47,6 +47,16 @@ def test_drop_culprits_subtracts_the_scaled_culprit_gradient_exactly() -> None:
     assert rem.reason == "∇ − ∇_C: 3 culprit token(s) dropped from the update"
 
 
+def test_drop_culprits_says_when_the_verified_set_holds_tokens_not_named() -> None:
+    """∇_C is the verified set's gradient; tokens of it the localization does not name (naming.py) are dropped
+    with it, and the reason counts them."""
+    toy, loc, g_c, _ = located()
+    with_grad(toy)
+    rem = apply_remedy("drop_culprits", loc, g_c, [toy.w], SCALE, has_scaler=True, unnamed=2)
+    assert rem.applied and rem.reason == ("∇ − ∇_C: 3 culprit token(s) and 2 more of the verified set, not named, "
+                                          "dropped from the update")
+
+
 def test_skip_step_sets_every_gradient_to_none() -> None:
     toy, loc, g_c, _ = located()
     with_grad(toy)
