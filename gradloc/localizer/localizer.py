@@ -14,7 +14,10 @@ because every decision comes from gathered values:
    C, rounds *grow* C with the next outliers (a relaxed relative threshold) — into the last probe
    only when C is verified already: that probe is kept for the levels below. A probe left after C
    is verified measures its weakest-scored members, which are not named when they carry less than
-   a sample must to be named (``prune.py``).
+   a sample must to be named (``prune.py``). The record names C's carriers (``naming.py``): its runs
+   of adjacent tokens up to the cut after which every run is below a tenth of the smallest named one
+   and all together below 10% of ‖∇‖², the named runs alone still the answer; the note says what is
+   not named, and the explained share, norms and ∇_C stay the whole verified set's.
 3. **Below the tokens** (``below.py``) — the sample, span or micro-batch that carries it, with the
    decomposition probe (``decompose.py``), else ``diffuse`` with the measured sample shares.
 4. **Records** — every rank builds its own culprits and spans (its rank named when W > 1) and one

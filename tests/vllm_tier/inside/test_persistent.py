@@ -35,23 +35,27 @@ incident, mismatch share 0. Flagged fault steps — step: z, global norm, stale 
 precision (named positions that are stale), probes, % of loss tokens off by > log 2, stale tokens' median / max
 log ratio π_train/π_rollout (nats):
 
-- row step 3: 14: z 185, 91.3, 0.988, incident, **0.83**, 3, 28%, 0.75/6.2 · 20: z 256, 159.6, 0.998, <14, 1.0,
+- row step 3: 14: z 185, 91.3, 0.988, incident, 1.0, 3, 28%, 0.75/6.2 · 20: z 256, 159.6, 0.998, <14, 1.0,
   2, 29%, 0.20/7.4 · 21: z 47, 37.5, 0.970, <14, 1.0, 1 · 25: z 33, 32.9, 0.926, <14, 1.0, 2. Not flagged but
   stale-dominated: 22 (z 2.2, 8.6, 0.54), 24 (z 13.5, 16.8, 0.88: under the 2.5× line).
-- row step 2: 14: z 352, 172.3, 1.000, incident, 1.0, 3, 18%, 0.75/5.5 · 20: z 114, 71.7, 0.990, <14, **0.40**,
+- row step 2: 14: z 352, 172.3, 1.000, incident, 1.0, 3, 18%, 0.75/5.5 · 20: z 114, 71.7, 0.990, <14, 1.0,
   3 · 21: z 29, 25.1, 0.929, <14, 1.0, 1 · 23: z 18, 19.0, 0.876, <14, 1.0, 1 · 25: z 15, 18.8, 0.735, <14,
   **0.12**, 3. Not flagged but stale-dominated: 12 (z 9.1, 11.0, 0.67), 24 (z 7.0, 12.1, 0.74).
 
 Every stale-dominated flagged fault step is its own incident or a follow-up (the new-cause rule: new culprit samples
-on a step above the rl_mismatch line), located, its top culprit stale, and its named stale culprits carry ≥ 0.9 of
-what the named culprits carry (measured shares: 1.0 on every step but row 2's step 25, 0.935); rl_mismatch is raised
-at step 14 (the third step in a row above its line) in both.
-**Unmet**: the precision target as worded (≥ 0.9 of the named positions stale) on 1 of 4 and 2 of 5 steps: all
-three used the 3 probes, so the localizer had none left to measure and drop its weak candidates
-(gradloc/localizer/prune.py) and named healthy tokens carrying 0.003–0.6% of ‖∇‖² each beside the stale ones
-(1 of 6 named at row 3's step 14, 6 of 10 at row 2's step 20, 15 of 17 at its step 25). Not asserted: a check of
-an unmet target would be a strict xfail that fails the tier on a machine whose floats happen to pass it; the
-summary line prints every flagged step's count precision (``p…``), and issue 32's note records it.
+on a step above the rl_mismatch line), located, its top culprit stale; rl_mismatch is raised at step 14 (the third
+step in a row above its line) in both. Precision (≥ TARGET of the named positions stale, and of the named shares:
+each probe round's measured share split by score within it) holds on 8 of 9 steps, asserted there: the localizer
+names a verified set's carriers, not its runs an order of magnitude below the smallest named one that carry < 10%
+of ‖∇‖² together (gradloc/localizer/naming.py; before it, 1 of 6 named positions was healthy at row 3's step 14,
+6 of 10 at row 2's step 20, each ≤ 0.04% of ‖∇‖²).
+**Unmet** on row 2's step 25 (named positions 0.12 stale, named share 0.853): a growth round added 15 healthy tokens
+carrying 12.7% of ‖∇‖², measured (autograd 0.1267), because the step's rest after the stale tokens (93.3 of ‖∇‖²)
+was above the localizer's squared line (μ + zσ)² = 84.8. They are not the fault's footprint: with the engine's
+weights the same positions carry the same ⟨∇_F, ∇⟩ (44.9 vs 44.7) — this batch's healthy data alone has ‖∇‖ 10.1,
+over μ + zσ = 9.2 and far under the detector's grad_spike line 18.3 (docs/DESIGN-NOTES.md, "Naming"). The tests
+skip a step whose healthy named tokens a growth round added (the note says how many) and assert that they are no
+more than it added; the summary line prints every flagged step's count precision (``p…``).
 """
 from __future__ import annotations
 
@@ -257,7 +261,7 @@ def test_every_stale_dominated_flagged_fault_step_is_localized(fault_run, row_st
         top = max(loc.culprits, key=lambda c: c.share)
         assert s["stale"][top.micro_batch][top.sample, top.position], (_row(s), top)
         stale, healthy = _named_share(s, True), _named_share(s, False)
-        if _grown(s):
+        if _grown(s) and _named_count(s, False):
             assert _named_count(s, False) <= _grown(s), (_row(s), loc.note)
         else:
             assert stale >= TARGET * (stale + healthy), (_row(s), loc.culprits)
