@@ -14,10 +14,10 @@ from tests.localizer.test_localizer import D
 
 
 @pytest.mark.parametrize("shares, named", [
-    # issue 32's persistent fault on real vLLM (row step 3, step 14, the shares the record had): the three stale
-    # tokens named, the three below a tenth of the smallest of them (0.0009, 0.0008 stale, 0.0004 healthy) not
+    # issue 32's persistent fault on real vLLM (row step 3, step 14, the shares its record had before shares were split
+    # per probe round): the three stale tokens named, the three below a tenth of the smallest of them not
     ([0.7268, 0.2248, 0.0338, 0.0009, 0.0008, 0.0004], 3),
-    ([0.9719, 0.0097, 0.0056, 0.0028] + [0.0001] * 6, 1),  # row step 2, step 20: one token carries it
+    ([0.9719, 0.0097, 0.0056, 0.0028] + [0.0001] * 6, 1),  # row step 2, step 20 (as recorded then)
     ([0.03] * 30, 30),  # an evenly spread set: no cut falls inside comparable units
     ([0.8] + [0.005] * 30, 31),  # the small ones carry 15% together: not negligible, named
     ([0.9, 0.08], 1),  # 0.08 < 0.1 × 0.9 and < 10% of ‖∇‖²
