@@ -251,6 +251,7 @@ def test_every_stale_dominated_flagged_fault_step_is_localized(fault_run, row_st
     probe round's measured share split by score within it) — except where a growth round named healthy tokens
     (unmet: the module docstring); there, the healthy named tokens are at most the ones the growth added."""
     fault = _flagged_fault_steps(fault_run)
+    assert len(fault) >= MIN_FAULT_STEPS, f"the scenario no longer tests anything: {_fault_rows(fault_run)}"
     for s in fault:
         r = s["report"]
         assert r.incident is not None, f"step {r.record.step} folded into step {r.spike.episode}'s episode: {_row(s)}"
@@ -274,7 +275,9 @@ def test_named_positions_are_stale(fault_run, row_step):
     docstring). What makes it hold elsewhere: a verified set's tokens an order of magnitude below the smallest named
     one, together < 10% of ‖∇‖², are not named (gradloc/localizer/naming.py) — the note says how many and what
     they carry."""
-    for s in _flagged_fault_steps(fault_run):
+    fault = _flagged_fault_steps(fault_run)
+    assert len(fault) >= MIN_FAULT_STEPS, f"the scenario no longer tests anything: {_fault_rows(fault_run)}"
+    for s in fault:
         if _grown(s) and _named_count(s, False):
             continue
         assert _precision(s) >= TARGET, (_row(s), s["report"].incident.localization.note)
