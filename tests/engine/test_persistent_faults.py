@@ -30,6 +30,7 @@ from gradloc.demo.rl_parts import grpo_advantages, make_parts, warm_start
 from gradloc.demo.sampler import sample
 from gradloc.detector import INCIDENT
 from gradloc.records import OutlierKind
+from tests.engine.fault_checks import assert_localized
 
 FAULT, STEPS = 35, 50
 STALE = (EOS, *encode("7"))
@@ -169,10 +170,5 @@ def test_every_stale_dominated_flagged_step_of_a_persistent_rl_fault_is_its_own_
     print(f"precision >= {TARGET} on {len(met)} of {len(fault)} stale-dominated flagged steps")
     assert len(fault) >= MIN_FAULT_STEPS, f"the scenario no longer tests anything: flagged steps {rows}"
     for s in fault:
-        r = s["report"]
-        assert r.incident is not None, f"step {r.record.step} ({r.spike.kinds}) was folded: {r.spike}"
-        if r.spike.follows is not None:  # a follow-up: a new cause inside an earlier incident's episode
-            assert r.spike.follows < r.record.step and "new cause" in r.spike.detail, r.spike
-        loc = r.incident.localization
-        assert loc is not None and loc.status == "located" and loc.culprits, loc
-        assert _precision(s) >= TARGET, (r.record.step, s["share"], loc.culprits)
+        loc = assert_localized(s["report"], s["share"])
+        assert _precision(s) >= TARGET, (s["report"].record.step, s["share"], loc.culprits)

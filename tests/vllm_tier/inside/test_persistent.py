@@ -68,6 +68,7 @@ import torch
 import gradloc
 from gradloc.detector import INCIDENT
 from gradloc.records import OutlierKind
+from tests.engine.fault_checks import assert_localized
 from tests.vllm_tier.inside import engine
 from tests.vllm_tier.inside.grpo import MICRO_BATCHES, N, grpo_step, micro_batches, policy_loss, sample_batch
 
@@ -253,12 +254,7 @@ def test_every_stale_dominated_flagged_fault_step_is_localized(fault_run, row_st
     fault = _flagged_fault_steps(fault_run)
     assert len(fault) >= MIN_FAULT_STEPS, f"the scenario no longer tests anything: {_fault_rows(fault_run)}"
     for s in fault:
-        r = s["report"]
-        assert r.incident is not None, f"step {r.record.step} folded into step {r.spike.episode}'s episode: {_row(s)}"
-        if r.spike.follows is not None:  # a follow-up: a new cause inside an earlier incident's episode
-            assert r.spike.follows < r.record.step and "new cause" in r.spike.detail, r.spike
-        loc = r.incident.localization
-        assert loc.status == "located" and loc.culprits, _row(s)
+        loc = assert_localized(s["report"], _row(s))
         top = max(loc.culprits, key=lambda c: c.share)
         assert s["stale"][top.micro_batch][top.sample, top.position], (_row(s), top)
         stale, healthy = _named_share(s, True), _named_share(s, False)
