@@ -1,7 +1,7 @@
 """Run a function as the W ranks of one gloo job, under a deadline that can never hang the caller.
 
 ``run_ranks(fn, world_size, *args, timeout_s=...)`` spawns W fresh interpreters (``spawn`` start
-method: no forked torch state), each with the environment a launcher sets (RANK, WORLD_SIZE,
+method: no forked torch state; with ``preload``, forks of a server that imported only those modules), each with the environment a launcher sets (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT — what DeepSpeed needs to skip mpi4py), a gloo process group
 on a free local port and one torch thread, then calls ``fn(rank, world_size, *args)``; results come
 back by value. A rank that raises fails the run with its traceback, a rank that dies fails it with
