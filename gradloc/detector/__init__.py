@@ -1,3 +1,3 @@
-from gradloc.detector.detector import INCIDENT, LOCALIZE, SpikeDetector, opens_incident
+from gradloc.detector.detector import INCIDENT, LOCALIZE, SpikeDetector, norm_line, opens_incident
 
-__all__ = ["INCIDENT", "LOCALIZE", "SpikeDetector", "opens_incident"]
+__all__ = ["INCIDENT", "LOCALIZE", "SpikeDetector", "norm_line", "opens_incident"]

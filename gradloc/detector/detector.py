@@ -62,6 +62,28 @@ NEW_SHARE = 0.5  # a new cause: at least this share of the top tokens' score is 
 _FAST_ALPHA = 0.7
 
 
+def grad_spike_line(mean: float, std: float, config: DetectorConfig) -> float:
+    """The global-norm line a grad_spike crosses: the larger of mean + z_threshold·std and spike_ratio·mean
+    (``config`` resolved)."""
+    return max(mean + config.z_threshold * std, (config.spike_ratio or 1.0) * mean)
+
+
+def norm_line(spike: SpikeEvent, config: DetectorConfig) -> float | None:
+    """The global-norm line ``spike``'s step was flagged against: a step whose norm stays above it would
+    still be flagged (the localizer's "is the rest still a spike", localizer/context.py). grad_spike: its
+    line (the record's band); sample_spike: the larger of mean + z·std and sample_ratio·mean; any other
+    kind (loss, token, nonfinite: no norm line of their own): mean + z·std, the band's z line. None
+    during the warm-up (no band). ``config`` resolved (SpikeDetector.config)."""
+    if spike.mean is None or spike.std is None:
+        return None
+    if K.GRAD_SPIKE in spike.kinds:
+        return grad_spike_line(spike.mean, spike.std, config)
+    z_line = spike.mean + config.z_threshold * spike.std
+    if K.SAMPLE_SPIKE in spike.kinds and config.sample_ratio:
+        return max(z_line, config.sample_ratio * spike.mean)
+    return z_line
+
+
 def opens_incident(spike: SpikeEvent) -> bool:
     """Whether ``spike`` opens an incident: it has incident kinds and is not part of an earlier
     incident's episode."""
@@ -108,9 +130,7 @@ class SpikeDetector:
             if wb is not None and wb[0] == spike.step:
                 return {"norm_mean": wb[1], "norm_threshold": self.config.warmup_ratio * wb[1]}
             return {"norm_mean": None, "norm_threshold": None}
-        c = self.config
-        return {"norm_mean": spike.mean,
-                "norm_threshold": max(spike.mean + c.z_threshold * spike.std, c.spike_ratio * spike.mean)}
+        return {"norm_mean": spike.mean, "norm_threshold": grad_spike_line(spike.mean, spike.std, self.config)}
 
     def z_of(self, global_norm: float) -> float | None:
         z = float(self._global.z(np.array([global_norm]))[0])

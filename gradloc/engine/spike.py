@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from gradloc.collector.token_summary import StepScores
-from gradloc.detector import LOCALIZE
+from gradloc.detector import LOCALIZE, norm_line
 from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
 from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
@@ -111,8 +111,9 @@ class SpikePath:
             stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale,
                                     rec.global_norm)
             s = x.spike
-            ctx = SpikeContext(s.mean, x.job_loss if not self.alone else rec.loss, s.loss_mean, s.std,
-                               self.cfg.detector.z_threshold, outliers=outlier_samples(rec))
+            ctx = SpikeContext(healthy_norm=s.mean, loss=x.job_loss if not self.alone else rec.loss,
+                               healthy_loss=s.loss_mean, spike_line=norm_line(s, self.cfg.detector.resolved()),
+                               outliers=outlier_samples(rec))
             keep = self.cfg.remedy == "drop_culprits"
             if self.alone:
                 return self.localizer.localize(rec.step, view, stored, self._opener(x), ctx, keep_grad=keep,

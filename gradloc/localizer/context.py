@@ -26,8 +26,9 @@ class SpikeContext:
     healthy_norm: float | None  # detector's EMA mean of the global norm (also bisection's noise level)
     loss: float | None  # the step's loss as reported to end_step
     healthy_loss: float | None  # detector's EMA mean of the loss
-    healthy_std: float | None = None  # detector's EMA std of the global norm
-    z_threshold: float = 2.5  # a residual above healthy_norm + z·std is still a spike
+    # the global-norm line the step was flagged against (detector.norm_line: grad_spike's line, the
+    # record's band): a residual above it would still be flagged, a spike; None: no band, never
+    spike_line: float | None = None
     # (micro-batch index, sample) of this rank's per-sample surprise outliers on the step: the levels
     # below the tokens decompose their micro-batches first (below.py)
     outliers: tuple[tuple[int, int], ...] = ()
@@ -65,22 +66,21 @@ def verified(need: float, explained: float, norm: float, loss_c: float, ctx: Spi
 
 
 def still_spike(norm: float, ctx: SpikeContext) -> bool:
-    """Would the step still be flagged with this residual norm?"""
-    if ctx.healthy_norm is None or ctx.healthy_std is None or not math.isfinite(norm):
+    """Would the step still be flagged with this residual norm (above the line it was flagged against)?"""
+    if ctx.spike_line is None or not math.isfinite(norm):
         return False
-    return norm > ctx.healthy_norm + ctx.z_threshold * ctx.healthy_std
+    return norm > ctx.spike_line
 
 
 def rest_carries_spike(explained: float, norm: float, ctx: SpikeContext) -> bool:
     """Does what C does not carry of ‖∇‖², ⟨∇ − ∇_C, ∇⟩ = (1 − explained)·‖∇‖², still reach the squared
-    line a flagged step's norm crosses, (μ + z·σ)²? ‖∇ − ∇_C‖ alone can stay above the line when the
+    line the step was flagged against (``spike_line``²)? ‖∇ − ∇_C‖ alone can stay above the line when the
     rest of the step partly cancels C (a culprit's gradient larger than the step's own, healthy tokens
     pulling the same rows the other way): removing C then uncovers the cancelled part, healthy data, not
     a missed culprit. Where the rest is orthogonal to C both tests agree (tests/localizer, the tiers toy)."""
-    if ctx.healthy_norm is None or ctx.healthy_std is None or not math.isfinite(explained):
+    if ctx.spike_line is None or not math.isfinite(explained):
         return True
-    line = ctx.healthy_norm + ctx.z_threshold * ctx.healthy_std
-    return (1.0 - explained) * norm**2 > line**2
+    return (1.0 - explained) * norm**2 > ctx.spike_line**2
 
 
 def loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float | None]:

@@ -15,7 +15,7 @@ import torch
 
 import gradloc
 from gradloc.config import DetectorConfig
-from gradloc.detector import INCIDENT, SpikeDetector, opens_incident
+from gradloc.detector import INCIDENT, SpikeDetector, norm_line, opens_incident
 from gradloc.detector.detector import ESCALATION
 from gradloc.records import SampleStats, SpikeEvent, StepRecord, TokenStats
 
@@ -179,6 +179,33 @@ def test_norm_ratio_line_is_the_band_the_record_reports():
     assert band["norm_threshold"] == pytest.approx(ratio * band["norm_mean"])
     assert "grad_spike" not in feed(0.98 * band["norm_threshold"]).kinds
     assert "grad_spike" in feed(1.05 * feed.det.band(feed(1.0))["norm_threshold"]).kinds
+
+
+
+def test_norm_line_is_the_line_each_kind_flags_by():
+    """``norm_line``: what the localizer asks "would the rest still be flagged" against. A grad_spike's is the
+    record's band (the larger of μ + zσ and spike_ratio·μ), a sample_spike's uses sample_ratio, a loss spike's
+    (no norm line of its own) is μ + zσ; a norm just over each line is flagged as that kind again, just under
+    it is not."""
+    c = DetectorConfig().resolved()
+    feed = Feed(DetectorConfig())
+    feed.flat(100)
+    spike = feed(10.0)
+    assert spike.kinds == ("grad_spike",) and norm_line(spike, c) == feed.det.band(spike)["norm_threshold"]
+    assert norm_line(spike, c) == max(spike.mean + c.z_threshold * spike.std, c.spike_ratio * spike.mean)
+    for kind, expect in (("sample_spike", lambda e: max(e.mean + c.z_threshold * e.std, c.sample_ratio * e.mean)),
+                         ("loss_spike", lambda e: e.mean + c.z_threshold * e.std)):
+        twin = Feed(DetectorConfig())
+        twin.flat(100)
+        band = dataclasses.replace(twin(1.0), kinds=(kind,))  # the band step 100 is judged against
+        assert norm_line(band, c) == pytest.approx(expect(band), rel=1e-12)
+        if kind == "sample_spike":  # the same history, step 100 on either side of the line: flagged or not
+            for side, want in ((1.001, ("sample_spike",)), (0.999, ())):
+                feed = Feed(DetectorConfig())
+                feed.flat(100)
+                assert feed(side * norm_line(band, c), samples=_odd(100)).kinds == want, side
+    warm = SpikeDetector(DetectorConfig(), []).observe(record(0, 1.0))
+    assert warm.mean is None and norm_line(warm, c) is None  # no band yet: no line, no growth
 
 
 # -- episodes --------------------------------------------------------------------------------------------

@@ -140,5 +140,8 @@ def planted(plants: dict[tuple[int, int, int], torch.Tensor], M: int = 3, B: int
 
 
 def ctx(healthy: float | None = None, std: float | None = None, loss: float | None = None,
-        healthy_loss: float | None = None, z: float = 2.5) -> SpikeContext:
-    return SpikeContext(healthy, loss, healthy_loss, std, z)
+        healthy_loss: float | None = None, z: float = 2.5, line: float | None = None) -> SpikeContext:
+    """The toys' context: the spike line is ``line``, else healthy + z·std (no std: no line)."""
+    if line is None and healthy is not None and std is not None:
+        line = healthy + z * std
+    return SpikeContext(healthy_norm=healthy, loss=loss, healthy_loss=healthy_loss, spike_line=line)
