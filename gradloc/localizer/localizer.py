@@ -183,7 +183,7 @@ class _Run:
             named = prune(self, Measured(acc=acc, explained=explained, loss=loss, rounds=tuple(taken[:first]),
                                          round_shares=each, first=first_share, n_rounds=rounds, used=used,
                                          parts=(*parts, *grown)), flats)
-            naming = name(self, named.parts, named.explained)
+            naming = name(self, named.parts, named.explained, grown=tuple(f for f, _ in grown))
             note = "; ".join(x for x in (_note(n_groups, rounds, self.W), self._grown_note(grown), named.note,
                                          naming.note) if x)
             loc = self._located(naming.flats, naming.shares, named.explained, scope.norms(named.acc), named.loss,
@@ -250,7 +250,7 @@ class _Run:
         mine = float(sum(f.size for f, _ in grown))
         n = int(mine if self.solo else self.comm.all_reduce(torch.tensor([mine], dtype=torch.float64),
                                                             what="gradloc grown count")[0])
-        return (f"{n} token(s) added by {len(grown)} growth round(s), the step's rest still above μ + zσ without "
+        return (f"{n} token(s) added by {len(grown)} growth round(s), the step's rest still above its spike line without "
                 f"them: {sum(x for _, x in grown):.1%} of ‖∇‖², measured")
 
     def _relaxed(self, free: np.ndarray) -> np.ndarray:

@@ -9,8 +9,8 @@ import pytest
 
 from gradloc.localizer.naming import GAP, cut, units
 from tests.helpers import single_thread  # noqa: F401
-from tests.localizer.builders import basis, planted
-from tests.localizer.test_localizer import D
+from tests.localizer.builders import basis, ctx, planted
+from tests.localizer.test_localizer import D, keys, localize
 
 
 @pytest.mark.parametrize("shares, named", [
@@ -46,3 +46,23 @@ def test_a_run_of_adjacent_tokens_is_one_unit() -> None:
     tail = [0.004] * 40  # 40 tokens of one run at 0.4% each beside a 0.8 culprit: one unit of 16%, named
     assert cut([0.8, sum(tail)], lambda share: True) == 2 and cut([0.8, *tail], lambda share: True) == 41
     assert GAP == 0.1
+
+
+def test_a_growth_round_s_culprit_is_named_when_the_rest_leans_on_the_set() -> None:
+    """``bench localization``'s three_mb seed 3 in a toy: a culprit A = 100·e_1 + 30·e_0 among 21 noise tokens e_0
+    (the rest of the step points along A: ⟨∇ − ∇_A, ∇_A⟩ > 0), and a second one G = 20·e_2, its score 400 below the
+    first candidate cut (0.1 × 10,900), found by a growth round: without it the residual 20·e_2 + 21·e_0 (‖·‖ 29.0)
+    is above the line 19 + 2.5·2 = 24, with it 21 < 24. G carries 400 / 12,751 = 3.1% of ‖∇‖², under a tenth of A's
+    (0.85); the estimates alone would cut it (the rest of C's step, ⟨∇ − ∇_C, ∇⟩ = 21·51, is above the line's square,
+    so the "leaves no spike uncovered" test does not apply). The growth measured that the step would still be
+    flagged without G: it is named (naming.py, step 2d)."""
+    a = basis(D, 1, 100) + basis(D, 0, 30)
+    toy = planted({(1, 0, 1): a, (2, 0, 1): basis(D, 2, 20)})
+    loc = localize(toy, context=ctx(healthy=19.0, std=2.0)).localization
+    assert toy.norm(without=[toy.flat(1, 0, 1)]) > 24.0 > toy.norm(without=[toy.flat(1, 0, 1), toy.flat(2, 0, 1)])
+    assert loc.status == "located" and loc.probes == 2, loc.note
+    assert keys(loc) == [(1, 0, 1), (2, 0, 1)], loc.note
+    assert "1 token(s) added by 1 growth round(s)" in loc.note and "not named" not in loc.note
+    g = next(c for c in loc.culprits if (c.micro_batch, c.sample, c.position) == (2, 0, 1))
+    assert g.share == pytest.approx(toy.share_of([toy.flat(2, 0, 1)]), rel=1e-12)
+    assert g.share < GAP * max(c.share for c in loc.culprits)  # what the cut alone would have left unnamed
