@@ -26,7 +26,7 @@ from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, St
 from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.remedy import apply_remedy
-from gradloc.localizer.scope import ProbeFailed
+from gradloc.localizer.scope import ProbeFailed, solo_scope
 from gradloc.parallel.comm import CollectiveTimeout
 from gradloc.records import Incident, IncidentScope, Localization, Method, SpikeEvent, Status, StepRecord
 
@@ -116,11 +116,12 @@ class SpikePath:
                                outliers=outlier_samples(rec))
             keep = self.cfg.remedy == "drop_culprits"
             if self.alone:
-                return self.localizer.localize(rec.step, view, stored, self._opener(x), ctx, keep_grad=keep,
+                scope = solo_scope(self._opener(x), stored.grads, stored.inv_scale, stored.norm)
+                return self.localizer.localize(rec.step, view, stored, scope, ctx, keep_grad=keep,
                                                head=self.head_for(view))
             hazard = self.job.data.probe_hazard
-            res = self.localizer.localize(rec.step, view, stored, None, ctx, keep_grad=keep, head=self.head_for(view),
-                                          scope=self._job_scope(x, stored), has_probe=x.probe is not None and not hazard)
+            res = self.localizer.localize(rec.step, view, stored, self._job_scope(x, stored), ctx, keep_grad=keep,
+                                          head=self.head_for(view), has_probe=x.probe is not None and not hazard)
             if hazard and x.probe is not None:
                 res = replace(res, localization=replace(res.localization, note=f"{hazard}; {res.localization.note}"))
             return res
@@ -147,14 +148,10 @@ class SpikePath:
         return opener
 
     def _job_scope(self, x: SpikeInputs, stored: StoredGradient) -> Any:
-        from gradloc.parallel.scope import JobScope, ZeroScope
-
-        args = dict(job=self.job, params=self.params, metas=x.scores.metas if x.scores is not None else (),
-                    probe=x.probe, pause_hooks=self.pause_hooks, grads=stored.grads, inv_scale=stored.inv_scale,
-                    norm=stored.norm)
-        if self.job.kind == "deepspeed":
-            return ZeroScope(deepspeed=self.layer_stats, **args)
-        return JobScope(view=self.job.grad_view, loss_weight=self.job.loss_weight, **args)
+        return self.job.scope(self.layer_stats, params=self.params,
+                              metas=x.scores.metas if x.scores is not None else (), probe=x.probe,
+                              pause_hooks=self.pause_hooks, grads=stored.grads, inv_scale=stored.inv_scale,
+                              norm=stored.norm)
 
 
 def heads_of(watched: Sequence[object]) -> dict[int, nn.Module]:

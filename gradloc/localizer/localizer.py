@@ -28,7 +28,6 @@ because every decision comes from gathered values:
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import numpy as np
 import torch
@@ -50,9 +49,9 @@ from gradloc.localizer.context import (
 from gradloc.localizer.diffuse import describe
 from gradloc.localizer.naming import name
 from gradloc.localizer.picture import Picture, merge_samples, summary, top_samples
-from gradloc.localizer.probes import Grads, ProbeSession
+from gradloc.localizer.probes import Grads
 from gradloc.localizer.prune import Measured, prune
-from gradloc.localizer.scope import Scope, SoloComm, SoloScope
+from gradloc.localizer.scope import Scope, SoloComm
 from gradloc.localizer.spans import Decode, build_culprits, build_spans
 from gradloc.localizer.token_view import TokenView
 from gradloc.records import Level, Localization, Method, Status
@@ -67,16 +66,14 @@ class Localizer:
     def _verified(self, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:
         return verified(self.cfg.min_explained_share, explained, norm, loss_c, ctx)
 
-    def localize(self, step: int, view: TokenView | None, stored: StoredGradient,
-                 open_probes: Callable[[], ProbeSession] | None, ctx: SpikeContext, keep_grad: bool = False,
-                 head: nn.Module | None = None, scope: Scope | None = None,
+    def localize(self, step: int, view: TokenView | None, stored: StoredGradient, scope: Scope | None,
+                 ctx: SpikeContext, *, keep_grad: bool = False, head: nn.Module | None = None,
                  has_probe: bool | None = None) -> LocalizeResult:
-        """``open_probes``: a probe session of this process (None: no probe closure); ``scope``: the
-        job's instead (its ``session()`` opens this rank's probes; ``has_probe``: whether this rank
-        has a probe closure); ``head``: the view's exact-layer module, for the decomposition probe."""
-        if scope is None and open_probes is not None:
-            scope = SoloScope(open_probes, stored.grads, stored.inv_scale, stored.norm)
-        probe = has_probe if has_probe is not None else open_probes is not None
+        """The one entry, one process or a job's rank alike: ``scope`` is where this rank's probes run and
+        combine (``SoloScope`` for one process, ``parallel/scope.py``'s for a job; None: one process without a
+        probe closure); ``has_probe``: whether this rank has a probe closure (default: a scope was given);
+        ``head``: the view's exact-layer module, for the decomposition probe."""
+        probe = has_probe if has_probe is not None else scope is not None
         return _Run(self, step, view, stored, scope, ctx, head, keep_grad, probe).run()
 
     # -- records (used by below.py and bisect_step.py too) --------------------------------------

@@ -98,3 +98,9 @@ class SoloScope:
         """‖∇_C‖ and ‖∇ − ∇_C‖, the latter directly (from ‖∇‖² − 2⟨∇_C, ∇⟩ + ‖∇_C‖² it would cancel
         when the culprits dominate)."""
         return grad_norm(acc), distance(self.grads, acc, self.inv_scale)
+
+
+def solo_scope(opener: Callable[[], ProbeSession] | None, grads: Grads, inv_scale: float,
+               norm: float) -> SoloScope | None:
+    """One process's scope over its stored gradient; None without a probe closure (``opener`` None)."""
+    return SoloScope(opener, grads, inv_scale, norm) if opener is not None else None

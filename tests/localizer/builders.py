@@ -18,6 +18,7 @@ from torch import nn
 from gradloc.collector.batch import make_meta
 from gradloc.localizer.localizer import SpikeContext, StoredGradient
 from gradloc.localizer.probes import ProbeFn, ProbeSession
+from gradloc.localizer.scope import SoloScope
 from gradloc.localizer.token_view import TokenView
 from gradloc.records import CulpritSpan, Incident, Localization, SpikeEvent, TokenStats
 from gradloc.reports import LayerColumns, StepSummary
@@ -119,6 +120,11 @@ class Toy:
     def stored(self, scale: float = 1.0) -> StoredGradient:
         """The training gradient as the optimizer sees it (× ``scale``, like a GradScaler's)."""
         return StoredGradient([self.grad_of() * scale], 1.0 / scale, self.norm())
+
+    def scope(self, stored: StoredGradient | None = None, closure: ProbeFn | None = None) -> SoloScope:
+        """One process's probe scope over ``stored`` (default: the toy's own gradient)."""
+        st = stored if stored is not None else self.stored()
+        return SoloScope(self.opener(closure), st.grads, st.inv_scale, st.norm)
 
     def opener(self, closure: ProbeFn | None = None) -> Callable[[], ProbeSession]:
         def open_probes() -> ProbeSession:

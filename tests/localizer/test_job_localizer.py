@@ -57,7 +57,7 @@ def run_job(toys: list[Toy], context, cfg: LocalizerConfig | None = None, *, pro
                          probe_context=contextlib.nullcontext, grads=[g.clone()], inv_scale=1.0, norm=norm)
         view = toy.view() if views is None else views[r]
         return Localizer(cfg or LocalizerConfig(), decode).localize(
-            7, view, StoredGradient([g.clone()], 1.0, norm), None, context, scope=scope, has_probe=probes[r])
+            7, view, StoredGradient([g.clone()], 1.0, norm), scope, context, has_probe=probes[r])
 
     results = job.run(rank)
     assert repr(results[0].localization) == repr(results[1].localization)  # every rank: the same answer (NaN too)
@@ -67,7 +67,7 @@ def run_job(toys: list[Toy], context, cfg: LocalizerConfig | None = None, *, pro
 def reference(toys: list[Toy], context, cfg: LocalizerConfig | None = None):
     whole = Toy(torch.cat([t.V for t in toys]) / len(toys))
     return Localizer(cfg or LocalizerConfig(), decode).localize(
-        7, whole.view(), whole.stored(), whole.opener(), context).localization
+        7, whole.view(), whole.stored(), whole.scope(), context).localization
 
 
 def where(loc, job_scope: bool) -> set[tuple[int, int, int]]:
@@ -222,8 +222,8 @@ def test_the_decomposition_probe_runs_on_the_rank_that_holds_the_micro_batch() -
                          pause_hooks=lambda on: None, probe_context=contextlib.nullcontext,
                          grads=[p.grad for p in params], inv_scale=1.0, norm=norm)
         return Localizer(LocalizerConfig(), None).localize(
-            7, view, StoredGradient([p.grad for p in params], 1.0, norm), None, ctx(healthy=healthy), head=model.head,
-            scope=scope, has_probe=True)
+            7, view, StoredGradient([p.grad for p in params], 1.0, norm), scope, ctx(healthy=healthy), head=model.head,
+            has_probe=True)
 
     results = job.run(rank)
     loc = results[0].localization

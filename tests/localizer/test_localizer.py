@@ -38,8 +38,9 @@ def keys(loc) -> list[tuple[int, int, int]]:
 def localize(toy: Toy, cfg: LocalizerConfig | None = None, *, view=None, probes: bool = True, context=None,
              scale: float = 1.0, keep_grad: bool = False):
     loc = Localizer(cfg or LocalizerConfig(), decode)
-    return loc.localize(7, toy.view() if view is None else view, toy.stored(scale),
-                        toy.opener() if probes else None, context or ctx(), keep_grad=keep_grad)
+    stored = toy.stored(scale)
+    return loc.localize(7, toy.view() if view is None else view, stored, toy.scope(stored) if probes else None,
+                        context or ctx(), keep_grad=keep_grad)
 
 
 # -- 1. located by attribution, verified -----------------------------------------------------------
@@ -359,7 +360,7 @@ def test_non_finite_sum_scores_are_located_even_where_the_exact_layer_is_finite(
     g[0] = math.nan
     stored = StoredGradient([g], 1.0, math.nan)
     loc = Localizer(LocalizerConfig(), None).localize(7, toy.view(scores=scores, exact=toy.scores()), stored,
-                                                      toy.opener(), ctx()).localization
+                                                      toy.scope(stored), ctx()).localization
     assert (loc.status, loc.probes, keys(loc)) == ("located", 0, bad)
     assert loc.note == "non-finite gradient: culprits are the positions where it appears"
 
@@ -385,7 +386,7 @@ def test_non_finite_scores_are_located_before_the_unattributed_check() -> None:
 # -- 8. unavailable ---------------------------------------------------------------------------------------
 def test_no_view_is_unavailable() -> None:
     toy, _ = three_culprits()
-    loc = Localizer(LocalizerConfig(), None).localize(7, None, toy.stored(), toy.opener(), ctx()).localization
+    loc = Localizer(LocalizerConfig(), None).localize(7, None, toy.stored(), toy.scope(), ctx()).localization
     assert (loc.status, loc.method, loc.probes, loc.culprits) == ("unavailable", "none", 0, ())
     assert loc.note == "no per-token statistics for this step" and loc.global_norm == toy.norm()
     assert toy.opens == 0

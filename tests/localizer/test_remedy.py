@@ -21,7 +21,8 @@ def located(keep_grad: bool = True):
     """Three culprits in micro-batches 0 and 2; returns (toy, localization, ∇_C, culprit flats)."""
     plants = {(0, 0, 1): basis(D, 1, 40), (0, 0, 2): basis(D, 2, 30), (2, 1, 3): basis(D, 3, 50)}
     toy = planted(plants)
-    res = Localizer(LocalizerConfig(), None).localize(3, toy.view(), toy.stored(SCALE), toy.opener(), ctx(),
+    stored = toy.stored(SCALE)
+    res = Localizer(LocalizerConfig(), None).localize(3, toy.view(), stored, toy.scope(stored), ctx(),
                                                       keep_grad=keep_grad)
     assert res.localization.status == "located" and res.localization.probes == 2
     return toy, res.localization, res.culprit_grad, [toy.flat(*k) for k in plants]
@@ -84,10 +85,10 @@ def not_located(toy: Toy, status: str):
     loc = Localizer(LocalizerConfig(), None)
     if status == "diffuse":  # every token the same vector: no candidate, 3 probes on samples
         uniform = Toy(torch.ones(3, 2, 4, D, dtype=torch.float64))
-        return loc.localize(3, uniform.view(), uniform.stored(), uniform.opener(), ctx()).localization
+        return loc.localize(3, uniform.view(), uniform.stored(), uniform.scope(), ctx()).localization
     if status == "unverified":  # no probe closure
         return loc.localize(3, toy.view(), toy.stored(), None, ctx()).localization
-    return loc.localize(3, None, toy.stored(), toy.opener(), ctx()).localization  # no per-token statistics
+    return loc.localize(3, None, toy.stored(), toy.scope(), ctx()).localization  # no per-token statistics
 
 
 @pytest.mark.parametrize("action", ["drop_culprits", "skip_step"])
@@ -117,7 +118,7 @@ def test_a_non_finite_step_located_without_probes_can_be_skipped_but_not_dropped
     toy = planted({(1, 0, 0): basis(D, 1, 40)})
     scores = toy.scores()
     scores[5] = np.nan
-    loc = Localizer(LocalizerConfig(), None).localize(3, toy.view(scores=scores), toy.stored(), toy.opener(),
+    loc = Localizer(LocalizerConfig(), None).localize(3, toy.view(scores=scores), toy.stored(), toy.scope(),
                                                       ctx(), keep_grad=True).localization
     assert (loc.status, loc.probes) == ("located", 0)
     rem = refusal("drop_culprits", loc, [toy.grad_of([5])], toy)  # even handed a gradient: not probe-verified
