@@ -50,7 +50,7 @@ def _rank(rank: int, world: int, cfg: OverheadConfig) -> dict[str, Any]:
     res["wall_s"] = round(time.perf_counter() - start, 1)
     res["collectives_per_step"] = {v.name: round((v.mon.comm.collectives - at_attach[v.name]) / (cfg.warmup + rounds), 3)
                                    for v in variants if _comm(v) is not None}
-    res["job_kind"] = {v.name: v.mon.job_kind for v in variants if getattr(v, "mon", None) is not None}
+    res["job_kind"] = {v.name: v.mon.job.kind for v in variants if getattr(v, "mon", None) is not None}
     return res
 
 

@@ -79,3 +79,72 @@ def test_the_daemon_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "False", f"torch imported by the agent side ({len(modules)} modules)"
+
+
+# -- the engine never names a backend (issue 34): only parallel/ knows which parallelism a job has ----------------
+# the builders of jobs are exempt: the demo and its CLI construct DDP/FSDP/DeepSpeed/TP/PP jobs by name
+NAMES_ALLOWED = ("gradloc/parallel/", "gradloc/demo/", "gradloc/agent/cli.py")
+
+
+def _backend_names() -> set[str]:
+    from gradloc.parallel.backend import backends
+    from gradloc.parallel.job import _load_backends
+
+    _load_backends()
+    return (set(backends()) | {"single"}) - {"none"}  # "none" (a data group of one rank) is any setting's word too
+
+
+def _branches_on_backends(path: Path, names: set[str], classes: set[str]) -> list[str]:
+    """Comparisons against a backend's name or a job's ``kind``, and isinstance checks of a backend class."""
+    tree, out = ast.parse(path.read_text()), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for o in operands:
+                consts = [o] if isinstance(o, ast.Constant) else list(getattr(o, "elts", []))
+                hit = [c.value for c in consts if isinstance(c, ast.Constant) and c.value in names]
+                kind = isinstance(o, ast.Attribute) and o.attr in ("kind", "job_kind") and \
+                    "job" in ast.unparse(o.value)
+                if hit or kind:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+                    break
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            targets = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(ast.unparse(t).split(".")[-1] in classes for t in targets):
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "part":
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)} (a backend looked up by name)")
+    return out
+
+
+def test_no_module_outside_parallel_branches_on_a_backend():
+    """docs/ARCHITECTURE.md: the job (parallel/) supplies the collector, the probe scope, the step checks and the
+    pipeline step; nothing else compares against a backend's name, a job's kind, or isinstance-checks a backend."""
+    from gradloc.parallel.backend import backends
+
+    names = _backend_names()
+    classes = {c.__name__ for c in backends().values()} | {"Backend", "DataBackend", "ModelBackend"}
+    assert {"ddp", "fsdp", "deepspeed", "pp", "tp", "ep"} <= names and "DeepSpeed" in classes  # the scan knows them
+    bad = [hit for path in sorted(PKG.rglob("*.py")) if "_generated" not in path.parts
+           and not path.relative_to(ROOT).as_posix().startswith(NAMES_ALLOWED)
+           for hit in _branches_on_backends(path, names, classes)]
+    assert bad == [], "branches on a backend outside parallel/: " + "; ".join(bad)
+
+
+def test_the_backend_check_finds_a_branch():
+    """The check itself: a module that compares a job's kind, a backend's name, or isinstance-checks one is caught."""
+    import tempfile
+
+    src = ("def f(job, mon, x):\n"
+           "    if job.kind == 'deepspeed': pass\n"
+           "    if mon.job_kind in ('single', 'ddp'): pass\n"
+           "    if isinstance(x, DeepSpeed): pass\n"
+           "    return job.part('pp')\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", dir=ROOT, delete=False) as f:
+        f.write(src)
+    path = Path(f.name)
+    try:
+        hits = _branches_on_backends(path, _backend_names(), {"DeepSpeed"})
+    finally:
+        path.unlink()
+    assert len(hits) == 4, hits

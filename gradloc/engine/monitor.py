@@ -70,13 +70,13 @@ class Monitor:
         self.model, self.optimizer = model, optimizer
         self.job = job = resolve(model, config or WatchConfig())
         self.config = cfg = job.config
-        self.comm, self.job_kind = job.world, job.kind  # a job: one gather per step, spikes together
+        self.comm = job.world  # a job: one gather per step, spikes together
         if job.data.probe_hazard and job.world is not None:
             log.warning("gradloc: %s", job.data.probe_hazard)
         watched = job.model  # DDP, DeepSpeed, a pipeline stage: the inner module (the same parameters)
         self.layer_stats = job.layer_stats()
-        if job.kind == "deepspeed":
-            self.optimizer = None  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
+        if not job.data.measures_updates:
+            self.optimizer = None  # update ratios: not measured (DeepSpeed: docs/deepspeed.md)
         self.hooks = TokenHooks(watched, module_layer_map(watched, cfg.layer_grouping)) if cfg.token_stats else None
         if self.hooks is not None and cfg.samples.enabled:
             self.hooks.label_shifts = cfg.samples.label_shifts  # the head's neighbour reads (collector/head_read.py)
@@ -118,7 +118,6 @@ class Monitor:
         self._ended = 0  # end_step calls so far
         self._parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]] = []
         self._open: MicroBatchMeta | None = None  # the micro-batch block being run
-        self.pending_probe: ProbeFn | None = None  # a pipeline step's probe (parallel/pp.py), for end_step
         self._rl: dict[int, rl_fields.RLTensors] = {}  # micro-batch index -> its RL fields
         self._pending: Assembled | None = None
         self.attached = False
@@ -234,13 +233,9 @@ class Monitor:
         position scores; default ``target``; give them on every stage), ``token_loss(output, target)``: the
         per-token loss terms (B, T) whose sum is the schedule's ``loss_fn`` (for probes). Returns the last
         stage's per-micro-batch losses ([] elsewhere). See gradloc/parallel/pp.py."""
-        from gradloc.parallel.pp import PipelineStep
-
-        backend = self.job.part("pp")
-        if backend is None:
-            raise ConfigError("pipeline_step needs a monitor watching a pipeline stage: gradloc.watch(stage)")
-        return PipelineStep(self, backend, schedule).run(inputs, target, token_ids, loss_mask, sample_ids,
-                                                         token_loss, step_kwargs)
+        return self.job.run_step(self, schedule, inputs=inputs, target=target, token_ids=token_ids,
+                                 loss_mask=loss_mask, sample_ids=sample_ids, token_loss=token_loss,
+                                 step_kwargs=step_kwargs)
 
     def rl_fields(self, **fields: torch.Tensor | None) -> None:
         """Per-token RL fields of the current micro-batch, from tensors the loss already has; call
@@ -273,11 +268,9 @@ class Monitor:
             self.step = int(step)
         if self.comm is not None and self.comm.broken:
             self._leave_job()
-        if self.job_kind == "deepspeed":
-            probe = self._deepspeed_checks(probe)
-        if probe is None and self.pending_probe is not None:  # a pipeline step's own probe (parallel/pp.py)
-            probe = self.pending_probe
-        self.pending_probe = None
+        probe = self._step_checks(probe)
+        driven = self.job.take_probe()  # the probe of a step the job drove (a pipeline step: parallel/pp.py)
+        probe = probe if probe is not None else driven
         if self._ended == 0 and self.config.remedy == "drop_culprits" and probe is None:
             raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
                               "without probes no culprit set is verified and ∇_C is unknown")
@@ -338,16 +331,16 @@ class Monitor:
         self._ended += 1
         return StepReport(record, spike, incident)
 
-    def _deepspeed_checks(self, probe: ProbeFn | None) -> ProbeFn | None:
-        if not self.layer_stats.at_boundary():  # type: ignore[attr-defined]
-            msg = ("end_step must be called after engine.backward() of the step's last micro-batch and before "
-                   "engine.step(): DeepSpeed holds the reduced gradient only there")
+    def _step_checks(self, probe: ProbeFn | None) -> ProbeFn | None:
+        """The job's checks of where ``end_step`` was called (DeepSpeed: at the accumulation boundary), and the
+        probe the step may run."""
+        problem = self.job.step_problem(self.layer_stats)
+        if problem:
             if self._ended == 0:
-                raise ConfigError(msg)
+                raise ConfigError(problem)
             self.counters["off_boundary_steps"] += 1
-            log.warning("gradloc: %s (step %d has no gradient statistics)", msg, self.step)
-        # alone after a failed collective, a probe would use .backward() (ZeRO's hooks fire): none then
-        return probe if self.comm is not None else None
+            log.warning("gradloc: %s (step %d has no gradient statistics)", problem, self.step)
+        return probe if self.comm is not None or self.job.data.probes_alone else None
 
     def _leave_job(self) -> None:
         """After a gradloc collective failed, the ranks are out of lockstep: watch this rank alone."""

@@ -24,9 +24,8 @@ log = logging.getLogger("gradloc")
 
 def check_rules(model: nn.Module, hooks: TokenHooks | None, job: Any) -> None:
     """Refuse what per-token statistics cannot do on this model and job; warn of parameters no rule scores."""
-    if job.config.token_stats == on_spike.MODE and (job.kind not in ("single", "ddp") or job.parts):
-        what = job.kind if not job.parts else " × ".join(b.name for b in job.parts)
-        raise ConfigError(f"token_stats='on_spike' re-runs a flagged step's micro-batches; under {what} every "
+    if job.config.token_stats == on_spike.MODE and not job.local_forward:
+        raise ConfigError(f"token_stats='on_spike' re-runs a flagged step's micro-batches; under {job.describe()} every "
                           "forward is a collective over several ranks: use token_stats=True there")
     if hooks is not None and not hooks.watched:
         raise UnsupportedModelError(
@@ -76,11 +75,7 @@ class TokenPath:
 
                     scores = replace(scores, pairs=None, unscored_modules=scores.unscored_modules | scores.pair_names)
                 return scores
-            from gradloc.parallel.tokens import combine  # the token group (tp, pp ranks): their scores add up
-
-            last = layout.coord.get("pp", 0) == layout.size("pp") - 1
-            return combine(scores, layout.token, len(self.hooks.layers), self.job.config.layer_breakdown, last,
-                           layout.size("tp"))
+            return self.job.combine_tokens(scores, len(self.hooks.layers))  # the token group's scores add up
         except CollectiveTimeout:
             raise  # the monitor leaves the job: its ranks are out of lockstep
         except Exception:  # noqa: BLE001 - never raise into the training loop

@@ -79,9 +79,30 @@ class DataBackend(Backend):
     linear: bool = False  # a probe's gradient is the group's already (nothing to combine): probes accumulate
     decomposes: bool = False  # the stored gradient is whole on the rank that holds a micro-batch
     probe_hazard: str = ""  # why probes cannot run in this job (the model's own collectives): localizations unverified
+    local_forward: bool = True  # a forward is this rank's own (no collective in it): a step's forward can be re-run
+    measures_updates: bool = True  # the optimizer steps the watched parameters: update ratios are measured
+    probes_alone: bool = True  # after a failed collective, this rank alone can still run a probe
+    wraps_backward: bool = False  # the wrapper's own backward scales the loss (1/accumulation); probes call the module
+    own_partitions: bool = False  # reads and combines its own gradient partitions: no replica weights, no relayout
 
     def probe_context(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
+
+    def layer_stats(self, job: Any) -> Any:
+        """This rank's per-layer statistics collector: read from the parameters' ``.grad`` by default."""
+        from gradloc.collector.layer_stats import LayerStatsCollector
+
+        return LayerStatsCollector(job.model, job.config.layer_grouping)
+
+    def step_problem(self, layer_stats: Any) -> str:
+        """Why this step's gradient cannot be read where ``end_step`` was called ('' when it can)."""
+        return ""
+
+    def scope(self, job: Any, layer_stats: Any, **args: Any) -> Any:
+        """The one scope through which a spike step's probes run and combine (parallel/scope.py)."""
+        from gradloc.parallel.scope import JobScope
+
+        return JobScope(view=job.grad_view, loss_weight=job.loss_weight, job=job, **args)
 
     def combine(self, acc: Grads, data: Any, params: list[nn.Parameter]) -> Grads:
         """The data group's ∇_C from this rank's probe gradient ``acc`` (DDP: summed and averaged)."""
@@ -95,6 +116,15 @@ class DataBackend(Backend):
 class ModelBackend(Backend):
     role = "model"
     dim: ClassVar[str]
+
+    def run_step(self, mon: Any, schedule: Any, **kw: Any) -> Any:
+        """One training step driven through the monitor by this backend (the pipeline's schedule step); None:
+        this backend drives no step (the user's loop does)."""
+        return None
+
+    def take_probe(self) -> Any:
+        """The probe closure of the step this backend drove (``run_step``), once; None when it drove none."""
+        return None
 
 
 def default_slice_key(name: str, param: nn.Parameter, stage: int = 0) -> SliceKey:

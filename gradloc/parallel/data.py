@@ -27,6 +27,7 @@ from typing import Any, ContextManager, Iterator
 import torch
 from torch import nn
 
+from gradloc.errors import ConfigError
 from gradloc.localizer.probes import Grads
 from gradloc.parallel.backend import DataBackend, register_backend
 
@@ -92,7 +93,7 @@ def _probing(ddp: nn.Module) -> Iterator[None]:
 
 @register_backend
 class FSDP(DataBackend):
-    name, order, lockstep, linear = "fsdp", 30, True, True
+    name, order, lockstep, linear, local_forward = "fsdp", 30, True, True, False
 
     @classmethod
     def detect(cls, model: nn.Module, world: Any) -> "FSDP | None":
@@ -106,6 +107,11 @@ class FSDP(DataBackend):
 @register_backend
 class DeepSpeed(DataBackend):
     name, order = "deepspeed", 10
+    local_forward = False  # ZeRO-3 gathers parameters inside forward
+    measures_updates = False  # update ratios: not measured under DeepSpeed (docs/deepspeed.md)
+    probes_alone = False  # alone after a failed collective, a probe would use .backward() (ZeRO's hooks fire)
+    wraps_backward = True  # engine.backward divides the loss by gradient_accumulation_steps
+    own_partitions = True  # ZeRO reads and combines its own partitions (parallel/zero)
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -116,6 +122,26 @@ class DeepSpeed(DataBackend):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.engine.module if model is self.engine else model
+
+    def layer_stats(self, job: Any) -> Any:
+        """Read from ZeRO's buffers (parallel/zero): p.grad is gone by the time the step is read."""
+        if job.config.remedy is not None:
+            raise ConfigError(f"remedy={job.config.remedy!r} is not supported under DeepSpeed (the gradient lives in "
+                              "ZeRO's buffers); leave remedy=None")
+        from gradloc.parallel.zero.stats import DeepSpeedLayerStats
+
+        return DeepSpeedLayerStats(self.engine, job.config.layer_grouping, job.world)
+
+    def step_problem(self, layer_stats: Any) -> str:
+        if layer_stats.at_boundary():
+            return ""
+        return ("end_step must be called after engine.backward() of the step's last micro-batch and before "
+                "engine.step(): DeepSpeed holds the reduced gradient only there")
+
+    def scope(self, job: Any, layer_stats: Any, **args: Any) -> Any:
+        from gradloc.parallel.scope import ZeroScope
+
+        return ZeroScope(deepspeed=layer_stats, job=job, **args)
 
 
 @register_backend

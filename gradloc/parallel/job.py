@@ -16,6 +16,8 @@ the ranks of each data group watch the same layers with the same settings (a mis
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ContextManager
 
@@ -35,13 +37,16 @@ _LOADED = False
 
 
 def _load_backends() -> None:
-    """The model backends (imported here: they import the collector, which must not import them)."""
+    """Every module of ``parallel/`` (imported here, at the first ``resolve``: the model backends import the
+    collector, which must not import them), so that each registered backend is known: a new backend is one new
+    module, named nowhere else."""
     global _LOADED
     if not _LOADED:
-        import gradloc.parallel.ep  # noqa: F401
-        import gradloc.parallel.megatron  # noqa: F401
-        import gradloc.parallel.pp  # noqa: F401
-        import gradloc.parallel.tp  # noqa: F401
+        import gradloc.parallel
+
+        for m in pkgutil.iter_modules(gradloc.parallel.__path__):
+            if not m.ispkg:
+                importlib.import_module(f"gradloc.parallel.{m.name}")
         _LOADED = True
 
 
@@ -72,8 +77,28 @@ class Job:
 
     @property
     def kind(self) -> str:
-        """"single" (one rank, or ranks watched independently), else the data backend's name."""
+        """"single" (one rank, or ranks watched independently), else the data backend's name: for reports and
+        tests; nothing outside parallel/ branches on it (tests/test_architecture.py)."""
         return "single" if self.world is None else self.data.name
+
+    def describe(self) -> str:
+        """The job's parallelism in words, for messages: "one rank", the data backend's name, or the model backends'."""
+        if self.world is None:
+            return "one rank"
+        return " × ".join(b.name for b in self.parts) if self.parts else self.data.name
+
+    @property
+    def local_forward(self) -> bool:
+        """A forward of this rank is its own (no collective in it): a flagged step's forward can be re-run alone."""
+        return self.world is None or (self.data.local_forward and not self.parts)
+
+    def scope(self, layer_stats: Any, **args: Any) -> Any:
+        """The one scope through which a spike step's probes run and combine over the job (parallel/scope.py)."""
+        return self.data.scope(self, layer_stats, **args)
+
+    def step_problem(self, layer_stats: Any) -> str:
+        """Why this step's gradient cannot be read where ``end_step`` was called ('' when it can)."""
+        return self.data.step_problem(layer_stats)
 
     def part(self, name: str) -> ModelBackend | None:
         return next((b for b in self.parts if b.name == name), None)
@@ -140,7 +165,7 @@ class Job:
                               "FSDP2, DeepSpeed): their gradients are never combined, so they are not one job")
         stage = self.layout.coord.get("pp", 0)
         keys = None
-        if not isinstance(self.data, DeepSpeed):  # ZeRO reads and combines its own partitions
+        if not self.data.own_partitions:
             keys = [next((k for b in self.parts if (k := b.slice_key(n, p)) is not None), None)
                     or default_slice_key(n, p, stage) for n, p in params]
         settings = {f.name: repr(getattr(self.config, f.name)) for f in fields(self.config)
@@ -179,23 +204,14 @@ class Job:
 
     # -- the collectors' side --------------------------------------------------------------------
     def layer_stats(self) -> Any:
-        """This rank's per-layer statistics collector (DeepSpeed: read from ZeRO's buffers)."""
-        if not isinstance(self.data, DeepSpeed):
-            from gradloc.collector.layer_stats import LayerStatsCollector
-
-            return LayerStatsCollector(self.model, self.config.layer_grouping)
-        if self.config.remedy is not None:
-            raise ConfigError(f"remedy={self.config.remedy!r} is not supported under DeepSpeed (the gradient lives in "
-                              "ZeRO's buffers); leave remedy=None")
-        from gradloc.parallel.zero.stats import DeepSpeedLayerStats
-
-        return DeepSpeedLayerStats(self.data.engine, self.config.layer_grouping, self.world)
+        """This rank's per-layer statistics collector (the data backend's: DeepSpeed reads ZeRO's buffers)."""
+        return self.data.layer_stats(self)
 
     def attach_collectors(self, layer_stats: Any, hooks: Any) -> None:
         """:meth:`setup` from the collectors' local view, then point them at the job's layers and weights."""
         self.setup(list(zip(layer_stats.names, layer_stats.params)), layer_stats.local_layers, layer_stats.local_numel,
                    list(hooks.layers) if hooks is not None else [])
-        if self.world is None or isinstance(self.data, DeepSpeed):
+        if self.world is None or self.data.own_partitions:
             return
         g = self.layers
         if any(hasattr(p, "placements") for p in layer_stats.params):  # DTensor parameters: gradients may differ
@@ -205,6 +221,26 @@ class Job:
             hooks.relayer(list(g.token_names), list(g.token_index))
             for b in self.parts:
                 b.configure_hooks(hooks, self.layout)
+
+    def run_step(self, mon: Any, schedule: Any, **kw: Any) -> Any:
+        """A step driven by a model backend (the pipeline's schedule step); ConfigError when none drives steps."""
+        for b in self.parts:
+            out = b.run_step(mon, schedule, **kw)
+            if out is not None:
+                return out
+        raise ConfigError("pipeline_step needs a monitor watching a pipeline stage: gradloc.watch(stage)")
+
+    def take_probe(self) -> Any:
+        """The probe closure of the step a model backend drove (once), else None."""
+        return next((p for b in self.parts if (p := b.take_probe()) is not None), None)
+
+    def combine_tokens(self, scores: Any, n_layers: int) -> Any:
+        """The step's per-token scores summed over the token group (the ranks that split one sample's
+        computation: tp, pp; parallel/tokens.py), once per step."""
+        from gradloc.parallel.tokens import combine
+
+        return combine(scores, self.layout.token, n_layers, self.config.layer_breakdown, self.holds_head,
+                       self.layout.size("tp"))
 
     def comm_for(self, mesh: Any, dim: int) -> JobComm:
         """The deadline-guarded communicator of one DeviceMesh dim's group (cached)."""

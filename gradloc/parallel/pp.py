@@ -52,6 +52,18 @@ class Pipeline(ModelBackend):
 
     def __init__(self, stage: Any) -> None:
         self.stage = stage
+        self._probe: PipelineProbe | None = None  # the last step's, for its end_step
+
+    def run_step(self, mon: Any, schedule: Any, **kw: Any) -> list:
+        """``mon.pipeline_step``: the schedule's step through the monitor (:class:`PipelineStep`)."""
+        step = PipelineStep(mon, self, schedule)
+        losses = step.run(**kw)
+        self._probe = step.probe
+        return losses
+
+    def take_probe(self) -> "PipelineProbe | None":
+        probe, self._probe = self._probe, None
+        return probe
 
     @classmethod
     def detect(cls, model: Any, world: Any) -> "Pipeline | None":
@@ -141,8 +153,9 @@ class PipelineStep:
             raise ConfigError("pipeline_step: micro-batches must be split along dim 0 (the schedule's default)")
         self.mon, self.backend, self.schedule = mon, backend, schedule
         self.n = int(schedule._n_microbatches)
+        self.probe: PipelineProbe | None = None  # set by run: the step's probe closure
 
-    def run(self, inputs: Any, target: Any, token_ids: Any, loss_mask: Any, sample_ids: Any,
+    def run(self, *, inputs: Any, target: Any, token_ids: Any, loss_mask: Any, sample_ids: Any,
             token_loss: TokenLoss | None, step_kwargs: dict) -> list:
         from gradloc.collector.batch import make_meta
 
@@ -190,8 +203,8 @@ class PipelineStep:
         if len(seen) != n:
             raise ConfigError(f"pipeline_step: the stage ran {len(seen)} forwards for {n} micro-batches")
         scale = 1.0 / n if getattr(self.schedule, "scale_grads", True) else 1.0
-        mon.pending_probe = PipelineProbe(st, n, scale, token_loss, chunks(inputs, n), chunks(target, n),
-                                          self.backend.fsdp, mon.job.layout.world)
+        self.probe = PipelineProbe(st, n, scale, token_loss, chunks(inputs, n), chunks(target, n),
+                                   self.backend.fsdp, mon.job.layout.world)
         return losses
 
 

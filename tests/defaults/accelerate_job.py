@@ -77,7 +77,7 @@ def train(rank: int, world: int, monitor: bool, plant: bool = True) -> dict[str,
     if gl is not None:
         gl.close()  # the last step's record joins the history at close
         mon = gl.monitor
-        out.update(kind=mon.job_kind, counters=dict(mon.counters), errors=gl.driver.errors,
+        out.update(kind=mon.job.kind, counters=dict(mon.counters), errors=gl.driver.errors,
                    broken=mon.comm.broken if mon.comm is not None else "",
                    norms=[r.global_norm for r in mon.history],
                    incidents=[(i.step, i.scope, i.localization) for i in mon.incidents])

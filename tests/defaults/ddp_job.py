@@ -86,7 +86,7 @@ def train(rank: int, world: int, kwargs: dict[str, Any], monitor: bool, plant_ra
         mb, b, t = PLANT[1:]
         w[HEALTHY, mb, b, t] = 3000.0
     mon = gradloc.watch(ddp, opt, store=False) if monitor else None
-    out: dict[str, Any] = {"steps": [], "kind": mon.job_kind if mon else None}
+    out: dict[str, Any] = {"steps": [], "kind": mon.job.kind if mon else None}
     for s in range(STEPS):
         def loss_for(i: int, mask: torch.Tensor | None = None, s: int = s) -> torch.Tensor:
             logits = ddp(input_ids=x[s, i]).logits  # (B, T, V)

@@ -56,7 +56,7 @@ def train(rank: int, world: int, monitor: bool) -> dict[str, Any]:
            "params": {n: whole(p).detach().clone() for n, p in model.named_parameters()},
            "placements": sorted({str(p.placements) for p in model.parameters()}), "dp": dims.dp_shard}
     if mon is not None:
-        out.update(kind=mon.job_kind, broken=mon.comm.broken if mon.comm is not None else "",
+        out.update(kind=mon.job.kind, broken=mon.comm.broken if mon.comm is not None else "",
                    counters=dict(mon.counters))
         mon.close()
     return out

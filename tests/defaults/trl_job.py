@@ -56,7 +56,7 @@ def train(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     return {
         "distributed_type": str(watched.accelerator.distributed_type), "wrapped": type(watched.model_wrapped).__name__,
         "ref_model": watched.ref_model is not None, "kl_logged": any("kl" in h for h in watched.state.log_history),
-        "kind": mon.job_kind, "errors": watched.gradloc_errors, "counters": dict(mon.counters),
+        "kind": mon.job.kind, "errors": watched.gradloc_errors, "counters": dict(mon.counters),
         "broken": mon.comm.broken if mon.comm is not None else "", "seconds": dict(watched.seconds),
         "planted": watched.planted, "expected": watched.expected, "incidents": loc,
         "pid": f"p{w.prompts.index(watched.planted[4])}" if watched.planted != PLANT_OFF else None,

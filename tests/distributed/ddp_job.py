@@ -69,4 +69,4 @@ def train(rank: int, world: int, kind: str, steps: int, plant: tuple | None = No
               for n, p in model.named_parameters()}
     history = [{s.layer: s.update_ratio for s in rec.layers} for rec in mon.history] if mon is not None else []
     return {"reports": reports, "params": params, "collectives": collectives, "history_ratios": history,
-            "kind": mon.job_kind if mon is not None else None}
+            "kind": mon.job.kind if mon is not None else None}

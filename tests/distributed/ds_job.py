@@ -89,4 +89,4 @@ def train(rank: int, stage: int, steps: int, plant: tuple | None, monitor: bool,
     params = engine_params(engine, stage)
     return {"reports": reports, "params": params, "ds_norms": [None if n is None else float(n) for n in ds_norms],
             "collectives": collectives,
-            "kind": mon.job_kind if mon is not None else None}
+            "kind": mon.job.kind if mon is not None else None}

@@ -83,7 +83,7 @@ def train(rank: int, world: int, out_dir: str, plant: bool = True) -> dict:
     return {
         "wrapped": wrapped, "ddp": wrapped == DistributedDataParallel.__name__,
         "distributed_type": str(watched.accelerator.distributed_type), "world": watched.args.world_size,
-        "kind": mon.job_kind, "errors": watched.gradloc_errors, "counters": dict(mon.counters),
+        "kind": mon.job.kind, "errors": watched.gradloc_errors, "counters": dict(mon.counters),
         "incidents": [(i.step, i.scope, i.localization) for i in mon.incidents],
         "norms": [r.global_norm for r in mon.history],
         "logged": [h["grad_norm"] for h in watched.state.log_history if "grad_norm" in h],

@@ -43,7 +43,7 @@ def train(rank: int, world: int) -> dict[str, Any]:
     plain = LitLlama(w)
     fit(plain, data, B, [], sampler=sampler, **settings)
     return {
-        "strategy": type(trainer.strategy).__name__, "world": trainer.world_size, "kind": mon.job_kind,
+        "strategy": type(trainer.strategy).__name__, "world": trainer.world_size, "kind": mon.job.kind,
         "counters": dict(mon.counters), "degraded": cb.degraded, "steps": len(mon.history),
         "incidents": [(i.step, str(i.scope), i.localization) for i in mon.incidents],
         "norms": [r.global_norm for r in mon.history],

@@ -170,7 +170,7 @@ def train(rank: int, world: int, stage: int, steps: int, plant: tuple[int, int] 
         ds_norms.append(status["metrics"]["actor_grad_norm"])  # DeepSpeed's pre-clip norm (get_global_grad_norm)
     out = {"ds_norms": ds_norms, "params": engine_params(engine, stage), "planted": planted}
     if hooks is not None:
-        out.update(kind=hooks.mon.job_kind, probes=hooks.probes, errors=hooks.blocks.errors,
+        out.update(kind=hooks.mon.job.kind, probes=hooks.probes, errors=hooks.blocks.errors,
                    counters=dict(hooks.mon.counters),
                    reports=[(r.record.global_norm, r.spike.kinds, r.incident.scope if r.incident else None,
                              r.incident.localization if r.incident else None) for r in hooks.reports])

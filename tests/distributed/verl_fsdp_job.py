@@ -48,7 +48,7 @@ def train(rank: int, world: int, steps: int, plant: tuple[int, int] | None, watc
     out: dict[str, Any] = {"grad_norms": engine.grad_norms,
                            "params": {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}}
     if hooks is not None:
-        out.update(kind=hooks.mon.job_kind, probes=hooks.probes, errors=hooks.blocks.errors,
+        out.update(kind=hooks.mon.job.kind, probes=hooks.probes, errors=hooks.blocks.errors,
                    reports=[(r.record.global_norm, r.incident.scope if r.incident else None,
                              r.incident.localization if r.incident else None) for r in hooks.reports])
         hooks.detach()

@@ -176,7 +176,7 @@ class GradlocOpenRLHF:
 
     def _probe_for(self, parts: list[_Part]) -> Callable[[int, torch.Tensor], torch.Tensor]:
         dynamic = bool(_arg(self.trainer, "train", "dynamic_batch_enable", False))
-        deepspeed = self.mon.job_kind == "deepspeed"
+        deepspeed = self.mon.job.data.wraps_backward
         gas = 1 if deepspeed else self._gas()  # under DeepSpeed gradloc applies engine.backward's 1/gas itself
 
         def probe(i: int, token_mask: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ def _check(trainer: Any, strategy: Any, engine: Any, mon: Any, probes: bool | No
         raise UnsupportedModelError("ring attention splits each packed row across ranks; gradloc needs the "
                                     "whole row on one rank (ring_attn_size=1)")
     stage = _zero_stage(engine)
-    if mon is not None and stage >= 1 and getattr(mon, "job_kind", None) != "deepspeed":
+    if mon is not None and stage >= 1 and not mon.job.data.own_partitions:
         raise UnsupportedModelError(f"under ZeRO stage {stage} p.grad is gone by the time DeepSpeed clips (moved "
                                     "into its partitions), and this monitor reads p.grad: pass no mon= (the hooks "
                                     "then watch the engine itself) or a monitor made with gradloc.watch(engine)")

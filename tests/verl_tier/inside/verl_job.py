@@ -161,7 +161,7 @@ def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, i
     params = {n: p.full_tensor().detach().clone() for n, p in engine.module.named_parameters()}
     result = {"grad_norms": grad_norms, "params": params, "watched": hooks is not None}
     if hooks is not None:
-        result.update(kind=hooks.mon.job_kind, probes=hooks.probes, errors=hooks.blocks.errors,
+        result.update(kind=hooks.mon.job.kind, probes=hooks.probes, errors=hooks.blocks.errors,
                       counters=dict(hooks.mon.counters),
                       reports=[(r.record.global_norm, r.spike.kinds, r.incident.scope if r.incident else None,
                                 r.incident.localization if r.incident else None) for r in hooks.reports])
