@@ -20,27 +20,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from gradloc.localizer.context import LocalizeResult, still_spike
 from gradloc.localizer.decompose import decompose
 from gradloc.localizer.diffuse import TOP_SAMPLES, describe
 from gradloc.localizer.levels import micro_batch_passes, pick_samples, regions_of, sample_measures, top_tokens
 from gradloc.localizer.ranks import Ranks
+from gradloc.localizer.runner import Runner
 from gradloc.localizer.spans import build_culprits, range_span
 from gradloc.records import CulpritGroup, Level, Method, SampleShare, Status
-
-if TYPE_CHECKING:
-    from gradloc.localizer.localizer import _Run
 
 MAX_CLOSURE_ERROR = 0.25  # a decomposition whose Σ c_t misses the probe's ⟨∇_mb, ∇⟩ by more is not trusted
 
 
 class Below:
-    def __init__(self, run: "_Run", why: str) -> None:
+    def __init__(self, run: Runner, why: str) -> None:
         self.r, self.notes = run, [why]
         self.passes = 0
         self.measured: list[SampleShare] = []
@@ -49,14 +45,14 @@ class Below:
         self.flagged: set[tuple[int, int]] = set()  # ... of those holding a per-sample surprise outlier
         self.n = run.n_samples()
         self._dec: tuple | None = None  # (c, gradient, loss) of the last decomposition on this rank
-        self.ranks = None if run.solo else Ranks(self)  # the rank level (W > 1)
+        self.ranks = None if run.solo else Ranks(run, self)  # the rank level (W > 1)
 
     def run(self) -> LocalizeResult:
         r = self.r
         if r.all_ranks(r.scope.decomposes and r.head is not None):
             self.order = self._micro_batch_order()
             for owner, m in self.order:
-                if r.used >= r.cfg.max_probes:
+                if r.left <= 0:
                     break
                 got = self._decompose(owner, m)
                 if got["error"]:
@@ -68,7 +64,7 @@ class Below:
                     continue
                 found = self._verdict(owner, m, got)
                 if found is None and self.ranks is not None:
-                    found = self.ranks.after_decomposition(owner, m, got["explained"])
+                    found = self.ranks.after_decomposition(owner, got["explained"], self._dec)
                 if found is not None:
                     return found
         if not self.measured:
@@ -100,7 +96,7 @@ class Below:
             view, st = r.view, r.stored
             meta = view.metas[m]
             a, b = view.offsets[m], view.offsets[m + 1]
-            mask = torch.from_numpy(view.mask_for(m, np.flatnonzero(view.eligible[a:b]) + a))
+            mask = view.mask(m, np.flatnonzero(view.eligible[a:b]) + a)
             try:
                 dec = decompose(r.session, meta.index, mask, st.grads, st.inv_scale, st.norm ** 2, r.head)
                 k = r.scope.contribution  # DDP: a rank's own gradient enters the job's averaged
@@ -114,7 +110,7 @@ class Below:
             except Exception as exc:  # noqa: BLE001 - an unusual model: fall back to sample probes
                 payload = {"error": f"{type(exc).__name__}: {exc}"}
         got = r.comm.all_gather_object(payload, "gradloc decomposition")[owner]
-        r.used += 1
+        r.spend()
         self.passes += 2
         return got
 
@@ -128,10 +124,10 @@ class Below:
         odd = pick_samples([(s, share, n) for s, share, n, _, _ in got["measures"]], lambda x: True, self.n)
         if odd.culprits:
             self.pending.append((owner, m, odd, got["index"], self._dec))
-            if r.loc._verified(sum(v.explained for _, _, v, _, _ in self.pending), r.stored.norm, 0.0, r.ctx):
+            if r.verified(sum(v.explained for _, _, v, _, _ in self.pending)):
                 return self._sample_level([*self.pending, *self._other_outliers(owner, m)])
         if micro_batch_passes(got["explained"], self.m_total,
-                              lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx)):
+                              lambda x: r.verified(x)):
             mine = self._dec[1] if self._dec is not None else [None] * len(r.stored.grads)
             explained, loss = r.scope.measure(mine, self._dec[2] if self._dec is not None else 0.0, "")
             norms = r.scope.norms(mine)
@@ -143,7 +139,7 @@ class Below:
             group = CulpritGroup(share=explained, micro_batch=got["index"], rank=None if r.solo else owner,
                                  samples=got["samples"], tokens=got["tokens"])
             loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.MICRO_BATCH, probes=r.used,
-                           passes=self.passes, samples=self._samples(), note="; ".join(self.notes),
+                           passes=self.passes, samples=self.samples(), note="; ".join(self.notes),
                            explained=explained, norms=norms, loss=loss, groups=(group,))
             return LocalizeResult(loc, mine if r.keep_grad else None)
         self.notes.append(f"micro-batch {got['index']} measured: {got['explained']:.0%} of ‖∇‖², no sample of it passes alone")
@@ -158,7 +154,7 @@ class Below:
         r, out = self.r, []
         done = {(o, mm) for o, mm, *_ in self.pending}
         for o2, m2 in self.order:
-            if (o2, m2) in done or (o2, m2) not in self.flagged or r.used >= r.cfg.max_probes:
+            if (o2, m2) in done or (o2, m2) not in self.flagged or r.left <= 0:
                 continue
             got = self._decompose(o2, m2)
             if got["error"] or got["closure_error"] > MAX_CLOSURE_ERROR:
@@ -181,7 +177,7 @@ class Below:
         explained, norms, loss, grad = sum(v.explained for _, _, v, _, _ in parts), (None, None), None, None
         # culprits in several micro-batches: their decomposed shares add up (one probe round covers one
         # micro-batch per rank, so they are not re-measured together)
-        if not more and r.used < r.cfg.max_probes:  # measure the culprit samples themselves
+        if not more and r.left > 0:  # measure the culprit samples themselves
             group = None
             if owner == r.rank:
                 group = (m, np.concatenate([r.view.sample_flats(m, b) for b in verdict.culprits]))
@@ -189,7 +185,7 @@ class Below:
             acc, err = r.probe_round([None] * len(r.stored.grads), group)
             exact, loss = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
             norms = r.scope.norms(acc)
-            r.used += 1
+            r.spend()
             self.notes.append(f"the decomposition gave {explained:.0%}, a probe of the sample(s) {exact:.0%}")
             explained, grad = exact, (acc if r.keep_grad else None)
         levels, culprits, spans = set(), [], []
@@ -208,7 +204,7 @@ class Below:
         self.notes.append(f"{what} carr{'ies' if n_named == 1 else 'y'} {explained:.0%} of ‖∇‖² "
                           f"({level.value} level)")
         loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=r.used,
-                       passes=self.passes, culprits=culprits, spans=spans, samples=self._samples(),
+                       passes=self.passes, culprits=culprits, spans=spans, samples=self.samples(),
                        note="; ".join(self.notes), explained=explained, norms=norms, loss=loss)
         return LocalizeResult(loc, grad)
 
@@ -225,8 +221,8 @@ class Below:
         level = levels[0] if len(set(levels)) == 1 else Level.SPAN
         flats = top_tokens(r.view, regions, c)
         base = r.view.offsets[m]
-        culprits = build_culprits(r.view, flats, [float(c[f - base]) for f in flats], r.loc.decode)
-        spans = tuple(range_span(r.view, x.m, x.sample, x.start, x.end, x.share, r.loc.decode, r.cfg.context_tokens)
+        culprits = build_culprits(r.view, flats, [float(c[f - base]) for f in flats], r.decode)
+        spans = tuple(range_span(r.view, x.m, x.sample, x.start, x.end, x.share, r.decode, r.cfg.context_tokens)
                       for x in regions)
         if not r.solo:
             culprits = tuple(replace(x, rank=r.rank) for x in culprits)
@@ -242,7 +238,7 @@ class Below:
                      key=lambda e: (-e[0] if math.isfinite(e[0]) else 0.0, e[1]))[:TOP_SAMPLES]
         measured: list[tuple[float, int, int, int, int, int]] = []  # (share, rank, view position, sample, tokens, index)
         for score, rank, m, b, n, index in top:
-            if r.used >= r.cfg.max_probes:
+            if r.left <= 0:
                 break
             if n == 0:
                 continue
@@ -251,7 +247,7 @@ class Below:
             acc, err = r.probe_round([None] * len(r.stored.grads), group)
             share, _ = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
             del acc
-            r.used += 1
+            r.spend()
             measured.append((share, rank, m, b, n, index))
             if self.ranks is not None and not self._passing(measured).culprits:
                 self.measured = self._with_shares(measured)
@@ -267,14 +263,14 @@ class Below:
         spans = []
         for share, _, m, b, _, _ in mine:
             pos = r.view.sample_flats(m, b) - r.view.offsets[m] - r.view.metas[m].bounds(b)[0]
-            span = range_span(r.view, m, b, int(pos[0]), int(pos[-1]) + 1, share, r.loc.decode, r.cfg.context_tokens)
+            span = range_span(r.view, m, b, int(pos[0]), int(pos[-1]) + 1, share, r.decode, r.cfg.context_tokens)
             spans.append(span if r.solo else replace(span, rank=r.rank))
         spans = sorted((x for e in r.comm.all_gather_object(spans, "gradloc culprit samples") for x in e),
                        key=lambda x: -x.share)
         self.notes.append(f"{len(spans)} sample(s) measured by probes carry {verdict.explained:.0%} of ‖∇‖² "
                           "(sample level; no decomposition, so no span inside them)")
         loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.SAMPLE, probes=r.used,
-                       spans=tuple(spans), samples=self._samples(), note="; ".join(self.notes),
+                       spans=tuple(spans), samples=self.samples(), note="; ".join(self.notes),
                        explained=verdict.explained)
         return LocalizeResult(loc)
 
@@ -282,7 +278,7 @@ class Below:
         """The sample verdict on probed samples (share, rank, view position, sample, tokens, index), best first."""
         r = self.r
         return pick_samples([(i, e[0], e[4]) for i, e in enumerate(measured)],
-                            lambda x: r.loc._verified(x, r.stored.norm, 0.0, r.ctx), self.n)
+                            lambda x: r.verified(x), self.n)
 
     def _with_shares(self, measured: list[tuple]) -> list[SampleShare]:
         """The job's top samples, with the probed ones' measured shares."""
@@ -296,7 +292,8 @@ class Below:
         every = self.r.comm.all_gather_object(top_samples(self.r.view), "gradloc top samples")
         return merge_samples(every, self.r.pic.total_score, not self.r.solo)
 
-    def _samples(self) -> tuple[SampleShare, ...]:
+    def samples(self) -> tuple[SampleShare, ...]:
+        """The job's top samples for the record: the measured ones first (their shares), then by attribution."""
         seen = {(s.rank, s.micro_batch, s.sample) for s in self.measured}
         rest = [s for s in self._attributed() if (s.rank, s.micro_batch, s.sample) not in seen]
         measured = sorted(self.measured, key=lambda s: -(s.share if s.share is not None and math.isfinite(s.share)
@@ -305,12 +302,12 @@ class Below:
 
     def _diffuse(self):  # noqa: ANN202 - Localization
         r = self.r
-        samples = self._samples()
+        samples = self.samples()
         return r.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=r.used, passes=self.passes,
                         samples=samples, note=f"{'; '.join(self.notes)}; {describe(samples, self.n)}")
 
 
-def _score_share(r: "_Run", m: int, b: int) -> float:
+def _score_share(r: Runner, m: int, b: int) -> float:
     total = r.pic.total_score
     a, e = r.view.metas[m].bounds(b)
     base = r.view.offsets[m]

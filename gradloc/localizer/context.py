@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from gradloc.localizer.probes import Grads, ProbeSession, distance, dot, grad_norm
 from gradloc.localizer.token_view import TokenView
@@ -92,7 +91,7 @@ def loss_fields(ctx: SpikeContext, loss_c: float) -> tuple[float | None, float |
 
 def probe_into(session: ProbeSession, view: TokenView, acc: Grads, m: int, flats: np.ndarray) -> Grads:
     """``acc`` + the gradient of the tokens ``flats`` of view position m (one probe)."""
-    return session.add_to(acc, view.metas[m].index, torch.from_numpy(view.mask_for(m, flats)))
+    return session.add_to(acc, view.metas[m].index, view.mask(m, flats))
 
 
 def by_micro_batch(view: TokenView, flats) -> dict[int, np.ndarray]:  # noqa: ANN001 - flat indices

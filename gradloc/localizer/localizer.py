@@ -34,25 +34,24 @@ import torch
 from torch import nn
 
 from gradloc.config import LocalizerConfig
+from gradloc.localizer.below import Below
+from gradloc.localizer.bisect_step import bisect_step
 from gradloc.localizer.context import (
     MAX_UNATTRIBUTED,
     LocalizeResult,
     SpikeContext,
     StoredGradient,
     by_micro_batch,
-    loss_fields,
-    probe_into,
     rest_carries_spike,
     still_spike,
-    verified,
 )
 from gradloc.localizer.diffuse import describe
 from gradloc.localizer.naming import name
-from gradloc.localizer.picture import Picture, merge_samples, summary, top_samples
 from gradloc.localizer.probes import Grads
 from gradloc.localizer.prune import Measured, prune
-from gradloc.localizer.scope import Scope, SoloComm
-from gradloc.localizer.spans import Decode, build_culprits, build_spans
+from gradloc.localizer.runner import Runner
+from gradloc.localizer.scope import Scope
+from gradloc.localizer.spans import Decode
 from gradloc.localizer.token_view import TokenView
 from gradloc.records import Level, Localization, Method, Status
 
@@ -63,9 +62,6 @@ class Localizer:
     def __init__(self, cfg: LocalizerConfig, decode: Decode | None) -> None:
         self.cfg, self.decode = cfg, decode
 
-    def _verified(self, explained: float, norm: float, loss_c: float, ctx: SpikeContext) -> bool:
-        return verified(self.cfg.min_explained_share, explained, norm, loss_c, ctx)
-
     def localize(self, step: int, view: TokenView | None, stored: StoredGradient, scope: Scope | None,
                  ctx: SpikeContext, *, keep_grad: bool = False, head: nn.Module | None = None,
                  has_probe: bool | None = None) -> LocalizeResult:
@@ -74,42 +70,19 @@ class Localizer:
         probe closure); ``has_probe``: whether this rank has a probe closure (default: a scope was given);
         ``head``: the view's exact-layer module, for the decomposition probe."""
         probe = has_probe if has_probe is not None else scope is not None
-        return _Run(self, step, view, stored, scope, ctx, head, keep_grad, probe).run()
-
-    # -- records (used by below.py and bisect_step.py too) --------------------------------------
-    def empty(self, step: int, method: Method, status: Status, probes: int, norm: float, view: TokenView | None,
-              note: str, samples: tuple = (), passes: int = 0, solo: bool = True) -> Localization:
-        return Localization(step=step, method=method, status=status, probes=probes, passes=passes, global_norm=norm,
-                            micro_batch_shares=view.micro_batch_shares() if view is not None and solo else (),
-                            unattributed_share=view.unattributed_share if view is not None else 0.0, note=note,
-                            samples=samples)
+        return _Run(self.cfg, self.decode, step, view, stored, scope, ctx, head, keep_grad, probe).run()
 
 
-class _Run:
-    """One localization on one rank (the others run theirs in lockstep)."""
-
-    def __init__(self, loc: Localizer, step: int, view: TokenView | None, stored: StoredGradient, scope: Scope | None,
-                 ctx: SpikeContext, head: nn.Module | None, keep_grad: bool, has_probe: bool) -> None:
-        self.loc, self.cfg, self.step, self.view, self.stored, self.scope = loc, loc.cfg, step, view, stored, scope
-        self.ctx, self.head, self.keep_grad = ctx, head, keep_grad
-        self.comm = scope.comm if scope is not None else SoloComm()
-        self.W, self.rank = self.comm.world_size, self.comm.rank
-        self.used = 0  # probe rounds so far (the same on every rank)
-        K = self.cfg.max_candidates
-        self.pic = Picture(rows=self.comm.all_gather(summary(view, K, has_probe), "gradloc candidates").numpy(), K=K)
-
-    @property
-    def solo(self) -> bool:
-        """One process, not a job's rank (a job of one rank still names its rank and never bisects)."""
-        return not getattr(self.scope, "job", False)
+class _Run(Runner):
+    """The algorithm's driver over one :class:`Runner` (module docstring): the picture, the token rounds and their
+    growth; then pruning and naming, or the levels below the tokens, or bisection."""
 
     def run(self) -> LocalizeResult:
-        pic, view = self.pic, self.view
+        pic = self.pic
         if not pic.all_have_view:
             why = "no per-token statistics for this step" if self.solo else \
                 "a rank has no per-token statistics for this step"
-            return LocalizeResult(self.loc.empty(self.step, Method.NONE, Status.UNAVAILABLE, 0, self.stored.norm,
-                                                 view, why, solo=self.solo))
+            return LocalizeResult(self.empty(Method.NONE, Status.UNAVAILABLE, 0, why))
         if pic.nonfinite:
             return LocalizeResult(self._nonfinite())
         if pic.max_unattributed > MAX_UNATTRIBUTED:
@@ -127,30 +100,10 @@ class _Run:
                     return res
                 why = res
             if self.cfg.bisection == "on_failure" and self.solo:
-                from gradloc.localizer.bisect_step import bisect_step
-
-                return bisect_step(self.loc, self.step, view, self.stored, session, self.ctx, why, self.keep_grad)
-            from gradloc.localizer.below import Below
-
+                return bisect_step(self, why)
             return Below(self, why).run()
 
     # -- 2. tokens ----------------------------------------------------------------------------
-    def probe_round(self, acc: Grads, group: tuple[int, np.ndarray] | None) -> tuple[Grads, str]:
-        """One round: this rank probes ``group`` (view position, flats) or, in lockstep, nothing."""
-        view, session = self.view, self.session
-        if group is not None:
-            try:
-                return probe_into(session, view, acc, group[0], group[1]), ""
-            except Exception as exc:  # noqa: BLE001 - the other ranks must not wait on this rank
-                if self.solo or self.scope.lockstep:
-                    raise  # one process: nothing waits; lockstep: its collectives fail on every rank
-                return acc, f"the probe on rank {self.rank} failed: {type(exc).__name__}: {exc}"
-        if self.scope.lockstep:  # a collective: take part with nothing to probe
-            meta = view.metas[0]
-            acc = session.add_to(acc, meta.index, torch.zeros(meta.batch, meta.seq, dtype=torch.bool))
-            session.losses.pop()
-        return acc, ""
-
     def _tokens(self, cands: list) -> LocalizeResult | str:
         view, cfg, scope, session = self.view, self.cfg, self.scope, self.session
         mine = [c for c in cands if c.rank == self.rank]
@@ -164,6 +117,7 @@ class _Run:
         cum: list[float] = []  # a linear scope's running ⟨∇_C, ∇⟩/‖∇‖²: each round's own share, measured
         for i in range(rounds):
             acc, err = self.probe_round(acc, (order[i], groups[order[i]]) if i < len(order) else None)
+            self.spend()
             error = error or err
             if scope.linear and i < rounds - 1:
                 cum.append(scope.measure(acc, 0.0, error)[0])
@@ -171,20 +125,20 @@ class _Run:
         explained, loss = scope.measure(acc, float(sum(session.losses[start:])), error)
         each = [float(x) for x in np.diff([0.0, *cum, explained])] if scope.linear or rounds == 1 else None
         first, first_share = len(taken), explained
-        acc, explained, loss, used, grown = self._grow(acc, explained, loss, taken, rounds)
+        acc, explained, loss, grown = self._grow(acc, explained, loss, taken)
         flats = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
-        if self.loc._verified(explained, self.stored.norm, loss, self.ctx):
+        if self.verified(explained, loss):
             firsts = [*taken[:first]] + [np.zeros(0, dtype=np.int64)] * (rounds - first)  # the job's rounds
             parts = [*zip(firsts, each)] if each is not None else \
                 [(np.concatenate(firsts) if firsts else np.zeros(0, dtype=np.int64), first_share)]
             named = prune(self, Measured(acc=acc, explained=explained, loss=loss, rounds=tuple(taken[:first]),
-                                         round_shares=each, first=first_share, n_rounds=rounds, used=used,
+                                         round_shares=each, first=first_share, n_rounds=rounds,
                                          parts=(*parts, *grown)), flats)
             naming = name(self, named.parts, named.explained, grown=tuple(f for f, _ in grown))
             note = "; ".join(x for x in (_note(n_groups, rounds, self.W), self._grown_note(grown), named.note,
                                          naming.note) if x)
             loc = self._located(naming.flats, naming.shares, named.explained, scope.norms(named.acc), named.loss,
-                                named.used, note)
+                                self.used, note)
             return LocalizeResult(loc, named.acc if self.keep_grad else None, unnamed=naming.unnamed)
         n = int(self.comm.all_reduce(torch.tensor([float(flats.size)], dtype=torch.float64), what="gradloc count")[0]) \
             if not self.solo else flats.size
@@ -195,25 +149,24 @@ class _Run:
         if skipped:
             why += f" (candidates in {skipped} more micro-batches not probed: max_probes)"
         del acc
-        self.used = used
         return why
 
-    def _grow(self, acc: Grads, explained: float, loss: float, taken: list[np.ndarray],
-              used: int) -> tuple[Grads, float, float, int, list[tuple[np.ndarray, float]]]:
+    def _grow(self, acc: Grads, explained: float, loss: float,
+              taken: list[np.ndarray]) -> tuple[Grads, float, float, list[tuple[np.ndarray, float]]]:
         """While the step would still be a spike without C, a round probes each rank's next outlier
         tokens (relative threshold ÷ 10, over the job's untaken tokens), one micro-batch per rank. ∇ is
         linear in the token mask, so the new tokens' gradient adds exactly to ∇_C. Also returns each
         round's part: (this rank's tokens, the job's measured share of the round)."""
-        view, cfg, scope, session = self.view, self.cfg, self.scope, self.session
+        view, scope, session = self.view, self.scope, self.session
         grown: list[tuple[np.ndarray, float]] = []
-        while used < cfg.max_probes:
+        while self.left > 0:
             _, without = scope.norms(acc)
             if not still_spike(without, self.ctx):
                 break
-            if self.loc._verified(explained, self.stored.norm, loss, self.ctx) and \
+            if self.verified(explained, loss) and \
                     not rest_carries_spike(explained, self.stored.norm, self.ctx):
                 break  # the residual's norm is the rest of the step uncovered, not the spike's excess
-            if used >= cfg.max_probes - 1 and not self.loc._verified(explained, self.stored.norm, loss, self.ctx):
+            if self.left <= 1 and not self.verified(explained, loss):
                 break  # the last probe is kept for the levels below the tokens (below.py)
             free = view.eligible.copy()
             for t in taken:
@@ -237,8 +190,8 @@ class _Run:
                 acc = [a if n is None else (n if a is None else a.add_(n)) for a, n in zip(acc, new)]
                 explained, loss = explained + d_exp, loss + d_loss
             grown.append((group[1] if group is not None else np.zeros(0, dtype=np.int64), explained - before))
-            used += 1
-        return acc, explained, loss, used, grown
+            self.spend()
+        return acc, explained, loss, grown
 
     def _grown_note(self, grown: list[tuple[np.ndarray, float]]) -> str:
         """What the growth rounds added to C, measured (every rank runs the same rounds)."""
@@ -265,34 +218,6 @@ class _Run:
         return order[s[order] >= floor][: self.cfg.max_candidates]
 
     # -- 1. and 4.: the branches without probes, and the records ------------------------------
-    def gather_records(self, flats: list[int], shares: list[float], with_spans: bool = True) -> tuple:
-        """(culprits, spans, samples) of the job: each rank's own, gathered (rank named when W > 1)."""
-        from dataclasses import replace as _replace
-
-        view, dec = self.view, self.loc.decode
-        culprits = build_culprits(view, flats, shares, dec)
-        spans = build_spans(view, culprits, dec, self.cfg.context_tokens) if with_spans else ()
-        if not self.solo:
-            culprits = tuple(_replace(c, rank=self.rank) for c in culprits)
-            spans = tuple(_replace(x, rank=self.rank) for x in spans)
-        every = self.comm.all_gather_object((culprits, spans, top_samples(view)), "gradloc culprit records")
-        key = lambda x: -x.share if math.isfinite(x.share) else 0.0  # noqa: E731
-        return (tuple(sorted((c for e in every for c in e[0]), key=key)),
-                tuple(sorted((x for e in every for x in e[1]), key=key)),
-                merge_samples([e[2] for e in every], self.pic.total_score, not self.solo))
-
-    def record(self, *, method: Method, status: Status, level: Level = Level.NONE, probes: int, culprits=(),
-               spans=(), samples=(), note: str = "", explained: float | None = None,
-               norms: tuple[float | None, float | None] = (None, None), loss: float | None = None,
-               passes: int = 0, groups=()) -> Localization:
-        ls, lw = loss_fields(self.ctx, loss) if loss is not None else (None, None)
-        return Localization(step=self.step, method=method, status=status, level=level, probes=probes, passes=passes,
-                            explained_share=explained, global_norm=self.stored.norm, culprit_norm=norms[0],
-                            norm_without_culprits=norms[1], culprits=culprits, spans=spans,
-                            micro_batch_shares=self.view.micro_batch_shares() if self.solo else (),
-                            unattributed_share=self.view.unattributed_share, loss_share=ls,
-                            loss_without_culprits=lw, note=note, samples=samples, groups=groups)
-
     def _located(self, flats: np.ndarray, shares: np.ndarray, explained: float, norms: tuple[float, float],
                  loss: float, probes: int, note: str) -> Localization:
         """``flats``: this rank's named tokens, ``shares`` their estimated shares (``naming.py``)."""
@@ -320,12 +245,10 @@ class _Run:
             why = why.replace("attribution unavailable:", "attribution unavailable on a rank:") + \
                 "; bisection does not run across ranks"
         if self.scope is None or self.cfg.bisection == "off" or not self.solo:
-            return LocalizeResult(self.loc.empty(self.step, Method.NONE, Status.UNAVAILABLE, 0, self.stored.norm,
-                                                 self.view, why, solo=self.solo))
-        from gradloc.localizer.bisect_step import bisect_step
-
+            return LocalizeResult(self.empty(Method.NONE, Status.UNAVAILABLE, 0, why))
         with self.scope.session() as session:
-            return bisect_step(self.loc, self.step, self.view, self.stored, session, self.ctx, why, self.keep_grad)
+            self.session = session
+            return bisect_step(self, why)
 
     def _unverified(self, cands: list) -> Localization:
         mine = [c.flat for c in cands if c.rank == self.rank]
@@ -342,16 +265,6 @@ class _Run:
             describe(samples, n)
         return self.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=0, samples=samples, note=note)
 
-    def all_ranks(self, flag: bool) -> bool:
-        """True when ``flag`` holds on every rank (one collective in a job)."""
-        if self.solo:
-            return flag
-        return not self.comm.all_reduce(torch.tensor([0.0 if flag else 1.0]), op="max", what="gradloc agree")[0]
-
-    def n_samples(self) -> int:
-        mine = sum(m.n_samples for m in self.view.metas)
-        return mine if self.solo else int(self.comm.all_reduce(torch.tensor([float(mine)], dtype=torch.float64),
-                                                               what="gradloc samples")[0])
 
 
 def _note(n_groups: list[int], rounds: int, world: int) -> str:

@@ -1,6 +1,6 @@
 """Which tokens of a verified set a located localization names: the ones that carry the spike.
 
-A verified token set C (``Localizer._tokens``, after ``prune.py``) comes as *parts*: each probe
+A verified token set C (``localizer.py``'s token rounds, after ``prune.py``) comes as *parts*: each probe
 round's tokens with the round's measured share of ‖∇‖² (a linear scope measures every round apart,
 an inner product, no probe; a non-linear one its growth rounds apart and its first rounds together;
 ``prune.py``'s measured subset is a part of its own). A token's share is its part's share split by
@@ -20,7 +20,7 @@ tail of a growth round. Without another probe, the record names the *carriers*:
    alone, by their shares, are still the answer C is: they pass the verification test and, when C
    leaves no spike uncovered, leave none either (``context.rest_carries_spike``), as ``prune.py``
    asks of what it drops; (d) each growth round's largest unit is named: the round ran because the
-   step without it would still be flagged, measured (``Localizer._grow``) — what the estimates of
+   step without it would still be flagged, measured (``localizer.py``'s growth) — what the estimates of
    (c) cannot see when the rest of the step leans on C (⟨∇ − ∇_C, ∇_C⟩ > 0: a 2% culprit of
    ``bench localization``'s ``three_mb`` seed 3 was left unnamed before this). Its companions in
    the round are cut like any unit.
@@ -43,7 +43,7 @@ from gradloc.localizer.context import rest_carries_spike
 from gradloc.localizer.levels import MIN_SAMPLE_SHARE
 
 if TYPE_CHECKING:
-    from gradloc.localizer.localizer import _Run
+    from gradloc.localizer.runner import Runner
 
 GAP = 0.1  # a unit left unnamed is below this × the smallest named unit's share: an order of magnitude
 
@@ -58,7 +58,7 @@ class Naming:
     note: str
 
 
-def token_shares(run: "_Run", parts: tuple[tuple[np.ndarray, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+def token_shares(run: "Runner", parts: tuple[tuple[np.ndarray, float], ...]) -> tuple[np.ndarray, np.ndarray]:
     """(this rank's flats, their estimated shares): each part's measured share split by score within the part
     (over the job: the parts' score totals are all-reduced)."""
     w = [run.view.rank_scores[f] for f, _ in parts]
@@ -70,7 +70,7 @@ def token_shares(run: "_Run", parts: tuple[tuple[np.ndarray, float], ...]) -> tu
     return flats.astype(np.int64), shares.astype(np.float64)
 
 
-def units(run: "_Run", flats: np.ndarray) -> list[np.ndarray]:
+def units(run: "Runner", flats: np.ndarray) -> list[np.ndarray]:
     """This rank's tokens grouped into runs of adjacent positions of one sample (indices into ``flats``)."""
     where = sorted(range(flats.size), key=lambda i: run.view.locate(int(flats[i])))
     out: list[list[int]] = []
@@ -97,7 +97,7 @@ def cut(shares: list[float], enough, at_least: int = 1) -> int:  # noqa: ANN001 
     return len(shares)
 
 
-def name(run: "_Run", parts: tuple[tuple[np.ndarray, float], ...], explained: float,
+def name(run: "Runner", parts: tuple[tuple[np.ndarray, float], ...], explained: float,
          grown: tuple[np.ndarray, ...] = ()) -> Naming:
     """The named tokens of a verified set given as ``parts`` (module docstring); ``explained``: its measured share;
     ``grown``: this rank's tokens of each growth round (the job's rounds, in order)."""
@@ -114,7 +114,7 @@ def name(run: "_Run", parts: tuple[tuple[np.ndarray, float], ...], explained: fl
     complete = not rest_carries_spike(explained, norm, ctx)
 
     def enough(share: float) -> bool:  # the named units alone: the answer C is (step 2c)
-        return run.loc._verified(share, norm, 0.0, ctx) and not (complete and rest_carries_spike(share, norm, ctx))
+        return run.verified(share) and not (complete and rest_carries_spike(share, norm, ctx))
 
     # step 2d: each growth round's largest unit (the job's units sorted: its first) is named
     pinned = [next(k for k, x in enumerate(job) if g in x[3]) for g in range(len(grown))

@@ -11,7 +11,7 @@ The rule, when a probe is left after C is verified (never beyond ``max_probes``)
 1. D = the first-round candidates whose estimated share is below ``MIN_SAMPLE_SHARE`` (0.1: the
    share below which the sample level names no sample either, ``levels.py``). The tokens the growth
    rounds added are never in D: they were probed because the step would still be a spike without
-   the others (``Localizer._grow``). D is tested only when C without it would, by the estimates,
+   the others (the growth rounds, ``localizer.py``). D is tested only when C without it would, by the estimates,
    replace C: pass the verification test and, where C leaves no spike uncovered, leave none either
    (``context.rest_carries_spike``).
 2. One probe measures D exactly, ⟨∇_D, ∇⟩/‖∇‖² and ℓ_D (each rank probes its members of D in one
@@ -39,7 +39,7 @@ from gradloc.localizer.levels import MIN_SAMPLE_SHARE
 from gradloc.localizer.probes import Grads
 
 if TYPE_CHECKING:
-    from gradloc.localizer.localizer import _Run
+    from gradloc.localizer.runner import Runner
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,6 @@ class Measured:
     round_shares: list[float] | None  # the job's measured share of each first round (None: not measured apart)
     first: float  # the first rounds' measured share, together
     n_rounds: int  # first rounds (the job's)
-    used: int  # probes so far
     # (this rank's tokens, the job's measured share) of each round measured apart: the first rounds (one
     # part when not measured apart) and each growth round; what the record's shares are split from
     parts: tuple[tuple[np.ndarray, float], ...]
@@ -66,14 +65,13 @@ class Named:
     acc: Grads
     explained: float
     loss: float
-    used: int
     note: str
     # (this rank's flats, the job's measured share of that part): each part's share is split by its
     # members' scores; one part when nothing was measured apart
     parts: tuple[tuple[np.ndarray, float], ...]
 
 
-def estimates(run: "_Run", c: Measured) -> list[tuple[float, int, int]]:
+def estimates(run: "Runner", c: Measured) -> list[tuple[float, int, int]]:
     """(estimated share, rank, flat) of every first-round candidate of the job: its round's measured
     share split by score within the round (C's first-round share split over them all when the rounds
     were not measured apart)."""
@@ -91,11 +89,11 @@ def estimates(run: "_Run", c: Measured) -> list[tuple[float, int, int]]:
     return sorted(((e, rank, f) for rank, items in enumerate(every) for e, f in items), key=lambda x: (x[0], x[1], x[2]))
 
 
-def prune(run: "_Run", c: Measured, flats: np.ndarray) -> Named:
+def prune(run: "Runner", c: Measured, flats: np.ndarray) -> Named:
     """C (``flats``: this rank's members, first rounds and grown), with the candidates whose estimated
     share is below the floor measured and dropped when the module docstring's rule says so."""
-    same = Named(acc=c.acc, explained=c.explained, loss=c.loss, used=c.used, note="", parts=c.parts)
-    if c.used >= run.cfg.max_probes or not math.isfinite(c.explained):
+    same = Named(acc=c.acc, explained=c.explained, loss=c.loss, note="", parts=c.parts)
+    if run.left <= 0 or not math.isfinite(c.explained):
         return same
     comm, norm, ctx, view = run.comm, run.stored.norm, run.ctx, run.view
     members = estimates(run, c)
@@ -105,7 +103,7 @@ def prune(run: "_Run", c: Measured, flats: np.ndarray) -> Named:
     complete = not rest_carries_spike(c.explained, norm, ctx)  # C leaves no spike uncovered
 
     def enough(share: float, loss_k: float) -> bool:  # what K = C \ D must do to replace C
-        return run.loc._verified(share, norm, loss_k, ctx) and not (complete and rest_carries_spike(share, norm, ctx))
+        return run.verified(share, loss_k) and not (complete and rest_carries_spike(share, norm, ctx))
 
     if not enough(c.explained - sum(e for e, _, _ in weak), 0.0):
         return same  # by the estimates, C without them would not be the answer
@@ -118,6 +116,7 @@ def prune(run: "_Run", c: Measured, flats: np.ndarray) -> Named:
     session = run.session
     start = len(session.losses)
     new, err = run.probe_round([None] * len(c.acc), group)
+    run.spend()
     d, d_loss = run.scope.measure(new, float(sum(session.losses[start:])), err)
     n_drop = int(comm.all_reduce(torch.tensor([float(group[1].size if group else 0)], dtype=torch.float64),
                                  what="gradloc prune count")[0])
@@ -126,11 +125,11 @@ def prune(run: "_Run", c: Measured, flats: np.ndarray) -> Named:
     rest = flats[~np.isin(flats, part)]
     if not (math.isfinite(d) and d < MIN_SAMPLE_SHARE and enough(kept, kept_loss)):
         del new
-        return Named(acc=c.acc, explained=c.explained, loss=c.loss, used=c.used + 1, parts=((rest, kept), (part, d)),
+        return Named(acc=c.acc, explained=c.explained, loss=c.loss, parts=((rest, kept), (part, d)),
                      note=f"{n_drop} token(s) estimated below {MIN_SAMPLE_SHARE:.0%} of ‖∇‖² measured: {d:.1%}, named")
     acc = [a if n is None else (-n if a is None else a.sub_(n)) for a, n in zip(c.acc, new)]
     del new
-    return Named(acc=acc, explained=kept, loss=kept_loss, used=c.used + 1, parts=((rest, kept),),
+    return Named(acc=acc, explained=kept, loss=kept_loss, parts=((rest, kept),),
                  note=f"{n_drop} token(s) estimated below {MIN_SAMPLE_SHARE:.0%} of ‖∇‖² measured: {d:.1%}, not named")
 
 

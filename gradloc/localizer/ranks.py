@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from gradloc.localizer.context import LocalizeResult
 from gradloc.localizer.levels import MIN_SAMPLE_SHARE, OUTLIER_FACTOR
+from gradloc.localizer.runner import Runner
 from gradloc.records import CulpritGroup, Level, Method, Status
-
-if TYPE_CHECKING:
-    from gradloc.localizer.below import Below
 
 RANK_CAP = 0.75  # the floor never asks more of a rank than this share (W = 2, 3)
 
@@ -51,11 +49,22 @@ class RankShape:
     score: float
 
 
+class Finder(Protocol):
+    """What the rank level adds to, of the level that tries it (``below.Below``): its notes and passes so far, and
+    the job's top samples for the record."""
+
+    notes: list[str]
+    passes: int
+
+    def samples(self) -> tuple: ...
+
+
 class Ranks:
     """The rank level of one localization (``below.Below`` holds one when the job has W > 1 ranks)."""
 
-    def __init__(self, below: "Below") -> None:
-        self.b, r = below, below.r
+    def __init__(self, run: Runner, level: Finder) -> None:
+        self.r, self.b = run, level
+        r = run
         view = r.view
         score = float(np.where(view.eligible, np.nan_to_num(view.scores, nan=0.0, posinf=0.0), 0.0).sum())
         mine = RankShape(micro_batches=len(view.metas), samples=sum(m.n_samples for m in view.metas),
@@ -73,14 +82,15 @@ class Ranks:
             return False
         return True
 
-    def after_decomposition(self, owner: int, m: int, explained: float) -> LocalizeResult | None:
-        """After rank ``owner``'s micro-batch at view position ``m`` was decomposed without a verdict."""
+    def after_decomposition(self, owner: int, explained: float, dec: Any) -> LocalizeResult | None:
+        """After one of rank ``owner``'s micro-batches was decomposed without a verdict (``dec``: the decomposition's
+        (c, gradient, loss) on the rank that ran it, else None)."""
         shape = self.shapes[owner]
         if not self.could_carry(owner, explained * shape.micro_batches):
             return None
         if shape.micro_batches == 1:  # the decomposition measured the rank's one micro-batch exactly
             self.tried.add(owner)
-            r, dec = self.b.r, self.b._dec
+            r = self.r
             mine = dec[1] if dec is not None else [None] * len(r.stored.grads)
             got, loss = r.scope.measure(mine, dec[2] if dec is not None else 0.0, "")
             return self._judge(owner, got, loss, r.scope.norms(mine), mine)
@@ -102,8 +112,8 @@ class Ranks:
 
     def probe(self, owner: int) -> LocalizeResult | None:
         """One probe of rank ``owner``'s every loss token, judged."""
-        r = self.b.r
-        if r.used >= r.cfg.max_probes:
+        r = self.r
+        if r.left <= 0:
             return None
         self.tried.add(owner)
         k = self.shapes[owner].micro_batches
@@ -117,14 +127,13 @@ class Ranks:
             acc, err = r.probe_round(acc, group)
             error = error or err
         explained, loss = r.scope.measure(acc, float(sum(r.session.losses[start:])), error)
-        r.used += 1
+        r.spend()
         self.b.passes += k - 1
         return self._judge(owner, explained, loss, r.scope.norms(acc), acc)
 
     def _judge(self, owner: int, explained: float, loss: float, norms: tuple[float, float], grad) -> LocalizeResult | None:  # noqa: ANN001
-        b, r, shape = self.b, self.b.r, self.shapes[owner]
-        if not (math.isfinite(explained) and explained >= self.floor
-                and r.loc._verified(explained, r.stored.norm, loss, r.ctx)):
+        b, r, shape = self.b, self.r, self.shapes[owner]
+        if not (math.isfinite(explained) and explained >= self.floor and r.verified(explained, loss)):
             b.notes.append(f"rank {owner}'s {shape.micro_batches} micro-batch(es) measured together: "
                            f"{explained:.0%} of ‖∇‖² (a culprit rank carries ≥ {self.floor:.0%} and passes verification)")
             return None
@@ -133,9 +142,9 @@ class Ranks:
         group = CulpritGroup(share=explained, rank=owner, micro_batches=shape.micro_batches, samples=shape.samples,
                              tokens=shape.tokens)
         loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.RANK, probes=r.used,
-                       passes=b.passes, samples=b._samples(), note="; ".join(b.notes), explained=explained,
+                       passes=b.passes, samples=b.samples(), note="; ".join(b.notes), explained=explained,
                        norms=norms, loss=loss, groups=(group,))
         return LocalizeResult(loc, grad if r.keep_grad else None)
 
 
-__all__ = ["RankShape", "Ranks", "rank_floor", "RANK_CAP"]
+__all__ = ["Finder", "RankShape", "Ranks", "rank_floor", "RANK_CAP"]

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
+import torch
 
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.records import TokenRL
@@ -43,12 +45,13 @@ class TokenView:
             return tuple(0.0 for _ in self.metas)
         return tuple(float(self.scores[a:b].sum()) / total for a, b in zip(self.offsets, self.offsets[1:]))
 
-    def mask_for(self, m: int, flats: np.ndarray) -> "np.ndarray":
-        """(B, T) bool mask selecting ``flats`` (flat indices inside micro-batch m)."""
+    def mask(self, m: int, flats: "np.ndarray | Sequence[int]" = ()) -> torch.Tensor:
+        """(B, T) bool token mask of view position m selecting ``flats`` (flat indices inside micro-batch m; none:
+        an all-false mask, a lockstep rank's empty part): the one place a probe's token mask is built."""
         meta = self.metas[m]
         mask = np.zeros(meta.n_tokens, dtype=bool)
-        mask[np.asarray(flats) - self.offsets[m]] = True
-        return mask.reshape(meta.batch, meta.seq)  # (B·T,) -> (B, T)
+        mask[np.asarray(flats, dtype=np.int64) - self.offsets[m]] = True
+        return torch.from_numpy(mask.reshape(meta.batch, meta.seq))  # (B·T,) -> (B, T)
 
     def token_rl(self, flat: int) -> TokenRL | None:
         """One position's RL fields, with its sequence's mean mismatch log ratio (TokenRL.log_ratio)."""

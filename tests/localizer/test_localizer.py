@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gradloc.config import LocalizerConfig
+from gradloc.localizer.context import verified
 from gradloc.localizer.localizer import Localizer, StoredGradient
 from tests.helpers import single_thread  # noqa: F401
 from tests.localizer.builders import Toy, basis, ctx, planted
@@ -133,7 +134,7 @@ def test_candidates_rank_and_shares_split_by_the_position_exact_layer() -> None:
     (0.0, 10.0, 5.0, ctx(loss=5.0), False),
 ])
 def test_verified_criteria(explained, norm, loss_c, context, expected) -> None:
-    assert Localizer(LocalizerConfig(), None)._verified(explained, norm, loss_c, context) is expected
+    assert verified(LocalizerConfig().min_explained_share, explained, norm, loss_c, context) is expected
 
 
 def one_small_culprit(w=None) -> tuple[Toy, int]:
