@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.variants import Variant
+from bench.variant import Variant
 from gradloc.demo.model import TinyGPT
 
 

@@ -29,60 +29,13 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Self
+from typing import Any, Callable
 
 from bench.agent import _metric, _start_daemon
-from bench.soak_load import load_proc
+from bench.soak_load import SoakConfig, load_proc
 
 DROPS = ("queue_full", "send_failed", "encode_failed", "rejected", "after_shutdown")
-
-
-@dataclass(frozen=True)
-class SoakConfig:
-    minutes: float = 10.0
-    rate: float = 5000.0  # step records per second, all clients together
-    layers: int = 256
-    top_k: int = 16
-    procs: int = 8  # client processes (one job slot each by default), on the cores the daemon does not use
-    jobs_per_proc: int = 1
-    ranks: int = 4
-    job_s: float = 60.0  # how long a job runs before it ends and the next one starts
-    job_retention_s: float = 15.0  # the daemon's --job-retention-s for the run
-    straggler_deadline_s: float = 2.0
-    incident_every: int = 1000  # steps of a job between two of its incidents
-    max_backlog_s: float = 0.1  # a rank's steps more than this late are skipped (counted), not sent in a burst
-    sample_s: float = 10.0
-    # RSS is compared from min(warmup_s, 40% of the run) on: at 5,000/s the daemon's heap fills until
-    # ~200-240 s and then stays flat (docs/BENCHMARKS.md §3.1), so an earlier window measures the fill
-    warmup_s: float = 240.0
-    daemon_cpu: int = 0
-    encode: str = "replay"  # "replay": each rank's record encoded once, restamped; "client": encoded per record (bench/soak_load.py)
-
-    def __post_init__(self) -> None:
-        if not (self.minutes > 0 and self.rate > 0 and self.job_s > 0 and self.sample_s > 0):
-            raise ValueError("minutes, rate, job_s and sample_s must be > 0")
-        if self.warmup_s < 0:
-            raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s}")
-        if min(self.procs, self.jobs_per_proc, self.ranks, self.incident_every) < 1:
-            raise ValueError("procs, jobs_per_proc, ranks and incident_every must be >= 1")
-        if self.encode not in ("replay", "client"):
-            raise ValueError(f"encode must be 'replay' or 'client', got {self.encode!r}")
-
-    @property
-    def duration_s(self) -> float:
-        return self.minutes * 60.0
-
-    @property
-    def warmup_end_s(self) -> float:
-        """Where the first RSS window starts; it and the last (each 10% of the run) never overlap."""
-        return min(self.warmup_s, 0.4 * self.duration_s)
-
-    @classmethod
-    def quick(cls) -> Self:
-        return cls(minutes=1 / 3, rate=400.0, layers=32, procs=2, jobs_per_proc=2, ranks=2, job_s=5.0,
-                   job_retention_s=2.0, straggler_deadline_s=1.0, incident_every=100, sample_s=1.0)
 
 
 class _Sampler:

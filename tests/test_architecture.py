@@ -63,6 +63,17 @@ def test_every_import_goes_the_allowed_direction():
     assert bad == [], "imports against docs/ARCHITECTURE.md: " + "; ".join(f"{f}: {s} -> {t}" for f, s, t in bad)
 
 
+def test_the_exceptions_import_inside_a_function_only():
+    """docs/ARCHITECTURE.md's one exception (`gradloc-agent demo`) imports the demo inside its command, never at
+    module level: the agent CLI loads without the trainer side."""
+    for rel, target in EXCEPTIONS:
+        tree = ast.parse((ROOT / rel).read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [n.module for n in top if isinstance(n, ast.ImportFrom) and n.module] + \
+            [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        assert not [n for n in names if _package(n) == target], (rel, target)
+
+
 def test_the_agent_side_never_imports_the_engine_side():
     engine = {*ENGINE, "integrations", "demo", "sinks"}
     bad = [(f, t) for f, s, t in _imports() if s in AGENT_SIDE and t in engine and (f, t) not in EXCEPTIONS]
@@ -148,3 +159,78 @@ def test_the_backend_check_finds_a_branch():
     finally:
         path.unlink()
     assert len(hits) == 4, hits
+
+
+# -- no import cycles (issue 34): every import of every module, deferred and TYPE_CHECKING ones too ---------------
+def _module_edges(root: Path, top: str) -> dict[str, set[str]]:
+    """module -> the modules of ``top`` it imports (resolved to a file of the tree: a package's __init__ or a module)."""
+    files = {p.relative_to(root).as_posix()[:-3].replace("/", ".").removesuffix(".__init__"): p
+             for p in (root / top).rglob("*.py") if "_generated" not in p.parts}
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                while t and t not in files:
+                    t = t.rpartition(".")[0]  # an imported name: its module
+                if t and t != mod and not mod.startswith(t + "."):  # a package's own __init__ is not a cycle
+                    edges[mod].add(t)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_in_gradloc_or_bench():
+    """Every import counts (module-level, deferred inside functions, under TYPE_CHECKING): a cycle is two modules
+    that need each other, whenever the import runs."""
+    for top in ("gradloc", "bench"):
+        edges = _module_edges(ROOT, top)
+        assert len(edges) > 20 and sum(map(len, edges.values())) > 20, top  # the scan found the code
+        assert _cycles(edges) == [], f"import cycles in {top}/: {_cycles(edges)}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(edges) == [["a", "b", "c"]]

@@ -13,7 +13,6 @@ from gradloc.agent.grafana_cli import grafana
 from gradloc.agent.incidents_cli import incidents
 from gradloc.agent.outliers_cli import outliers
 from gradloc.agent.serve_cli import serve
-from gradloc.demo.spawn import SpawnError
 from gradloc.errors import ConfigError
 
 
@@ -66,6 +65,7 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
          backend: str | None, zero_stage: int | None, threads: int) -> None:
     """Train a small causal LM on CPU, plant a culprit, detect and localize the spike."""
     from gradloc.agent.render import demo_json
+    from gradloc.demo.spawn import SpawnError  # the trainer-side demo, imported inside its command only
 
     given = {k: v for k, v in dict(inject=inject, micro_batches=micro_batches, job=job,
                                    zero_stage=zero_stage).items() if v is not None}

@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from gradloc.agent.links import DEFAULT_TTL_S, MAX_TTL_S
+from gradloc.agent.links import DEFAULT_TTL_S, INCIDENT, MAX_TTL_S, LinkSigner, origin, page_path
 from gradloc.agent.security import Security, check_exposure, read_token
 from gradloc.errors import ConfigError
 
@@ -132,3 +132,18 @@ def load_config(file: str | None = None, env: Mapping[str, str] | None = None,
     merged.update(from_env(env))
     merged.update({k: _coerce(k, v, f"--{k.replace('_', '-')}") for k, v in (flags or {}).items()})
     return AgentConfig(**merged)
+
+
+def cli_page_link(incident_id: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The page link ``incidents show`` prints: this node's daemon (the agent config: ``http``, TLS,
+    the token, ``link_ttl_s``, from GRADLOC_AGENT_* / $GRADLOC_AGENT_CONFIG), signed when a token is
+    configured; None when the agent config is invalid here."""
+    try:
+        cfg = load_config(None, os.environ if env is None else env)
+        token = cfg.token
+    except ConfigError:
+        return None
+    host, _, port = cfg.http.rpartition(":")
+    base = origin(None, (host.strip("[]") or "127.0.0.1", int(port)), bool(cfg.tls_cert))
+    sig = LinkSigner(token, cfg.link_ttl_s).mint(INCIDENT, incident_id) if token else None
+    return base + page_path(incident_id, sig)

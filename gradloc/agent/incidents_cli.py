@@ -184,7 +184,7 @@ def show_cmd(incident_id: str, db: Path | None, agent: str | None, as_json: bool
     elif source.said:  # no flag named the store: the daemon the config names did not answer, no link would open
         link = None
     else:  # --db: the page on the daemon the agent config names; signed (no token needed) when one is set
-        from gradloc.agent.links import cli_page_link
+        from gradloc.agent.config import cli_page_link
 
         link = cli_page_link(inc.incident_id)
     click.echo(f"page: {link}" if link else "page: none (no gradloc agent serves this store here; --html FILE "

@@ -30,7 +30,7 @@ working. An expired link's page says how to get a fresh one.
   hands out links, so give Prometheus the token (``authorization: {credentials_file: ...}``) to get
   clickable exemplars.
 - ``/api/incidents``: each row's ``link`` (absolute, signed at request time, expiry now + TTL).
-- ``gradloc-agent incidents show ID``: prints the link (:func:`cli_page_link`; signed when the
+- ``gradloc-agent incidents show ID``: prints the link (``config.cli_page_link``; signed when the
   environment or config file holds the token).
 
 **Why this works when clicked in Grafana.** Grafana builds a link at click time from the data under
@@ -51,11 +51,10 @@ import hashlib
 import hmac
 import html
 import math
-import os
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from urllib.parse import quote
 
 SIG = "sig"  # the query parameter (and exemplar label)
@@ -184,21 +183,3 @@ def denied_html(reason: str, sig: str | None = None) -> str:
     title = "Token or signed link needed" if reason == "missing" else "Link refused"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title></head>'
             f"<body><h1>{title}</h1><p>{text}</p></body></html>\n")
-
-
-def cli_page_link(incident_id: str, env: Mapping[str, str] | None = None) -> str | None:
-    """The page link ``incidents show`` prints: this node's daemon (the agent config: ``http``, TLS,
-    the token, ``link_ttl_s``, from GRADLOC_AGENT_* / $GRADLOC_AGENT_CONFIG), signed when a token is
-    configured; None when the agent config is invalid here."""
-    from gradloc.agent.config import load_config
-    from gradloc.errors import ConfigError
-
-    try:
-        cfg = load_config(None, os.environ if env is None else env)
-        token = cfg.token
-    except ConfigError:
-        return None
-    host, _, port = cfg.http.rpartition(":")
-    base = origin(None, (host.strip("[]") or "127.0.0.1", int(port)), bool(cfg.tls_cert))
-    sig = LinkSigner(token, cfg.link_ttl_s).mint(INCIDENT, incident_id) if token else None
-    return base + page_path(incident_id, sig)

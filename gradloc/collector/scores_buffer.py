@@ -18,7 +18,7 @@ from gradloc.collector.rules.registry import TokenRule
 from gradloc.collector.shards import Span
 
 if TYPE_CHECKING:
-    from gradloc.collector.token_hooks import WatchedModule
+    from gradloc.collector.watched import WatchedModule
 
 
 @dataclass

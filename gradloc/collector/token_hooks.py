@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -19,22 +19,16 @@ from gradloc.collector import compiled
 from gradloc.collector.fit import fit_call, score
 from gradloc.collector.head_read import read_head
 from gradloc.collector.rules import rule_for
-from gradloc.collector.rules.registry import TokenRule, reusing_sq_norm, sq_norm_last
+from gradloc.collector.rules.registry import reusing_sq_norm, sq_norm_last
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.shards import InnerSite, TPContext, is_dtensor, local, redistributes_inside
+from gradloc.collector.watched import WatchedModule
 
 log = logging.getLogger("gradloc")
 # Id of the backward the calling thread is executing, -1 outside backward (torch >= 2.1).
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
-@dataclass(frozen=True)
-class WatchedModule:
-    name: str
-    module: nn.Module
-    rule: TokenRule
-    layer: int  # index into the token-layer list
-    site: nn.Module  # the module whose forward is hooked: ``module``, or the caller that carries its routing
 
 
 class TokenHooks:

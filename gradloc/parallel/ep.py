@@ -84,7 +84,7 @@ class EPRouting:
 
     def take_over(self, hooks: Any) -> None:
         """Experts whose parent dispatches over the ep group are scored here, on their own call."""
-        from gradloc.collector.token_hooks import WatchedModule
+        from gradloc.collector.watched import WatchedModule
 
         rule = EPExpertsRule(self)
         for i, w in enumerate(hooks.watched):

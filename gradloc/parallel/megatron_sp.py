@@ -89,7 +89,7 @@ def check_model(model: nn.Module, pp: int = 1) -> None:
 
 def configure(hooks: Any, rank: int, size: int) -> None:
     """Replace the SP linears' and SP norms' rules by the ones here (``takes_over``: ``capture_routed``)."""
-    from gradloc.collector.token_hooks import WatchedModule
+    from gradloc.collector.watched import WatchedModule
 
     slot = 0
     for i, w in enumerate(hooks.watched):

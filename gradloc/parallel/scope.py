@@ -25,13 +25,15 @@ from torch import nn
 from gradloc.collector.layer_stats import local
 from gradloc.localizer.probes import Grads, ProbeFn, ProbeSession, grad_norm
 from gradloc.localizer.scope import ProbeFailed
-from gradloc.parallel.job import Job
 
 
 class JobScope:
+    """A job's probe scope. The keyword ``job`` is the rank's ``parallel.job.Job``, typed ``Any`` here: job.py imports
+    the backends, whose ``scope`` builds this (no import cycle)."""
+
     job = True
 
-    def __init__(self, *, job: Job, params: list[nn.Parameter], metas: Any, probe: ProbeFn,
+    def __init__(self, *, job: Any, params: list[nn.Parameter], metas: Any, probe: ProbeFn,
                  pause_hooks: Callable[[bool], None], grads: Grads, inv_scale: float, norm: float,
                  session: Callable[..., ProbeSession] = ProbeSession, view: Any = None,
                  loss_weight: float = 1.0) -> None:

@@ -13,10 +13,10 @@ Pure string work on frozen records (no torch): the agent side imports it. Client
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gradloc.records.incidents import Incident, Localization
+# the records are incidents.py's Localization and Incident, typed Any here: incidents.py imports this module
+# (their summary() methods), so this one does not import it back
 
 TEXT_SHOWN = 40  # characters of a culprit's text in the line
 MIN_CHAR_RUN = 8  # repeats of one short unit (1-8 characters) shown once with its count
@@ -60,7 +60,7 @@ def _where(x: Any, job_scope: bool) -> str:
     return f"{rank}micro-batch {x.micro_batch} · sample {x.sample}{uid}"
 
 
-def _named(loc: "Localization", job_scope: bool) -> tuple[str, int]:
+def _named(loc: Any, job_scope: bool) -> tuple[str, int]:
     """What the localization named at its level, and how many more of the same it named."""
     level = str(loc.level)
     if level in ("micro_batch", "rank") and loc.groups:
@@ -84,7 +84,7 @@ def _named(loc: "Localization", job_scope: bool) -> tuple[str, int]:
     return "", 0
 
 
-def localization_summary(loc: "Localization", job_scope: bool = False) -> str:
+def localization_summary(loc: Any, job_scope: bool = False) -> str:
     """E.g. "located at the token level: micro-batch 3 · sample 1 (id s180-3-1) · position 41 ' bell' ·
     99.4% of ‖∇‖² · 1 probe(s)". ``job_scope``: name the rank of each culprit (an incident across ranks)."""
     status = str(loc.status)
@@ -105,7 +105,7 @@ def localization_summary(loc: "Localization", job_scope: bool = False) -> str:
     return " · ".join(parts)
 
 
-def incident_summary(inc: "Incident") -> str:
+def incident_summary(inc: Any) -> str:
     """E.g. "incident f5b5f5ea9a10 · job demo · step 180: located at the token level: …" (the id's first
     12 hex digits: what the store, the CLI and the page show; any prefix resolves)."""
     head = f"incident {bare(inc.incident_id[:12])} · job {bare(inc.job)} · step {inc.step}"

@@ -20,8 +20,8 @@ from torch import nn
 
 from gradloc.collector.batch import MicroBatchMeta, RngState
 from gradloc.collector.scores_buffer import MicroBatchScores
-from gradloc.collector.token_hooks import WatchedModule
 from gradloc.collector.token_summary import stack_step
+from gradloc.collector.watched import WatchedModule
 from gradloc.errors import UnsupportedModelError
 from gradloc.parallel.megatron_sp import SPLinearRule, SPShardRule, check_model
 from gradloc.parallel.tokens import combine
