@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     he.add_argument("--fault-steps", type=int, default=None, help="steps per fault run (default 2000; 0: none)")
     he.add_argument("--traces", default=None, metavar="DIR", help="pickle each run's step records into DIR")
     he.add_argument("--from-traces", action="store_true", help="replay the runs saved in --traces DIR, no training")
+    he.add_argument("--reuse-traces", action="store_true",
+                    help="with --traces: a run whose trace is already in DIR is loaded, not trained again (more seeds "
+                         "or families added to a measured set; the replay check holds each trace either way)")
     he.add_argument("--other-detector", action="store_true",
                     help="with --from-traces: the traces were recorded under another detector version, so the check "
                          "that a replay with the live config opens the live incidents is skipped (reported as null)")
@@ -141,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hc = replace(hc, **{k: v for k, v in overrides.items() if v is not None})
         if args.from_traces and not args.traces:
             parser.error("--from-traces needs --traces DIR")
+        if args.reuse_traces and not args.traces:
+            parser.error("--reuse-traces needs --traces DIR")
         if args.other_detector and not args.from_traces:
             parser.error("--other-detector needs --from-traces")
         from bench.natural import FAMILIES
@@ -148,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not set(hc.families) <= set(FAMILIES):
             parser.error(f"--families: each of {FAMILIES}, got {args.families!r}")
         res = run_healthy(hc, _progress(args.verbose), traces=args.traces, from_traces=args.from_traces,
-                          check_live=not args.other_detector)
+                          check_live=not args.other_detector, reuse=args.reuse_traces)
         print(json.dumps(res) if args.json else format_table(res))
         return 0
 

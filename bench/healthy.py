@@ -240,12 +240,14 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
 
 
 def run_healthy(cfg: HealthyConfig, progress: Callable[[int, int, Any], None] | None = None,
-                traces: str | None = None, from_traces: bool = False, check_live: bool = True) -> dict[str, Any]:
+                traces: str | None = None, from_traces: bool = False, check_live: bool = True,
+                reuse: bool = False) -> dict[str, Any]:
     """Train the runs (or, ``from_traces``, load the ones saved in ``traces``) and summarize.
 
     ``traces``: a directory where each run's trace is pickled (``<kind>-<family>-<seed>.pkl``), so
     that settings can be compared again later without training (``from_traces``): the replay is
-    checked against each trace's own live monitor either way.
+    checked against each trace's own live monitor either way. ``reuse``: a run whose trace is already in
+    ``traces`` is loaded instead of trained (more seeds added to a measured set).
     """
     from bench.natural import natural_corpus
 
@@ -253,13 +255,16 @@ def run_healthy(cfg: HealthyConfig, progress: Callable[[int, int, Any], None] | 
     healthy: list[Trace] = []
     faulty: list[Trace] = []
     jobs = [(f, s) for f in cfg.families for s in range(cfg.seeds)]
+    reused: list[str] = []  # traces loaded by ``reuse`` (trained in an earlier run)
     n = len(jobs) * (2 if cfg.fault_steps else 1)
     say = (lambda msg: progress(len(healthy) + len(faulty), n, msg)) if progress else None
 
     def get(kind: str, rc: RunConfig, faults: dict[int, str] | None) -> Trace:
         path = Path(traces, f"{kind}-{rc.family}-{rc.seed}.pkl") if traces else None
-        if from_traces:
+        if from_traces or (reuse and path is not None and path.exists()):
             assert path is not None
+            if not from_traces:
+                reused.append(path.name)
             with path.open("rb") as f:
                 return pickle.load(f)
         trace = train(rc, faults, say)
@@ -283,7 +288,7 @@ def run_healthy(cfg: HealthyConfig, progress: Callable[[int, int, Any], None] | 
                     "d_model": r.d_model, "n_layers": r.n_layers, "seq": r.seq, "micro_batches": r.micro_batches,
                     "batch": r.batch, "lr": r.lr, "lr_warmup": r.lr_warmup, "corpus": natural_corpus(r.vocab).info(),
                     "torch_threads": torch.get_num_threads() if cfg.threads is None else cfg.threads,
-                    "from_traces": bool(from_traces)}
+                    "from_traces": bool(from_traces), "reused_traces": reused}
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     return res
 

@@ -123,3 +123,17 @@ def test_natural_corpus_is_natural_text():
     text = corpus.to_text(corpus.ids[:2000].tolist())
     assert text.count(" the ") > 10  # English prose, not code or random ids
     assert corpus.to_text(corpus.encode("Return the value.")) == "Return the value."
+
+
+def test_reused_traces_are_loaded_not_trained(tmp_path, monkeypatch):
+    """``--reuse-traces``: a run already in the traces directory is loaded (more seeds added to a measured set);
+    the summary is the same as the run that trained it, and says which traces it reused."""
+    import bench.healthy as healthy
+
+    cfg = HealthyConfig(families=("qwen2",), seeds=1, steps=60, fault_steps=0, run=TINY)
+    first = healthy.run_healthy(cfg, traces=str(tmp_path))
+    assert first["setup"]["reused_traces"] == [] and (tmp_path / "healthy-qwen2-0.pkl").exists()
+    monkeypatch.setattr(healthy, "train", lambda *a, **k: pytest.fail("a reused run was trained again"))
+    again = healthy.run_healthy(cfg, traces=str(tmp_path), reuse=True)
+    assert again["setup"]["reused_traces"] == ["healthy-qwen2-0.pkl"]
+    assert again["settings"] == first["settings"] and again["replay_matches_live"] is True
