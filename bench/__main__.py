@@ -1,7 +1,9 @@
-"""``python -m bench overhead|localization|agent|soak|healthy [--json] [--quick] [...]``.
+"""``python -m bench <name> [...]``: every benchmark, one entry point (bench/README.md lists them all).
 
-``overhead`` runs TinyGPT and an HF Llama side by side (``--model``); ``--memory``, ``--peers`` and
-``--profile`` are its other modes.
+``overhead``, ``localization``, ``agent``, ``soak`` and ``healthy`` are parsed here (``overhead`` runs TinyGPT and an
+HF Llama side by side, ``--model``; ``--memory``, ``--peers`` and ``--profile`` are its other modes); ``samples``,
+``faults``, ``compare``, ``compile-guards`` and ``deepspeed-grads`` hand their arguments to their own module's
+``main`` (``--help`` there).
 
 With ``--json`` exactly one JSON object is printed on stdout (progress goes to stderr with
 ``--verbose``); without it, a human-readable table.
@@ -26,8 +28,19 @@ def _progress(enabled: bool):
     return report
 
 
+# benchmarks whose own module parses their arguments: name -> module
+DELEGATED = {"samples": "bench.samples", "faults": "bench.faults", "compare": "bench.compare",
+             "compile-guards": "bench.compile_guards", "deepspeed-grads": "bench.deepspeed_grads"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in DELEGATED:
+        import importlib
+
+        return int(importlib.import_module(DELEGATED[args[0]]).main(args[1:]) or 0)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0],
+                                     epilog=f"also: {', '.join(DELEGATED)} (their own --help)")
     sub = parser.add_subparsers(dest="name", required=True)
 
     ov = sub.add_parser("overhead", help="step-time overhead: plain vs per-layer vs per-token, interleaved")
@@ -114,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
         p.add_argument("--quick", action="store_true", help="a small, fast version (smoke tests)")
         p.add_argument("--verbose", action="store_true", help="progress on stderr")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args)
     logging.basicConfig(level=logging.ERROR)  # gradloc's warnings would interleave with the table
 
     if args.name == "overhead":

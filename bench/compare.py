@@ -1,4 +1,4 @@
-"""Two benchmark JSONs, the same verdicts? ``python -m bench.compare BASELINE.json NEW.json [--ignore KEY ...]``.
+"""Two benchmark JSONs, the same verdicts? ``python -m bench compare BASELINE.json NEW.json [--ignore KEY ...]``.
 
 A refactor must not change what gradloc finds: issue 34's target is the same verdicts, levels, shares (to 1e-6)
 and probe counts from ``python -m bench localization --json`` (and ``--rl``, ``--faults``) before and after. This
@@ -45,7 +45,7 @@ def diff(a: Any, b: Any, tol: float, ignore: frozenset[str], path: str = "") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench compare", description=__doc__.splitlines()[0])
     parser.add_argument("baseline")
     parser.add_argument("new")
     parser.add_argument("--tol", type=float, default=1e-6, help="absolute tolerance of floats (default 1e-6)")

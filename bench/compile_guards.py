@@ -1,7 +1,7 @@
 """What dynamo's guards on module hook dicts cost (gradloc turns them on at watch(): collector/compiled.py
 ``guard_hooks``): the guard check of one compiled TinyGPT call, hook guards off (torch's default) and on.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.compile_guards [n_layers]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench compile-guards [n_layers]
 
 Each setting in its own process (the config is read when the guards are built)."""
 from __future__ import annotations
@@ -31,17 +31,20 @@ def _one(skip: bool, layers: int, calls: int = 20000) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def main() -> None:
-    if len(sys.argv) > 2:  # a child: one setting
-        print(f"{_one(sys.argv[2] == 'off', int(sys.argv[1])):.1f}")
-        return
-    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench compile-guards [n_layers]`` (a child: ``n_layers on|off``)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if len(args) > 1:  # a child: one setting
+        print(f"{_one(args[1] == 'off', int(args[0])):.1f}")
+        return 0
+    layers = int(args[0]) if args else 8
     for rep in range(2):
         got = {s: subprocess.run([sys.executable, "-m", "bench.compile_guards", str(layers), s], capture_output=True,
                                  text=True, check=True).stdout.strip() for s in ("off", "on")}
         print(f"TinyGPT {layers} blocks, guard check per compiled call: hook guards off {got['off']} us, "
               f"on {got['on']} us (run {rep + 1})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""``python -m bench.deepspeed_grads [--world 2] [--d-model 256] [--layers 4] [--rounds 20] [--json]``.
+"""``python -m bench deepspeed-grads [--world 2] [--d-model 256] [--layers 4] [--rounds 20] [--json]``.
 
 At a ZeRO 1/2/3 gradient-accumulation boundary (fp32, W gloo processes on this CPU), time and count the
 collectives of two ways to get per-layer gradient statistics of the global gradient:
@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, stages: list[int], d_model: int, layers: int, r
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.deepspeed_grads", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench deepspeed-grads", description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

@@ -2,7 +2,7 @@
 
 Per seed, one tiny HF model (``bench/natural.py``: Qwen2 by default, trained from scratch on the
 standard library's docstrings and the license texts, byte-level BPE) trains with gradloc attached
-at its default settings (``--sensitivity`` of ``python -m bench.faults`` changes the detector's) and the
+at its default settings (``--sensitivity`` of ``python -m bench faults`` changes the detector's) and the
 probe closure (``Run.step``). That run is the **healthy run**: every
 incident it opens and every sample it flags from the end of the LR warm-up (``RunConfig.lr_warmup``: 100) on
 is false, counted per 1,000 healthy steps (the outliers also per 1,000 judged samples); the fault window
@@ -439,13 +439,13 @@ def from_args(args: Any, **overrides: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.faults``: the same bench with the detector's sensitivity as a flag."""
+    """``python -m bench faults``: the same bench with the detector's sensitivity as a flag."""
     import argparse
     import json
 
     from gradloc.config import DetectorConfig
 
-    parser = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench faults", description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=None, help="seeds (default 5; 1 with --quick)")
     parser.add_argument("--train-steps", type=int, default=None, help="steps before the fault window (default 300)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default 1; 0 = torch's)")

@@ -1,4 +1,4 @@
-"""Per-sample outlier findings on a model pre-trained on natural text: ``python -m bench.samples [--json] [--quick]``.
+"""Per-sample outlier findings on a model pre-trained on natural text: ``python -m bench samples [--json] [--quick]``.
 
 ``--text``: false outliers per kind of real text (prose, legal, code, markup) on the issue's byte-level
 GPT-2 loop, and the flag rate of garbage and shifted labels (``bench/samples_text.py``).
@@ -191,7 +191,7 @@ def run_overhead_ab(models: tuple[str, ...] = ("tinygpt", "llama"), rounds: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.samples", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench samples", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
     parser.add_argument("--family", default=None, help="model family of bench/natural.py (default qwen2)")

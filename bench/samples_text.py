@@ -1,4 +1,4 @@
-"""False surprise outliers on several kinds of real text: ``python -m bench.samples --text [--json] [--quick]``.
+"""False surprise outliers on several kinds of real text: ``python -m bench samples --text [--json] [--quick]``.
 
 The issue's set-up (a user's own loop): a byte-level ``GPT2LMHeadModel`` (3 layers, d_model 128, dropout
 0.1 on), 4 micro-batches of 8 × 128 bytes, AdamW with a linear warm-up then cosine decay, clipping at 1.0,

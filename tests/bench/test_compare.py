@@ -1,4 +1,4 @@
-"""``python -m bench.compare``: the same verdicts or the paths that differ (issue 34's behaviour check)."""
+"""``python -m bench compare``: the same verdicts or the paths that differ (issue 34's behaviour check)."""
 from __future__ import annotations
 
 import json
@@ -24,3 +24,15 @@ def test_every_kind_of_difference_is_named_with_its_path(tmp_path, capsys):
     assert main([str(pa), str(pb)]) == 1 and main([str(pa), str(pa)]) == 0
     assert main([str(pa), str(pb), "--ignore", "runs", "--ignore", "gone"]) == 0
     assert "5 difference(s)" in capsys.readouterr().err
+
+
+def test_it_runs_as_python_m_bench_compare(tmp_path):
+    """One entry point: ``python -m bench compare`` hands its arguments to bench/compare.py's main."""
+    import bench.__main__ as entry
+
+    p = tmp_path / "a.json"
+    p.write_text(json.dumps({"x": 1}))
+    q = tmp_path / "b.json"
+    q.write_text(json.dumps({"x": 2}))
+    assert entry.main(["compare", str(p), str(p)]) == 0 and entry.main(["compare", str(p), str(q)]) == 1
+    assert set(entry.DELEGATED) == {"samples", "faults", "compare", "compile-guards", "deepspeed-grads"}
