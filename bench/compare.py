@@ -15,7 +15,7 @@ import math
 import sys
 from typing import Any, Iterator
 
-TIMINGS = frozenset({"wall_s", "seconds", "loadavg_1m", "load", "elapsed_s", "time_s"})
+TIMINGS = frozenset({"wall_s", "seconds", "loadavg_1m", "load", "elapsed_s", "time_s", "train_s"})
 
 
 def diff(a: Any, b: Any, tol: float, ignore: frozenset[str], path: str = "") -> Iterator[str]:

@@ -15,11 +15,11 @@ No tensors, no torch import: the daemon imports this module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from gradloc.records import CulpritSpan, Incident, RLStats, SampleStats, StepRecord, TokenStats
+from gradloc.records import CulpritSpan, Incident, StepFields, StepRecord
 from gradloc.records.summary import bare
 
 CORRELATED_SCHEMA_VERSION = 1
@@ -63,32 +63,12 @@ class LayerColumns:
         return len(self.names)
 
 
-@dataclass(frozen=True)
-class StepSummary:
-    """One optimizer step of one rank, as the agent sees it."""
+@dataclass(frozen=True, kw_only=True)
+class StepSummary(StepFields):
+    """One optimizer step of one rank, as the agent sees it: a :class:`StepRecord`'s fields
+    (``records.StepFields``) with the per-layer statistics as columns."""
 
-    job: str
-    rank: int
-    step: int
-    time_unix: float
-    global_norm: float
-    loss: float | None
-    micro_batches: int
     layers: LayerColumns
-    tokens: TokenStats | None = None
-    nonfinite: int = 0
-    grad_scale: float | None = None
-    skipped: bool = False
-    overhead_s: float | None = None  # gradloc's own seconds in this step (see StepRecord)
-    step_s: float | None = None
-    overhead: float | None = None  # smoothed gradloc / training time
-    shed: tuple[str, ...] = ()
-    rl: RLStats | None = None
-    layers_global: bool = False  # the layer columns are the job's: exported once per job, not per rank
-    norm_mean: float | None = None  # the detector's healthy band (see StepRecord)
-    norm_threshold: float | None = None
-    samples: SampleStats | None = None  # per-sample outlier judgement (StepRecord.samples)
-    events: tuple[tuple[str, int], ...] = ()  # the monitor's event counts (StepRecord.events), cumulative
     events_dropped: int = 0  # decoded from the wire: entries dropped as invalid (the agent counts them)
 
 
@@ -100,11 +80,7 @@ def summarize(record: StepRecord) -> StepSummary:
         tuple(s.layer for s in ls), [s.grad_norm for s in ls], [s.grad_max_abs for s in ls],
         [s.nonfinite for s in ls], [s.param_norm for s in ls], [s.numel for s in ls],
         [nan if s.update_ratio is None else s.update_ratio for s in ls])
-    return StepSummary(record.job, record.rank, record.step, record.time_unix, record.global_norm,
-                       record.loss, record.micro_batches, cols, record.tokens, record.nonfinite,
-                       record.grad_scale, record.skipped, record.overhead_s, record.step_s, record.overhead,
-                       record.shed, record.rl, record.layers_global, record.norm_mean, record.norm_threshold,
-                       record.samples, record.events)
+    return StepSummary(**{f.name: getattr(record, f.name) for f in fields(StepFields)}, layers=cols)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from gradloc.collector.batch import MicroBatchMeta
+from gradloc.collector.packs import Pack
 from gradloc.errors import BatchMetadataError
 from gradloc.records import RL_ADVANTAGE_BUCKETS, RL_LOG_RATIO_BUCKETS, RLStats
 
@@ -79,7 +80,12 @@ def _per_sample(meta: MicroBatchMeta, adv: torch.Tensor) -> torch.Tensor:
 # -- the per-step pack ------------------------------------------------------------------------------
 _K1, _K2 = len(RL_LOG_RATIO_BUCKETS) + 1, len(RL_ADVANTAGE_BUCKETS) + 1
 _PRESENT = ("rollout_logp", "old_logp", "clipped", "advantages", "entropy")
-PACK_LENGTH = 1 + len(_PRESENT) + (_K1 + 3) + 1 + 1 + (_K2 + 3) + 1
+# the step's RL distributions, one float64 vector (collector/packs.py): tokens with fields, which fields were
+# given, the mismatch log ratio's histogram + Σ + max|·| + count over the line, max |log π_train − log π_old|, clipped
+# tokens, the advantage's histogram + Σ + max|·| + Σ², Σ entropy
+RL_PACK = Pack.of(tokens=1, present=len(_PRESENT), lr_counts=_K1, lr_sum=1, lr_max=1, mismatch=1, old_max=1,
+                  clipped=1, adv_counts=_K2, adv_sum=1, adv_max=1, adv_sq=1, entropy=1)
+PACK_LENGTH = len(RL_PACK)
 
 
 def stack(metas: Sequence[MicroBatchMeta], rl: Mapping[int, RLTensors], device: torch.device) -> dict[str, torch.Tensor]:
@@ -107,21 +113,22 @@ def rl_pack(fields_: Mapping[str, torch.Tensor], eligible: torch.Tensor, given: 
     n = on.sum()
     needs = {"rollout_logp": {"logp", "old_logp"}, "old_logp": {"logp"}}  # each ratio needs one of these too
     present = [float(f in given and (f not in needs or bool(needs[f] & given))) for f in _PRESENT]
-    parts = [n[None].double(), torch.tensor(present, dtype=torch.float64, device=dev)]
     trainer = torch.where(torch.isfinite(fields_["old_logp"]), fields_["old_logp"], fields_["logp"])
     lr = trainer - fields_["rollout_logp"]  # mismatch: the same policy scored by trainer and engine
-    parts += _hist(lr, on & torch.isfinite(lr), RL_LOG_RATIO_BUCKETS, with_sum=True)
-    parts.append(((lr.abs() > MISMATCH_LOG_RATIO) & on & torch.isfinite(lr)).sum()[None].double())
+    lr_counts, lr_sum, lr_max = _hist(lr, on & torch.isfinite(lr), RL_LOG_RATIO_BUCKETS, with_sum=True)
     old = fields_["logp"] - fields_["old_logp"]
-    parts.append(_max_abs(old, on & torch.isfinite(old)))
-    parts.append((fields_["clipped"] & on).sum()[None].double())
     adv = fields_["advantages"]
     ok = on & torch.isfinite(adv)
-    parts += [*_hist(adv, ok, RL_ADVANTAGE_BUCKETS, with_sum=True),
-              torch.where(ok, adv, 0.0).double().pow(2).sum()[None]]
+    adv_counts, adv_sum, adv_max = _hist(adv, ok, RL_ADVANTAGE_BUCKETS, with_sum=True)
     ent = fields_["entropy"]
-    parts.append(torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum()[None])
-    return torch.cat(parts)  # (PACK_LENGTH,)
+    return RL_PACK.build(
+        tokens=n.double(), present=torch.tensor(present, dtype=torch.float64, device=dev),
+        lr_counts=lr_counts, lr_sum=lr_sum, lr_max=lr_max,
+        mismatch=((lr.abs() > MISMATCH_LOG_RATIO) & on & torch.isfinite(lr)).sum().double(),
+        old_max=_max_abs(old, on & torch.isfinite(old)), clipped=(fields_["clipped"] & on).sum().double(),
+        adv_counts=adv_counts, adv_sum=adv_sum, adv_max=adv_max,
+        adv_sq=torch.where(ok, adv, 0.0).double().pow(2).sum(),
+        entropy=torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum())  # (PACK_LENGTH,)
 
 
 def _max_abs(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -139,15 +146,13 @@ def _hist(x: torch.Tensor, ok: torch.Tensor, bounds: tuple[float, ...], with_sum
 
 
 def unpack_rl(host: np.ndarray) -> RLStats:
-    n = int(host[0])
-    present = dict(zip(_PRESENT, (bool(x) for x in host[1:1 + len(_PRESENT)])))
-    pos = 1 + len(_PRESENT)
-    lr_counts, lr_sum, lr_max, mismatch = host[pos:pos + _K1], host[pos + _K1], host[pos + _K1 + 1], host[pos + _K1 + 2]
-    pos += _K1 + 3
-    old_max, clipped = host[pos], host[pos + 1]
-    pos += 2
-    adv_counts, adv_sum, adv_max, adv_sq = host[pos:pos + _K2], host[pos + _K2], host[pos + _K2 + 1], host[pos + _K2 + 2]
-    ent = host[pos + _K2 + 3]
+    get = lambda name: RL_PACK.get(host, name)  # noqa: E731
+    n = int(get("tokens")[0])
+    present = dict(zip(_PRESENT, (bool(x) for x in get("present"))))
+    lr_counts, lr_sum, lr_max, mismatch = get("lr_counts"), get("lr_sum")[0], get("lr_max")[0], get("mismatch")[0]
+    old_max, clipped = get("old_max")[0], get("clipped")[0]
+    adv_counts, adv_sum, adv_max, adv_sq = get("adv_counts"), get("adv_sum")[0], get("adv_max")[0], get("adv_sq")[0]
+    ent = get("entropy")[0]
     has_lr, has_adv = present["rollout_logp"] and n > 0, present["advantages"] and n > 0
 
     def frac(x: float, ok: bool) -> float | None:

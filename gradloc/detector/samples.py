@@ -47,7 +47,7 @@ log = logging.getLogger("gradloc")
 _MIN_STD_FRACTION = 0.02
 SURPRISE_ALONE = 1.5  # with a calibration deficit: surprise alone makes a finding at this × z_threshold
 # the wrong-label z: this mix of the mean deficit's z and the self-normalised deficit's z (Σ d / √Σ v), measured on
-# bench/samples_text.py (seed 0 to choose, seed 1 held out: docs/BENCHMARKS.md §4.2)
+# bench/samples_text.py (seed 0 to choose, seed 1 held out: docs/BENCHMARKS.md §4.1)
 W_DEFICIT, W_SELF = 0.2, 0.7
 SUPPORT = 1.0  # surprise at z_threshold is a finding when the mean deficit's own z is at this × z_threshold
 # misaligned labels (collector/head_read.py): a neighbour predicts the sample's labels SHIFT_GAIN nats per position

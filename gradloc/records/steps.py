@@ -108,7 +108,11 @@ class RLStats:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepRecord:
+class StepFields:
+    """What one optimizer step of one rank is, whichever side holds it: the trainer's :class:`StepRecord` (per-layer
+    statistics as records) and the agent's ``reports.StepSummary`` (the same fields, per-layer statistics as
+    columns) both derive from it, so the field list exists once."""
+
     job: str
     rank: int
     step: int
@@ -116,7 +120,6 @@ class StepRecord:
     global_norm: float
     loss: float | None
     micro_batches: int
-    layers: tuple[LayerStats, ...]
     tokens: TokenStats | None = None
     nonfinite: int = 0
     grad_scale: float | None = None  # GradScaler scale the raw gradients carried
@@ -139,6 +142,13 @@ class StepRecord:
     # the monitor's cumulative event counts (Monitor.counters: what it dropped or degraded without raising),
     # non-zero ones, sorted by name; gradloc.records.events declares the names and their meanings
     events: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord(StepFields):
+    """One optimizer step of one rank, as the trainer side builds it (collector/step.py)."""
+
+    layers: tuple[LayerStats, ...]
 
 
 class SpikeKind(StrEnum):

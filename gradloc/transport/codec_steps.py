@@ -143,20 +143,23 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
     job = v.text(m.job, f"{where}.job", required=True) if m.HasField("job") else job
     rank = v.rank(m.rank, world_size, f"{where}.rank") if m.HasField("rank") else rank
     events, dropped = _events(m) if m.events else ((), 0)
+    overhead = {name: v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
+                for name, f in (("overhead_s", "overhead_seconds"), ("step_s", "step_seconds"), ("overhead", "overhead"))}
+    norm_mean, norm_threshold = _band(m, where)
     return StepSummary(
-        job, rank, v.count(m.step, f"{where}.step"), v.finite(m.time_unix, f"{where}.time_unix"),
-        v.norm(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
-        m.loss if m.HasField("loss") else None,  # any value: a non-finite loss is itself an event
-        v.count(m.micro_batches, f"{where}.micro_batches"), cols,
-        _decode_tokens(m.tokens, names, f"{where}.tokens", event, keep_top) if m.HasField("tokens") else None,
-        nonfinite,
-        v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
-        m.skipped, *(v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
-                     for f in ("overhead_seconds", "step_seconds", "overhead")),
-        _shed(m, where), _decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None, m.layers_global,
-        *_band(m, where),
-        decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples") if m.HasField("samples") else None,
-        events, dropped)
+        job=job, rank=rank, step=v.count(m.step, f"{where}.step"), time_unix=v.finite(m.time_unix, f"{where}.time_unix"),
+        global_norm=v.norm(m.global_norm, f"{where}.global_norm", event, _GRAD_EVENT),
+        loss=m.loss if m.HasField("loss") else None,  # any value: a non-finite loss is itself an event
+        micro_batches=v.count(m.micro_batches, f"{where}.micro_batches"), layers=cols,
+        tokens=_decode_tokens(m.tokens, names, f"{where}.tokens", event, keep_top) if m.HasField("tokens") else None,
+        nonfinite=nonfinite,
+        grad_scale=v.finite(m.grad_scale, f"{where}.grad_scale") if m.HasField("grad_scale") else None,
+        skipped=m.skipped, **overhead, shed=_shed(m, where),
+        rl=_decode_rl(m.rl, f"{where}.rl") if m.HasField("rl") else None, layers_global=m.layers_global,
+        norm_mean=norm_mean, norm_threshold=norm_threshold,
+        samples=decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples")
+        if m.HasField("samples") else None,
+        events=events, events_dropped=dropped)
 
 
 def _events(m: pb.Step) -> tuple[tuple[tuple[str, int], ...], int]:

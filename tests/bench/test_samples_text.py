@@ -20,7 +20,7 @@ def test_the_text_benchmark_judges_every_kind_and_counts_the_faults():
 
 def test_the_text_benchmark_takes_a_held_out_seed(monkeypatch):
     """``python -m bench samples --text --seed 1`` runs the benchmark with another initialisation and other text
-    windows (the held-out run of docs/BENCHMARKS.md §4.2); without --seed it is seed 0."""
+    windows (the held-out run of docs/BENCHMARKS.md §4.1); without --seed it is seed 0."""
     import bench.samples
     import bench.samples_text as st
 

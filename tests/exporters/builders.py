@@ -64,7 +64,7 @@ def step(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float,
     stats = TokenStats(tokens=4096, total_score=20.0, top=(), top_share=0.25, micro_batch_shares=(0.5, 0.5),
                        unattributed_share=0.02) if tokens else None
     nonfinite = int(np.sum(~np.isfinite(layers.grad_norm)))
-    return StepSummary(job, rank, n, time_unix, global_norm=global_norm, loss=loss, micro_batches=2,
+    return StepSummary(job=job, rank=rank, step=n, time_unix=time_unix, global_norm=global_norm, loss=loss, micro_batches=2,
                        layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped,
                        overhead_s=None if overhead is None else 0.01, step_s=None if overhead is None else 0.34,
                        overhead=overhead, shed=shed, rl=rl, norm_mean=band and band[0], norm_threshold=band and band[1],

@@ -29,7 +29,8 @@ def summary(job: str, rank: int, step: int, total_score: float | None = 1.0,
     cols = LayerColumns.build(("a",), [1.0], [1.0], [0], [1.0], [4], [np.nan])
     tokens = None if total_score is None else TokenStats(tokens=64, total_score=total_score, top=(), top_share=0.1,
                                                          micro_batch_shares=mb_shares, unattributed_share=0.0)
-    return StepSummary(job, rank, step, 1000.0 + step, 2.0 + rank, 3.0, len(mb_shares), cols, tokens)
+    return StepSummary(job=job, rank=rank, step=step, time_unix=1000.0 + step, global_norm=2.0 + rank, loss=3.0,
+                       micro_batches=len(mb_shares), layers=cols, tokens=tokens)
 
 
 def finding(job: str, rank: int, step: int, share: float = 0.8, text: str = " bad") -> Incident:

@@ -120,7 +120,7 @@ def step_summary(job: str, rank: int, step: int, time_unix: float, *, loss: floa
     top = (TokenScore(micro_batch=0, sample=0, position=3, score=2.0, share=0.1, token_id=5),)
     tokens = TokenStats(tokens=4096, total_score=20.0, top=top, top_share=0.1, micro_batch_shares=(0.5, 0.5),
                         unattributed_share=0.02)
-    return StepSummary(job, rank, step, time_unix, global_norm=0.8 + step / 1e4, loss=loss, micro_batches=2,
+    return StepSummary(job=job, rank=rank, step=step, time_unix=time_unix, global_norm=0.8 + step / 1e4, loss=loss, micro_batches=2,
                        layers=cols, tokens=tokens, nonfinite=0, skipped=skipped)
 
 
