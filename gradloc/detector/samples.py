@@ -23,7 +23,8 @@ there too (1.0 × z_threshold), and a worst window (a URL, a line of ``=``) coun
 when its sample's deficit is half-way (z_deficit ≥ z_threshold / 2); the weights were measured on
 bench/samples_text.py (docs/DESIGN-NOTES.md, "Per-sample surprise"). Without one (``calibrated=False``,
 a pack without ‖g‖²) it is max(z, z_window), as before. Either way a sample whose labels a neighbouring position
-predicts far better than their own (misaligned labels: ``_misaligned``, SHIFT_*) gets that z when it is larger,
+predicts far better than their own (misaligned labels: ``_misaligned``, SHIFT_*; at offset −1, labels that are the
+inputs, asked alone with its own bars: INPUTS_*) gets that z when it is larger,
 judged against the sample itself, not the history. Every judged sample enters the history, an
 outlier clamped to median + z_threshold · σ, so a minority of bad samples barely moves the baseline while
 a lasting change of the data becomes the new normal. Outliers come worst (highest z) first.
@@ -58,6 +59,12 @@ SUPPORT = 1.0  # surprise at z_threshold is a finding when the mean deficit's ow
 # A sample needs SHIFT_MIN_TOKENS judged positions: a paired t over a few positions, maximised over 15 offsets,
 # reaches 4 by chance (a 16-position sample of an untrained model on random ids: t 4.2 at offset −5).
 SHIFT_GAIN, SHIFT_T, COPY_OFFSET, SHIFT_MIN_TOKENS = 0.3, 4.0, 1, 48
+# labels that are the inputs (the off-by-one of a pipeline that forgot to shift them) are asked about at offset −1
+# alone, an offset named in advance: no maximum over 15 offsets inflates its t, and on healthy text its gain is far
+# below 0 — the model at p − 1 must predict the label two positions ahead (22,008 healthy samples of
+# bench/samples_text.py: median −1.25 nats, max 0.22 at a t of 1.2). A gain of INPUTS_GAIN with a paired t of
+# INPUTS_T makes z_threshold there.
+INPUTS_OFFSET, INPUTS_GAIN, INPUTS_T = -1, 0.2, 2.0
 # σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
 # and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
 _DEFICIT_MIN_STD = 0.01
@@ -100,7 +107,9 @@ class SampleJudge:
         S = sum(m.n_samples for m in metas)
         code = host[:M]
         n, total, nonfinite, wmax, wstart, deficit, var = (host[M + i * S: M + (i + 1) * S] for i in range(ROWS))
-        shift_k, shift_gain, shift_t = _misaligned(host[M + ROWS * S:].reshape(-1, S))  # (4K·S,) -> (4K, S)
+        align = host[M + ROWS * S:].reshape(-1, S)  # (4K·S,) -> (4K, S)
+        shift_k, shift_gain, shift_t = _misaligned(align)
+        in_gain, in_t = _at_offset(align, INPUTS_OFFSET)
         if (code == MB_NOT_CE).any() and not self.not_ce_warned:
             self.not_ce_warned = True
             log.warning("gradloc: the last watched module's gradient is not a cross-entropy head's "
@@ -137,8 +146,13 @@ class SampleJudge:
         z_cal = np.maximum(np.maximum(z_d, z_surprise / SURPRISE_ALONE), z_both)
         z = np.where(judged, np.where(use_d, z_cal, z_surprise), np.nan)
         # labels the model predicts far better a few positions away than where they stand: shifted (head_read.py)
-        z_shift = np.where(judged & (n >= SHIFT_MIN_TOKENS) & (shift_gain >= SHIFT_GAIN) & np.isfinite(shift_t),
-                           t * shift_t / SHIFT_T, -np.inf)
+        long_enough = judged & (n >= SHIFT_MIN_TOKENS)
+        z_shift = np.where(long_enough & (shift_gain >= SHIFT_GAIN) & np.isfinite(shift_t), t * shift_t / SHIFT_T, -np.inf)
+        z_inputs = np.where(long_enough & (in_gain >= INPUTS_GAIN) & np.isfinite(in_t), t * in_t / INPUTS_T, -np.inf)
+        inputs = z_inputs > z_shift  # the labels-are-inputs reading names offset −1, its own gain and t
+        shift_k = np.where(inputs, float(INPUTS_OFFSET), shift_k)
+        shift_gain, shift_t = np.where(inputs, in_gain, shift_gain), np.where(inputs, in_t, shift_t)
+        z_shift = np.maximum(z_shift, z_inputs)
         by_shift = z_shift > z
         z = np.where(by_shift, z_shift, z)
         flagged = np.flatnonzero(judged & (z >= t))
@@ -214,6 +228,18 @@ def _misaligned(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     col = np.arange(S)
     found = judged[best, col]
     return ks[best].astype(float), np.where(found, gain[best, col], 0.0), np.where(found, t[best, col], -np.inf)
+
+
+def _at_offset(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample, the gain and paired t at offset ``k`` (0 and −inf where it was not read)."""
+    S = rows.shape[1]
+    ks = list(offsets(len(rows) // 4)) if len(rows) else []
+    if k not in ks:
+        return np.zeros(S), np.full(S, -np.inf)
+    gain, t = np.split(rows, 2)  # (2K, S) each
+    j = ks.index(k)
+    ok = np.isfinite(t[j])
+    return np.where(ok, gain[j], 0.0), np.where(ok, t[j], -np.inf)
 
 
 def _excerpt(meta: MicroBatchMeta, sample: int, start: int, end: int,
