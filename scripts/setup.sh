@@ -70,7 +70,7 @@ if [ ! -f .torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so ] && .venv/
     "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None" >/dev/null
 fi
 
-# --- RL framework integrations (gradloc/adapters/rl: OpenRLHF, verl) ---------------------------------
+# --- RL framework integrations (gradloc/integrations: OpenRLHF, verl) ---------------------------------
 # OpenRLHF 0.11.2 for tests/distributed/test_openrlhf_zero.py (its Experience, PolicyLoss, Actor and
 # DeepspeedStrategy around a real ZeRO-2 engine), installed into .venv with --no-deps: a full install
 # cannot work here (flash-attn builds from source) and would replace .venv's transformers 5.2x by 5.15 and

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gradloc.collector.layer_stats import combine_packs
-from gradloc.collector.packs import JOB_ROW, Pack, layer_pack, update_pack
+from gradloc.collector.packs import JOB_ROW, Pack, layer_pack, summed_update_pack, update_pack
 
 if TYPE_CHECKING:
     from gradloc.records import StepRecord
@@ -76,7 +76,9 @@ def gather_step(comm: Gather, n_layers: int, layers: torch.Tensor | None, update
     out_pack = out_update = None
     if layers is not None:
         out_pack = combine_packs(row.get(rows, "layers"), n_layers)  # (W, 4L + 1) -> (4L + 1,)
-        out_update = torch.cat([row.get(rows, "update"), row.get(rows, "has_update")], dim=1).sum(0)  # -> (3L + 1,)
+        summed = row.get(rows, "update").sum(0)  # (W, 3L) -> (3L,)
+        out_update = summed_update_pack(n_layers).build(**update_pack(n_layers).split(summed),
+                                                        ranks=row.get(rows, "has_update").sum(0))  # (3L + 1,)
     return out_pack, out_update, rows[:, :len(JOB_ROW)]  # (W, 3): the JOB_ROW fields lead the row
 
 

@@ -45,6 +45,23 @@ class Pack:
     def scalar(self, vector: Any, name: str) -> float:
         return float(self.get(vector, name)[0])
 
+    def segment(self, vector: Any, first: str, last: str) -> Any:
+        """The run of fields from ``first`` to ``last`` (inclusive, in layout order) of ``vector``: a sub-layout read
+        whole (a ZeRO pack's layer pack, a summed update's sums without their count)."""
+        a, b = self.span(first).start, self.span(last).stop
+        if b <= a:
+            raise KeyError(f"{last!r} does not follow {first!r} in {[f for f, _ in self.fields]}")
+        if isinstance(vector, (list, tuple)):
+            return vector[a:b]
+        return vector[..., a:b]
+
+    def split(self, vector: Any) -> dict[str, Any]:
+        """Every field's segment of ``vector`` (of exactly this layout's length), by name: a pack of this layout
+        handed to a larger one's :meth:`build`."""
+        if vector.shape[-1] != len(self):
+            raise ValueError(f"a vector of {vector.shape[-1]} values for a layout of {len(self)}")
+        return {name: self.get(vector, name) for name, _ in self.fields}
+
     def build(self, **parts: torch.Tensor) -> torch.Tensor:
         """The concatenation of ``parts`` in this layout's order, each flattened and checked against its length."""
         out = []
@@ -67,7 +84,12 @@ def update_pack(L: int) -> Pack:
     return Pack.of(delta_sq=L, before_sq=L, elements=L)
 
 
+def summed_update_pack(L: int) -> Pack:
+    """A job's update sums (collector/job.py): every rank's :func:`update_pack` summed, then how many ranks had one."""
+    return update_pack(L) + Pack.of(ranks=1)
+
+
 JOB_ROW = Pack.of(loss=1, top=1, total=1)  # a rank's view of its step (collector/job.py), NaN loss = unknown
 
 
-__all__ = ["JOB_ROW", "Pack", "layer_pack", "update_pack"]
+__all__ = ["JOB_ROW", "Pack", "layer_pack", "summed_update_pack", "update_pack"]

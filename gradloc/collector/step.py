@@ -17,7 +17,7 @@ import torch
 
 from gradloc.collector.job import Gather, JobView, gather_step, job_vector, job_view
 from gradloc.collector.layer_stats import LayerStatsCollector
-from gradloc.collector.packs import Pack, layer_pack
+from gradloc.collector.packs import Pack, layer_pack, summed_update_pack
 from gradloc.collector.rl_fields import unpack_rl
 from gradloc.collector.token_summary import StepScores, summary_layout, summary_pack, unpack_summary
 from gradloc.records import StepRecord
@@ -109,7 +109,9 @@ def _parse(host: np.ndarray, layout: Pack, layers: LayerStatsCollector, x: StepI
     if "update" in present:
         upd = layout.get(host, "update")
         if x.comm is not None and layers.sharded:  # the job's sums, and how many ranks measured an update
-            previous = upd[:3 * L].copy() if upd[3 * L] == x.comm.world_size else None
+            sums = summed_update_pack(L)
+            previous = sums.segment(upd, "delta_sq", "elements").copy() if sums.scalar(upd, "ranks") == x.comm.world_size \
+                else None
         else:
             previous = upd.copy()
     job = job_view(layout.get(host, "job").reshape(-1, 3)) if "job" in present else None  # (3W,) -> (W, 3)

@@ -43,10 +43,23 @@ import torch
 
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.head_read import offsets
+from gradloc.collector.packs import Pack
 from gradloc.collector.token_summary import StepScores
 
 MB_JUDGED, MB_NO_HEAD, MB_RL, MB_NOT_CE, MB_EMPTY = 1, 0, -1, -2, -3
 ROWS = 7  # per-sample rows of the pack before the per-offset rows (2·2K of them, collector/head_read.py)
+
+
+def surprise_pack(M: int, S: int, align_rows: int) -> Pack:
+    """The step's per-sample pack (collector/packs.py): a code per micro-batch, then per sample its judged positions,
+    Σ surprise, non-finite positions, worst window's mean and start, Σ deficit, Σ variance bound; then
+    ``align_rows`` rows of S (the per-offset gains and paired t, 2·2K of them; none when nothing was read)."""
+    return Pack.of(code=M, n=S, total=S, nonfinite=S, wmax=S, wstart=S, deficit=S, var=S, align=align_rows * S)
+
+
+def pack_layout(host_len: int, M: int, S: int) -> Pack:
+    """The layout of a pack of ``host_len`` values for M micro-batches and S samples (its offset rows counted)."""
+    return surprise_pack(M, S, (host_len - M - ROWS * S) // S if S else 0)
 _MIN_VAR = 1e-4  # per position: a model sure of one token (Σp² → 1) still has ŵ's error
 
 
@@ -111,7 +124,9 @@ class SurprisePack:
         rl_mb = torch.tensor([m.index in rl for m in metas], device=dev)
         code = torch.where(rl_mb, float(MB_RL), code)
         align = self._alignment(scores, p, s, valid, mb_id, seg, w_hat, S)
-        return torch.cat([code, n, total, nonfinite, wmax, wstart, deficit, var, *align])  # (M + (7 + 4K)·S,)
+        return surprise_pack(M, S, len(align)).build(
+            code=code, n=n, total=total, nonfinite=nonfinite, wmax=wmax, wstart=wstart, deficit=deficit, var=var,
+            align=torch.cat(align) if align else torch.zeros(0, dtype=torch.float64, device=dev))  # (M + (7 + 4K)·S,)
 
     def _alignment(self, scores: StepScores, p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor,
                    mb_id: torch.Tensor, seg: torch.Tensor, w_hat: torch.Tensor, S: int) -> list[torch.Tensor]:

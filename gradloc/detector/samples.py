@@ -40,7 +40,7 @@ import numpy as np
 
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.head_read import offsets
-from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, ROWS
+from gradloc.collector.surprise import MB_JUDGED, MB_NOT_CE, pack_layout
 from gradloc.config import SampleConfig
 from gradloc.records import SAMPLE_Z_BUCKETS, OutlierKind, RLStats, SampleOutlier, SampleStats
 
@@ -105,9 +105,11 @@ class SampleJudge:
         """``host``: the step's pack; ``where``: job, rank, step, time_unix of the step."""
         cfg, M = self.cfg, len(metas)
         S = sum(m.n_samples for m in metas)
-        code = host[:M]
-        n, total, nonfinite, wmax, wstart, deficit, var = (host[M + i * S: M + (i + 1) * S] for i in range(ROWS))
-        align = host[M + ROWS * S:].reshape(-1, S)  # (4K·S,) -> (4K, S)
+        lay = pack_layout(len(host), M, S)
+        code = lay.get(host, "code")
+        n, total, nonfinite, wmax, wstart, deficit, var = (lay.get(host, f) for f in (
+            "n", "total", "nonfinite", "wmax", "wstart", "deficit", "var"))
+        align = lay.get(host, "align").reshape(-1, S)  # (4K·S,) -> (4K, S)
         shift_k, shift_gain, shift_t = _misaligned(align)
         in_gain, in_t = _at_offset(align, INPUTS_OFFSET)
         if (code == MB_NOT_CE).any() and not self.not_ce_warned:
@@ -191,10 +193,11 @@ class SampleJudge:
         b = i - int(np.searchsorted(mb_of, m))  # the sample's index within its micro-batch
         first = sum(x.n_tokens for x in metas[:m])  # flat offset of the micro-batch
         a, e = meta.bounds(b)
-        n = int(host[M + i])
+        lay = pack_layout(len(host), M, S)
+        n = int(lay.get(host, "n")[i])
         if by_window and shifted is None:
-            start = int(host[M + 4 * S + i]) - first - a
-            end, score, baseline = start + cfg.window, float(host[M + 3 * S + i]), wmed
+            start = int(lay.get(host, "wstart")[i]) - first - a
+            end, score, baseline = start + cfg.window, float(lay.get(host, "wmax")[i]), wmed
         else:
             start, end, baseline = 0, e - a, med
         text = _excerpt(meta, b, start, min(end, start + cfg.excerpt_tokens), decode)

@@ -237,6 +237,11 @@ class Monitor:
                                  loss_mask=loss_mask, sample_ids=sample_ids, token_loss=token_loss,
                                  step_kwargs=step_kwargs)
 
+    def note_event(self, name: str, n: int = 1) -> None:
+        """Count a monitor event (something dropped or degraded without raising into training): the one way an
+        integration adds to ``counters``, whose names gradloc/records/events.py declares (a closed label set)."""
+        self.counters[name] += n
+
     def rl_fields(self, **fields: torch.Tensor | None) -> None:
         """Per-token RL fields of the current micro-batch, from tensors the loss already has; call
         inside its ``micro_batch`` block. Each is (B, T) like the block's token ids: ``logp``

@@ -60,8 +60,6 @@ class GradlocAccelerate:
         if cfg is None:
             raise ConfigError("config=False: to train without gradloc, do not wrap the loop")
         cfg = replace(cfg, **overrides) if overrides else cfg
-        if cfg.world_size == 1 and accelerator.num_processes > 1:
-            cfg = replace(cfg, rank=accelerator.process_index, world_size=accelerator.num_processes)
         self.accelerator, self.model = accelerator, model
         inner = accelerator.unwrap_model(model)
         target = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else inner  # DDP: a job

@@ -68,8 +68,6 @@ class GradlocCallback(pl.Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.monitor, self.degraded = None, None
         cfg = self.config
-        if cfg.world_size == 1 and trainer.world_size > 1:
-            cfg = replace(cfg, rank=trainer.global_rank, world_size=trainer.world_size)
         target, reason = _target(trainer, pl_module)
         if target is None:
             self._say(f"{reason}; gradloc is off for this fit")

@@ -20,10 +20,10 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from gradloc.adapters.rl.held import HeldBlocks
 from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
 from gradloc.engine.monitor import Monitor, StepReport
 from gradloc.errors import BatchMetadataError, ConfigError
+from gradloc.integrations.held import HeldBlocks
 from gradloc.integrations.hf_batch import causal_view
 
 View = Callable[[Any], Mapping[str, Any] | None]
@@ -31,8 +31,8 @@ TokenLoss = Callable[[Any], torch.Tensor]
 
 
 class LoopDriver:
-    """One monitor's micro-batch and step bookkeeping inside a loop gradloc does not own: the RL adapters'
-    :class:`~gradloc.adapters.rl.held.HeldBlocks` (the same blocks, loss and error regimes), fed by the loop's
+    """One monitor's micro-batch and step bookkeeping inside a loop gradloc does not own: the RL integrations'
+    :class:`~gradloc.integrations.held.HeldBlocks` (the same blocks, loss and error regimes), fed by the loop's
     callbacks. ``where`` is its tag: counters ``<where>_skipped_micro_batches``… (gradloc/records/events.py).
     ``strict=False``: a typed setup mistake on the first step is counted like a later one (a degraded setup)."""
 

@@ -122,7 +122,7 @@ class GradlocTrainerMixin:
         finally:
             self._gradloc_block = None
         if block.prepared is None:  # a training_step override that never prepared its inputs
-            self.gradloc.counters["hf_skipped_micro_batches"] += 1
+            self.gradloc.note_event("hf_skipped_micro_batches")
         elif block.entered and self.gradloc.hooks is not None:
             self._gradloc_parts.append(_Part(block.prepared, num_items_in_batch, self._gradloc_ga_steps()))
         self._gradloc_loss = loss.detach() if self._gradloc_loss is None else self._gradloc_loss + loss.detach()
@@ -195,8 +195,6 @@ class GradlocTrainerMixin:
                 "DeepSpeed clips and steps inside accelerator.backward, so no point between the last backward "
                 "and clipping exists in the Trainer; train without gradloc= or use gradloc.watch in your own loop")
         cfg = self.gradloc_config
-        if self.args.world_size > 1 and cfg.world_size == 1:
-            cfg = replace(cfg, rank=self.args.process_index, world_size=self.args.world_size)
         reason = self._gradloc_degrade_reason(inputs)
         if reason is not None and cfg.token_stats:
             log.warning("gradloc: per-token statistics are off: %s; per-layer statistics and spike detection "
@@ -261,7 +259,7 @@ class GradlocTrainerMixin:
         except BatchMetadataError:
             if setup:
                 raise
-            mon.counters["hf_skipped_micro_batches"] += 1
+            mon.note_event("hf_skipped_micro_batches")
             log.warning("gradloc: micro-batch %d of step %d left out of per-token statistics", index,
                         self.state.global_step, exc_info=True)
             return False
@@ -299,7 +297,7 @@ class GradlocTrainerMixin:
             if first and isinstance(exc, GradlocError):
                 raise  # ... except a typed setup mistake, before the first optimizer step
             self.gradloc_errors += 1
-            mon.counters["hf_end_step_errors"] += 1
+            mon.note_event("hf_end_step_errors")
             log.warning("gradloc: end_step failed at step %d", self.state.global_step, exc_info=True)
 
     def _gradloc_close(self) -> None:

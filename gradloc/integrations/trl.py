@@ -184,7 +184,7 @@ class GradlocGRPOMixin(GradlocTrainerMixin):
         except Exception as exc:  # never raise into the training loop after setup
             if setup:
                 raise BatchMetadataError(f"the GRPO batch's RL fields could not be built: {exc}") from exc
-            self.gradloc.counters["trl_rl_field_errors"] += 1
+            self.gradloc.note_event("trl_rl_field_errors")
             log.warning("gradloc: RL fields of step %d left out", self.state.global_step, exc_info=True)
             return
         self.gradloc.rl_fields(**fields)  # typed error at setup, counted and dropped after

@@ -322,8 +322,10 @@ def resolve(model: nn.Module, cfg: WatchConfig) -> Job:
         if parts:
             raise UnsupportedModelError("gradloc: a DeepSpeed engine combined with "
                                         f"{', '.join(b.name for b in parts)}: not supported (ZeRO data parallelism only)")
-    if world is None or (not data and not parts):
-        return Job(model, outer, cfg, None, data[0] if data else Alone())  # ranks watched independently
+    if world is None or (not data and not parts):  # one process, or ranks watched independently
+        if world is not None and cfg.world_size == 1 and cfg.rank == 0:
+            cfg = replace(cfg, rank=world.rank, world_size=world.world_size)  # each rank's records name it
+        return Job(model, outer, cfg, None, data[0] if data else Alone())
     if cfg.world_size not in (1, world.world_size) or (cfg.world_size == world.world_size and cfg.rank != world.rank):
         raise ConfigError(f"WatchConfig says rank {cfg.rank} of {cfg.world_size}, but this process is rank "
                           f"{world.rank} of {world.world_size} in the process group: leave rank/world_size unset")

@@ -8,7 +8,7 @@ its meaning (docs/metrics.md shows this table). A name not declared here is expo
 :data:`OTHER` (and counted there), never as a label of its own.
 
 Names built at run time are declared by their expansions: ``remedy_applied`` / ``remedy_refused``
-(gradloc/engine/spike.py) and ``{tag}_{counter}`` of :class:`gradloc.adapters.rl.held.HeldBlocks`
+(gradloc/engine/spike.py) and ``{tag}_{counter}`` of :class:`gradloc.integrations.held.HeldBlocks`
 (:data:`HELD_TAGS` × :data:`HELD_COUNTERS`). ``tests/records/test_event_table.py`` checks that every
 counter the source bumps is declared.
 """
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 
 OTHER = "other"  # the label of every name not declared below
 
-# ``HeldBlocks(mon, tag)`` of the RL adapters (gradloc/adapters/rl/verl.py, openrlhf.py) and the loop integrations
+# ``HeldBlocks(mon, tag)`` of the RL integrations (gradloc/integrations/verl.py, openrlhf.py) and the loop integrations
 # (gradloc/integrations/loop.py: lightning.py, accelerate.py), and what they count
 HELD_TAGS: dict[str, str] = {"verl": "verl", "openrlhf": "OpenRLHF", "lightning": "Lightning", "accelerate": "Accelerate"}
 HELD_COUNTERS: dict[str, str] = {
@@ -68,7 +68,7 @@ MONITOR_EVENTS: dict[str, str] = {
     "trl_rl_field_errors": "TRL GRPO: steps whose RL fields could not be built (left out)",
     "fused_head_errors": "TRL fused LM head (fused_lm_head=True): kernel calls whose per-position scores failed "
                          "(the head's gradient unattributed)",
-    # RL adapters' held blocks: {tag}_{counter}
+    # the integrations' held blocks: {tag}_{counter}
     **{f"{tag}_{counter}": f"{label}: {meaning}" for tag, label in HELD_TAGS.items()
        for counter, meaning in HELD_COUNTERS.items()},
 }

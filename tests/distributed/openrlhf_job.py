@@ -150,7 +150,7 @@ def train(rank: int, world: int, stage: int, steps: int, plant: tuple[int, int] 
     from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 
     import gradloc
-    from gradloc.adapters.rl.openrlhf import GradlocOpenRLHF
+    from gradloc.integrations.openrlhf import GradlocOpenRLHF
     from tests.distributed.ds_common import engine_params
 
     trainer = build(stage)

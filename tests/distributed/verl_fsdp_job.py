@@ -1,5 +1,5 @@
 """GradlocVerlHooks on an FSDP2-sharded model in the main environment (no verl): the stand-in engine of
-tests/adapters/rl/verl_like.py (verl 0.9's FSDPEngineWithLMHead method names and signatures, ppo_loss from
+tests/integrations/verl_like.py (verl 0.9's FSDPEngineWithLMHead method names and signatures, ppo_loss from
 verl's formulas) around a TinyGPT sharded with ``fully_shard`` over the ranks, the real ``FSDP2`` collectives
 in every forward and backward. verl's own engine, DataProto and core_algos run in the real-verl tier
 (tests/verl_tier); this one keeps the lockstep-probe path tested where that tier is skipped.
@@ -17,8 +17,8 @@ def train(rank: int, world: int, steps: int, plant: tuple[int, int] | None, watc
     from torch.distributed.fsdp import fully_shard
 
     import gradloc
-    from gradloc.adapters.rl.verl import GradlocVerlHooks
-    from tests.adapters.rl.verl_like import (
+    from gradloc.integrations.verl import GradlocVerlHooks
+    from tests.integrations.verl_like import (
         EngineWithLMHead,
         HFShaped,
         current_logp,
@@ -74,8 +74,8 @@ def fsdp1_refused(rank: int, world: int) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     import gradloc
-    from gradloc.adapters.rl.verl import GradlocVerlHooks
-    from tests.adapters.rl.verl_like import EngineWithLMHead, HFShaped
+    from gradloc.integrations.verl import GradlocVerlHooks
+    from tests.integrations.verl_like import EngineWithLMHead, HFShaped
 
     module = FullyShardedDataParallel(HFShaped(0), device_id=torch.device("cpu"))
     try:

@@ -22,7 +22,7 @@ def _sources() -> dict[str, str]:
 def test_every_literal_counter_name_is_declared():
     names: dict[str, str] = {}
     for path, text in _sources().items():
-        for name in re.findall(r"counters\[\"([^\"]+)\"\]", text):
+        for name in re.findall(r"counters\[\"([^\"]+)\"\]", text) + re.findall(r"note_event\(\"([^\"]+)\"", text):
             names[name] = path
         for name in re.findall(r"guarded\(\s*[\w.]+,\s*\"([^\"]+)\"", text):
             names[name] = path
@@ -32,18 +32,19 @@ def test_every_literal_counter_name_is_declared():
 
 
 def test_every_dynamic_counter_name_is_known_and_its_expansions_declared():
-    dynamic = {(path, m) for path, text in _sources().items() for m in re.findall(r"counters\[f\"([^\"]+)\"\]", text)}
+    dynamic = {(path, m) for path, text in _sources().items()
+               for m in re.findall(r"counters\[f\"([^\"]+)\"\]", text) + re.findall(r"note_event\(f\"([^\"]+)\"", text)}
     assert dynamic == {("engine/spike.py", "remedy_{'applied' if remedy.applied else 'refused'}"),
-                       ("adapters/rl/held.py", "{self.tag}_{counter}")}, (
+                       ("integrations/held.py", "{self.tag}_{counter}")}, (
         "a new dynamic counter name: declare its expansions in gradloc/records/events.py and list it here")
     assert {"remedy_applied", "remedy_refused"} <= MONITOR_EVENTS.keys()
     sources = _sources()
     tags = {t for text in sources.values() for t in re.findall(r"HeldBlocks\([\w.]+, \"([^\"]+)\"", text)}
     assert tags and tags <= HELD_TAGS.keys(), tags - HELD_TAGS.keys()
-    held = sources["adapters/rl/held.py"]
+    held = sources["integrations/held.py"]
     counters = set(re.findall(r"self\._count\(\"([^\"]+)\"", held))
     assert re.search(r"self\._count\(f\"\{what\}_errors\"", held)  # guard(fn, what) counts {what}_errors
-    whats = {w for path, text in sources.items() if path.startswith("adapters/rl/")
+    whats = {w for path, text in sources.items() if path.startswith("integrations/")
              for w in re.findall(r"\.guard\(.*?, \"([a-z_]+)\"\)", text, re.S)}
     assert whats >= {"rl_fields", "loss", "on_report", "layout"}, whats
     counters |= {f"{w}_errors" for w in whats}

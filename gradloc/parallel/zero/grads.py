@@ -125,11 +125,12 @@ class DeepSpeedGradAccess:
             unc.append(self._uncovered[i])
         ok = torch.ones(1, device=self.device)  # ranks_ok: this rank read its gradient
         if not grads:  # this rank owns no slice of any gradient
-            return torch.cat([torch.zeros(len(layer_pack(L)), device=self.device), ok])  # zero_pack(L)
+            return zero_pack(L).build(**layer_pack(L).split(torch.zeros(len(layer_pack(L)), device=self.device)),
+                                      ranks_ok=ok)
         dev = self.device
         pack = pack_slices(L, torch.tensor(idx, device=dev), grads, params, inv_scale, torch.tensor(present, device=dev),
                            torch.tensor(unc, device=dev))
-        return torch.cat([pack, ok])  # (4L + 1,) + (1,): zero_pack(L)
+        return zero_pack(L).build(**layer_pack(L).split(pack), ranks_ok=ok)  # (4L + 1,) + (1,)
 
     def _local_slice(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, bool, int] | None:
         """(gradient slice, parameter slice, whether this rank counts p as present, where the slice starts

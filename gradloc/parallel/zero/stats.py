@@ -84,7 +84,7 @@ class DeepSpeedLayerStats(LayerStatsCollector):
             return torch.zeros(len(layer_pack(L)), device=self.device)
         layout = zero_pack(L)
         ok = (layout.get(pack, "ranks_ok") == self.access.contributors).to(pack.dtype)  # (1,), device-side: no sync
-        return pack[:len(layer_pack(L))] * ok
+        return layout.segment(pack, "grad_sq", "uncovered_sq") * ok  # the layer pack
 
     def nonfinite_counts(self) -> list[int]:
         if self.access.comm is not None and self.access.comm.broken:

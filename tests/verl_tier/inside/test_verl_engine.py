@@ -4,7 +4,7 @@ The engine, its configs, ``DataProto``, ``left_right_2_no_padding``, ``compute_g
 ``compute_rollout_correction_weights`` and the actor loss (``workers/utils/losses.ppo_loss``: ``core_algos``'
 vanilla policy loss × ``rollout_is_weights``, ``agg_loss``) are verl's; the only addition is a CPU platform
 registered in verl's platform registry (verl_cpu.py). gradloc attaches with
-``gradloc.adapters.rl.verl.install(FSDPEngineWithLMHead)``, as a user's ``external_lib`` does
+``gradloc.integrations.verl.install(FSDPEngineWithLMHead)``, as a user's ``external_lib`` does
 (tests/verl_tier/inside/verl_job.py). An IS weight of e^8 planted on rank 1 at step 7 is one job incident on
 both ranks, located with lockstep probes, its share measured against the FSDP2-sharded gradient.
 """

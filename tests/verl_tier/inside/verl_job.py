@@ -1,7 +1,7 @@
 """verl 0.9.1's own FSDP2 engine on gloo CPU processes, driven the way verl's actor update drives it.
 
 Each rank (launched by tests/distributed/launch.py) registers and selects the CPU platform (verl_cpu.py),
-installs gradloc with ``gradloc.adapters.rl.verl.install(FSDPEngineWithLMHead)`` — what a user's
+installs gradloc with ``gradloc.integrations.verl.install(FSDPEngineWithLMHead)`` — what a user's
 ``external_lib`` does — and builds ``FSDPEngineWithLMHead`` from verl's own configs
 (``HFModelConfig``, ``FSDPEngineConfig(strategy="fsdp2")``, ``FSDPOptimizerConfig``) on a tiny random
 Qwen2 saved with ``save_pretrained``: the engine shards it with ``fully_shard`` over the ranks.
@@ -141,7 +141,7 @@ def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, i
     from verl.workers.utils.losses import ppo_loss
 
     import gradloc
-    from gradloc.adapters.rl.verl import install
+    from gradloc.integrations.verl import install
 
     uninstall = install(FSDPEngineWithLMHead, **{**WATCH, "detector": gradloc.DetectorConfig(warmup=5), **watch}) \
         if watched else (lambda: None)
@@ -181,7 +181,7 @@ def probe_exactness(rank: int, world: int, model_dir: str) -> dict:
     install_cpu_platform()
     from verl.workers.utils.losses import ppo_loss
 
-    from gradloc.adapters.rl.verl import layout, masked_loss_function
+    from gradloc.integrations.verl import layout, masked_loss_function
 
     engine = build_engine(model_dir, 1e-2)
     loss_fn = partial(ppo_loss, config=actor_config(entropy_coeff=0.05, use_kl_loss=True, kl_loss_coef=0.3,

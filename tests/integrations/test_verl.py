@@ -1,7 +1,7 @@
 """gradloc's verl helpers on verl-shaped micro-batches and a verl-shaped engine.
 
 These run in the main environment, which has no verl (verl 0.9.1 needs transformers < 5.11): they drive
-``tests/adapters/rl/verl_like.py`` in one process — batches with verl 0.9's exact field names and layouts
+``tests/integrations/verl_like.py`` in one process — batches with verl 0.9's exact field names and layouts
 (nested jagged ``input_ids``/``position_ids``, padded or nested response-level fields), an engine with
 ``FSDPEngine``/``FSDPEngineWithLMHead``'s method names and signatures, and ``ppo_loss`` written from
 verl's formulas — around a real model (TinyGPT packed with ``cu_seqlens``) and a real ``gradloc.watch``
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import gradloc
-from gradloc.adapters.rl.verl import GradlocVerlHooks, install, layout, masked_loss_function, rl_fields
 from gradloc.collector.batch import make_meta
-from tests.adapters.rl.verl_like import (
+from gradloc.integrations.verl import GradlocVerlHooks, install, layout, masked_loss_function, rl_fields
+from tests.helpers import single_thread  # noqa: F401
+from tests.integrations.verl_like import (
     Batch,
     EngineWithLMHead,
     EngineWithValueHead,
@@ -31,7 +32,6 @@ from tests.adapters.rl.verl_like import (
     response_slice,
     token_terms,
 )
-from tests.helpers import single_thread  # noqa: F401
 
 SPIKE = 6
 WATCH = dict(detector=gradloc.DetectorConfig(warmup=5), update_ratio="off", store=False)

@@ -109,5 +109,5 @@ class HeldBlocks:
 
     def _count(self, counter: str, message: str) -> None:
         self.errors += 1
-        self.mon.counters[f"{self.tag}_{counter}"] += 1
+        self.mon.note_event(f"{self.tag}_{counter}")
         log.warning("gradloc (%s): %s", self.tag, message, exc_info=True)

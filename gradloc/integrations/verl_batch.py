@@ -23,8 +23,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from gradloc.adapters.rl.jagged import describe, micro_batch_kwargs, nest, non_tensor, to_rows, values_of, where_values
 from gradloc.errors import BatchMetadataError
+from gradloc.integrations.jagged import describe, micro_batch_kwargs, nest, non_tensor, to_rows, values_of, where_values
 from gradloc.records import SampleInfo
 
 PAD_SAMPLE = "<pad>"  # the sample id of a static pad appended to a packed row (engine pad_to_length)

@@ -1,6 +1,6 @@
 """gradloc's OpenRLHF helpers on OpenRLHF-shaped experiences and an ActorPPOTrainer-shaped trainer.
 
-The tests below drive ``tests/adapters/rl/openrlhf_like.py`` in one process: ``Experience`` with
+The tests below drive ``tests/integrations/openrlhf_like.py`` in one process: ``Experience`` with
 OpenRLHF 0.11's field names and layouts ((B, T) sequences right-padded, action_mask (B, T − 1) with
 action j ↔ token j + 1), an actor, a PolicyLoss and a ``training_step`` written from OpenRLHF's code,
 and an engine with DeepSpeed's methods (1/gas backward scaling, clip + step at the accumulation
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import gradloc
-from gradloc.adapters.rl.openrlhf import GradlocOpenRLHF, install, layout, masked_loss, rl_fields
 from gradloc.collector.batch import make_meta
-from tests.adapters.rl.openrlhf_like import (
+from gradloc.integrations.openrlhf import GradlocOpenRLHF, install, layout, masked_loss, rl_fields
+from tests.helpers import single_thread  # noqa: F401
+from tests.integrations.openrlhf_like import (
     Experience,
     PolicyLoss,
     Trainer,
@@ -29,7 +30,6 @@ from tests.adapters.rl.openrlhf_like import (
     random_rows,
     step_norms,
 )
-from tests.helpers import single_thread  # noqa: F401
 
 SPIKE, GAS = 6, 2
 WATCH = dict(detector=gradloc.DetectorConfig(warmup=5), update_ratio="off", store=False)

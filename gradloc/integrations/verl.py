@@ -4,7 +4,7 @@ In the module named by ``actor_rollout_ref.model.external_lib`` (imported inside
 before its engines are built)::
 
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    from gradloc.adapters.rl.verl import install
+    from gradloc.integrations.verl import install
     install(FSDPEngineWithLMHead, job="grpo-7b")          # WatchConfig fields
 
 Or on one engine: ``hooks = GradlocVerlHooks(engine, job=...)``.
@@ -12,7 +12,7 @@ Or on one engine: ``hooks = GradlocVerlHooks(engine, job=...)``.
 What it patches, on the engine *instance* (``detach()`` restores the class methods), and why:
 
 - ``forward_step(micro_batch, loss_function, forward_only)``: verl's per-micro-batch forward. The
-  wrapper maps the micro-batch to gradloc's packed layout (:mod:`gradloc.adapters.rl.verl_batch`),
+  wrapper maps the micro-batch to gradloc's packed layout (:mod:`gradloc.integrations.verl_batch`),
   enters ``mon.micro_batch`` and hands the engine a loss function that records the ``log_probs`` the
   real loss sees; after the loss it gives ``mon.rl_fields`` logp, old/rollout log-probs, advantages,
   ratio and clipped. The block stays open: verl calls ``loss.backward()`` after ``forward_step``
@@ -24,7 +24,7 @@ What it patches, on the engine *instance* (``detach()`` restores the class metho
   ``mon.end_step`` runs first, with the probe closure, then the original.
 
 A probe re-runs the original ``forward_step`` on the stored micro-batch with
-:func:`~gradloc.adapters.rl.verl_batch.masked_loss_function` (``rollout_is_weights`` × mask, same
+:func:`~gradloc.integrations.verl_batch.masked_loss_function` (``rollout_is_weights`` × mask, same
 ``agg_loss`` normalization). The monitor watches ``engine.module``: verl's FSDP2 engine shards it with
 ``fully_shard``, so gradloc makes it a job of kind "fsdp" (``gradloc/parallel``): every rank judges the
 job's gradient, and since a probe's forward all-gathers parameters and its backward reduce-scatters,
@@ -40,11 +40,11 @@ from typing import Any, Callable
 
 import torch
 
-from gradloc.adapters.rl.held import HeldBlocks
-from gradloc.adapters.rl.patch import run_after
-from gradloc.adapters.rl.verl_batch import PAD_SAMPLE, VerlLayout, layout, masked_loss_function, rl_fields
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, UnsupportedModelError
+from gradloc.integrations.held import HeldBlocks
+from gradloc.integrations.patch import run_after
+from gradloc.integrations.verl_batch import PAD_SAMPLE, VerlLayout, layout, masked_loss_function, rl_fields
 
 __all__ = ["GradlocVerlHooks", "PAD_SAMPLE", "VerlLayout", "install", "layout", "masked_loss_function", "rl_fields"]
 
@@ -220,7 +220,5 @@ def _watch(engine: Any, config: WatchConfig | None, overrides: dict[str, Any]) -
     from gradloc.adapters.pytorch import watch
 
     cfg = replace(config or WatchConfig(), **overrides)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and cfg.world_size == 1:
-        cfg = replace(cfg, rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size())
     opt = getattr(engine, "optimizer", None)
     return watch(engine.module, opt if isinstance(opt, torch.optim.Optimizer) else None, config=cfg)

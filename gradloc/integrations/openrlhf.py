@@ -1,6 +1,6 @@
 """gradloc for OpenRLHF 0.11's PPO actor, duck-typed: no openrlhf, deepspeed or ray import.
 
-    from gradloc.adapters.rl.openrlhf import GradlocOpenRLHF
+    from gradloc.integrations.openrlhf import GradlocOpenRLHF
     trainer = ActorPPOTrainer(...)                 # inside PolicyModelActor.fit
     hooks = GradlocOpenRLHF(trainer, job="ppo")    # WatchConfig fields
 
@@ -8,7 +8,7 @@ What it patches, on the objects (``detach()`` restores them), and why:
 
 - ``trainer.training_step(experience, kl_ctl, step, loss_batch_info)``: one micro-batch — the actor's
   forward, PolicyLoss (+ KL, entropy), ``strategy.backward`` and ``strategy.optimizer_step``. The
-  wrapper maps the experience to gradloc's layout (:mod:`gradloc.adapters.rl.openrlhf_batch`) and
+  wrapper maps the experience to gradloc's layout (:mod:`gradloc.integrations.openrlhf_batch`) and
   holds ``mon.micro_batch`` open around it.
 - ``trainer.actor_loss_fn``: records the action log-probs the loss sees, for ``mon.rl_fields``.
 - ``trainer.strategy.backward``: records each loss ÷ gas (DeepSpeed scales the backward by 1/gas).
@@ -42,11 +42,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gradloc.adapters.rl.held import HeldBlocks
-from gradloc.adapters.rl.openrlhf_batch import ExperienceLayout, layout, rl_fields
-from gradloc.adapters.rl.patch import run_after
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, ProbeError, UnsupportedModelError
+from gradloc.integrations.held import HeldBlocks
+from gradloc.integrations.openrlhf_batch import ExperienceLayout, layout, rl_fields
+from gradloc.integrations.patch import run_after
 
 log = logging.getLogger("gradloc")
 
@@ -312,8 +312,6 @@ def _watch(engine: Any, trainer: Any, config: WatchConfig | None, overrides: dic
     from gradloc.parallel.data import is_deepspeed
 
     cfg = replace(config or WatchConfig(), **overrides)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and cfg.world_size == 1:
-        cfg = replace(cfg, rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size())
     if is_deepspeed(engine):
         return watch(engine, config=cfg)  # DeepSpeed steps its own (flat) optimizer: no optimizer to watch
     opt = getattr(trainer, "actor_optim", None)

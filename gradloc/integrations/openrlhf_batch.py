@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
-from gradloc.adapters.rl.jagged import describe, micro_batch_kwargs
 from gradloc.errors import BatchMetadataError
+from gradloc.integrations.jagged import describe, micro_batch_kwargs
 from gradloc.records import SampleInfo
 
 
