@@ -30,6 +30,7 @@ from tests.integrations.openrlhf_like import (
     random_rows,
     step_norms,
 )
+from tests.integrations.rl_checks import assert_mismatch_located
 
 SPIKE, GAS = 6, 2
 WATCH = dict(detector=gradloc.DetectorConfig(warmup=5), update_ratio="off", store=False)
@@ -185,15 +186,8 @@ def _train(plant: bool, hooks: bool, packing: bool = False, steps: int = SPIKE +
 @pytest.mark.parametrize("packing", [False, True])
 def test_a_corrupted_rollout_logprob_is_located_and_classified(packing):
     trainer, hooks, planted = _train(plant=True, hooks=True, packing=packing)
-    assert len(hooks.reports) == SPIKE + 1 and hooks.blocks.errors == 0
-    rep = hooks.reports[SPIKE]
-    assert rep.incident is not None, rep.spike
-    loc = rep.incident.localization
-    assert loc.status == "located" and loc.probes <= 3, loc
-    top = loc.culprits[0]
+    rep, top = assert_mismatch_located(hooks, SPIKE)
     assert (top.micro_batch, top.sample, top.position) == planted  # right-padded rows: position = action j
-    assert top.classification.kind == "train_inference_mismatch"
-    assert top.rl.log_ratio == pytest.approx(8.0, abs=0.1) and top.rl.log_ratio_old == pytest.approx(0.0, abs=1e-4)
     assert rep.incident.classification.kind == "train_inference_mismatch"
     engine = trainer.actor.model
     assert rep.record.global_norm == pytest.approx(engine.norms[SPIKE], rel=1e-5)  # DeepSpeed's pre-clip norm

@@ -17,6 +17,7 @@ import gradloc
 from gradloc.collector.batch import make_meta
 from gradloc.integrations.verl import GradlocVerlHooks, install, layout, masked_loss_function, rl_fields
 from tests.helpers import single_thread  # noqa: F401
+from tests.integrations.rl_checks import assert_mismatch_located
 from tests.integrations.verl_like import (
     Batch,
     EngineWithLMHead,
@@ -203,16 +204,9 @@ def _train(plant: bool, hooks: bool, steps: int = SPIKE + 1, remove_padding: boo
 @pytest.mark.parametrize("remove_padding", [True, False])
 def test_a_corrupted_rollout_logprob_is_located_and_classified(remove_padding):
     engine, hooks, _ = _train(plant=True, hooks=True, remove_padding=remove_padding)
-    assert len(hooks.reports) == SPIKE + 1 and hooks.blocks.errors == 0
-    rep = hooks.reports[SPIKE]
-    assert rep.incident is not None, rep.spike
-    loc = rep.incident.localization
-    assert loc.status == "located" and loc.probes <= 3, loc
-    top = loc.culprits[0]
+    rep, top = assert_mismatch_located(hooks, SPIKE)
     assert (top.micro_batch, top.sample) == (1, 1) and top.sample_id == "u2#1"
     assert top.sample_info.request_id == "u2" and top.position - top.sample_info.response_start == 2
-    assert top.classification.kind == "train_inference_mismatch"
-    assert top.rl.log_ratio == pytest.approx(8.0, abs=0.1) and top.rl.log_ratio_old == pytest.approx(0.0, abs=1e-4)
     assert rep.incident.classification.kind == "train_inference_mismatch"
     healthy = hooks.reports[2].record
     assert healthy.rl.tokens == engine.response_tokens[2]
