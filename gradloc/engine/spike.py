@@ -111,8 +111,10 @@ class SpikePath:
             stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale,
                                     rec.global_norm)
             s = x.spike
+            det = self.cfg.detector.resolved()
+            band = s.mean + det.z_threshold * s.std if s.mean is not None and s.std is not None else None
             ctx = SpikeContext(healthy_norm=s.mean, loss=x.job_loss if not self.alone else rec.loss,
-                               healthy_loss=s.loss_mean, spike_line=norm_line(s, self.cfg.detector.resolved()),
+                               healthy_loss=s.loss_mean, spike_line=norm_line(s, det), band_line=band,
                                outliers=outlier_samples(rec))
             keep = self.cfg.remedy == "drop_culprits"
             if self.alone:

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from gradloc.localizer.context import LocalizeResult, still_spike
+from gradloc.localizer.context import LocalizeResult, out_of_band
 from gradloc.localizer.decompose import decompose
 from gradloc.localizer.diffuse import TOP_SAMPLES, describe
 from gradloc.localizer.levels import micro_batch_passes, pick_samples, regions_of, sample_measures, top_tokens
@@ -131,7 +131,7 @@ class Below:
             mine = self._dec[1] if self._dec is not None else [None] * len(r.stored.grads)
             explained, loss = r.scope.measure(mine, self._dec[2] if self._dec is not None else 0.0, "")
             norms = r.scope.norms(mine)
-            if self.ranks is not None and still_spike(norms[1], r.ctx):  # not the whole story: its rank?
+            if self.ranks is not None and out_of_band(norms[1], r.ctx):  # not the whole story: its rank?
                 found = self.ranks.beyond_micro_batch(owner, got["explained"])
                 if found is not None:
                     return found

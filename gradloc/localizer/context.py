@@ -28,6 +28,9 @@ class SpikeContext:
     # the global-norm line the step was flagged against (detector.norm_line: grad_spike's line, the
     # record's band): a residual above it would still be flagged, a spike; None: no band, never
     spike_line: float | None = None
+    # the band's z line, mean + z·std: a residual above it still stands out from the healthy band, flagged or not
+    # (the rank level's "is a passing micro-batch the whole story", below.py); None: no band
+    band_line: float | None = None
     # (micro-batch index, sample) of this rank's per-sample surprise outliers on the step: the levels
     # below the tokens decompose their micro-batches first (below.py)
     outliers: tuple[tuple[int, int], ...] = ()
@@ -69,6 +72,14 @@ def still_spike(norm: float, ctx: SpikeContext) -> bool:
     if ctx.spike_line is None or not math.isfinite(norm):
         return False
     return norm > ctx.spike_line
+
+
+def out_of_band(norm: float, ctx: SpikeContext) -> bool:
+    """Does this residual norm still stand out from the healthy band (above mean + z·std), flagged or not? Asked
+    before a measurement that must pass on its own (the rank level), not before naming tokens."""
+    if ctx.band_line is None or not math.isfinite(norm):
+        return False
+    return norm > ctx.band_line
 
 
 def rest_carries_spike(explained: float, norm: float, ctx: SpikeContext) -> bool:

@@ -151,4 +151,5 @@ def ctx(healthy: float | None = None, std: float | None = None, loss: float | No
     """The toys' context: the spike line is ``line``, else healthy + z·std (no std: no line)."""
     if line is None and healthy is not None and std is not None:
         line = healthy + z * std
-    return SpikeContext(healthy_norm=healthy, loss=loss, healthy_loss=healthy_loss, spike_line=line)
+    band = healthy + z * std if healthy is not None and std is not None else None
+    return SpikeContext(healthy_norm=healthy, loss=loss, healthy_loss=healthy_loss, spike_line=line, band_line=band)
