@@ -65,6 +65,10 @@ SHIFT_GAIN, SHIFT_T, COPY_OFFSET, SHIFT_MIN_TOKENS = 0.3, 4.0, 1, 48
 # bench/samples_text.py: median −1.25 nats, max 0.22 at a t of 1.2). A gain of INPUTS_GAIN with a paired t of
 # INPUTS_T makes z_threshold there.
 INPUTS_OFFSET, INPUTS_GAIN, INPUTS_T = -1, 0.2, 2.0
+# ... once the model predicts one position ahead: the run's median gain at −1 (its judged samples) at or below
+# INPUTS_ARMED. An untrained model is a copy/unigram model, whose gain at −1 is positive on every sample (text bench,
+# seed 0: median +0.45 at step 5, −0.05 at step 30, −0.63 at step 60, −1.2 from step 300)
+INPUTS_ARMED = -0.5
 # σ floor of the mean deficit (a probability): a model sure of everything (a memorised cycle) has MAD ≈ 0,
 # and ŵ's error (collector/surprise.py) alone would then be "far out". Real text: 1.4826·MAD ≈ 0.016.
 _DEFICIT_MIN_STD = 0.01
@@ -98,6 +102,7 @@ class SampleJudge:
         self.mean, self.win, self.length = _Ring(cfg.history), _Ring(cfg.history), _Ring(cfg.history)
         self.deficit = _Ring(cfg.history)  # mean Σ_v p_v² − p(y), where the pack has it
         self.self_z = _Ring(cfg.history)  # Σ d / √Σ v: the deficit in units of its spread under the model
+        self.gain_in = _Ring(cfg.history)  # the gain at offset −1 (INPUTS_OFFSET) of judged samples
         self.not_ce_warned = False
 
     def judge(self, host: np.ndarray, metas: Sequence[MicroBatchMeta], where: dict[str, Any],
@@ -150,7 +155,11 @@ class SampleJudge:
         # labels the model predicts far better a few positions away than where they stand: shifted (head_read.py)
         long_enough = judged & (n >= SHIFT_MIN_TOKENS)
         z_shift = np.where(long_enough & (shift_gain >= SHIFT_GAIN) & np.isfinite(shift_t), t * shift_t / SHIFT_T, -np.inf)
-        z_inputs = np.where(long_enough & (in_gain >= INPUTS_GAIN) & np.isfinite(in_t), t * in_t / INPUTS_T, -np.inf)
+        armed = self.gain_in.n >= cfg.warmup_samples and float(np.median(self.gain_in.values[:self.gain_in.n])) \
+            <= INPUTS_ARMED
+        z_inputs = np.where(long_enough & (in_gain >= INPUTS_GAIN) & np.isfinite(in_t) & armed, t * in_t / INPUTS_T,
+                            -np.inf)
+        self.gain_in.add(in_gain[long_enough & np.isfinite(in_t)])
         inputs = z_inputs > z_shift  # the labels-are-inputs reading names offset −1, its own gain and t
         shift_k = np.where(inputs, float(INPUTS_OFFSET), shift_k)
         shift_gain, shift_t = np.where(inputs, in_gain, shift_gain), np.where(inputs, in_t, shift_t)

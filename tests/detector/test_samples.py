@@ -232,22 +232,28 @@ def test_labels_that_are_the_inputs_are_asked_about_at_offset_minus_one_alone():
     a finding there — measured on bench/samples_text.py, missed labels-are-inputs samples sit at gains 0.2–0.7, t 2–4,
     where the general rule (gain ≥ 0.3, t ≥ 4 at the best of 15 offsets) says nothing; healthy samples' gain there
     never exceeded 0.22 (t 1.2). The same gain and t at any other offset stay unflagged; a gain under INPUTS_GAIN or a
-    t under INPUTS_T at −1 too."""
+    t under INPUTS_T at −1 too. And only once the model predicts one position ahead (the run's median gain at −1 at
+    or below INPUTS_ARMED): an untrained model's gain at −1 is positive on every sample, and nothing is flagged."""
     from gradloc.collector.head_read import offsets
-    from gradloc.detector.samples import INPUTS_GAIN, INPUTS_OFFSET, INPUTS_T
+    from gradloc.detector.samples import INPUTS_ARMED, INPUTS_GAIN, INPUTS_OFFSET, INPUTS_T
 
     ks = list(offsets(8))
-    assert INPUTS_OFFSET == -1
+    assert INPUTS_OFFSET == -1 and INPUTS_ARMED < 0
+    S = 2 * B
     cases = ((-1, 0.45, 3.0, True), (-1, 0.25, 2.2, True), (-2, 0.45, 3.0, False), (5, 0.45, 3.0, False),
              (-1, INPUTS_GAIN - 0.05, 3.0, False), (-1, 0.45, INPUTS_T - 0.5, False))
-    for k, gain, t, flagged in cases:
-        judge, rng = SampleJudge(SampleConfig(warmup_samples=64, min_tokens=8)), np.random.default_rng(3)
-        _warm(judge, rng, 8)
-        S = 2 * B
-        gains, ts = np.full((16, S), -1.2), np.full((16, S), -8.0)
-        gains[ks.index(k), 3], ts[ks.index(k), 3] = gain, t
-        st = judge.judge(_host(rng.normal(3.5, 0.3, S), n=np.full(S, 128.0), shift=(gains, ts)), _metas(), WHERE, None)
-        assert [(o.micro_batch, o.sample) for o in st.outliers] == ([(0, 3)] if flagged else []), (k, gain, t)
-        if flagged:
-            o = st.outliers[0]
-            assert "labels look shifted by -1" in o.detail and o.z == pytest.approx(6.0 * t / INPUTS_T)
+    for healthy_gain, armed in ((-1.2, True), (0.4, False)):  # a trained model; an untrained (copy/unigram) one
+        for k, gain, t, flagged in cases:
+            judge, rng = SampleJudge(SampleConfig(warmup_samples=64, min_tokens=8)), np.random.default_rng(3)
+            rows = (np.full((16, S), healthy_gain), np.full((16, S), -8.0 if healthy_gain < 0 else 3.0))
+            for _ in range(12):  # the judge's warm-up (4 steps), then 8 steps of the run's gain at −1
+                judge.judge(_host(rng.normal(3.5, 0.3, S), n=np.full(S, 128.0), shift=rows), _metas(), WHERE, None)
+            gains, ts = np.full((16, S), -1.2), np.full((16, S), -8.0)
+            gains[ks.index(k), 3], ts[ks.index(k), 3] = gain, t
+            st = judge.judge(_host(rng.normal(3.5, 0.3, S), n=np.full(S, 128.0), shift=(gains, ts)), _metas(), WHERE,
+                             None)
+            want = [(0, 3)] if flagged and armed else []
+            assert [(o.micro_batch, o.sample) for o in st.outliers] == want, (healthy_gain, k, gain, t)
+            if want:
+                o = st.outliers[0]
+                assert "labels look shifted by -1" in o.detail and o.z == pytest.approx(6.0 * t / INPUTS_T)
