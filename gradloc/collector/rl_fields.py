@@ -85,7 +85,6 @@ _PRESENT = ("rollout_logp", "old_logp", "clipped", "advantages", "entropy")
 # tokens, the advantage's histogram + Σ + max|·| + Σ², Σ entropy
 RL_PACK = Pack.of(tokens=1, present=len(_PRESENT), lr_counts=_K1, lr_sum=1, lr_max=1, mismatch=1, old_max=1,
                   clipped=1, adv_counts=_K2, adv_sum=1, adv_max=1, adv_sq=1, entropy=1)
-PACK_LENGTH = len(RL_PACK)
 
 
 def stack(metas: Sequence[MicroBatchMeta], rl: Mapping[int, RLTensors], device: torch.device) -> dict[str, torch.Tensor]:
@@ -106,7 +105,7 @@ def stack(metas: Sequence[MicroBatchMeta], rl: Mapping[int, RLTensors], device: 
 
 
 def rl_pack(fields_: Mapping[str, torch.Tensor], eligible: torch.Tensor, given: set[str]) -> torch.Tensor:
-    """The step's distributions as one float64 vector of PACK_LENGTH (see :func:`unpack_rl`), over
+    """The step's distributions as one float64 vector laid out as RL_PACK (see :func:`unpack_rl`), over
     the loss positions of the micro-batches that gave RL fields. ``given``: the field names given."""
     dev = eligible.device
     on = eligible & fields_["has"]  # (N,)
@@ -128,7 +127,7 @@ def rl_pack(fields_: Mapping[str, torch.Tensor], eligible: torch.Tensor, given: 
         old_max=_max_abs(old, on & torch.isfinite(old)), clipped=(fields_["clipped"] & on).sum().double(),
         adv_counts=adv_counts, adv_sum=adv_sum, adv_max=adv_max,
         adv_sq=torch.where(ok, adv, 0.0).double().pow(2).sum(),
-        entropy=torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum())  # (PACK_LENGTH,)
+        entropy=torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum())  # (len(RL_PACK),)
 
 
 def _max_abs(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:

@@ -100,9 +100,6 @@ class Job:
         """Why this step's gradient cannot be read where ``end_step`` was called ('' when it can)."""
         return self.data.step_problem(layer_stats)
 
-    def part(self, name: str) -> ModelBackend | None:
-        return next((b for b in self.parts if b.name == name), None)
-
     @property
     def probe_context(self) -> Callable[[], ContextManager[Any]]:
         return self.data.probe_context

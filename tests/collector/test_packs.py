@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradloc.collector.packs import Pack, layer_pack, summed_update_pack, update_pack
-from gradloc.collector.rl_fields import PACK_LENGTH, RL_PACK
+from gradloc.collector.rl_fields import RL_PACK, unpack_rl
 from gradloc.collector.surprise import ROWS, pack_layout, surprise_pack
 
 
@@ -42,4 +42,9 @@ def test_the_surprise_and_rl_layouts():
     for rows in (0, 16 * 2):
         lay = surprise_pack(M, S, rows)
         assert len(lay) == M + (ROWS + rows) * S and pack_layout(len(lay), M, S) == lay
-    assert PACK_LENGTH == len(RL_PACK) and RL_PACK.fields[0] == ("tokens", 1)
+    host = np.zeros(len(RL_PACK))  # the RL pack read back by name: 4 tokens, entropy 2.0 in all
+    host[RL_PACK.span("tokens")] = 4
+    host[RL_PACK.span("present")] = [0, 0, 0, 0, 1]  # entropy given
+    host[RL_PACK.span("entropy")] = 2.0
+    st = unpack_rl(host)
+    assert st.tokens == 4 and st.entropy_mean == 0.5 and st.advantage_rms is None
