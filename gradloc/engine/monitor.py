@@ -316,18 +316,15 @@ class Monitor:
         incident = None
         if opens_incident(spike):  # not when the step is the run reacting to an earlier incident
             t2 = time.perf_counter()
-            reruns, unattributed = 0, None
-            if self.tokens.on_spike and probe is not None and LOCALIZE.intersection(spike.kinds):
-                breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
-                scores = self.tokens.rerun(self.spikes.model, [m for m, _ in parts], probe, breakdown,
-                                           self.samples.labels)
-                reruns, unattributed = len(parts), self.tokens.unattributed(scores) if scores is not None else None
-            incident = self.spikes.incident(SpikeInputs(record, spike, scores, probe, assembled.scale, unscaled,
-                                                        scale is not None, rl,
-                                                        assembled.job.loss if assembled.job else record.loss,
-                                                        unattributed, layer_z=self.detector.layer_z))
-            if reruns:
-                incident = on_spike.with_reruns(incident, reruns)
+            metas = tuple(m for m, _ in parts)
+            rerun = self._rerun if self.tokens.on_spike and probe is not None else None
+            incident = self.spikes.incident(
+                SpikeInputs(record=record, spike=spike, scores=scores, probe=probe, scale=assembled.scale,
+                            unscaled=unscaled, has_scaler=scale is not None, rl=rl,
+                            job_loss=assembled.job.loss if assembled.job else record.loss,
+                            layer_z=self.detector.layer_z, metas=metas), rerun)
+            if rerun is not None and LOCALIZE.intersection(spike.kinds):
+                incident = on_spike.with_reruns(incident, len(metas))
             self.meter.exclude(time.perf_counter() - t2)
             self.incidents.append(incident)
             if self.comm is None or self.config.rank == 0:  # a job's incident is emitted once, by rank 0
@@ -335,6 +332,13 @@ class Monitor:
         self.step += 1
         self._ended += 1
         return StepReport(record, spike, incident)
+
+    def _rerun(self, scope: Any, x: SpikeInputs) -> SpikeInputs:
+        """token_stats='on_spike': the flagged step's inputs with the scores of its micro-batches re-run through
+        its probe scope (``SpikePath.incident``)."""
+        breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
+        scores = self.tokens.rerun(scope, list(x.metas), breakdown, self.samples.labels)
+        return replace(x, scores=scores, unattributed=self.tokens.unattributed(scores) if scores is not None else None)
 
     def _step_checks(self, probe: ProbeFn | None) -> ProbeFn | None:
         """The job's checks of where ``end_step`` was called (DeepSpeed: at the accumulation boundary), and the

@@ -8,7 +8,8 @@ gradients are read after backward, one host transfer per step, nothing inside th
 
 On a step that opens an incident the localizer runs on (every rank of a job together: the spike is
 the job's), each micro-batch is re-run eagerly through the probe closure with every token's loss
-term on and the hooks attached, inside a probe session (the training gradient set aside, buffers and RNG restored,
+term on and the hooks attached, inside a session of the step's one probe scope (``Job.scope``: the
+job's probe context, the training gradient set aside, buffers and RNG restored,
 each micro-batch's RNG as it was in training), so its scores are the scores an always-on run
 would have had. Compiled code runs eagerly for the re-run (``torch.compiler.set_stance
 ("force_eager")``), so the hooks fire even where the training step is compiled or captured. Then
@@ -28,12 +29,11 @@ from dataclasses import replace
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
-from torch import nn
 
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.token_hooks import TokenHooks
-from gradloc.localizer.probes import ProbeFn, ProbeSession
+from gradloc.localizer.scope import Scope
 from gradloc.records import Incident
 
 log = logging.getLogger("gradloc")
@@ -41,17 +41,16 @@ log = logging.getLogger("gradloc")
 MODE = "on_spike"
 
 
-def rerun(hooks: TokenHooks, model: nn.Module, params: Sequence[nn.Parameter], metas: Sequence[MicroBatchMeta],
-          probe: ProbeFn, breakdown: bool, labels: Callable[[MicroBatchMeta], Any],
-          context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-          ) -> list[tuple[MicroBatchMeta, MicroBatchScores]] | None:
-    """(meta, scores) of every micro-batch of the step, re-run with the hooks on; the model, its
-    gradients, buffers and RNG as they were. None when a re-run failed (logged): the step then has
-    no per-token statistics rather than a partial picture that would misattribute."""
+def rerun(hooks: TokenHooks, scope: Scope, metas: Sequence[MicroBatchMeta], breakdown: bool,
+          labels: Callable[[MicroBatchMeta], Any]) -> list[tuple[MicroBatchMeta, MicroBatchScores]] | None:
+    """(meta, scores) of every micro-batch of the step, re-run with the hooks on through the step's probe
+    scope (``scope.session(hooks=True)``: the job's probe context, the model, its gradients, buffers and RNG
+    as they were). None when a re-run failed (logged): the step then has no per-token statistics rather
+    than a partial picture that would misattribute."""
     parts: list[tuple[MicroBatchMeta, MicroBatchScores]] = []
     hooks.attach()
     try:
-        with _eager(), context(), ProbeSession(model, params, metas, probe, lambda on: None) as session:
+        with _eager(), scope.session(hooks=True) as session:
             for meta in metas:
                 hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=labels(meta))
                 try:

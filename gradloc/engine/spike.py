@@ -1,9 +1,10 @@
 """A flagged step → :class:`~gradloc.records.Incident`: localize (probes), then the opt-in remedy.
 
 One path for one process and for a job of W ranks (W = 1 is a job too, of one rank): the one
-:class:`~gradloc.localizer.Localizer` with a scope — one process: its own probes against its own
-gradient (``localizer/scope.SoloScope``); a job: ``parallel/scope.py``, where every rank enters together
-(the spike is judged on the job's step) and takes the same path, and rank 0 emits the incident.
+:class:`~gradloc.localizer.Localizer` with the one scope the job gives (``Job.scope``) — one process: its
+own probes against its own gradient (``localizer/scope.SoloScope``); a job: ``parallel/scope.py``, where
+every rank enters together (the spike is judged on the job's step) and takes the same path, and rank 0
+emits the incident. The on_spike re-run of the step's micro-batches goes through the same scope.
 
 Runs on the training thread inside ``Monitor.end_step``, on spike steps only. Never raises: a failed
 localization becomes an ``unavailable`` localization with the error in its note (in a job: a
@@ -20,13 +21,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.token_summary import StepScores
 from gradloc.detector import LOCALIZE, norm_line
-from gradloc.localizer import Localizer, ProbeFn, ProbeSession, SpikeContext, StoredGradient, TokenView
+from gradloc.localizer import Localizer, ProbeFn, SpikeContext, StoredGradient, TokenView
 from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
 from gradloc.localizer.remedy import apply_remedy
-from gradloc.localizer.scope import ProbeFailed, solo_scope
+from gradloc.localizer.scope import ProbeFailed, Scope
 from gradloc.parallel.comm import CollectiveTimeout
 from gradloc.records import Incident, IncidentScope, Localization, Method, SpikeEvent, Status, StepRecord
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from gradloc.parallel.job import Job
 
 log = logging.getLogger("gradloc")
+Rerun = Callable[[Scope, "SpikeInputs"], "SpikeInputs"]  # on_spike: the step's inputs with re-run scores
 MAX_INCIDENT_LAYERS = 1024  # layers an incident lists (Incident.top_layers), largest norm first
 
 
@@ -50,6 +53,7 @@ class SpikeInputs:
     job_loss: float | None = None  # a multi-rank job's mean loss (the detector's view); None: the record's
     unattributed: float | None = None  # the scores' unattributed share when not the record's (on_spike re-runs)
     layer_z: Mapping[str, float] = field(default_factory=dict)  # the detector's per-layer z-scores at the step
+    metas: tuple[MicroBatchMeta, ...] = ()  # the step's micro-batches (what its probes and re-runs run)
 
     @property
     def unattributed_share(self) -> float:
@@ -78,10 +82,12 @@ class SpikePath:
         """The module of the view's exact (loss-head) layer, when that layer is one module."""
         return self.heads.get(view.exact_layer) if view is not None and view.exact_layer is not None else None
 
-    def incident(self, x: SpikeInputs) -> Incident:
+    def incident(self, x: SpikeInputs, rerun: Rerun | None = None) -> Incident:
+        """The step's incident; ``rerun`` (token_stats="on_spike"): re-runs the step's micro-batches through its
+        probe scope and returns the inputs with their scores, before the localizer reads them."""
         result = None
         if LOCALIZE.intersection(x.spike.kinds):
-            result = self._localize(x)
+            result = self._localize(x, rerun)
         loc = result.localization if result is not None else None
         classification = None
         if loc is not None:
@@ -103,27 +109,28 @@ class SpikePath:
                         time_unix=rec.time_unix, spike=x.spike, localization=loc,
                         top_layers=top, remedy=remedy, classification=classification, scope=self.scope)
 
-    def _localize(self, x: SpikeInputs) -> LocalizeResult:
+    def _localize(self, x: SpikeInputs, rerun: Rerun | None) -> LocalizeResult:
         rec = x.record
         where = "" if self.alone else f" on rank {self.job.config.rank}"
         try:
-            view = token_view(x.scores, self.token_layers, x.scale, x.unattributed_share, x.rl)
             stored = StoredGradient([p.grad for p in self.params], 1.0 if x.unscaled else 1.0 / x.scale,
                                     rec.global_norm)
+            scope = self.job.scope(self.layer_stats, alone=self.alone, params=self.params, metas=x.metas,
+                                   probe=x.probe, pause_hooks=self.pause_hooks, grads=stored.grads,
+                                   inv_scale=stored.inv_scale, norm=stored.norm)
+            if rerun is not None and scope is not None:
+                x = rerun(scope, x)
+            view = token_view(x.scores, self.token_layers, x.scale, x.unattributed_share, x.rl)
             s = x.spike
             det = self.cfg.detector.resolved()
             band = s.mean + det.z_threshold * s.std if s.mean is not None and s.std is not None else None
             ctx = SpikeContext(healthy_norm=s.mean, loss=x.job_loss if not self.alone else rec.loss,
                                healthy_loss=s.loss_mean, spike_line=norm_line(s, det), band_line=band,
                                outliers=outlier_samples(rec))
-            keep = self.cfg.remedy == "drop_culprits"
-            if self.alone:
-                scope = solo_scope(self._opener(x), stored.grads, stored.inv_scale, stored.norm)
-                return self.localizer.localize(rec.step, view, stored, scope, ctx, keep_grad=keep,
-                                               head=self.head_for(view))
             hazard = self.job.data.probe_hazard
-            res = self.localizer.localize(rec.step, view, stored, self._job_scope(x, stored), ctx, keep_grad=keep,
-                                          head=self.head_for(view), has_probe=x.probe is not None and not hazard)
+            res = self.localizer.localize(rec.step, view, stored, scope, ctx,
+                                          keep_grad=self.cfg.remedy == "drop_culprits", head=self.head_for(view),
+                                          has_probe=scope is not None and x.probe is not None and not hazard)
             if hazard and x.probe is not None:
                 res = replace(res, localization=replace(res.localization, note=f"{hazard}; {res.localization.note}"))
             return res
@@ -139,21 +146,6 @@ class SpikePath:
             note = f"localization failed{where}: {type(exc).__name__}: {exc}"
         return LocalizeResult(Localization(step=rec.step, method=Method.NONE, status=Status.UNAVAILABLE, probes=0,
                                            global_norm=rec.global_norm, note=note))
-
-    def _opener(self, x: SpikeInputs) -> Callable[[], ProbeSession] | None:
-        if x.probe is None or x.scores is None:
-            return None
-        scores, probe = x.scores, x.probe
-
-        def opener() -> ProbeSession:
-            return ProbeSession(self.model, self.params, scores.metas, probe, self.pause_hooks)
-        return opener
-
-    def _job_scope(self, x: SpikeInputs, stored: StoredGradient) -> Any:
-        return self.job.scope(self.layer_stats, params=self.params,
-                              metas=x.scores.metas if x.scores is not None else (), probe=x.probe,
-                              pause_hooks=self.pause_hooks, grads=stored.grads, inv_scale=stored.inv_scale,
-                              norm=stored.norm)
 
 
 def heads_of(watched: Sequence[object]) -> dict[int, nn.Module]:

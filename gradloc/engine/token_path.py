@@ -43,7 +43,6 @@ class TokenPath:
                  params_of: dict[str, list[int]], job: Any, counters: Counter[str]) -> None:
         self.hooks, self.on_spike = hooks, mode == on_spike.MODE
         self.layer_stats, self.params_of, self.job, self.counters = layer_stats, params_of, job, counters
-        self.probe_context = job.probe_context
         self.alone = job.world is None  # set when the rank leaves its job: no token-group collective
         self.watched = frozenset(hooks.covered_modules) if hooks else frozenset()
 
@@ -157,11 +156,11 @@ class TokenPath:
                         "Compile per block around them, or use token_stats='on_spike'", len(names),
                         ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
 
-    def rerun(self, model: nn.Module, metas: list[MicroBatchMeta], probe: ProbeFn, breakdown: bool,
+    def rerun(self, scope: Any, metas: list[MicroBatchMeta], breakdown: bool,
               labels: Callable[[MicroBatchMeta], Any]) -> StepScores | None:
-        """token_stats='on_spike': the flagged step's scores, from re-running its micro-batches."""
-        parts = on_spike.rerun(self.hooks, model, self.layer_stats.params, metas, probe, breakdown, labels,
-                               self.probe_context)
+        """token_stats='on_spike': the flagged step's scores, from re-running its micro-batches through the
+        step's probe scope."""
+        parts = on_spike.rerun(self.hooks, scope, metas, breakdown, labels)
         if parts is None:
             self.counters["on_spike_rerun_failed"] += 1
             return None

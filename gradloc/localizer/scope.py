@@ -6,7 +6,9 @@ owns what differs between parallelisms (``parallel/scope.py`` holds the job's):
 
 - ``comm``: the collectives every rank enters together (all-gather of a fixed-size tensor or of a
   picklable object, all-reduce); ``parallel.comm.JobComm`` puts a deadline on each;
-- ``session()``: a probe session in whatever context the probes need (DDP: ``no_sync``);
+- ``session(hooks=False)``: a probe session in whatever context the probes need (DDP: ``no_sync``);
+  ``hooks=True`` leaves the per-token hooks running (``token_stats="on_spike"`` re-runs a flagged step's
+  micro-batches through it: every probe of a step, and its re-run, goes through the one scope);
 - ``lockstep``: every rank must take part in every probe (FSDP2, ZeRO-3: a probe's forward gathers
   parameters), with an all-false token mask when it has nothing to probe;
 - ``measure(acc, loss, error)``: the job's ⟨∇_C, ∇⟩ / ‖∇‖² and ℓ_C of the probe gradients ``acc``
@@ -69,11 +71,14 @@ class Scope(Protocol):
     contribution: float  # the factor a rank's own probe gradient (and loss) enters the job's with (DDP: 1/W)
     job: bool  # a job's rank (records name their rank), not one process
 
-    def session(self) -> ContextManager[ProbeSession]: ...
+    def session(self, hooks: bool = False) -> ContextManager[ProbeSession]: ...
 
     def measure(self, acc: Grads, loss: float, error: str) -> tuple[float, float]: ...
 
     def norms(self, acc: Grads) -> tuple[float, float]: ...
+
+
+Opener = Callable[[bool], ContextManager[ProbeSession]]  # hooks -> a probe session (``Scope.session``)
 
 
 class SoloScope:
@@ -81,12 +86,12 @@ class SoloScope:
 
     lockstep, linear, decomposes, contribution, job = False, True, True, 1.0, False
 
-    def __init__(self, opener: Callable[[], ProbeSession], grads: Grads, inv_scale: float, norm: float) -> None:
+    def __init__(self, opener: Opener, grads: Grads, inv_scale: float, norm: float) -> None:
         self.comm: Comm = SoloComm()
         self._opener, self.grads, self.inv_scale, self.norm = opener, grads, inv_scale, norm
 
-    def session(self) -> ContextManager[ProbeSession]:
-        return self._opener()
+    def session(self, hooks: bool = False) -> ContextManager[ProbeSession]:
+        return self._opener(hooks)
 
     def measure(self, acc: Grads, loss: float, error: str) -> tuple[float, float]:
         if error:
@@ -100,7 +105,6 @@ class SoloScope:
         return grad_norm(acc), distance(self.grads, acc, self.inv_scale)
 
 
-def solo_scope(opener: Callable[[], ProbeSession] | None, grads: Grads, inv_scale: float,
-               norm: float) -> SoloScope | None:
+def solo_scope(opener: Opener | None, grads: Grads, inv_scale: float, norm: float) -> SoloScope | None:
     """One process's scope over its stored gradient; None without a probe closure (``opener`` None)."""
     return SoloScope(opener, grads, inv_scale, norm) if opener is not None else None

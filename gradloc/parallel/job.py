@@ -92,9 +92,19 @@ class Job:
         """A forward of this rank is its own (no collective in it): a flagged step's forward can be re-run alone."""
         return self.world is None or (self.data.local_forward and not self.parts)
 
-    def scope(self, layer_stats: Any, **args: Any) -> Any:
-        """The one scope through which a spike step's probes run and combine over the job (parallel/scope.py)."""
-        return self.data.scope(self, layer_stats, **args)
+    def scope(self, layer_stats: Any, *, alone: bool, **args: Any) -> Any:
+        """The one scope through which a flagged step's probes (and its on_spike re-run) run and combine: over the
+        job (parallel/scope.py), or — one process, or a rank that left its job — this rank's own
+        (``localizer/scope.SoloScope``; None without a probe closure). ``args``: params, metas, probe,
+        pause_hooks, grads, inv_scale, norm."""
+        if not alone:
+            return self.data.scope(self, layer_stats, **args)
+        from gradloc.localizer.scope import solo_scope
+        from gradloc.parallel.scope import opener
+
+        a = args
+        opens = opener(self, a["params"], a["metas"], a["probe"], a["pause_hooks"]) if a["probe"] is not None else None
+        return solo_scope(opens, a["grads"], a["inv_scale"], a["norm"])
 
     def step_problem(self, layer_stats: Any) -> str:
         """Why this step's gradient cannot be read where ``end_step`` was called ('' when it can)."""

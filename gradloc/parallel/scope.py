@@ -24,7 +24,7 @@ from torch import nn
 
 from gradloc.collector.layer_stats import local
 from gradloc.localizer.probes import Grads, ProbeFn, ProbeSession, grad_norm
-from gradloc.localizer.scope import ProbeFailed
+from gradloc.localizer.scope import Opener, ProbeFailed
 
 
 class JobScope:
@@ -37,13 +37,14 @@ class JobScope:
                  pause_hooks: Callable[[bool], None], grads: Grads, inv_scale: float, norm: float,
                  session: Callable[..., ProbeSession] = ProbeSession, view: Any = None,
                  loss_weight: float = 1.0) -> None:
-        self.jb, self.params, self.metas, self.probe, self.pause_hooks = job, params, metas, probe, pause_hooks
+        self.jb, self.params = job, params
+        self.open = opener(job, params, metas, probe, pause_hooks, session)
         layout = job.layout
         self.comm, self.world = layout.data, layout.world
         self.lockstep, self.linear = job.lockstep, job.data.linear
         self.decomposes = job.data.decomposes and not job.parts
         self.contribution = job.data.contribution(layout.dp)
-        self.inv_scale, self.norm, self._session = inv_scale, norm, session
+        self.inv_scale, self.norm = inv_scale, norm
         self.base = job.weights if job.weights is not None else [1.0 / layout.world.world_size] * len(params)
         self.view, self.loss_weight = view, loss_weight
         self.grads, self.weights = self.reduce(list(grads))  # the stored gradient's local values, their weights
@@ -55,9 +56,8 @@ class JobScope:
         vals, factors = self.view(grads, self.params)
         return vals, [w * f for w, f in zip(self.base, factors)]
 
-    def session(self) -> ContextManager[ProbeSession]:
-        return _Session(self._session(self.jb.model, self.params, self.metas, self.probe, self.pause_hooks),
-                        self.jb.probe_context())
+    def session(self, hooks: bool = False) -> ContextManager[ProbeSession]:
+        return self.open(hooks)
 
     def _raise_failed(self, error: str) -> None:
         errors = self.comm.all_gather_object(error, "gradloc probe errors")
@@ -148,6 +148,20 @@ class ZeroScope(JobScope):
         return math.sqrt(c_sq), math.sqrt(max(self.norm ** 2 - 2.0 * inner + c_sq, 0.0))
 
 
+def opener(job: Any, params: list[nn.Parameter], metas: Any, probe: ProbeFn, pause_hooks: Callable[[bool], None],
+           session: Callable[..., ProbeSession] = ProbeSession) -> Opener:
+    """How every probe session of a rank opens (its scope's ``session``, alone or in a job): inside the job's
+    probe context (DDP: ``no_sync``), the token hooks paused unless ``hooks`` (the on_spike re-run)."""
+    def open_session(hooks: bool = False) -> ContextManager[ProbeSession]:
+        suspend = _keep_hooks if hooks else pause_hooks
+        return _Session(session(job.model, params, metas, probe, suspend), job.probe_context())
+    return open_session
+
+
+def _keep_hooks(on: bool) -> None:
+    """A session's suspend callback that leaves the token hooks as they are."""
+
+
 class _Session:
     """A probe session inside the job's probe context (DDP: no_sync)."""
 
@@ -165,4 +179,4 @@ class _Session:
             self.context.__exit__(*exc)
 
 
-__all__ = ["JobScope", "ZeroScope"]
+__all__ = ["JobScope", "ZeroScope", "opener"]

@@ -127,8 +127,8 @@ class Toy:
         st = stored if stored is not None else self.stored()
         return SoloScope(self.opener(closure), st.grads, st.inv_scale, st.norm)
 
-    def opener(self, closure: ProbeFn | None = None) -> Callable[[], ProbeSession]:
-        def open_probes() -> ProbeSession:
+    def opener(self, closure: ProbeFn | None = None) -> Callable[[bool], ProbeSession]:
+        def open_probes(hooks: bool = False) -> ProbeSession:
             self.opens += 1
             return ProbeSession(self.model, [self.w], self.metas, closure or self.probe, suspend=lambda on: None)
 
