@@ -15,296 +15,335 @@ micro-batches could carry the spike together is measured as a whole after a meas
 nothing smaller (``ranks.py``: ``rank`` level). Nothing passes: ``diffuse``, with every measured
 share reported. Every rank takes the same path: the owner's results
 reach the others through ``all_gather_object``.
+
+Each level is a function of the :class:`~gradloc.localizer.runner.Runner`, the frozen :class:`BelowContext` (the
+job's samples, the micro-batch order, the rank shapes) and the :class:`~gradloc.localizer.trail.Trail` so far, to a
+result and the next trail; :func:`below` drives them.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from gradloc.localizer import ranks
 from gradloc.localizer.context import LocalizeResult, out_of_band
 from gradloc.localizer.decompose import decompose
 from gradloc.localizer.diffuse import TOP_SAMPLES, describe
-from gradloc.localizer.levels import micro_batch_passes, pick_samples, regions_of, sample_measures, top_tokens
-from gradloc.localizer.ranks import Ranks
+from gradloc.localizer.levels import (
+    SampleVerdict,
+    micro_batch_passes,
+    pick_samples,
+    regions_of,
+    sample_measures,
+    top_tokens,
+)
+from gradloc.localizer.ranks import Found, RankContext
 from gradloc.localizer.runner import Runner
 from gradloc.localizer.spans import build_culprits, range_span
-from gradloc.records import CulpritGroup, Level, Method, SampleShare, Status
+from gradloc.localizer.trail import Trail, attributed, record_samples
+from gradloc.records import CulpritGroup, Level, Localization, Method, SampleShare, Status
 
 MAX_CLOSURE_ERROR = 0.25  # a decomposition whose Σ c_t misses the probe's ⟨∇_mb, ∇⟩ by more is not trusted
 
 
-class Below:
-    def __init__(self, run: Runner, why: str) -> None:
-        self.r, self.notes = run, [why]
-        self.passes = 0
-        self.measured: list[SampleShare] = []
-        self.pending: list[tuple] = []  # outlier samples of the micro-batches decomposed so far (_verdict)
-        self.order: list[tuple[int, int]] = []  # (rank, view position) to decompose, set by run()
-        self.flagged: set[tuple[int, int]] = set()  # ... of those holding a per-sample surprise outlier
-        self.n = run.n_samples()
-        self._dec: tuple | None = None  # (c, gradient, loss) of the last decomposition on this rank
-        self.ranks = None if run.solo else Ranks(run, self)  # the rank level (W > 1)
+@dataclass(frozen=True, kw_only=True)
+class BelowContext:
+    n: int  # the job's samples on the step
+    ranks: RankContext | None  # the rank level's shapes (W > 1)
+    order: tuple[tuple[int, int], ...] = ()  # (rank, view position) to decompose, best first
+    flagged: frozenset[tuple[int, int]] = frozenset()  # ... of those holding a per-sample surprise outlier
+    m_total: int = 0  # the job's micro-batches
 
-    def run(self) -> LocalizeResult:
-        r = self.r
-        if r.all_ranks(r.scope.decomposes and r.head is not None):
-            self.order = self._micro_batch_order()
-            for owner, m in self.order:
-                if r.left <= 0:
-                    break
-                got = self._decompose(owner, m)
-                if got["error"]:
-                    self.notes.append(f"decomposition unavailable ({got['error']})")
-                    break
-                if got["closure_error"] > MAX_CLOSURE_ERROR:
-                    self.notes.append(f"decomposition of micro-batch {got['index']} off by {got['closure_error']:.0%} "
-                                      "(not trusted)")
-                    continue
-                found = self._verdict(owner, m, got)
-                if found is None and self.ranks is not None:
-                    found = self.ranks.after_decomposition(owner, got["explained"], self._dec)
-                if found is not None:
-                    return found
-        if not self.measured:
-            return self._by_sample_probes()
-        return LocalizeResult(self._diffuse())
 
-    # -- decomposition --------------------------------------------------------------------------
-    def _micro_batch_order(self) -> list[tuple[int, int]]:
-        """(rank, view position) of the job's micro-batches: those holding a per-sample surprise
-        outlier of the step first (SpikeContext.outliers: the odd sample is known), then by their best
-        sample's score, best first. Attribution scores are sums of squares: a coherent bad sample (a
-        truncated document's predictable padding) can score below a healthy one."""
-        view = self.r.view
-        odd = {m for m, meta in enumerate(view.metas) for mb, _ in self.r.ctx.outliers if mb == meta.index}
-        best: dict[int, float] = {}
-        for m, _, score, _ in view.sample_totals():
-            best.setdefault(m, score if math.isfinite(score) else 0.0)
-        items = sorted((m, score, m in odd) for m, score in best.items())
-        every = self.r.comm.all_gather_object(items, "gradloc micro-batch order")
-        merged = [(not flagged, -score, rank, m) for rank, items in enumerate(every) for m, score, flagged in items]
-        self.m_total = len(merged)
-        self.flagged = {(rank, m) for odd, _, rank, m in merged if not odd}
-        return [(rank, m) for _, _, rank, m in sorted(merged)]
+@dataclass(frozen=True, kw_only=True)
+class Decomposition:
+    """One micro-batch's decomposition as every rank learns it; ``local`` only on the rank that ran it."""
 
-    def _decompose(self, owner: int, m: int) -> dict:
-        r, payload = self.r, None
-        self._dec = None
-        if owner == r.rank:
-            view, st = r.view, r.stored
-            meta = view.metas[m]
-            a, b = view.offsets[m], view.offsets[m + 1]
-            mask = view.mask(m, np.flatnonzero(view.eligible[a:b]) + a)
-            try:
-                dec = decompose(r.session, meta.index, mask, st.grads, st.inv_scale, st.norm ** 2, r.head)
-                k = r.scope.contribution  # DDP: a rank's own gradient enters the job's averaged
-                c = dec.c * k
-                self._dec = (c, dec.grad, dec.loss)  # c as the job sees it; the gradient and loss as probed here
-                measures = [(s, share, n, meta.sample_id(s), _score_share(r, m, s))
-                            for s, share, n in sample_measures(view, m, c)]
-                payload = {"error": "", "closure_error": dec.closure_error, "explained": dec.explained * k,
-                           "loss": dec.loss * k, "measures": measures, "index": meta.index,
-                           "samples": meta.n_samples, "tokens": int(view.eligible[a:b].sum())}
-            except Exception as exc:  # noqa: BLE001 - an unusual model: fall back to sample probes
-                payload = {"error": f"{type(exc).__name__}: {exc}"}
-        got = r.comm.all_gather_object(payload, "gradloc decomposition")[owner]
-        r.spend()
-        self.passes += 2
-        return got
+    error: str = ""
+    closure_error: float = 0.0
+    explained: float = 0.0  # the micro-batch's share of ‖∇‖², as the job sees it
+    loss: float = 0.0
+    measures: tuple = ()  # (sample, share, tokens, sample id, score share), best first
+    index: int | None = None  # the micro-batch's index
+    samples: int = 0
+    tokens: int = 0
+    local: tuple | None = None  # (c as the job sees it, the probe gradient, its loss) on the owner rank
 
-    def _verdict(self, owner: int, m: int, got: dict) -> LocalizeResult | None:
-        r = self.r
-        rank = None if r.solo else owner
-        self.measured += [SampleShare(micro_batch=got["index"], sample=s, score_share=ss, share=share, sample_id=sid,
-                                      tokens=n, rank=rank) for s, share, n, sid, ss in got["measures"][:TOP_SAMPLES]]
-        # this micro-batch's outlier samples; with those of micro-batches measured before (the copies of
-        # a duplicated bad sample), named when their union passes verification
-        odd = pick_samples([(s, share, n) for s, share, n, _, _ in got["measures"]], lambda x: True, self.n)
-        if odd.culprits:
-            self.pending.append((owner, m, odd, got["index"], self._dec))
-            if r.verified(sum(v.explained for _, _, v, _, _ in self.pending)):
-                return self._sample_level([*self.pending, *self._other_outliers(owner, m)])
-        if micro_batch_passes(got["explained"], self.m_total,
-                              lambda x: r.verified(x)):
-            mine = self._dec[1] if self._dec is not None else [None] * len(r.stored.grads)
-            explained, loss = r.scope.measure(mine, self._dec[2] if self._dec is not None else 0.0, "")
-            norms = r.scope.norms(mine)
-            if self.ranks is not None and out_of_band(norms[1], r.ctx):  # not the whole story: its rank?
-                found = self.ranks.beyond_micro_batch(owner, got["explained"])
-                if found is not None:
-                    return found
-            self.notes.append(f"micro-batch {got['index']} carries it; no sample of it alone does")
-            group = CulpritGroup(share=explained, micro_batch=got["index"], rank=None if r.solo else owner,
-                                 samples=got["samples"], tokens=got["tokens"])
-            loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.MICRO_BATCH, probes=r.used,
-                           passes=self.passes, samples=self.samples(), note="; ".join(self.notes),
-                           explained=explained, norms=norms, loss=loss, groups=(group,))
-            return LocalizeResult(loc, mine if r.keep_grad else None)
-        self.notes.append(f"micro-batch {got['index']} measured: {got['explained']:.0%} of ‖∇‖², no sample of it passes alone")
-        return None
 
-    def _other_outliers(self, owner: int, m: int) -> list[tuple]:
-        """The culprit samples of the other micro-batches holding a per-sample surprise outlier (the
-        second copy of a duplicated bad sample), decomposed with the probes left: (owner, view
-        position, verdict, micro-batch index, decomposition). Their shares add exactly to the first
-        micro-batch's; a sample is named when it is an outlier (``pick_samples``' floor), the union
-        having passed already."""
-        r, out = self.r, []
-        done = {(o, mm) for o, mm, *_ in self.pending}
-        for o2, m2 in self.order:
-            if (o2, m2) in done or (o2, m2) not in self.flagged or r.left <= 0:
-                continue
-            got = self._decompose(o2, m2)
-            if got["error"] or got["closure_error"] > MAX_CLOSURE_ERROR:
-                self.notes.append(f"micro-batch {got.get('index', '?')} with an odd sample: no usable decomposition")
-                continue
-            rank = None if r.solo else o2
-            self.measured += [SampleShare(micro_batch=got["index"], sample=s, score_share=ss, share=share,
-                                          sample_id=sid, tokens=n, rank=rank)
-                              for s, share, n, sid, ss in got["measures"][:TOP_SAMPLES]]
-            verdict = pick_samples([(s, share, n) for s, share, n, _, _ in got["measures"]], lambda x: True, self.n)
-            if verdict.culprits:
-                out.append((o2, m2, verdict, got["index"], self._dec))
-        return out
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """A micro-batch with culprit samples: where it is, the verdict, and its decomposition (owner rank only)."""
 
-    def _sample_level(self, parts: list[tuple]) -> LocalizeResult:
-        """``parts``: (owner, view position, SampleVerdict, micro-batch index, decomposition) per
-        micro-batch with culprit samples."""
-        r = self.r
-        (owner, m, verdict, _, _), more = parts[0], parts[1:]
-        explained, norms, loss, grad = sum(v.explained for _, _, v, _, _ in parts), (None, None), None, None
-        # culprits in several micro-batches: their decomposed shares add up (one probe round covers one
-        # micro-batch per rank, so they are not re-measured together)
-        if not more and r.left > 0:  # measure the culprit samples themselves
-            group = None
-            if owner == r.rank:
-                group = (m, np.concatenate([r.view.sample_flats(m, b) for b in verdict.culprits]))
-            start = len(r.session.losses)
-            acc, err = r.probe_round([None] * len(r.stored.grads), group)
-            exact, loss = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
-            norms = r.scope.norms(acc)
-            r.spend()
-            self.notes.append(f"the decomposition gave {explained:.0%}, a probe of the sample(s) {exact:.0%}")
-            explained, grad = exact, (acc if r.keep_grad else None)
-        levels, culprits, spans = set(), [], []
-        for o, mm, v, _, dec in parts:
-            payload = self._regions(mm, v, dec) if o == r.rank else None
-            lv, cs, ss = r.comm.all_gather_object(payload, "gradloc culprit samples")[o]
-            levels.add(lv)
-            culprits += cs
-            spans += ss
-        level = levels.pop() if len(levels) == 1 else Level.SPAN
-        if more:  # one list over the micro-batches, largest share first
-            culprits, spans = sorted(culprits, key=lambda x: -x.share), sorted(spans, key=lambda x: -x.share)
-        culprits, spans = tuple(culprits), tuple(spans)
-        what = "; ".join(", ".join(f"sample {b}" for b in v.culprits) + f" of micro-batch {i}" for _, _, v, i, _ in parts)
-        n_named = sum(len(v.culprits) for _, _, v, _, _ in parts)
-        self.notes.append(f"{what} carr{'ies' if n_named == 1 else 'y'} {explained:.0%} of ‖∇‖² "
-                          f"({level.value} level)")
-        loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=r.used,
-                       passes=self.passes, culprits=culprits, spans=spans, samples=self.samples(),
-                       note="; ".join(self.notes), explained=explained, norms=norms, loss=loss)
-        return LocalizeResult(loc, grad)
+    owner: int
+    m: int
+    verdict: SampleVerdict
+    index: int | None
+    local: tuple | None
 
-    def _regions(self, m: int, verdict, dec: tuple) -> tuple:  # noqa: ANN001 - levels.SampleVerdict
-        """(level, culprits, spans) of the culprit samples, on the rank that holds them (``dec``: that
-        micro-batch's decomposition)."""
-        r, (c, _, _) = self.r, dec
-        share_of = {b: s for b, s, _ in verdict.samples}
-        levels, regions = [], []
-        for b in verdict.culprits:
-            level, rs = regions_of(r.view, m, b, c, share_of[b])
-            levels.append(level)
-            regions += rs
-        level = levels[0] if len(set(levels)) == 1 else Level.SPAN
-        flats = top_tokens(r.view, regions, c)
-        base = r.view.offsets[m]
-        culprits = build_culprits(r.view, flats, [float(c[f - base]) for f in flats], r.decode)
-        spans = tuple(range_span(r.view, x.m, x.sample, x.start, x.end, x.share, r.decode, r.cfg.context_tokens)
-                      for x in regions)
-        if not r.solo:
-            culprits = tuple(replace(x, rank=r.rank) for x in culprits)
-            spans = tuple(replace(x, rank=r.rank) for x in spans)
-        return level, culprits, spans
 
-    # -- without a decomposition --------------------------------------------------------------
-    def _by_sample_probes(self) -> LocalizeResult:
-        r = self.r
-        every = r.comm.all_gather_object([(score, m, b, n, r.view.metas[m].index)
-                                          for m, b, score, n in r.view.sample_totals()[:TOP_SAMPLES]], "gradloc samples")
-        top = sorted(((score, rank, m, b, n, index) for rank, items in enumerate(every) for score, m, b, n, index in items),
-                     key=lambda e: (-e[0] if math.isfinite(e[0]) else 0.0, e[1]))[:TOP_SAMPLES]
-        measured: list[tuple[float, int, int, int, int, int]] = []  # (share, rank, view position, sample, tokens, index)
-        for score, rank, m, b, n, index in top:
+def below(r: Runner, why: str) -> LocalizeResult:
+    """The levels below the tokens, in the runner's open probe session (module docstring)."""
+    trail = Trail(notes=(why,))
+    cx = BelowContext(n=r.n_samples(), ranks=None if r.solo else ranks.rank_context(r))
+    if r.all_ranks(r.scope.decomposes and r.head is not None):
+        cx = micro_batch_order(r, cx)
+        pending: tuple[Part, ...] = ()
+        for owner, m in cx.order:
             if r.left <= 0:
                 break
-            if n == 0:
+            dec = decompose_at(r, owner, m)
+            trail = trail.passed(2)
+            if dec.error:
+                trail = trail.note(f"decomposition unavailable ({dec.error})")
+                break
+            if dec.closure_error > MAX_CLOSURE_ERROR:
+                trail = trail.note(f"decomposition of micro-batch {dec.index} off by {dec.closure_error:.0%} "
+                                   "(not trusted)")
                 continue
-            group = (m, r.view.sample_flats(m, b)) if rank == r.rank else None
-            start = len(r.session.losses)
-            acc, err = r.probe_round([None] * len(r.stored.grads), group)
-            share, _ = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
-            del acc
-            r.spend()
-            measured.append((share, rank, m, b, n, index))
-            if self.ranks is not None and not self._passing(measured).culprits:
-                self.measured = self._with_shares(measured)
-                found = self.ranks.after_sample_probe(rank, share)
-                if found is not None:
-                    return found
-        ranked = sorted(measured, key=lambda e: -e[0])
-        verdict = self._passing(ranked)
-        self.measured = self._with_shares(measured)
-        if not verdict.culprits:
-            return LocalizeResult(self._diffuse())
-        mine = [ranked[i] for i in verdict.culprits if ranked[i][1] == r.rank]
-        spans = []
-        for share, _, m, b, _, _ in mine:
-            pos = r.view.sample_flats(m, b) - r.view.offsets[m] - r.view.metas[m].bounds(b)[0]
-            span = range_span(r.view, m, b, int(pos[0]), int(pos[-1]) + 1, share, r.decode, r.cfg.context_tokens)
-            spans.append(span if r.solo else replace(span, rank=r.rank))
-        spans = sorted((x for e in r.comm.all_gather_object(spans, "gradloc culprit samples") for x in e),
-                       key=lambda x: -x.share)
-        self.notes.append(f"{len(spans)} sample(s) measured by probes carry {verdict.explained:.0%} of ‖∇‖² "
-                          "(sample level; no decomposition, so no span inside them)")
-        loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.SAMPLE, probes=r.used,
-                       spans=tuple(spans), samples=self.samples(), note="; ".join(self.notes),
-                       explained=verdict.explained)
-        return LocalizeResult(loc)
+            found, trail, pending = verdict(r, cx, trail, pending, owner, m, dec)
+            if found is None and cx.ranks is not None:
+                found, trail = ranks.after_decomposition(r, cx.ranks, trail, owner, dec.explained, dec.local)
+            if found is not None:
+                return found
+    if not trail.measured:
+        return by_sample_probes(r, cx, trail)
+    return LocalizeResult(diffuse(r, cx, trail))
 
-    def _passing(self, measured: list[tuple]):  # noqa: ANN202 - levels.SampleVerdict
-        """The sample verdict on probed samples (share, rank, view position, sample, tokens, index), best first."""
-        r = self.r
-        return pick_samples([(i, e[0], e[4]) for i, e in enumerate(measured)],
-                            lambda x: r.verified(x), self.n)
 
-    def _with_shares(self, measured: list[tuple]) -> list[SampleShare]:
-        """The job's top samples, with the probed ones' measured shares."""
-        shares = {(e[1], e[5], e[3]): e[0] for e in measured}
-        return [replace(s, share=shares.get((s.rank or 0, s.micro_batch, s.sample), s.share)) for s in self._attributed()]
+# -- decomposition ------------------------------------------------------------------------------
+def micro_batch_order(r: Runner, cx: BelowContext) -> BelowContext:
+    """The job's micro-batches (rank, view position): those holding a per-sample surprise outlier of the step
+    first (SpikeContext.outliers: the odd sample is known), then by their best sample's score, best first.
+    Attribution scores are sums of squares: a coherent bad sample (a truncated document's predictable padding)
+    can score below a healthy one."""
+    view = r.view
+    odd = {m for m, meta in enumerate(view.metas) for mb, _ in r.ctx.outliers if mb == meta.index}
+    best: dict[int, float] = {}
+    for m, _, score, _ in view.sample_totals():
+        best.setdefault(m, score if math.isfinite(score) else 0.0)
+    items = sorted((m, score, m in odd) for m, score in best.items())
+    every = r.comm.all_gather_object(items, "gradloc micro-batch order")
+    merged = [(not flagged, -score, rank, m) for rank, items in enumerate(every) for m, score, flagged in items]
+    return replace(cx, order=tuple((rank, m) for _, _, rank, m in sorted(merged)), m_total=len(merged),
+                   flagged=frozenset((rank, m) for odd, _, rank, m in merged if not odd))
 
-    # -- records ------------------------------------------------------------------------------
-    def _attributed(self) -> tuple[SampleShare, ...]:
-        from gradloc.localizer.picture import merge_samples, top_samples
 
-        every = self.r.comm.all_gather_object(top_samples(self.r.view), "gradloc top samples")
-        return merge_samples(every, self.r.pic.total_score, not self.r.solo)
+def decompose_at(r: Runner, owner: int, m: int) -> Decomposition:
+    """The decomposition probe of rank ``owner``'s micro-batch at view position ``m`` (one probe, every rank)."""
+    payload, local = None, None
+    if owner == r.rank:
+        view, st = r.view, r.stored
+        meta = view.metas[m]
+        a, b = view.offsets[m], view.offsets[m + 1]
+        mask = view.mask(m, np.flatnonzero(view.eligible[a:b]) + a)
+        try:
+            dec = decompose(r.session, meta.index, mask, st.grads, st.inv_scale, st.norm ** 2, r.head)
+            k = r.scope.contribution  # DDP: a rank's own gradient enters the job's averaged
+            c = dec.c * k
+            local = (c, dec.grad, dec.loss)  # c as the job sees it; the gradient and loss as probed here
+            measures = tuple((s, share, n, meta.sample_id(s), _score_share(r, m, s))
+                             for s, share, n in sample_measures(view, m, c))
+            payload = Decomposition(closure_error=dec.closure_error, explained=dec.explained * k, loss=dec.loss * k,
+                                    measures=measures, index=meta.index, samples=meta.n_samples,
+                                    tokens=int(view.eligible[a:b].sum()))
+        except Exception as exc:  # noqa: BLE001 - an unusual model: fall back to sample probes
+            payload = Decomposition(error=f"{type(exc).__name__}: {exc}")
+    got = r.comm.all_gather_object(payload, "gradloc decomposition")[owner]
+    r.spend()
+    return replace(got, local=local if not got.error else None)
 
-    def samples(self) -> tuple[SampleShare, ...]:
-        """The job's top samples for the record: the measured ones first (their shares), then by attribution."""
-        seen = {(s.rank, s.micro_batch, s.sample) for s in self.measured}
-        rest = [s for s in self._attributed() if (s.rank, s.micro_batch, s.sample) not in seen]
-        measured = sorted(self.measured, key=lambda s: -(s.share if s.share is not None and math.isfinite(s.share)
-                                                         else -math.inf))
-        return tuple(measured[:TOP_SAMPLES] + rest)[:TOP_SAMPLES]
 
-    def _diffuse(self):  # noqa: ANN202 - Localization
-        r = self.r
-        samples = self.samples()
-        return r.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=r.used, passes=self.passes,
-                        samples=samples, note=f"{'; '.join(self.notes)}; {describe(samples, self.n)}")
+def _shares(r: Runner, dec: Decomposition, owner: int) -> tuple[SampleShare, ...]:
+    rank = None if r.solo else owner
+    return tuple(SampleShare(micro_batch=dec.index, sample=s, score_share=ss, share=share, sample_id=sid, tokens=n,
+                             rank=rank) for s, share, n, sid, ss in dec.measures[:TOP_SAMPLES])
+
+
+def _outliers(cx: BelowContext, dec: Decomposition) -> SampleVerdict:
+    return pick_samples([(s, share, n) for s, share, n, _, _ in dec.measures], lambda x: True, cx.n)
+
+
+def verdict(r: Runner, cx: BelowContext, trail: Trail, pending: tuple[Part, ...], owner: int, m: int,
+            dec: Decomposition) -> tuple[LocalizeResult | None, Trail, tuple[Part, ...]]:
+    """A decomposed micro-batch's verdict: its outlier samples (with those of micro-batches measured before: the
+    copies of a duplicated bad sample) when their union passes verification, else the micro-batch itself."""
+    trail = replace(trail, measured=(*trail.measured, *_shares(r, dec, owner)))
+    odd = _outliers(cx, dec)
+    if odd.culprits:
+        pending = (*pending, Part(owner=owner, m=m, verdict=odd, index=dec.index, local=dec.local))
+        if r.verified(sum(p.verdict.explained for p in pending)):
+            more, trail = other_outliers(r, cx, trail, pending)
+            return sample_level(r, cx, trail, (*pending, *more)), trail, pending
+    found, trail = micro_batch_level(r, cx, trail, owner, dec)
+    return found, trail, pending
+
+
+def micro_batch_level(r: Runner, cx: BelowContext, trail: Trail, owner: int, dec: Decomposition) -> Found:
+    """The decomposed micro-batch as the culprit when it passes (no sample of it does alone)."""
+    if not micro_batch_passes(dec.explained, cx.m_total, lambda x: r.verified(x)):
+        return None, trail.note(f"micro-batch {dec.index} measured: {dec.explained:.0%} of ‖∇‖², "
+                                "no sample of it passes alone")
+    mine = dec.local[1] if dec.local is not None else [None] * len(r.stored.grads)
+    explained, loss = r.scope.measure(mine, dec.local[2] if dec.local is not None else 0.0, "")
+    norms = r.scope.norms(mine)
+    if cx.ranks is not None and out_of_band(norms[1], r.ctx):  # not the whole story: its rank?
+        found, trail = ranks.beyond_micro_batch(r, cx.ranks, trail, owner, dec.explained)
+        if found is not None:
+            return found, trail
+    trail = trail.note(f"micro-batch {dec.index} carries it; no sample of it alone does")
+    group = CulpritGroup(share=explained, micro_batch=dec.index, rank=None if r.solo else owner,
+                         samples=dec.samples, tokens=dec.tokens)
+    loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.MICRO_BATCH, probes=r.used,
+                   passes=trail.passes, samples=record_samples(r, trail), note=trail.text,
+                   explained=explained, norms=norms, loss=loss, groups=(group,))
+    return LocalizeResult(loc, mine if r.keep_grad else None), trail
+
+
+def other_outliers(r: Runner, cx: BelowContext, trail: Trail, pending: tuple[Part, ...]
+                   ) -> tuple[tuple[Part, ...], Trail]:
+    """The culprit samples of the other micro-batches holding a per-sample surprise outlier (the second copy of
+    a duplicated bad sample), decomposed with the probes left. Their shares add exactly to the first
+    micro-batch's; a sample is named when it is an outlier (``pick_samples``' floor), the union having passed
+    already."""
+    out: list[Part] = []
+    done = {(p.owner, p.m) for p in pending}
+    for o2, m2 in cx.order:
+        if (o2, m2) in done or (o2, m2) not in cx.flagged or r.left <= 0:
+            continue
+        dec = decompose_at(r, o2, m2)
+        trail = trail.passed(2)
+        if dec.error or dec.closure_error > MAX_CLOSURE_ERROR:
+            trail = trail.note(f"micro-batch {dec.index if dec.index is not None else '?'} with an odd sample: "
+                               "no usable decomposition")
+            continue
+        trail = replace(trail, measured=(*trail.measured, *_shares(r, dec, o2)))
+        odd = _outliers(cx, dec)
+        if odd.culprits:
+            out.append(Part(owner=o2, m=m2, verdict=odd, index=dec.index, local=dec.local))
+    return tuple(out), trail
+
+
+def sample_level(r: Runner, cx: BelowContext, trail: Trail, parts: tuple[Part, ...]) -> LocalizeResult:
+    """The culprit samples of ``parts`` (their spans, when one carries a sample), re-measured by a probe when
+    they are in one micro-batch and one is left."""
+    first, more = parts[0], parts[1:]
+    explained, norms, loss, grad = sum(p.verdict.explained for p in parts), (None, None), None, None
+    # culprits in several micro-batches: their decomposed shares add up (one probe round covers one
+    # micro-batch per rank, so they are not re-measured together)
+    if not more and r.left > 0:  # measure the culprit samples themselves
+        group = None
+        if first.owner == r.rank:
+            group = (first.m, np.concatenate([r.view.sample_flats(first.m, b) for b in first.verdict.culprits]))
+        start = len(r.session.losses)
+        acc, err = r.probe_round([None] * len(r.stored.grads), group)
+        exact, loss = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
+        norms = r.scope.norms(acc)
+        r.spend()
+        trail = trail.note(f"the decomposition gave {explained:.0%}, a probe of the sample(s) {exact:.0%}")
+        explained, grad = exact, (acc if r.keep_grad else None)
+    levels, culprits, spans = set(), [], []
+    for p in parts:
+        lv, cs, ss = r.comm.all_gather_object(regions(r, p) if p.owner == r.rank else None,
+                                              "gradloc culprit samples")[p.owner]
+        levels.add(lv)
+        culprits += cs
+        spans += ss
+    level = levels.pop() if len(levels) == 1 else Level.SPAN
+    if more:  # one list over the micro-batches, largest share first
+        culprits, spans = sorted(culprits, key=lambda x: -x.share), sorted(spans, key=lambda x: -x.share)
+    what = "; ".join(", ".join(f"sample {b}" for b in p.verdict.culprits) + f" of micro-batch {p.index}" for p in parts)
+    n_named = sum(len(p.verdict.culprits) for p in parts)
+    trail = trail.note(f"{what} carr{'ies' if n_named == 1 else 'y'} {explained:.0%} of ‖∇‖² ({level.value} level)")
+    loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=level, probes=r.used,
+                   passes=trail.passes, culprits=tuple(culprits), spans=tuple(spans), samples=record_samples(r, trail),
+                   note=trail.text, explained=explained, norms=norms, loss=loss)
+    return LocalizeResult(loc, grad)
+
+
+def regions(r: Runner, part: Part) -> tuple:
+    """(level, culprits, spans) of a part's culprit samples, on the rank that holds them."""
+    c, m, v = part.local[0], part.m, part.verdict
+    share_of = {b: s for b, s, _ in v.samples}
+    levels, found = [], []
+    for b in v.culprits:
+        level, rs = regions_of(r.view, m, b, c, share_of[b])
+        levels.append(level)
+        found += rs
+    level = levels[0] if len(set(levels)) == 1 else Level.SPAN
+    flats = top_tokens(r.view, found, c)
+    base = r.view.offsets[m]
+    culprits = build_culprits(r.view, flats, [float(c[f - base]) for f in flats], r.decode)
+    spans = tuple(range_span(r.view, x.m, x.sample, x.start, x.end, x.share, r.decode, r.cfg.context_tokens)
+                  for x in found)
+    if not r.solo:
+        culprits = tuple(replace(x, rank=r.rank) for x in culprits)
+        spans = tuple(replace(x, rank=r.rank) for x in spans)
+    return level, culprits, spans
+
+
+# -- without a decomposition ----------------------------------------------------------------------
+def by_sample_probes(r: Runner, cx: BelowContext, trail: Trail) -> LocalizeResult:
+    """Each probe left measures one of the job's top samples; the passing ones are named (``sample`` level)."""
+    every = r.comm.all_gather_object([(score, m, b, n, r.view.metas[m].index)
+                                      for m, b, score, n in r.view.sample_totals()[:TOP_SAMPLES]], "gradloc samples")
+    top = sorted(((score, rank, m, b, n, index) for rank, items in enumerate(every) for score, m, b, n, index in items),
+                 key=lambda e: (-e[0] if math.isfinite(e[0]) else 0.0, e[1]))[:TOP_SAMPLES]
+    measured: list[tuple[float, int, int, int, int, int]] = []  # (share, rank, view position, sample, tokens, index)
+    for score, rank, m, b, n, index in top:
+        if r.left <= 0:
+            break
+        if n == 0:
+            continue
+        group = (m, r.view.sample_flats(m, b)) if rank == r.rank else None
+        start = len(r.session.losses)
+        acc, err = r.probe_round([None] * len(r.stored.grads), group)
+        share, _ = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
+        del acc
+        r.spend()
+        measured.append((share, rank, m, b, n, index))
+        if cx.ranks is not None and not _passing(r, cx, measured).culprits:
+            trail = replace(trail, measured=_with_shares(r, measured))
+            found, trail = ranks.after_sample_probe(r, cx.ranks, trail, rank, share)
+            if found is not None:
+                return found
+    ranked = sorted(measured, key=lambda e: -e[0])
+    passing = _passing(r, cx, ranked)
+    trail = replace(trail, measured=_with_shares(r, measured))
+    if not passing.culprits:
+        return LocalizeResult(diffuse(r, cx, trail))
+    mine = [ranked[i] for i in passing.culprits if ranked[i][1] == r.rank]
+    spans = []
+    for share, _, m, b, _, _ in mine:
+        pos = r.view.sample_flats(m, b) - r.view.offsets[m] - r.view.metas[m].bounds(b)[0]
+        span = range_span(r.view, m, b, int(pos[0]), int(pos[-1]) + 1, share, r.decode, r.cfg.context_tokens)
+        spans.append(span if r.solo else replace(span, rank=r.rank))
+    spans = sorted((x for e in r.comm.all_gather_object(spans, "gradloc culprit samples") for x in e),
+                   key=lambda x: -x.share)
+    trail = trail.note(f"{len(spans)} sample(s) measured by probes carry {passing.explained:.0%} of ‖∇‖² "
+                       "(sample level; no decomposition, so no span inside them)")
+    loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.SAMPLE, probes=r.used,
+                   spans=tuple(spans), samples=record_samples(r, trail), note=trail.text,
+                   explained=passing.explained)
+    return LocalizeResult(loc)
+
+
+def _passing(r: Runner, cx: BelowContext, measured: list[tuple]) -> SampleVerdict:
+    """The sample verdict on probed samples (share, rank, view position, sample, tokens, index), best first."""
+    return pick_samples([(i, e[0], e[4]) for i, e in enumerate(measured)], lambda x: r.verified(x), cx.n)
+
+
+def _with_shares(r: Runner, measured: list[tuple]) -> tuple[SampleShare, ...]:
+    """The job's top samples, with the probed ones' measured shares."""
+    shares = {(e[1], e[5], e[3]): e[0] for e in measured}
+    return tuple(replace(s, share=shares.get((s.rank or 0, s.micro_batch, s.sample), s.share)) for s in attributed(r))
+
+
+def diffuse(r: Runner, cx: BelowContext, trail: Trail) -> Localization:
+    samples = record_samples(r, trail)
+    return r.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=r.used, passes=trail.passes,
+                    samples=samples, note=f"{trail.text}; {describe(samples, cx.n)}")
 
 
 def _score_share(r: Runner, m: int, b: int) -> float:
@@ -314,4 +353,5 @@ def _score_share(r: Runner, m: int, b: int) -> float:
     return float(r.view.scores[base + a:base + e].sum()) / total if math.isfinite(total) and total > 0 else math.nan
 
 
-__all__ = ["Below"]
+__all__ = ["BelowContext", "Decomposition", "Part", "below", "by_sample_probes", "decompose_at", "diffuse",
+           "micro_batch_level", "micro_batch_order", "other_outliers", "regions", "sample_level", "verdict"]

@@ -9,7 +9,9 @@ gathers. The levels import this module, never ``localizer.py`` (no import cycle 
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -45,6 +47,13 @@ class Runner:
     def solo(self) -> bool:
         """One process, not a job's rank (a job of one rank still names its rank and never bisects)."""
         return not getattr(self.scope, "job", False)
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[ProbeSession]:
+        """The scope's probe session, open as ``session`` for the levels while the block runs."""
+        with self.scope.session() as session:
+            self.session = session
+            yield session
 
     # -- the probe budget and the verification test ----------------------------------------------
     @property

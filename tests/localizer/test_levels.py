@@ -57,7 +57,7 @@ def test_a_micro_batch_with_a_surprise_outlier_is_decomposed_first() -> None:
     below a healthy sample. The micro-batch holding the step's per-sample outlier goes first."""
     from types import SimpleNamespace
 
-    from gradloc.localizer.below import Below
+    from gradloc.localizer.below import BelowContext, micro_batch_order
     from gradloc.localizer.context import SpikeContext
     from gradloc.localizer.scope import SoloComm
 
@@ -65,8 +65,8 @@ def test_a_micro_batch_with_a_surprise_outlier_is_decomposed_first() -> None:
     scores[:T] = 5.0  # micro-batch 0's sample 0 scores highest
     order = {}
     for outliers in ((), ((1, 2),)):
-        run = SimpleNamespace(view=_two_micro_batches(scores), comm=SoloComm(), n_samples=lambda: 2 * B, solo=True,
+        run = SimpleNamespace(view=_two_micro_batches(scores), comm=SoloComm(), solo=True,
                               ctx=SpikeContext(1.0, None, None, outliers=outliers))
-        order[outliers] = Below(run, "why")._micro_batch_order()
+        order[outliers] = list(micro_batch_order(run, BelowContext(n=2 * B, ranks=None)).order)
     assert order[()] == [(0, 0), (0, 1)]  # by the best sample's score
     assert order[((1, 2),)] == [(0, 1), (0, 0)]  # the outlier's micro-batch first
