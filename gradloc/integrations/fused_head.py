@@ -22,7 +22,6 @@ called: left unscored, their gradient is reported as the unattributed share, nev
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -38,12 +37,13 @@ class FusedHeadScores:
     """Scores for the LM head of ``model`` (a ``PreTrainedModel``, or a PEFT wrapper of one)."""
 
     def __init__(self, model: nn.Module, hooks: TokenHooks, temperature: float = 1.0,
-                 counters: Counter[str] | None = None) -> None:
+                 note_event: Callable[[str], None] | None = None) -> None:
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.head: nn.Module | None = lm.get_output_embeddings()
         self.hooks = hooks
         self.scale = self._scale(lm, temperature)  # 1/τ, or None: unscored (unattributed)
-        self.counters = Counter() if counters is None else counters  # "fused_head_errors": failures caught
+        self.errors = 0  # kernel calls whose scores failed (each one also a monitor event, "fused_head_errors")
+        self._note_event = note_event
         self.armed = False
         self._hidden_sq: torch.Tensor | None = None  # (B, T) ‖a_t‖² of the last armed backbone forward
         self._handle = lm.base_model.register_forward_hook(self._on_backbone) if lm.base_model is not lm else None
@@ -83,8 +83,13 @@ class FusedHeadScores:
         try:
             self._register(logps, entropies, first)
         except Exception:
-            self.counters["fused_head_errors"] += 1
+            self._failed()
             log.warning("gradloc: fused LM head not scored", exc_info=True)
+
+    def _failed(self) -> None:
+        self.errors += 1
+        if self._note_event is not None:
+            self._note_event("fused_head_errors")
 
     def _register(self, logps: torch.Tensor, entropies: torch.Tensor | None, first: int) -> None:
         add = self.hooks.external(self.head)  # marks the head as called: unscored counts as unattributed
@@ -110,7 +115,7 @@ class FusedHeadScores:
                     score[:, first:first + factor.shape[1]] = g.float().pow(2) * factor
                 add(score)
             except Exception:  # never raise into backward
-                self.counters["fused_head_errors"] += 1
+                self._failed()
                 log.debug("gradloc: fused LM head score failed", exc_info=True)
 
         return on_grad

@@ -107,7 +107,13 @@ class HeldBlocks:
         self.reports.append(report)
         return report
 
+    def skip(self, message: str) -> None:
+        """A micro-batch the integration could not open a block for (trained, left out), counted."""
+        self._count("skipped_micro_batches", message)
+
     def _count(self, counter: str, message: str) -> None:
+        """One failure caught on the training path: counted (``integration_<counter>``, records/events.py) and
+        logged with the integration's tag."""
         self.errors += 1
-        self.mon.note_event(f"{self.tag}_{counter}")
+        self.mon.note_event(f"integration_{counter}")
         log.warning("gradloc (%s): %s", self.tag, message, exc_info=True)

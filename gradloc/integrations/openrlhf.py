@@ -46,7 +46,7 @@ from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, ProbeError, UnsupportedModelError
 from gradloc.integrations.held import HeldBlocks
 from gradloc.integrations.openrlhf_batch import ExperienceLayout, layout, rl_fields
-from gradloc.integrations.patch import run_after
+from gradloc.integrations.patch import Patches, run_after
 
 log = logging.getLogger("gradloc")
 
@@ -92,10 +92,8 @@ class GradlocOpenRLHF:
         self._in_step = self._probing = False
         patches = ((trainer, "training_step", self._training_step), (trainer, "actor_loss_fn", self._loss_fn),
                    (strategy, "backward", self._backward), (strategy, "optimizer_step", self._optimizer_step))
-        self._orig = {name: getattr(obj, name) for obj, name, _ in patches}
-        self._saved = [(obj, name, name in vars(obj), vars(obj).get(name)) for obj, name, _ in patches]
-        for obj, name, fn in patches:
-            setattr(obj, name, fn)
+        self.patches = Patches(patches)
+        self._orig = self.patches.orig
         trainer._gradloc_hooks = self
 
     @property
@@ -104,11 +102,7 @@ class GradlocOpenRLHF:
 
     def detach(self) -> None:
         """Restore the trainer and strategy; close the monitor if these hooks made it."""
-        for obj, name, had, value in self._saved:
-            if had:
-                setattr(obj, name, value)
-            else:
-                delattr(obj, name)  # back to the class's method
+        self.patches.undo()
         self.trainer._gradloc_hooks = None
         self.blocks.close()
         if self.own_monitor:

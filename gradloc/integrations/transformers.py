@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
@@ -45,7 +44,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from gradloc.adapters.pytorch import Monitor, watch
 from gradloc.config import WatchConfig
-from gradloc.errors import BatchMetadataError, GradlocError, UnsupportedModelError
+from gradloc.errors import BatchMetadataError, UnsupportedModelError
+from gradloc.integrations.held import HeldBlocks
 from gradloc.integrations.hf_batch import batch_shape, causal_view, mask_labels, pop_sample_ids
 from gradloc.integrations.loop import as_config
 from gradloc.parallel.job import uncompiled
@@ -67,9 +67,10 @@ class _Block:
     """The micro-batch being run: its gradloc block opens once the Trainer has prepared its inputs
     (``_prepare_inputs``, which a trainer such as TRL's GRPOTrainer uses to generate them)."""
 
-    stack: ExitStack
     ids: list[str] | None  # sample ids popped from the raw batch, if any
-    setup: bool  # the first micro-batch of the monitor: bad metadata raises
+    setup: bool  # before the monitor's first end_step: bad metadata raises
+    num_items_in_batch: Any
+    ga_steps: int
     prepared: Mapping[str, Any] | None = None  # as the loss sees them, shallow copy
     entered: bool = False  # the block is open (False: left out of per-token statistics, counted)
 
@@ -91,41 +92,55 @@ class GradlocTrainerMixin:
         self.gradloc_sinks = tuple(gradloc_sinks)
         self.gradloc: Monitor | None = None  # the last train()'s monitor (closed after train returns)
         self.gradloc_degraded: str | None = None  # why per-token statistics are off, if they are
-        self.gradloc_errors = 0  # gradloc failures caught on the training path (each one logged)
-        self._gradloc_parts: list[_Part] = []
-        self._gradloc_loss: torch.Tensor | None = None
+        self._gradloc_blocks: HeldBlocks | None = None  # the micro-batch/step driver of the current monitor
         self._gradloc_block: _Block | None = None  # set only inside training_step
-        self._gradloc_stepped = False  # the current monitor has run end_step at least once
         self._gradloc_forward_args: frozenset[str] | None = None  # the model's forward parameters
         super().__init__(*args, **kwargs)
 
     # -- Trainer overrides ------------------------------------------------------------------------
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        self.gradloc, self.gradloc_degraded = None, None  # attached on the first training_step
+        self.gradloc, self.gradloc_degraded, self._gradloc_blocks = None, None, None  # attached on the first step
         try:
             return super().train(*args, **kwargs)
         finally:
             self._gradloc_close()
 
+    @property
+    def gradloc_errors(self) -> int:
+        """gradloc failures caught on the training path (each one logged and counted)."""
+        return self._gradloc_blocks.errors if self._gradloc_blocks is not None else 0
+
+    @property
+    def _gradloc_parts(self) -> list[_Part]:
+        """The current optimizer step's micro-batches, kept for the probes (the driver's payloads)."""
+        return self._gradloc_blocks.payloads if self._gradloc_blocks is not None else []
+
+    @property
+    def _gradloc_loss(self) -> torch.Tensor | None:
+        """The current optimizer step's summed micro-batch losses so far (detached)."""
+        return self._gradloc_blocks.loss if self._gradloc_blocks is not None else None
+
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
         if self.gradloc_config is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        setup = self.gradloc is None
-        if setup:
+        if self.gradloc is None:
             self._gradloc_attach(model, inputs)  # typed errors only here, before the first optimizer step
+        blocks = self._gradloc_blocks
         inputs, ids = self._gradloc_pop_ids(inputs)
-        block = self._gradloc_block = _Block(ExitStack(), ids, setup)
-        try:
-            with block.stack:  # _prepare_inputs opens the micro-batch block inside it: forward + backward
-                loss = super().training_step(model, inputs, num_items_in_batch)
+        block = self._gradloc_block = _Block(ids, not blocks.stepped, num_items_in_batch, self._gradloc_ga_steps())
+        try:  # _prepare_inputs opens the micro-batch block inside it: it holds the forward and the backward
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException as exc:
+            blocks.close(exc)  # the monitor drops the micro-batch
+            raise
         finally:
             self._gradloc_block = None
+        blocks.close()
         if block.prepared is None:  # a training_step override that never prepared its inputs
-            self.gradloc.note_event("hf_skipped_micro_batches")
-        elif block.entered and self.gradloc.hooks is not None:
-            self._gradloc_parts.append(_Part(block.prepared, num_items_in_batch, self._gradloc_ga_steps()))
-        self._gradloc_loss = loss.detach() if self._gradloc_loss is None else self._gradloc_loss + loss.detach()
+            blocks.skip(f"micro-batch {len(blocks.payloads)} of step {self.state.global_step}: its inputs were "
+                        "never prepared (left out of per-token statistics)")
+        blocks.add_loss(loss)
         if self.accelerator.sync_gradients:  # the loop clips right after this call returns
             self._gradloc_end_step(model)
         return loss
@@ -135,7 +150,7 @@ class GradlocTrainerMixin:
         block = self._gradloc_block
         if block is not None and block.prepared is None and isinstance(prepared, Mapping):
             block.prepared = dict(prepared)  # compute_loss may pop "labels" from its dict
-            block.entered = self._gradloc_enter(block.stack, self.gradloc, prepared, block.ids, block.setup)
+            block.entered = self._gradloc_open(block, prepared)
         return prepared
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -205,7 +220,7 @@ class GradlocTrainerMixin:
         decode = getattr(tok, "decode", None) or getattr(getattr(tok, "tokenizer", None), "decode", None)
         self.gradloc = watch(self._gradloc_job_model(model), opt, config=cfg, decode=decode,
                              sinks=self.gradloc_sinks)
-        self._gradloc_parts, self._gradloc_loss, self._gradloc_stepped = [], None, False
+        self._gradloc_blocks = HeldBlocks(self.gradloc, "hf")
 
     def _gradloc_job_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """What gradloc watches: the job the Trainer trains. Under multi-process DDP that is the
@@ -246,23 +261,17 @@ class GradlocTrainerMixin:
             self._gradloc_forward_args = frozenset(inspect.signature(model.forward).parameters)
         return [c for c in cols if c not in self._gradloc_forward_args]  # never take an input the model reads
 
-    def _gradloc_enter(self, stack: ExitStack, mon: Monitor, inputs: Mapping[str, Any], ids: list[str] | None,
-                       setup: bool) -> bool:
-        """Open this micro-batch's block; False (counted) if its metadata is unusable after setup."""
-        index = len(self._gradloc_parts)
-        try:
-            if mon.hooks is None:
-                stack.enter_context(mon.micro_batch(shape=batch_shape(inputs), sample_ids=ids))
-            else:
-                stack.enter_context(mon.micro_batch(**self._gradloc_micro_batch_args(inputs, ids, index)))
-            return True
-        except BatchMetadataError:
-            if setup:
-                raise
-            mon.note_event("hf_skipped_micro_batches")
-            log.warning("gradloc: micro-batch %d of step %d left out of per-token statistics", index,
-                        self.state.global_step, exc_info=True)
-            return False
+    def _gradloc_open(self, block: _Block, prepared: Mapping[str, Any]) -> bool:
+        """Open this micro-batch's block (through the driver: bad metadata raises during setup, is counted after);
+        False when it was left out."""
+        mon, blocks = self.gradloc, self._gradloc_blocks
+        index = len(blocks.payloads)
+        if mon.hooks is None:  # per-layer only: the block counts the micro-batch, no probe needs it
+            blocks.open(lambda: dict(shape=batch_shape(prepared), sample_ids=block.ids))
+        else:
+            blocks.open(lambda: self._gradloc_micro_batch_args(prepared, block.ids, index),
+                        payload=_Part(block.prepared, block.num_items_in_batch, block.ga_steps))
+        return blocks.held
 
     def _gradloc_micro_batch_args(self, inputs: Mapping[str, Any], ids: list[str] | None,
                                   index: int) -> dict[str, Any]:
@@ -276,38 +285,28 @@ class GradlocTrainerMixin:
         return dict(token_ids=view.token_ids, loss_mask=view.loss_mask, sample_ids=ids)
 
     def _gradloc_end_step(self, model: torch.nn.Module) -> None:
-        parts, loss = self._gradloc_parts, self._gradloc_loss
-        self._gradloc_parts, self._gradloc_loss = [], None
-        mon = self.gradloc
-        probe = None
-        if mon.hooks is not None and parts:
+        probe_for = None
+        if self.gradloc.hooks is not None:
             # the module under DDP: a probe's forward must not broadcast buffers (DDP's forward does, a collective
             # the other ranks are not in: only the rank holding the candidates probes); gradloc runs it in no_sync
             probe_model = self.accelerator.unwrap_model(model)
 
-            def probe(i: int, token_mask: torch.Tensor) -> torch.Tensor:
-                p = parts[i]
-                return self.gradloc_probe_loss(probe_model, p.inputs, token_mask, p.num_items_in_batch, p.ga_steps)
+            def probe_for(parts: list[_Part]) -> Any:
+                def probe(i: int, token_mask: torch.Tensor) -> torch.Tensor:
+                    p = parts[i]
+                    return self.gradloc_probe_loss(probe_model, p.inputs, token_mask, p.num_items_in_batch,
+                                                   p.ga_steps)
+                return probe
 
-        first, self._gradloc_stepped = not self._gradloc_stepped, True
-        try:
-            # records carry the Trainer's step numbers (also after a resume)
-            mon.end_step(loss, probe=probe, scaler=self.accelerator.scaler, step=self.state.global_step)
-        except Exception as exc:  # never raise into the training loop ...
-            if first and isinstance(exc, GradlocError):
-                raise  # ... except a typed setup mistake, before the first optimizer step
-            self.gradloc_errors += 1
-            mon.note_event("hf_end_step_errors")
-            log.warning("gradloc: end_step failed at step %d", self.state.global_step, exc_info=True)
+        # records carry the Trainer's step numbers (also after a resume)
+        self._gradloc_blocks.end_step(probe_for, scaler=self.accelerator.scaler, step=self.state.global_step)
 
     def _gradloc_close(self) -> None:
-        self._gradloc_parts, self._gradloc_loss, self._gradloc_block = [], None, None
-        if self.gradloc is not None:
-            try:
-                self.gradloc.close()
-            except Exception:
-                self.gradloc_errors += 1
-                log.warning("gradloc: closing the monitor failed", exc_info=True)
+        blocks = self._gradloc_blocks
+        if blocks is not None:
+            blocks.close(RuntimeError("training ended inside the micro-batch"))
+            blocks.payloads, blocks.loss = [], None
+            blocks.guard(self.gradloc.close, "close", setup_raises=False)
 
 
 class GradlocTrainer(GradlocTrainerMixin, transformers.Trainer):

@@ -111,7 +111,7 @@ class GradlocGRPOMixin(GradlocTrainerMixin):
         super()._gradloc_attach(model, inputs)
         if self.gradloc.hooks is not None:
             self._gradloc_head = FusedHeadScores(self.accelerator.unwrap_model(model), self.gradloc.hooks,
-                                                 self.temperature, self.gradloc.counters)
+                                                 self.temperature, self.gradloc.note_event)
 
     def _gradloc_close(self) -> None:
         if self._gradloc_head is not None:
@@ -184,7 +184,7 @@ class GradlocGRPOMixin(GradlocTrainerMixin):
         except Exception as exc:  # never raise into the training loop after setup
             if setup:
                 raise BatchMetadataError(f"the GRPO batch's RL fields could not be built: {exc}") from exc
-            self.gradloc.note_event("trl_rl_field_errors")
+            self.gradloc.note_event("integration_rl_fields_errors")
             log.warning("gradloc: RL fields of step %d left out", self.state.global_step, exc_info=True)
             return
         self.gradloc.rl_fields(**fields)  # typed error at setup, counted and dropped after

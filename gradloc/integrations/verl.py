@@ -34,7 +34,6 @@ empty mask); the reduce-scatter combines the probe gradients over the ranks. FSD
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -43,7 +42,7 @@ import torch
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, UnsupportedModelError
 from gradloc.integrations.held import HeldBlocks
-from gradloc.integrations.patch import run_after
+from gradloc.integrations.patch import Patches, patched, run_after
 from gradloc.integrations.verl_batch import PAD_SAMPLE, VerlLayout, layout, masked_loss_function, rl_fields
 
 __all__ = ["GradlocVerlHooks", "PAD_SAMPLE", "VerlLayout", "install", "layout", "masked_loss_function", "rl_fields"]
@@ -74,8 +73,7 @@ class GradlocVerlHooks:
     def __init__(self, engine: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool | None = None,
                  clip_ratio: tuple[float, float] | None = None, on_report: Callable[[Any], None] | None = None,
                  **overrides: Any) -> None:
-        if any(getattr(engine, "__dict__", {}).get(n) is not None and getattr(getattr(engine, n), "_gradloc", False)
-               for n in _PATCHED):
+        if any(patched(engine, n) for n in _PATCHED):
             raise AttachError("this engine already has gradloc hooks; detach() them first")
         if getattr(engine, "use_ulysses_sp", False) or int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1) > 1:
             raise UnsupportedModelError("Ulysses sequence parallelism splits each packed row across ranks; gradloc "
@@ -93,10 +91,10 @@ class GradlocVerlHooks:
         self.mon = mon if mon is not None else _watch(engine, config, overrides)
         self.probes, self.clip_ratio, self.on_report = probes, clip_ratio, on_report
         self.blocks = HeldBlocks(self.mon, "verl")
-        self._orig = {n: getattr(engine, n) for n in _PATCHED}
-        for name, fn in (("forward_step", self._forward_step), ("forward_backward_batch", self._forward_backward_batch),
-                         ("optimizer_step", self._optimizer_step)):
-            setattr(engine, name, _wrapper(self._orig[name], fn))
+        self.patches = Patches([(engine, "forward_step", self._forward_step),
+                                (engine, "forward_backward_batch", self._forward_backward_batch),
+                                (engine, "optimizer_step", self._optimizer_step)])
+        self._orig = self.patches.orig
 
     @property
     def reports(self) -> Any:
@@ -104,9 +102,7 @@ class GradlocVerlHooks:
 
     def detach(self) -> None:
         """Restore the engine's methods; close the monitor if these hooks made it."""
-        for name in _PATCHED:
-            if getattr(self.engine.__dict__.get(name), "_gradloc", False):
-                del self.engine.__dict__[name]
+        self.patches.undo()
         self.blocks.close()
         if self.own_monitor:
             self.mon.close()
@@ -197,15 +193,6 @@ def install(engine_cls: type, *, only: Callable[[Any], bool] | None = None, **kw
             engine.gradloc = GradlocVerlHooks(engine, **kwargs)
 
     return run_after(engine_cls, "initialize", attach)
-
-
-def _wrapper(orig: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    wrapped._gradloc = True
-    return wrapped
 
 
 def _is_fsdp1(module: Any) -> bool:

@@ -8,9 +8,10 @@ its meaning (docs/metrics.md shows this table). A name not declared here is expo
 :data:`OTHER` (and counted there), never as a label of its own.
 
 Names built at run time are declared by their expansions: ``remedy_applied`` / ``remedy_refused``
-(gradloc/engine/spike.py) and ``{tag}_{counter}`` of :class:`gradloc.integrations.held.HeldBlocks`
-(:data:`HELD_TAGS` × :data:`HELD_COUNTERS`). ``tests/records/test_event_table.py`` checks that every
-counter the source bumps is declared.
+(gradloc/engine/spike.py) and ``integration_{counter}`` of the integrations' micro-batch/step driver
+(:data:`INTEGRATION_COUNTERS`). The base layer names no integration: a job runs one, which its logs and its
+``job`` label say; the events are what went wrong, whichever integration drove the loop.
+``tests/records/test_event_table.py`` checks that every counter the source bumps is declared.
 """
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ from collections.abc import Iterable, Mapping
 
 OTHER = "other"  # the label of every name not declared below
 
-# ``HeldBlocks(mon, tag)`` of the RL integrations (gradloc/integrations/verl.py, openrlhf.py) and the loop integrations
-# (gradloc/integrations/loop.py: lightning.py, accelerate.py), and what they count
-HELD_TAGS: dict[str, str] = {"verl": "verl", "openrlhf": "OpenRLHF", "lightning": "Lightning", "accelerate": "Accelerate"}
-HELD_COUNTERS: dict[str, str] = {
+# what the integrations' micro-batch/step driver counts (gradloc/integrations/held.py), as integration_<counter>
+INTEGRATION = "integration"
+INTEGRATION_COUNTERS: dict[str, str] = {
     "skipped_micro_batches": "micro-batches whose metadata could not be mapped after setup (trained, left out of "
                              "per-token statistics)",
     "block_errors": "micro-batch blocks whose closing failed",
@@ -62,15 +62,10 @@ MONITOR_EVENTS: dict[str, str] = {
     "sink_errors": "sink calls (on_step, on_incident, flush, shutdown) that raised",
     "undelivered_at_close": "records the agent client could not deliver by close_timeout_s (counted at close: "
                             "after the last record, so only Monitor.counters shows it)",
-    # integrations (gradloc/integrations/*)
-    "hf_skipped_micro_batches": "Hugging Face Trainer: micro-batches left out of per-token statistics",
-    "hf_end_step_errors": "Hugging Face Trainer: end_step calls that failed after setup",
-    "trl_rl_field_errors": "TRL GRPO: steps whose RL fields could not be built (left out)",
-    "fused_head_errors": "TRL fused LM head (fused_lm_head=True): kernel calls whose per-position scores failed "
-                         "(the head's gradient unattributed)",
-    # the integrations' held blocks: {tag}_{counter}
-    **{f"{tag}_{counter}": f"{label}: {meaning}" for tag, label in HELD_TAGS.items()
-       for counter, meaning in HELD_COUNTERS.items()},
+    "fused_head_errors": "a fused LM head's kernel calls whose per-position scores failed (the head's gradient "
+                         "unattributed)",
+    # the integrations' driver: integration_{counter}
+    **{f"{INTEGRATION}_{counter}": f"an integration: {meaning}" for counter, meaning in INTEGRATION_COUNTERS.items()},
 }
 
 MAX_EVENT_NAME = 64  # characters of an event name on the wire (longer ones are dropped and counted)

@@ -224,7 +224,7 @@ def test_a_bad_experience_fails_at_setup_and_is_skipped_after_it():
     trainer.training_step(c, 0.0, 2, step_norms([c, d], GAS))
     hooks.sample_ids = None
     trainer.training_step(d, 0.0, 3, step_norms([c, d], GAS))
-    assert hooks.blocks.errors == 1 and hooks.mon.counters["openrlhf_layout_errors"] == 1
+    assert hooks.blocks.errors == 1 and hooks.mon.counters["integration_layout_errors"] == 1
     assert len(hooks.reports) == 2 and len(trainer.actor.model.norms) == 2
     hooks.detach()
     assert "training_step" not in vars(trainer) and "backward" not in vars(trainer.strategy)

@@ -326,7 +326,7 @@ def test_bad_sample_ids_raise_at_setup_and_are_counted_later(world: World, tmp_p
                            data_collator=_collator_with_bad_ids_at(3), processing_class=world.tok, gradloc=GRADLOC,
                            gradloc_sample_ids="uid")
     later.train()  # micro-batch 1 of step 1 is left out of per-token statistics; training goes on
-    assert later.gradloc.counters["hf_skipped_micro_batches"] == 1 and later.state.global_step == 3
+    assert later.gradloc.counters["integration_skipped_micro_batches"] == 1 and later.state.global_step == 3
     assert [r.micro_batches for r in later.gradloc.history] == [GA, GA - 1, GA]
 
 

@@ -251,7 +251,7 @@ def test_a_bad_micro_batch_fails_at_setup_and_is_skipped_after_it():
     odd = make_batch(_samples())
     odd["uid"] = odd["uid"][:-1]  # the second micro-batch gets 1 uid for 2 sequences (verl never reads uid)
     engine.train_batch(odd, lf)  # after setup: counted, the step still trains and is recorded
-    assert hooks.blocks.errors == 1 and hooks.mon.counters["verl_layout_errors"] == 1
+    assert hooks.blocks.errors == 1 and hooks.mon.counters["integration_layout_errors"] == 1
     assert len(hooks.reports) == 2 and len(engine.grad_norms) == 2  # the setup failure stopped its step
     hooks.detach()
     assert "forward_step" not in engine.__dict__ and "optimizer_step" not in engine.__dict__

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from gradloc.records import StepRecord, event_counts
-from gradloc.records.events import HELD_COUNTERS, HELD_TAGS, MONITOR_EVENTS, OTHER
+from gradloc.records.events import INTEGRATION_COUNTERS, MONITOR_EVENTS, OTHER
 
 PKG = Path(__file__).resolve().parents[2] / "gradloc"
 SIDES = ("engine", "adapters", "integrations", "collector", "parallel", "localizer", "detector")  # where a monitor's counters live
@@ -35,21 +35,27 @@ def test_every_dynamic_counter_name_is_known_and_its_expansions_declared():
     dynamic = {(path, m) for path, text in _sources().items()
                for m in re.findall(r"counters\[f\"([^\"]+)\"\]", text) + re.findall(r"note_event\(f\"([^\"]+)\"", text)}
     assert dynamic == {("engine/spike.py", "remedy_{'applied' if remedy.applied else 'refused'}"),
-                       ("integrations/held.py", "{self.tag}_{counter}")}, (
+                       ("integrations/held.py", "integration_{counter}")}, (
         "a new dynamic counter name: declare its expansions in gradloc/records/events.py and list it here")
     assert {"remedy_applied", "remedy_refused"} <= MONITOR_EVENTS.keys()
     sources = _sources()
-    tags = {t for text in sources.values() for t in re.findall(r"HeldBlocks\([\w.]+, \"([^\"]+)\"", text)}
-    assert tags and tags <= HELD_TAGS.keys(), tags - HELD_TAGS.keys()
     held = sources["integrations/held.py"]
     counters = set(re.findall(r"self\._count\(\"([^\"]+)\"", held))
     assert re.search(r"self\._count\(f\"\{what\}_errors\"", held)  # guard(fn, what) counts {what}_errors
     whats = {w for path, text in sources.items() if path.startswith("integrations/")
-             for w in re.findall(r"\.guard\(.*?, \"([a-z_]+)\"\)", text, re.S)}
-    assert whats >= {"rl_fields", "loss", "on_report", "layout"}, whats
+             for w in re.findall(r"\.guard\(.*?, \"([a-z_]+)\"", text, re.S)}
+    assert whats >= {"rl_fields", "loss", "on_report", "layout", "close"}, whats
     counters |= {f"{w}_errors" for w in whats}
-    assert counters <= HELD_COUNTERS.keys(), counters - HELD_COUNTERS.keys()
-    assert {f"{t}_{c}" for t in HELD_TAGS for c in HELD_COUNTERS} <= MONITOR_EVENTS.keys()
+    assert counters <= INTEGRATION_COUNTERS.keys(), counters - INTEGRATION_COUNTERS.keys()
+    assert {f"integration_{c}" for c in INTEGRATION_COUNTERS} <= MONITOR_EVENTS.keys()
+
+
+def test_the_event_table_names_no_integration():
+    """The base layer does not know the integrations: their events are the driver's, whichever one drives."""
+    names = " ".join(MONITOR_EVENTS)
+    for integration in ("hf", "trl", "verl", "openrlhf", "lightning", "accelerate"):
+        assert not any(n.startswith(f"{integration}_") for n in MONITOR_EVENTS), integration
+    assert "integration_skipped_micro_batches" in names
 
 
 def test_other_is_not_a_name_and_records_carry_the_non_zero_counts_sorted():
