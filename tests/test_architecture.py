@@ -234,3 +234,41 @@ def test_no_import_cycles_in_gradloc_or_bench():
 def test_the_cycle_check_finds_a_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(edges) == [["a", "b", "c"]]
+
+
+LEVELS = ("tokens", "below", "ranks", "prune", "naming", "bisect_step", "trail")  # localizer/: functions of the runner
+
+
+def _level_problems(path: Path) -> list[str]:
+    """What makes a localizer level more than a function of the runner and frozen values: a class that is not a
+    frozen dataclass, an import of the driver (localizer.py), or a private attribute of another object."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            frozen = any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "dataclass"
+                         and any(k.arg == "frozen" and getattr(k.value, "value", False) for k in d.keywords)
+                         for d in node.decorator_list)
+            if not frozen:
+                out.append(f"class {node.name} (not a frozen dataclass)")
+        elif isinstance(node, ast.ImportFrom) and node.module == "gradloc.localizer.localizer":
+            out.append("imports localizer.py")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            out.append(f"reads .{node.attr}")
+    return out
+
+
+def test_the_localizer_levels_are_functions_of_the_runner_and_frozen_values():
+    problems = {m: p for m in LEVELS if (p := _level_problems(PKG / "localizer" / f"{m}.py"))}
+    assert not problems, problems
+
+
+def test_the_level_check_finds_a_stateful_level(tmp_path: Path):
+    bad = tmp_path / "level.py"
+    bad.write_text("from dataclasses import dataclass\n"
+                   "from gradloc.localizer.localizer import run\n"
+                   "@dataclass(frozen=True)\nclass Ok:\n    x: int\n"
+                   "class Level:\n    def __init__(self, r):\n        self.n = r._used\n")
+    assert sorted(_level_problems(bad)) == ["class Level (not a frozen dataclass)", "imports localizer.py",
+                                            "reads ._used"]

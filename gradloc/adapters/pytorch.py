@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from gradloc.config import WatchConfig
-from gradloc.engine.monitor import ATTACHED, Monitor, StepReport
+from gradloc.engine.lifecycle import ATTACHED
+from gradloc.engine.monitor import Monitor, StepReport
 from gradloc.errors import AttachError
 from gradloc.sinks import Sink
 

@@ -1,7 +1,8 @@
 """The engine: :class:`Monitor` runs gradloc's stages for one watched model, per micro-batch and per
 optimizer step (``gradloc.watch`` in adapters/pytorch.py builds it). Its paths live beside it:
-token_path.py (per-token scores), spike.py (localize → remedy), samples.py (bad samples that never spike),
-update_hooks.py (update ratios), fanout.py (records to the sinks), on_spike.py (hooks only on a flagged step).
+blocks.py (the step's micro-batches in flight), token_path.py (per-token scores), spike.py (localize → remedy),
+samples.py (bad samples that never spike), update_hooks.py (update ratios), fanout.py (records out, held a step
+for their update ratios), on_spike.py (hooks only on a flagged step), lifecycle.py (attach, detach, close).
 
 Usage per optimizer step::
 
@@ -14,16 +15,14 @@ Usage per optimizer step::
 """
 from __future__ import annotations
 
-import atexit
+import functools
 import logging
 import time
-import weakref
-from collections import Counter, deque
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -33,26 +32,26 @@ from gradloc.collector.job import as_judged
 from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.scores_buffer import MicroBatchScores
-from gradloc.collector.step import Assembled, StepInputs, assemble, with_update_ratios
+from gradloc.collector.step import StepInputs, assemble
 from gradloc.collector.token_hooks import TokenHooks
 from gradloc.collector.update_ratio import UpdateRatioTracker, window_bytes
 from gradloc.config import WatchConfig
-from gradloc.detector import LOCALIZE, SpikeDetector, opens_incident
-from gradloc.engine import on_spike
+from gradloc.detector import SpikeDetector, opens_incident
+from gradloc.engine.blocks import StepBlocks
 from gradloc.engine.fanout import Fanout
+from gradloc.engine.lifecycle import Lifecycle
 from gradloc.engine.samples import SampleWatch
 from gradloc.engine.spike import SpikeInputs, SpikePath, heads_of, scaler_state
 from gradloc.engine.token_path import TokenPath, check_rules
 from gradloc.engine.update_hooks import UpdateHooks
-from gradloc.errors import AttachError, BatchMetadataError, ConfigError
+from gradloc.errors import AttachError, ConfigError
 from gradloc.localizer import Localizer, ProbeFn
 from gradloc.parallel.comm import CollectiveTimeout
 from gradloc.parallel.job import check_model, resolve
-from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord, event_counts
+from gradloc.records import Incident, SampleInfo, SpikeEvent, StepRecord
 from gradloc.sinks import Sink, default_sinks
 
 log = logging.getLogger("gradloc")
-ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Monitor]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class StepReport:
     incident: Incident | None
 
 
-class Monitor:
+class Monitor(Lifecycle):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: WatchConfig | None = None, decode: Callable[[list[int]], str] | Any = None,
                  sinks: Sequence[Sink] = ()) -> None:
@@ -101,7 +100,7 @@ class Monitor:
         self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job,
                                 self.counters)
         self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,
-                                    lambda: self._pending.record.step if self._pending is not None else None)
+                                    lambda: self._fanout.held_step)
         self.detector = SpikeDetector(cfg.detector, self.layer_stats.layers)
         if self.comm is not None:
             self.detector.agree = self._any_rank
@@ -109,69 +108,15 @@ class Monitor:
                                 Localizer(cfg.localizer, getattr(decode, "decode", decode)), self.pause_token_hooks,
                                 self.counters, heads=heads_of(self.hooks.watched) if self.hooks else {})
         self._fanout = Fanout([*sinks, *default_sinks(cfg, embedded_store=self.comm is None or cfg.rank == 0)],
-                              self.counters)
-        self.history: deque[StepRecord] = deque(maxlen=cfg.history)
+                              self.counters, cfg.history)
+        self.history = self._fanout.history  # the last ``config.history`` step records sent
         self.samples = SampleWatch(cfg.samples, getattr(decode, "decode", decode), self.counters,
                                    holds_head=job.holds_head, judges=job.judges_samples)  # outlier findings
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
-        self._parts: list[tuple[MicroBatchMeta, MicroBatchScores | None]] = []
-        self._open: MicroBatchMeta | None = None  # the micro-batch block being run
-        self._rl: dict[int, rl_fields.RLTensors] = {}  # micro-batch index -> its RL fields
-        self._pending: Assembled | None = None
-        self.attached = False
-        self._closed = False
-        self._atexit = _close_at_exit(weakref.ref(self))
-        atexit.register(self._atexit)
-
-    # -- lifecycle ------------------------------------------------------------------------------
-    def attach(self) -> "Monitor":
-        if self.attached or self.model in ATTACHED:
-            raise AttachError("this model already has a gradloc monitor attached; detach() it first")
-        if self.tokens.live:
-            self.hooks.attach()
-        self._updates.attach(self.optimizer)
-        ATTACHED[self.model] = self
-        self.attached = True
-        return self
-
-    def detach(self) -> None:
-        """Remove every hook; the model and optimizer are left exactly as before ``attach``."""
-        if not self.attached:
-            raise AttachError("this monitor is not attached")
-        if self.tokens.live:
-            self.hooks.detach()
-        self._updates.detach()
-        ATTACHED.pop(self.model, None)
-        self.attached = False
-
-    def close(self) -> None:
-        """Emit the last record, flush and shut down sinks, detach. Safe to call twice.
-
-        Waits on a ``gradloc-agent`` daemon at most ``WatchConfig.close_timeout_s`` (default 1 s),
-        whether it is down, stalled or slow; what it could not deliver is counted
-        (``counters["undelivered_at_close"]``) and logged. Also runs at interpreter exit."""
-        atexit.unregister(self._atexit)
-        if self._closed:
-            return
-        self._closed = True
-        step = self._pending.record.step if self._pending is not None else None
-        self._emit_pending(self._updates.host_ratios(step, self.layer_stats.sharded))
-        self._fanout.close(self.config.close_timeout_s)
-        if self.attached:
-            self.detach()
-
-    @property
-    def sinks(self) -> list[Sink]:
-        """Where the records go: the ``sinks`` given, then those ``watch`` added (JSONL, agent)."""
-        return self._fanout.sinks
-
-    def __enter__(self) -> "Monitor":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._blocks = StepBlocks(self.tokens, self.hooks, self.meter, cfg, self.samples, self.counters)
+        self._lifecycle_init()
 
     # -- per micro-batch ------------------------------------------------------------------------
     @contextmanager
@@ -189,7 +134,7 @@ class Monitor:
         ``gradloc.SampleInfo`` per sample: request, completion, prompt and response spans) ride
         along into incidents; ``gradloc.adapters.rl`` builds them from rollouts.
         """
-        meta = make_meta(len(self._parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids,
+        meta = make_meta(len(self._blocks.parts), token_ids, loss_mask, sample_ids, shape, cu_seqlens, position_ids,
                          sample_infos)
         self.open_block(meta)
         try:
@@ -201,29 +146,19 @@ class Monitor:
 
     def open_block(self, meta: MicroBatchMeta) -> None:
         """Start capturing micro-batch ``meta`` (``micro_batch`` does it; a pipeline step per chunk)."""
-        t0 = self.meter.begin()
-        if self.tokens.live:
-            breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
-            self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=self.samples.labels(meta))
-        self.meter.end(t0)
-        self._open = meta
+        self._blocks.begin(meta)
 
     @property
     def block_open(self) -> bool:
-        return self._open is not None
+        return self._blocks.open is not None
 
     def close_block(self, failed: bool = False) -> None:
-        meta, self._open = self._open, None
-        if failed:
-            if self.tokens.live:
-                self.hooks.end()
-            self._rl.pop(meta.index, None)
-            self.counters["failed_micro_batches"] += 1  # e.g. an OOM the user retries: not part of the step
-            return
-        buf = self.hooks.end() if self.tokens.live else None
-        self._parts.append((meta, buf))
-        if buf is not None:
-            self.tokens.check_wiring(buf, setup=self.config.strict and not self.history and self._pending is None)
+        self._blocks.end(failed, setup=self.config.strict and not self.history and self._fanout.held is None)
+
+    @property
+    def _parts(self) -> list[tuple[MicroBatchMeta, MicroBatchScores | None]]:
+        """The step's micro-batches so far: (meta, its per-token scores or None)."""
+        return self._blocks.parts
 
     def pipeline_step(self, schedule: Any, *, inputs: Any = None, target: Any = None, token_ids: Any = None,
                       loss_mask: Any = None, sample_ids: Sequence[object] | None = None, token_loss: Any = None,
@@ -250,16 +185,7 @@ class Monitor:
         ``entropy``. They stay on the device; the step exports their distributions and every
         culprit carries its own values. A wrong field raises ``BatchMetadataError`` on the first
         step (setup) and is counted and dropped after that."""
-        meta = self._open
-        if meta is None:
-            raise BatchMetadataError("rl_fields() must be called inside a mon.micro_batch(...) block")
-        try:
-            self._rl[meta.index] = rl_fields.make_rl(meta, fields)
-        except BatchMetadataError:
-            if self._ended == 0:
-                raise
-            self.counters["dropped_rl_fields"] += 1
-            log.warning("gradloc: RL fields of micro-batch %d dropped", meta.index, exc_info=True)
+        self._blocks.rl_fields(fields, setup=self._ended == 0)
 
     # -- per optimizer step ---------------------------------------------------------------------
     def end_step(self, loss: float | torch.Tensor | None = None, *, probe: ProbeFn | None = None,
@@ -280,16 +206,15 @@ class Monitor:
             raise ConfigError("remedy='drop_culprits' needs the probe closure (end_step(loss, probe=...)): "
                               "without probes no culprit set is verified and ∇_C is unknown")
         t0 = self.meter.begin()
-        parts, self._parts = self._parts, []
+        parts, given_rl = self._blocks.take()
         try:
             scores = self.tokens.stack(parts)
         except CollectiveTimeout:  # the token group's or the expert group's exchange failed: this rank goes on alone
             self._leave_job()
             scores = None
         scale, unscaled = scaler_state(scaler, self.optimizer)
-        upd = self._updates.take(self._pending.record.step if self._pending is not None else None)
+        upd = self._updates.take(self._fanout.held_step)
         unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
-        given_rl, self._rl = self._rl, {}
         rl, rl_pack = rl_fields.step_fields([m for m, _ in parts], given_rl, scores, self.layer_stats.device)
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
@@ -304,27 +229,27 @@ class Monitor:
         own, step_s, ratio = self.meter.finish_step()
         t1 = self.meter.begin()
         ratios = self.update_ratios.ratios(assembled.previous_update) if assembled.previous_update is not None else None
-        self._emit_pending(ratios)
+        self._fanout.release(ratios, self.layer_stats.layers)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None)
         if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
             record, scores = self.tokens.checked(record, scores, assembled.check)
         record = self.samples.judge_step(record, assembled.samples, [m for m, _ in parts])
         spike = self.detector.observe(as_judged(record, assembled.job))
-        self._pending = replace(assembled, record=replace(record, **self.detector.band(spike)))
+        self._fanout.hold(replace(assembled, record=replace(record, **self.detector.band(spike))))
         self.meter.end(t1)
         incident = None
         if opens_incident(spike):  # not when the step is the run reacting to an earlier incident
             t2 = time.perf_counter()
-            metas = tuple(m for m, _ in parts)
-            rerun = self._rerun if self.tokens.on_spike and probe is not None else None
+            rerun = None
+            if self.tokens.on_spike and probe is not None:
+                breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
+                rerun = functools.partial(self.tokens.rerun, breakdown=breakdown, labels=self.samples.labels)
             incident = self.spikes.incident(
                 SpikeInputs(record=record, spike=spike, scores=scores, probe=probe, scale=assembled.scale,
                             unscaled=unscaled, has_scaler=scale is not None, rl=rl,
                             job_loss=assembled.job.loss if assembled.job else record.loss,
-                            layer_z=self.detector.layer_z, metas=metas), rerun)
-            if rerun is not None and LOCALIZE.intersection(spike.kinds):
-                incident = on_spike.with_reruns(incident, len(metas))
+                            layer_z=self.detector.layer_z, metas=tuple(m for m, _ in parts)), rerun)
             self.meter.exclude(time.perf_counter() - t2)
             self.incidents.append(incident)
             if self.comm is None or self.config.rank == 0:  # a job's incident is emitted once, by rank 0
@@ -332,13 +257,6 @@ class Monitor:
         self.step += 1
         self._ended += 1
         return StepReport(record, spike, incident)
-
-    def _rerun(self, scope: Any, x: SpikeInputs) -> SpikeInputs:
-        """token_stats='on_spike': the flagged step's inputs with the scores of its micro-batches re-run through
-        its probe scope (``SpikePath.incident``)."""
-        breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
-        scores = self.tokens.rerun(scope, list(x.metas), breakdown, self.samples.labels)
-        return replace(x, scores=scores, unattributed=self.tokens.unattributed(scores) if scores is not None else None)
 
     def _step_checks(self, probe: ProbeFn | None) -> ProbeFn | None:
         """The job's checks of where ``end_step`` was called (DeepSpeed: at the accumulation boundary), and the
@@ -377,28 +295,3 @@ class Monitor:
         passes inside a micro-batch block that are not part of training (probes do this)."""
         if self.hooks:
             self.hooks.suspended = on
-
-    def _emit_pending(self, ratios: np.ndarray | None) -> None:
-        if self._pending is None:
-            return
-        rec = self._pending.record
-        if ratios is not None:
-            rec = with_update_ratios(rec, self.layer_stats.layers, ratios)
-        if self.counters:  # the cumulative counts of what was dropped or degraded so far (gradloc/records/events.py)
-            rec = replace(rec, events=event_counts(self.counters))
-        self._pending = None
-        self.history.append(rec)
-        self._fanout.on_step(rec)
-
-
-def _close_at_exit(ref: "weakref.ref[Monitor]") -> Callable[[], None]:
-    """Interpreter exit closes a monitor the script left open (bounded like close())."""
-    def hook() -> None:
-        mon = ref()
-        if mon is not None:
-            try:
-                mon.close()
-            except Exception:  # noqa: BLE001 - never fail the interpreter's exit
-                log.warning("gradloc: closing the monitor at exit failed", exc_info=True)
-    return hook
-

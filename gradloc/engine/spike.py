@@ -24,6 +24,7 @@ from torch import nn
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.token_summary import StepScores
 from gradloc.detector import LOCALIZE, norm_line
+from gradloc.engine import on_spike
 from gradloc.localizer import Localizer, ProbeFn, SpikeContext, StoredGradient, TokenView
 from gradloc.localizer.classify import classify
 from gradloc.localizer.localizer import LocalizeResult
@@ -105,9 +106,10 @@ class SpikePath:
         rec = x.record
         top = tuple(replace(s, z=x.layer_z.get(s.layer)) for s in  # every layer, largest norm first
                     sorted(rec.layers, key=lambda s: -s.grad_norm if s.grad_norm == s.grad_norm else 0)[:MAX_INCIDENT_LAYERS])
-        return Incident(incident_id=uuid.uuid4().hex, job=rec.job, rank=rec.rank, step=rec.step,
-                        time_unix=rec.time_unix, spike=x.spike, localization=loc,
-                        top_layers=top, remedy=remedy, classification=classification, scope=self.scope)
+        incident = Incident(incident_id=uuid.uuid4().hex, job=rec.job, rank=rec.rank, step=rec.step,
+                            time_unix=rec.time_unix, spike=x.spike, localization=loc,
+                            top_layers=top, remedy=remedy, classification=classification, scope=self.scope)
+        return on_spike.with_reruns(incident, len(x.metas)) if rerun is not None and result is not None else incident
 
     def _localize(self, x: SpikeInputs, rerun: Rerun | None) -> LocalizeResult:
         rec = x.record

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Callable
 
 from torch import nn
@@ -16,7 +17,6 @@ from gradloc.collector.token_hooks import TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.engine import on_spike
 from gradloc.errors import BatchMetadataError, ConfigError, UnsupportedModelError
-from gradloc.localizer.probes import ProbeFn
 from gradloc.parallel.comm import CollectiveTimeout
 
 log = logging.getLogger("gradloc")
@@ -156,15 +156,15 @@ class TokenPath:
                         "Compile per block around them, or use token_stats='on_spike'", len(names),
                         ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
 
-    def rerun(self, scope: Any, metas: list[MicroBatchMeta], breakdown: bool,
-              labels: Callable[[MicroBatchMeta], Any]) -> StepScores | None:
-        """token_stats='on_spike': the flagged step's scores, from re-running its micro-batches through the
-        step's probe scope."""
-        parts = on_spike.rerun(self.hooks, scope, metas, breakdown, labels)
+    def rerun(self, scope: Any, x: Any, *, breakdown: bool, labels: Callable[[MicroBatchMeta], Any]) -> Any:
+        """token_stats='on_spike': the flagged step's inputs (``engine/spike.SpikeInputs``) with the scores of its
+        micro-batches re-run through the step's probe scope, and the share of ‖∇‖² they leave unattributed."""
+        parts = on_spike.rerun(self.hooks, scope, list(x.metas), breakdown, labels)
         if parts is None:
             self.counters["on_spike_rerun_failed"] += 1
-            return None
-        return self.stack(parts, rerun=True)
+            return replace(x, scores=None, unattributed=None)
+        scores = self.stack(parts, rerun=True)
+        return replace(x, scores=scores, unattributed=self.unattributed(scores) if scores is not None else None)
 
     def unattributed(self, scores: StepScores) -> float:
         """Share of ‖∇‖² no per-token score covers (no rule, or its module unscored): one host read."""

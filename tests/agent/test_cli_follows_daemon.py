@@ -23,7 +23,7 @@ from gradloc.agent.core import AgentCore, Declare
 from gradloc.agent.incident_log import IncidentLog
 from gradloc.store import IncidentStore
 from tests.agent.http_get import get
-from tests.localizer.builders import finding, summary
+from tests.localizer.toy import finding, summary
 
 TOKEN = "cli33-token-" + "x" * 20
 JOB = "cli33"

@@ -12,7 +12,7 @@ from gradloc.agent.core import AgentCore, CoreConfig, Declare, Journaled
 from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.store.incident_json import incident_to_json
 from gradloc.store.sqlite import IncidentStore
-from tests.store.fixtures import BELL, T0, finding
+from tests.builders import BELL, T0, finding
 
 WHO = ("llm-7b", 0, 2)  # the fixtures' job, 2 ranks
 

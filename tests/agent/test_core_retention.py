@@ -7,7 +7,7 @@ from pathlib import Path
 from gradloc.agent.core import AgentCore
 from gradloc.store.retention import RetentionConfig
 from gradloc.store.sqlite import IncidentStore
-from tests.store.fixtures import step_summary
+from tests.builders import step_summary
 
 
 def test_retention_deletions_are_counted(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from gradloc.errors import ConfigError
 from gradloc.reports import CorrelatedIncident
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.localizer.builders import finding, summary  # noqa: E402
+from tests.localizer.toy import finding, summary  # noqa: E402
 
 
 class Clock:

@@ -6,14 +6,14 @@ from dataclasses import replace
 
 from gradloc.agent.escape import COLOURS, json_text, terminal
 from gradloc.agent.render import incident_line, incident_text
-from tests.transport.factories import incident
+from tests.builders import incident_record
 
 EVIL = "\x1b]0;pwned\x07\x1b[2J\u202etxt\x9b31m\x00\x7f\u200b\n\tend"
 RAW = ("\x1b", "\x07", "\u202e", "\x9b", "\x00", "\x7f", "\u200b")
 
 
 def _evil_incident():
-    inc = incident(3)
+    inc = incident_record(3)
     loc = inc.localization
     span = replace(loc.spans[0], text=EVIL, context_before=EVIL, context_after=EVIL, sample_id=EVIL)
     cul = replace(loc.culprits[0], text=EVIL, sample_id=EVIL)
@@ -56,7 +56,7 @@ def test_runs_of_repeats_are_shown_once_with_their_count():
 
 def test_the_cli_prints_a_flood_of_identical_tokens_as_one_count():
     from gradloc.agent.render_correlated import correlated_text
-    from tests.store.fixtures import flooded_incident
+    from tests.builders import flooded_incident
 
     text = correlated_text(flooded_incident(), color=False)
     assert "…⟨4939 × \\x00⟩[[⟨121 × \\x00⟩]]⟨4940 × \\x00⟩…" in text

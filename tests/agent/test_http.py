@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gradloc.agent.core import AgentCore, Declare  # noqa: E402
 from gradloc.agent.http import AgentHttpServer, parse_address  # noqa: E402
 from tests.agent.http_get import get  # noqa: E402
-from tests.localizer.builders import finding, summary  # noqa: E402
+from tests.localizer.toy import finding, summary  # noqa: E402
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 
 from gradloc.agent.incident_page import incident_html, index_html
 from gradloc.store.rows import IncidentRow
-from tests.store.fixtures import BELL, make_incident
+from tests.builders import BELL, make_incident
 
 
 class _Spans(HTMLParser):
@@ -216,7 +216,7 @@ def test_page_steps_asks_the_store_for_the_chart_ranks_window_and_survives_a_fai
 def test_the_store_returns_a_step_range_of_one_rank(tmp_path):
     from gradloc.agent.page_chart import STEPS_AROUND, page_steps
     from gradloc.store.sqlite import IncidentStore
-    from tests.store.fixtures import step_summary
+    from tests.builders import step_summary
 
     with IncidentStore(tmp_path / "s.db") as store:
         store.put_steps([step_summary("llm-7b", r, s, 0.0) for s in range(1100, 1300, 7) for r in (0, 1)])
@@ -227,7 +227,7 @@ def test_the_store_returns_a_step_range_of_one_rank(tmp_path):
 
 def test_bad_input_renders_dashes_never_raises():
     from gradloc.reports import StepPoint
-    from tests.store.fixtures import nonfinite_incident
+    from tests.builders import nonfinite_incident
 
     old = incident_html(make_incident())  # stored before the history field: no chart, said so
     assert "<svg" not in old and "no step history" in old
@@ -323,7 +323,7 @@ def test_the_correlated_incident_carries_the_steps_the_agent_held_with_their_ban
     """The history is built agent-side from step records every client already sends (no wire change)."""
     from gradloc.agent.correlator import Correlator, CorrelatorConfig
     from gradloc.store.incident_json import correlated_from_dict, correlated_to_dict
-    from tests.localizer.builders import finding, summary
+    from tests.localizer.toy import finding, summary
 
     out = []
     c = Correlator(out.append, CorrelatorConfig(history_steps=8), lambda: "0" * 32, lambda: 0.0)
@@ -381,7 +381,7 @@ def test_a_follow_up_links_its_episode_s_incident():
 
 def test_a_one_process_run_reads_single_process_on_the_page_and_in_the_cli():
     from gradloc.agent.render_correlated import correlated_text, ranks_summary
-    from tests.store.fixtures import flooded_incident
+    from tests.builders import flooded_incident
 
     inc = flooded_incident(tokens=40, culprits=4)
     assert ranks_summary(inc) == "single process (rank 0)"
@@ -393,7 +393,7 @@ def test_a_one_process_run_reads_single_process_on_the_page_and_in_the_cli():
 
 def test_the_header_note_is_the_localizations_note_when_the_incident_has_none():
     from gradloc.agent.render_correlated import correlated_text, header_note
-    from tests.store.fixtures import flooded_incident
+    from tests.builders import flooded_incident
 
     inc = flooded_incident(tokens=40, culprits=4)
     note = inc.findings[0].localization.note
@@ -444,7 +444,7 @@ def test_the_follow_up_line_is_named_truly_when_the_incident_step_was_under_it()
 def test_the_answer_opens_the_page_and_10000_identical_tokens_collapse():
     """Issue 33's bad input: the verdict, level, culprit text and share come before the summary table; the
     sample of 10,000 ``\\x00`` tokens is a handful of "N × \\x00" runs, not 10,000 spans."""
-    from tests.store.fixtures import flooded_incident
+    from tests.builders import flooded_incident
 
     page = incident_html(flooded_incident())
     answer = page[page.index('<section class="answer">'):page.index("</section>")]

@@ -17,7 +17,7 @@ from gradloc.agent.cli import main
 from gradloc.agent.incidents_cli import parse_since
 from gradloc.agent.render_correlated import correlated_text, local_time, ranks_text
 from gradloc.store import IncidentStore, correlated_from_dict
-from tests.store.fixtures import INCIDENT_ID, T0, incident_series, make_incident, nonfinite_incident
+from tests.builders import INCIDENT_ID, T0, incident_series, make_incident, nonfinite_incident
 
 REPO = Path(__file__).resolve().parents[2]
 HL_BELL = "\x1b[1;97;41m bell\x1b[0m"  # gradloc.agent.render.highlight's colours around the culprit
@@ -276,7 +276,7 @@ def test_flagged_layers_without_shares_keep_the_detectors_order() -> None:
 def test_show_html_draws_the_follow_up_steps_the_store_holds(tmp_path: Path) -> None:
     """The page written by ``show --html`` (as the daemon's /incidents/<id>) charts the store's steps after the
     incident: what the incident itself cannot hold."""
-    from tests.store.fixtures import step_summary
+    from tests.builders import step_summary
 
     inc = make_incident()  # step 1200 of job llm-7b, findings on ranks 0..
     path = tmp_path / "s.db"

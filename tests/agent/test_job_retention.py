@@ -15,8 +15,8 @@ from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.agent.daemon import Daemon
 from gradloc.errors import ConfigError
 from gradloc.exporters.prometheus import render
-from tests.exporters.builders import columns, step
-from tests.localizer.builders import finding
+from tests.builders import columns, summary
+from tests.localizer.toy import finding
 
 RETENTION = 3600.0
 
@@ -30,7 +30,7 @@ class Clock:
 
 
 def send(core: AgentCore, clock: Clock, job: str, rank: int, n: int, world: int = 2) -> None:
-    s = step(job, rank, n, columns(np.ones(3)), time_unix=clock.t)
+    s = summary(job, rank, n, columns(np.ones(3)), time_unix=clock.t)
     assert core.submit([Declare(job, rank, world), DropReport(job, rank, (("queue_full", 0),)), s], timeout_s=5)
 
 

@@ -17,13 +17,14 @@ from gradloc.agent.core import AgentCore  # noqa: E402
 from gradloc.agent.embedded import EmbeddedAgent  # noqa: E402
 from gradloc.exporters.prometheus import render  # noqa: E402
 from gradloc.transport.codec import BatchDecoder  # noqa: E402
+from tests.builders import step_record  # noqa: E402
 from tests.helpers import (  # noqa: E402
     backward_step,
     make_data,
     single_thread,  # noqa: E402,F401 (autouse fixture)
     tiny_gpt,
 )
-from tests.transport.factories import step, to_bytes  # noqa: E402
+from tests.transport.factories import to_bytes  # noqa: E402
 
 NAME = "gradloc_monitor_events_total"
 
@@ -73,11 +74,11 @@ def test_a_failed_localization_and_an_undeclared_counter_reach_the_embedded_metr
 def test_decoded_steps_carry_their_events_into_the_state() -> None:
     """The daemon's path: the wire's events of each step (cumulative), invalid entries dropped and counted."""
     batch = BatchDecoder().decode(to_bytes([
-        step(0, events=(("hook_errors", 3), ("sink_errors", 1))),
-        step(1, events=(("hook_errors", 5), ("sink_errors", 1), ("zz_new_in_a_later_version", 7))),
+        step_record(0, events=(("hook_errors", 3), ("sink_errors", 1))),
+        step_record(1, events=(("hook_errors", 5), ("sink_errors", 1), ("zz_new_in_a_later_version", 7))),
     ]))
     assert batch.steps[1].events == (("hook_errors", 5), ("sink_errors", 1), ("zz_new_in_a_later_version", 7))
-    bad = BatchDecoder().decode(to_bytes([step(2, events=(("x" * 65, 1), ("left_job", -1), ("left_job_", 1)))]))
+    bad = BatchDecoder().decode(to_bytes([step_record(2, events=(("x" * 65, 1), ("left_job", -1), ("left_job_", 1)))]))
     assert bad.steps[0].events == (("left_job_", 1),) and bad.steps[0].events_dropped == 2
     core = AgentCore().start()
     try:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from gradloc.agent.correlator import Correlator, CorrelatorConfig
 from gradloc.reports import CorrelatedIncident
-from tests.localizer.builders import finding, summary
+from tests.localizer.toy import finding, summary
 
 
 def _close(c: Correlator, job: str, step: int, ids: dict[int, str], world: int) -> None:

@@ -16,7 +16,7 @@ from gradloc.agent.http import AgentHttpServer
 from gradloc.exporters.jsonl import JsonlSink
 from gradloc.records import SampleOutlier, SampleStats, StepRecord
 from gradloc.store.sqlite import IncidentStore
-from tests.localizer.builders import summary
+from tests.localizer.toy import summary
 
 EVIL = "<script>window.pwned=1</script>\x1b[2J"
 

@@ -21,7 +21,7 @@ from gradloc.agent.core import AgentCore, Declare
 from gradloc.agent.http import AgentHttpServer
 from gradloc.store import IncidentStore
 from tests.agent.http_get import get
-from tests.localizer.builders import finding, summary
+from tests.localizer.toy import finding, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 PRINTED_ID = re.compile(r"^incident ([0-9a-f]{12}) · job ", re.MULTILINE)  # render.incident_text's first line

@@ -24,8 +24,8 @@ from gradloc.agent.links import INCIDENT, TRACE, LinkSigner  # noqa: E402
 from gradloc.agent.security import Security  # noqa: E402
 from gradloc.errors import ConfigError  # noqa: E402
 from gradloc.store import IncidentStore  # noqa: E402
-from tests.localizer.builders import finding, summary  # noqa: E402
-from tests.store.fixtures import INCIDENT_ID, make_incident  # noqa: E402
+from tests.builders import INCIDENT_ID, make_incident  # noqa: E402
+from tests.localizer.toy import finding, summary  # noqa: E402
 
 TOKEN = "link-T0KEN-never-shown"
 TTL = 600.0

@@ -11,7 +11,7 @@ from gradloc.exporters.metric_specs import BY_KEY
 from gradloc.exporters.prometheus import render
 from gradloc.exporters.state import TelemetryState
 from gradloc.records.events import MAX_EVENT_NAME, MONITOR_EVENTS, OTHER, event_label, labelled
-from tests.exporters.builders import columns, step
+from tests.builders import columns, summary
 
 NAME = "gradloc_monitor_events_total"
 
@@ -56,7 +56,7 @@ def test_counts_are_cumulative_and_a_restarted_trainer_never_makes_them_go_down(
 
 def test_entries_the_wire_refused_are_counted_and_forgetting_a_rank_drops_its_events():
     state = TelemetryState()
-    state.observe_step(step("job", 0, 1, columns(np.ones(2)), time_unix=time.time()))
+    state.observe_step(summary("job", 0, 1, columns(np.ones(2)), time_unix=time.time()))
     state.observe_events("job", 0, (("left_job", 1),), dropped=2)
     state.observe_events("job", 1, (("left_job", 1),))
     text = render(state, None)[0].decode()

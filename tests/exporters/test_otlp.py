@@ -33,9 +33,8 @@ from gradloc.exporters.otlp_traces import culprit_span_attributes
 from gradloc.exporters.state import TelemetryState
 from gradloc.records import CulpritSpan
 from gradloc.reports import CorrelatedIncident, RankSpan
-from tests.exporters.builders import NAN, columns, rl_stats, sample_stats, step
+from tests.builders import NAN, columns, make_incident, nonfinite_incident, rl_stats, sample_stats, summary
 from tests.exporters.otlp_receiver import OtlpReceiver, attrs, closed_port
-from tests.store.fixtures import make_incident, nonfinite_incident
 
 JOB = "llm-7b"
 LAYERS = ("blocks.0", "blocks.1", "head")
@@ -78,7 +77,7 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
     now = time.time()
     for rank in (0, 1):
         norms = [0.5, NAN if rank == 1 else 0.3, 0.02 * (rank + 1)]
-        s = step(JOB, rank, 100, columns(norms, LAYERS, update_ratio=[NAN, 1e-3, 2e-3]), time_unix=now - 0.1,
+        s = summary(JOB, rank, 100, columns(norms, LAYERS, update_ratio=[NAN, 1e-3, 2e-3]), time_unix=now - 0.1,
                  grad_scale=65536.0, skipped=rank == 1, shed=("update_ratio",) if rank == 1 else (), rl=rl_stats(),
                  samples=sample_stats(JOB, rank, 100, now - 0.1))
         state.observe_step(s)
@@ -352,7 +351,7 @@ def test_invalid_incident_trace_id_still_exports_a_trace():
 def test_periodic_export_without_flush():
     state = TelemetryState()
     with OtlpReceiver() as rx, running(state, rx.endpoint, export_interval_s=0.2) as ex:
-        s = step(JOB, 0, 1, columns([0.1, 0.2]), time_unix=time.time())
+        s = summary(JOB, 0, 1, columns([0.1, 0.2]), time_unix=time.time())
         state.observe_step(s)
         ex.on_step(s)
         ex.on_incident(fresh_incident())
@@ -364,7 +363,7 @@ def test_collector_down_never_blocks_and_failures_are_counted():
     state = TelemetryState()
     ex = OtlpExporter(state, f"127.0.0.1:{closed_port()}", export_interval_s=60.0, timeout_s=0.5)
     try:
-        s = step(JOB, 0, 1, columns([0.1, 0.2]), time_unix=time.time())
+        s = summary(JOB, 0, 1, columns([0.1, 0.2]), time_unix=time.time())
         state.observe_step(s)
         for call, arg in ((ex.on_step, s), (ex.on_incident, fresh_incident())):
             t0 = time.perf_counter()
@@ -388,7 +387,7 @@ def test_collector_down_never_blocks_and_failures_are_counted():
 def test_receiver_error_status_is_counted(code):
     state = TelemetryState()
     with OtlpReceiver(fail_with=code) as rx, running(state, rx.endpoint, timeout_s=1.0) as ex:
-        state.observe_step(s := step(JOB, 0, 1, columns([0.1]), time_unix=time.time()))
+        state.observe_step(s := summary(JOB, 0, 1, columns([0.1]), time_unix=time.time()))
         ex.on_step(s)
         ex.on_incident(fresh_incident())
         assert ex.force_flush(3.0) is False
@@ -420,7 +419,7 @@ def test_after_shutdown_nothing_is_recorded_and_flush_says_false():
         ex.shutdown()
         ex.shutdown()  # idempotent
         ex.on_incident(fresh_incident())
-        ex.on_step(step(JOB, 0, 1, columns([0.1]), time_unix=time.time()))
+        ex.on_step(summary(JOB, 0, 1, columns([0.1]), time_unix=time.time()))
         assert ex.force_flush(0.5) is False
         assert not rx.spans()
     assert counter(state, "export_failures", ("otlp_traces",)) == 0
@@ -432,7 +431,7 @@ def test_many_layers_do_not_hit_the_sdk_cardinality_limit():
     state, names = TelemetryState(), tuple(f"layers.{i}" for i in range(700))
     with OtlpReceiver() as rx, running(state, rx.endpoint) as ex:
         for rank in range(3):
-            state.observe_step(step(JOB, rank, 1, columns([0.1] * len(names), names), time_unix=time.time()))
+            state.observe_step(summary(JOB, rank, 1, columns([0.1] * len(names), names), time_unix=time.time()))
         assert ex.force_flush(5.0)
         points = _points(rx.latest("gradloc.grad.norm"))
     assert len(points) == 3 * len(names)
@@ -446,7 +445,7 @@ def test_a_jobs_global_layer_series_arrive_once_with_rank_job():
     with OtlpReceiver() as rx:
         with running(state, rx.endpoint) as ex:
             for rank in (0, 1, 2):
-                s = dataclasses.replace(step(JOB, rank, 100, columns([0.5, 0.3, 0.2], LAYERS), time_unix=time.time(),
+                s = dataclasses.replace(summary(JOB, rank, 100, columns([0.5, 0.3, 0.2], LAYERS), time_unix=time.time(),
                                              loss=1.0 + rank), layers_global=True)
                 state.observe_step(s)
                 ex.on_step(s)

@@ -28,7 +28,7 @@ from gradloc.exporters.prometheus import (
 from gradloc.exporters.snapshot import RankPoint
 from gradloc.exporters.state import StateConfig, TelemetryState
 from gradloc.records import Remedy
-from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, rl_stats, sample_stats, step
+from tests.builders import NAN, TRACE_ID, columns, correlated, layer_names, rl_stats, sample_stats, summary
 
 OM_ACCEPT = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # what Prometheus 2.42 sends
@@ -47,13 +47,13 @@ def realistic_state() -> TelemetryState:
             ratios = np.full(LAYERS, 1e-3)
             ratios[0] = NAN
             for n in (99, 100):
-                state.observe_step(step(job, rank, n, columns(norms, update_ratio=ratios), time_unix=now - 0.05,
+                state.observe_step(summary(job, rank, n, columns(norms, update_ratio=ratios), time_unix=now - 0.05,
                                         loss=None if rank == 2 else 2.5, grad_scale=65536.0 if rank == 0 else None,
                                         skipped=(n == 100 and rank == 1),
                                         shed=("update_ratio",) if (j, rank) == (1, 2) else (),
                                         rl=rl_stats() if j == 0 else None,
                                         samples=sample_stats(job, rank, n, now) if j == 0 else None))
-    state.observe_incident(incident("llm-7b", 100, global_norm=42.0, ranks=(0, 1), missing=(2,),
+    state.observe_incident(correlated("llm-7b", 100, global_norm=42.0, ranks=(0, 1), missing=(2,),
                                     kinds=("grad_spike", "loss_spike"),
                                     remedy=Remedy("drop_culprits", True, 42.0, 1.5)))
     state.count("records", ("step",), 12)
@@ -171,14 +171,14 @@ def test_nan_norm_is_rendered_and_unknown_ratio_and_missing_loss_are_left_out():
 
 def test_nan_global_norm_is_rendered():
     state = TelemetryState()
-    state.observe_step(step("j", 0, 1, columns([NAN, 1.0]), time_unix=time.time(), global_norm=NAN))
+    state.observe_step(summary("j", 0, 1, columns([NAN, 1.0]), time_unix=time.time(), global_norm=NAN))
     (labels, value), = samples(text_of(state), "gradloc_grad_global_norm")
     assert labels == {"job": "j", "rank": "0"} and math.isnan(value)
 
 
 def test_only_the_first_layers_exported_get_series():
     state = TelemetryState(StateConfig(max_layers=5))
-    state.observe_step(step("j", 0, 1, columns(np.ones(12)), time_unix=time.time()))
+    state.observe_step(summary("j", 0, 1, columns(np.ones(12)), time_unix=time.time()))
     text = text_of(state)
     for name in ("gradloc_grad_norm", "gradloc_grad_max_abs", "gradloc_update_ratio"):
         assert [lab["layer"] for lab, _ in samples(text, name)] == list(layer_names(5)), name
@@ -190,7 +190,7 @@ def test_only_the_first_layers_exported_get_series():
 def test_histogram_buckets_are_cumulative_with_sum_and_count():
     state = TelemetryState()
     for norm in (0.5, 2.0, 2.0, 5e4):
-        state.observe_step(step("j", 0, 1, columns([1.0]), time_unix=time.time(), global_norm=norm))
+        state.observe_step(summary("j", 0, 1, columns([1.0]), time_unix=time.time(), global_norm=norm))
     text = text_of(state)
     buckets = {lab["le"]: v for lab, v in samples(text, "gradloc_step_grad_norm_bucket")}
     assert list(buckets) == [floatToGoString(b) for b in BY_KEY["norm_hist"].buckets] + ["+Inf"]
@@ -252,12 +252,12 @@ def test_odd_data_never_raises_and_labels_stay_valid():
     state = TelemetryState()
     odd = ("a\ud800b", 'quote"back\\slash\nnewline', "dup", "dup", "")  # lone surrogate, escapes, dupes
     cols = columns([1.0, math.inf, NAN, 2.0, 3.0], names=odd, update_ratio=[NAN] * 5)
-    state.observe_step(step("", 0, 1, cols, time_unix=time.time(), global_norm=math.inf, tokens=False))
+    state.observe_step(summary("", 0, 1, cols, time_unix=time.time(), global_norm=math.inf, tokens=False))
     with pytest.raises(ValueError, match="label value"):
         state.count("rejected")  # fewer label values than the spec: refused, not padded
     with pytest.raises(ValueError, match="no_such_metric"):
         state.count("no_such_metric", ("x",))  # a key without a spec
-    state.observe_incident(incident("", 1, trace_id="", global_norm=NAN, ranks=()))
+    state.observe_incident(correlated("", 1, trace_id="", global_norm=NAN, ranks=()))
     text, om = text_of(state), om_of(state)
     layers = [lab["layer"] for lab, _ in samples(text, "gradloc_grad_norm")]
     assert layers == ["a?b", 'quote"back\\slash\nnewline', "dup", ""]
@@ -340,7 +340,7 @@ def test_scrape_of_8_ranks_by_256_layers_is_fast():
     state = TelemetryState()
     rng = np.random.default_rng(0)
     for rank in range(8):
-        state.observe_step(step("llm-70b", rank, 1, columns(rng.lognormal(size=256)), time_unix=time.time()))
+        state.observe_step(summary("llm-70b", rank, 1, columns(rng.lognormal(size=256)), time_unix=time.time()))
     registry = make_registry(state)
     timings = {}
     for accept in (None, OM_ACCEPT):
@@ -358,7 +358,7 @@ def test_scrape_of_8_ranks_by_256_layers_is_fast():
 
 def test_a_malformed_rank_point_is_skipped_not_fatal(caplog):
     good = TelemetryState()
-    good.observe_step(step("j", 1, 1, columns([1.0, 2.0]), time_unix=time.time()))
+    good.observe_step(summary("j", 1, 1, columns([1.0, 2.0]), time_unix=time.time()))
     snap = good.snapshot()
     bad = RankPoint(dataclasses.replace(snap.ranks[0].summary, rank=0, layers=None), time.time(), 2)
     fams = {f.name: f for f in families(dataclasses.replace(snap, ranks=(bad, *snap.ranks)))}
@@ -374,7 +374,7 @@ def _global_job_state(world: int = 4, layers: int = 6) -> TelemetryState:
     state, now = TelemetryState(), time.time()
     norms = np.linspace(0.1, 1.0, layers)
     for rank in range(world):
-        s = dataclasses.replace(step("ddp", rank, 7, columns(norms), time_unix=now, loss=2.0 + rank),
+        s = dataclasses.replace(summary("ddp", rank, 7, columns(norms), time_unix=now, loss=2.0 + rank),
                                 layers_global=True)
         state.observe_step(s)
     return state
@@ -402,5 +402,5 @@ def test_global_layer_series_are_exported_once_per_job_with_rank_job():
     # The same job with per-rank statistics (no wrapper): W × L layer series, as before.
     state = TelemetryState()
     for rank in range(world):
-        state.observe_step(step("plain", rank, 7, columns(np.ones(layers)), time_unix=time.time()))
+        state.observe_step(summary("plain", rank, 7, columns(np.ones(layers)), time_unix=time.time()))
     assert len(samples(text_of(state), "gradloc_grad_norm")) == world * layers

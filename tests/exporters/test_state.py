@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from gradloc.exporters.prometheus import render
 from gradloc.exporters.snapshot import JOB_KEYS, RANK_KEYS
 from gradloc.exporters.state import TelemetryState
-from tests.exporters.builders import columns, incident, rl_stats, step
+from tests.builders import columns, correlated, rl_stats, summary
 
 JOBS, RANKS = ("ended", "running"), 3
 
@@ -21,10 +21,10 @@ def busy_state() -> TelemetryState:
     state, now = TelemetryState(), time.time()
     for job in JOBS:
         for rank in range(RANKS):
-            state.observe_step(step(job, rank, 5, columns(np.linspace(0.1, 1.0, 4)), time_unix=now, rl=rl_stats()))
+            state.observe_step(summary(job, rank, 5, columns(np.linspace(0.1, 1.0, 4)), time_unix=now, rl=rl_stats()))
             state.set_cumulative("client_dropped", (job, str(rank), "queue_full"), 2)
-        state.observe_incident(incident(job, 5, ranks=(0, 1), missing=(2,)))
-    state.observe_step(replace(step("global", 0, 5, columns(np.ones(4)), time_unix=now), layers_global=True))
+        state.observe_incident(correlated(job, 5, ranks=(0, 1), missing=(2,)))
+    state.observe_step(replace(summary("global", 0, 5, columns(np.ones(4)), time_unix=now), layers_global=True))
     state.count("records", ("step",), 13)
     return state
 

@@ -18,11 +18,11 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from gradloc.exporters.otlp_metrics import MetricInstruments
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.exporters.state import TelemetryState
-from tests.exporters.builders import NAN, columns, step
+from tests.builders import NAN, columns, summary
 
 
 def _step(n: int, norm: float, loss: float | None = 2.0, rank: int = 0, job: str = "j", **kw):
-    return step(job, rank, n, columns([norm]), time_unix=time.time(), global_norm=norm, loss=loss, **kw)
+    return summary(job, rank, n, columns([norm]), time_unix=time.time(), global_norm=norm, loss=loss, **kw)
 
 
 def _scrape(registry) -> dict[str, dict[str, float]]:

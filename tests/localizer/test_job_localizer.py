@@ -20,8 +20,8 @@ from gradloc.parallel.job import Job
 from gradloc.parallel.layout import Layout
 from gradloc.parallel.scope import JobScope
 from tests.helpers import single_thread  # noqa: F401
-from tests.localizer.builders import Toy, basis, ctx, planted
 from tests.localizer.fake_comm import FakeJob
+from tests.localizer.toy import Toy, basis, ctx, planted
 
 D, M, W = 8, 3, 2
 

@@ -1,4 +1,4 @@
-"""The localizer's decisions, one test per branch, on an exact toy (tests/localizer/builders.py).
+"""The localizer's decisions, one test per branch, on an exact toy (tests/localizer/toy.py).
 
 Every token t is a vector v_t; the probe closure's gradient is Σ_{masked t} v_t, the training
 gradient is Σ_t v_t and each token's attribution score is ‖v_t‖², so every share, norm, loss and
@@ -16,7 +16,7 @@ from gradloc.config import LocalizerConfig
 from gradloc.localizer.context import verified
 from gradloc.localizer.localizer import Localizer, StoredGradient
 from tests.helpers import single_thread  # noqa: F401
-from tests.localizer.builders import Toy, basis, ctx, planted
+from tests.localizer.toy import Toy, basis, ctx, planted
 
 D = 8
 F32 = 1e-6  # grad_norm is float32 (foreach_norms): ‖∇_C‖ carries float32 rounding

@@ -9,8 +9,8 @@ import pytest
 
 from gradloc.localizer.naming import GAP, cut, units
 from tests.helpers import single_thread  # noqa: F401
-from tests.localizer.builders import basis, ctx, planted
 from tests.localizer.test_localizer import D, keys, localize
+from tests.localizer.toy import basis, ctx, planted
 
 
 @pytest.mark.parametrize("shares, named", [

@@ -11,7 +11,7 @@ from gradloc.errors import ProbeError
 from gradloc.localizer import probes
 from gradloc.localizer.probes import ProbeSession, dot, grad_norm
 from tests.helpers import single_thread  # noqa: F401
-from tests.localizer.builders import Toy, basis, planted
+from tests.localizer.toy import Toy, basis, planted
 
 D = 8
 

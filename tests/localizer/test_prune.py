@@ -13,9 +13,9 @@ import torch
 
 from gradloc.config import LocalizerConfig
 from tests.helpers import single_thread  # noqa: F401
-from tests.localizer.builders import basis, ctx, planted
 from tests.localizer.test_job_localizer import reference, run_job, where
 from tests.localizer.test_localizer import F32, D, keys, localize, residual
+from tests.localizer.toy import basis, ctx, planted
 
 BIG, WEAK = (1, 0, 1), (1, 0, 2)
 

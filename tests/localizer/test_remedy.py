@@ -11,7 +11,7 @@ from gradloc.config import LocalizerConfig
 from gradloc.localizer.localizer import Localizer
 from gradloc.localizer.remedy import apply_remedy
 from tests.helpers import single_thread  # noqa: F401
-from tests.localizer.builders import Toy, basis, ctx, planted
+from tests.localizer.toy import Toy, basis, ctx, planted
 
 D = 8
 SCALE = 1024.0  # a GradScaler's scale: the stored gradient carries it, ∇_C does not

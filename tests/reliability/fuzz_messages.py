@@ -37,8 +37,9 @@ from gradloc.records import (
     TokenStats,
 )
 from gradloc.transport.wire import pb
+from tests.builders import incident_record, layer, step_record
 from tests.reliability.wire_tree import Field, blow_up_varint, parse, serialize
-from tests.transport.factories import client_info, encode, incident, layer, step
+from tests.transport.factories import client_info, encode
 
 INF, NAN = float("inf"), float("nan")
 UNICODE = ("блок.0.внимание", "层.1.前馈", "head🙂", "e\u0301tude", "\u05e9\u05dc\u05d5\u05dd", "\U0001f9ea")
@@ -80,21 +81,21 @@ def base_batches() -> list[pb.IngestBatch]:
                   cls, info, 0)
     span = CulpritSpan(0, 1, 5, 8, 0.8, (42, 43, 44), "".join(TOKEN_TEXT[:3]), "before ✓", "\tafter\n", "uid-1",
                        info, 0)
-    rich = incident(3, job="fuzz-b", rank=0, classification=cls,
+    rich = incident_record(3, job="fuzz-b", rank=0, classification=cls,
                     remedy=Remedy("drop_culprits", True, 40.0, 3.0, "culprits removed"))
     rich = replace(rich, localization=replace(rich.localization, culprits=(cul,), spans=(span,) * 3))
-    bad = incident(4, job="fuzz-a", rank=2)
+    bad = incident_record(4, job="fuzz-a", rank=2)
     bad = replace(bad, spike=replace(bad.spike, kinds=("nonfinite_grad",), global_norm=INF),
                   top_layers=(layer("head", INF, nonfinite=3, grad_max_abs=NAN),))
-    inf_step = step(4, job="fuzz-a", rank=2, nonfinite=5, global_norm=INF,
+    inf_step = step_record(4, job="fuzz-a", rank=2, nonfinite=5, global_norm=INF,
                     layers=(layer("embed", NAN, nonfinite=5), layer("head", 3.0)))
     specs = [  # (client job, rank, world size, steps, incidents)
-        ("fuzz-a", 1, 4, [step(0, job="fuzz-a"), step(1, job="fuzz-a", layers=uni, tokens=tokens)], [incident(1)]),
-        ("fuzz-b", 0, 2, [step(2, job="fuzz-b", rank=0, layers=big, tokens=tokens, rl=rl)], [rich]),
+        ("fuzz-a", 1, 4, [step_record(0, job="fuzz-a"), step_record(1, job="fuzz-a", layers=uni, tokens=tokens)], [incident_record(1)]),
+        ("fuzz-b", 0, 2, [step_record(2, job="fuzz-b", rank=0, layers=big, tokens=tokens, rl=rl)], [rich]),
         ("fuzz-a", 2, 4, [inf_step], [bad]),
-        ("fuzz-c", 0, 1, [step(i, job="fuzz-c", rank=0, layers=uni) for i in range(12)], []),
-        ("fuzz-b", 1, 2, [], [replace(rich, rank=1), replace(incident(5), job="fuzz-b", rank=1, scope="job")]),
-        ("fuzz-c", 0, 1, [step(20, job="fuzz-c", rank=0, loss=NAN, grad_scale=65536.0, skipped=True,
+        ("fuzz-c", 0, 1, [step_record(i, job="fuzz-c", rank=0, layers=uni) for i in range(12)], []),
+        ("fuzz-b", 1, 2, [], [replace(rich, rank=1), replace(incident_record(5), job="fuzz-b", rank=1, scope="job")]),
+        ("fuzz-c", 0, 1, [step_record(20, job="fuzz-c", rank=0, loss=NAN, grad_scale=65536.0, skipped=True,
                                overhead_s=0.01, step_s=0.2, overhead=0.05, shed=("update_ratio",))], []),
     ]
     out = []

@@ -29,8 +29,8 @@ from gradloc.demo.spawn import free_port
 from gradloc.store.sqlite import IncidentStore
 from gradloc.transport import AgentClient
 from gradloc.transport.wire import pb
+from tests.builders import incident_record, step_record
 from tests.reliability.daemon import start_daemon
-from tests.transport.factories import incident, step
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +71,8 @@ def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> 
         while not stop.is_set():
             iid = f"{n:032x}"
             now = time.time()  # (retention would delete incidents dated like the factories' 2023 default)
-            client.on_step(step(n, job="kill9", rank=0, time_unix=now))
-            client.on_incident(replace(incident(n), incident_id=iid, job="kill9", rank=0, time_unix=now))
+            client.on_step(step_record(n, job="kill9", rank=0, time_unix=now))
+            client.on_incident(replace(incident_record(n), incident_id=iid, job="kill9", rank=0, time_unix=now))
             offered.append(iid)
             n += 1
             time.sleep(0.002)
@@ -114,10 +114,10 @@ def test_embedded_store_keeps_an_incident_of_a_killed_training_process(tmp_path:
         "import os, signal, sys\n"
         "from dataclasses import replace\n"
         "from gradloc.agent.embedded import EmbeddedAgent\n"
-        "from tests.transport.factories import incident\n"
+        "from tests.builders import incident_record\n"
         f"agent = EmbeddedAgent(job='emb', store_path={str(db)!r})\n"
         "import time\n"
-        "agent.on_incident(replace(incident(5), incident_id='e' * 32, job='emb', rank=0, time_unix=time.time()))\n"
+        "agent.on_incident(replace(incident_record(5), incident_id='e' * 32, job='emb', rank=0, time_unix=time.time()))\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, timeout=120)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gradloc.transport import AgentClient
+from tests.builders import incident_record
 from tests.reliability.daemon import serving
-from tests.transport.factories import incident
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +20,7 @@ def test_incident_rate_and_culprit_limits(tmp_path: Path) -> None:
                 "--max-culprits", "1") as agent:
         client = AgentClient(agent["ingest"], job="lim", rank=1, world_size=4, timeout_s=5.0)
         for n in range(5):
-            inc = incident(n)
+            inc = incident_record(n)
             loc = inc.localization
             client.on_incident(replace(inc, job="lim", time_unix=time.time(),
                                        localization=replace(loc, culprits=loc.culprits * 2)))

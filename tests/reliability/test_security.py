@@ -18,8 +18,8 @@ from gradloc.agent.config import AgentConfig
 from gradloc.config import WatchConfig
 from gradloc.errors import ConfigError
 from gradloc.transport import AgentClient
+from tests.builders import step_record
 from tests.reliability.daemon import ROOT, serving
-from tests.transport.factories import step
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cret-T0KEN-do-not-log"
@@ -36,7 +36,7 @@ def _get(url: str, token: str | None = None, ctx: ssl.SSLContext | None = None) 
 
 def _send(address: str, **kw) -> dict[str, int]:
     client = AgentClient(address, job="sec", rank=1, world_size=4, timeout_s=5.0, **kw)
-    client.on_step(step(3, job="sec", time_unix=time.time()))
+    client.on_step(step_record(3, job="sec", time_unix=time.time()))
     client.shutdown(timeout_s=20)
     return client.counters
 

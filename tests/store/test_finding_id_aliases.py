@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradloc.store import SCHEMA_VERSION, AmbiguousIdError, IncidentStore, RetentionConfig, aliases
-from tests.store.fixtures import INCIDENT_ID, T0, make_incident
+from tests.builders import INCIDENT_ID, T0, make_incident
 
 V2_TABLES = {"incidents", "spans", "steps", "inbox"}  # schema version 2: version 1 and the inbox
 

@@ -12,7 +12,7 @@ from gradloc.store import SCHEMA_VERSION, inbox
 from gradloc.store.incident_json import incident_from_json, incident_to_json
 from gradloc.store.schema import _SCHEMA_V1
 from gradloc.store.sqlite import IncidentStore
-from tests.store.fixtures import BELL, INCIDENT_ID, T0, finding, make_incident
+from tests.builders import BELL, INCIDENT_ID, T0, finding, make_incident
 
 WHO = ("job-a", 0, 1)
 

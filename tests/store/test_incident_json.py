@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from gradloc.records import Incident, Localization
 from gradloc.reports import CorrelatedIncident, RankSpan
 from gradloc.store.incident_json import correlated_from_dict, correlated_to_dict
-from tests.store.fixtures import INCIDENT_ID, make_incident, nonfinite_incident
+from tests.builders import INCIDENT_ID, make_incident, nonfinite_incident
 
 
 def _through_json(inc: CorrelatedIncident) -> CorrelatedIncident:

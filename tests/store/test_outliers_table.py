@@ -11,7 +11,7 @@ from gradloc.store import inbox
 from gradloc.store.retention import RetentionConfig
 from gradloc.store.schema import _SCHEMA_V1, SCHEMA_VERSION
 from gradloc.store.sqlite import IncidentStore
-from tests.localizer.builders import summary
+from tests.localizer.toy import summary
 
 T0 = 1_700_000_000.0
 

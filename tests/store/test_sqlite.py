@@ -23,10 +23,10 @@ from gradloc.store import (
     default_db_path,
 )
 from gradloc.store import sqlite as store_sqlite
-from tests.store.fixtures import (
+from tests.builders import (
     INCIDENT_ID,
+    PARTIAL_TRACE_ID,
     T0,
-    TRACE_ID,
     incident_series,
     make_incident,
     nonfinite_incident,
@@ -133,7 +133,7 @@ def test_put_incident_fills_all_three_places(store: IncidentStore, db: Path) -> 
     with _raw(db) as conn:
         row = conn.execute("SELECT trace_id, job, step, time_unix, status, kinds, global_norm, ranks_missing, "
                            "explained_share, probes, json FROM incidents").fetchone()
-    assert row[:10] == (TRACE_ID, "llm-7b", 1200, T0, "partial", '["grad_spike", "loss_spike"]', 4.95, "[2]", 0.93, 2)
+    assert row[:10] == (PARTIAL_TRACE_ID, "llm-7b", 1200, T0, "partial", '["grad_spike", "loss_spike"]', 4.95, "[2]", 0.93, 2)
     assert json.loads(row[10])["findings"][0]["localization"]["spans"][0]["text"] == " bell"
     assert _spans(db, INCIDENT_ID) == [
         (0, 0, 3, 1, 41, 42, pytest.approx(0.648), " bell", "[66]", "s1200-3-1"),
@@ -213,7 +213,7 @@ def test_list_incidents_newest_first_with_filters(store: IncidentStore) -> None:
     assert len(store.list_incidents(limit=None)) == 6
     with pytest.raises(ValueError, match="limit"):
         store.list_incidents(limit=0)
-    assert rows[0] == IncidentRow("0003" + INCIDENT_ID[4:], TRACE_ID, "llm-7b", 130, T0 + 3 * 3600, "partial",
+    assert rows[0] == IncidentRow("0003" + INCIDENT_ID[4:], PARTIAL_TRACE_ID, "llm-7b", 130, T0 + 3 * 3600, "partial",
                                   ("grad_spike", "loss_spike"), 4.95, (2,), 0.93, 2)
 
 
@@ -379,5 +379,5 @@ def test_default_db_path_follows_env_then_xdg_then_home(monkeypatch, tmp_path: P
 def test_an_incident_is_found_by_its_trace_id(store: IncidentStore) -> None:
     """What an exemplar carries leads back to the incident (the agent's /incidents/trace/<id>)."""
     store.put_incident(make_incident())
-    assert store.incident_id_of_trace(TRACE_ID) == INCIDENT_ID
+    assert store.incident_id_of_trace(PARTIAL_TRACE_ID) == INCIDENT_ID
     assert store.incident_id_of_trace("0" * 32) is None

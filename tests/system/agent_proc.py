@@ -35,7 +35,13 @@ class DaemonHandle:
 
 @contextmanager
 def running_daemon(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[DaemonHandle]:
-    """Start ``gradloc-agent serve`` on free ports; on exit SIGTERM it and require a clean exit (0)."""
+    """Start ``gradloc-agent serve`` on free ports; on exit SIGTERM it and require a clean exit (0).
+
+    Records built by tests/builders.py carry fixed 2023 timestamps: under the default 30-day retention the
+    daemon's first retention sweep would delete them whenever it ran after they arrived (it runs once the daemon
+    is idle: a race with the scheduler). So retention keeps 100 years unless a test asks for its own."""
+    if "--retention-days" not in flags:
+        flags = (*flags, "--retention-days", "36500")
     ready, log = tmp / "ready.json", tmp / "agent.log"
     db = tmp / "agent.db"
     cmd = [AGENT, "serve", "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(db),

@@ -24,10 +24,11 @@ import grpc
 import pytest
 
 from gradloc.records import SampleOutlier, SampleStats
+from tests.builders import incident_record, layer, step_record
 from tests.grafana.promql import queries
 from tests.reliability.daemon import ROOT, serving
 from tests.system.prom import running_prometheus
-from tests.transport.factories import client_info, encode, incident, layer, step
+from tests.transport.factories import client_info, encode
 
 EVENT_JOB = "dash-ev"
 
@@ -43,12 +44,12 @@ def _events(ingest: str) -> None:
     bad = layer("head", float("inf"), nonfinite=2)
     outlier = SampleOutlier(kind="surprise", job=EVENT_JOB, rank=1, step=4, time_unix=now, score=8.9, z=11.0,
                             baseline=3.5, micro_batch=0, sample=1, sample_id="uid-7", start=0, end=64, tokens=64)
-    steps = [step(0, job=EVENT_JOB, time_unix=now, skipped=True),
-             step(1, job=EVENT_JOB, time_unix=now, layers=(layer("embed"), bad), nonfinite=2,
+    steps = [step_record(0, job=EVENT_JOB, time_unix=now, skipped=True),
+             step_record(1, job=EVENT_JOB, time_unix=now, layers=(layer("embed"), bad), nonfinite=2,
                   global_norm=float("inf")),
-             step(2, job=EVENT_JOB, time_unix=now, shed=("update_ratio",)),
-             step(4, job=EVENT_JOB, time_unix=now, samples=SampleStats(judged=16, flagged=1, outliers=(outlier,)))]
-    two = incident(3, job=EVENT_JOB, time_unix=now)  # two culprits: --max-culprits 1 cuts one (limited)
+             step_record(2, job=EVENT_JOB, time_unix=now, shed=("update_ratio",)),
+             step_record(4, job=EVENT_JOB, time_unix=now, samples=SampleStats(judged=16, flagged=1, outliers=(outlier,)))]
+    two = incident_record(3, job=EVENT_JOB, time_unix=now)  # two culprits: --max-culprits 1 cuts one (limited)
     two = dataclasses.replace(two, localization=dataclasses.replace(
         two.localization, culprits=two.localization.culprits * 2, spans=two.localization.spans * 2))
     msg, _ = encode(steps, [two],

@@ -33,8 +33,8 @@ from gradloc.agent.page_chart import chart_points, page_steps
 from gradloc.localizer.spans import WINDOW_TOKENS
 from gradloc.reports import StepPoint
 from gradloc.store.sqlite import IncidentStore
+from tests.builders import flooded_incident, make_incident
 from tests.reliability.daemon import ROOT, serving
-from tests.store.fixtures import flooded_incident, make_incident
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 CHROMIUM = "/usr/lib/chromium/chromium"

@@ -19,7 +19,7 @@ import pytest
 
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.exporters.state import TelemetryState
-from tests.exporters.builders import NAN, TRACE_ID, columns, incident, layer_names, step
+from tests.builders import NAN, TRACE_ID, columns, correlated, layer_names, summary
 from tests.system.prom import running_prometheus
 
 JOB, RANKS, LAYERS = "llm-7b", 2, 8
@@ -57,7 +57,7 @@ def serving(state: TelemetryState) -> Iterator[tuple[str, list[str]]]:
 
 def observe_steps(state: TelemetryState, rank: int, steps: range) -> None:
     for n in steps:
-        state.observe_step(step(JOB, rank, n, columns(NORMS * (rank + 1)), time_unix=time.time(),
+        state.observe_step(summary(JOB, rank, n, columns(NORMS * (rank + 1)), time_unix=time.time(),
                                 global_norm=STEP_NORM))
 
 
@@ -74,7 +74,7 @@ def state() -> TelemetryState:
     state = TelemetryState()
     for rank in range(RANKS):
         observe_steps(state, rank, range(1, 2))
-    state.observe_incident(incident(JOB, 1, trace_id=TRACE_ID, global_norm=STEP_NORM, ranks=range(RANKS)))
+    state.observe_incident(correlated(JOB, 1, trace_id=TRACE_ID, global_norm=STEP_NORM, ranks=range(RANKS)))
     return state
 
 

@@ -25,10 +25,11 @@ import grpc
 import yaml
 
 from gradloc.grafana.provision import dashboard_json, provision
+from tests.builders import incident_record, step_record
 from tests.grafana.promql import provisioned, substitute
 from tests.reliability.daemon import serving
 from tests.system.prom import PromHandle, _start, _stop, _wait_ready, require_binary
-from tests.transport.factories import client_info, encode, incident, step
+from tests.transport.factories import client_info, encode
 
 TOKEN = "two-nodes-T0KEN"
 JOB = "two-node-job"
@@ -69,8 +70,8 @@ def _get(url: str, token: str | None = None) -> tuple[int, str, str]:
 def _send(ingest: str, rank: int, n: int) -> None:
     """One healthy step and one incident at step ``n`` from a world-size-1 client, with the token."""
     now = time.time()
-    steps = [step(n - 1, job=JOB, rank=rank, time_unix=now), step(n, job=JOB, rank=rank, time_unix=now)]
-    msg, _ = encode(steps, [incident(n, job=JOB, rank=rank, incident_id=f"{n:x}" * 32, time_unix=now)],
+    steps = [step_record(n - 1, job=JOB, rank=rank, time_unix=now), step_record(n, job=JOB, rank=rank, time_unix=now)]
+    msg, _ = encode(steps, [incident_record(n, job=JOB, rank=rank, incident_id=f"{n:x}" * 32, time_unix=now)],
                     client=client_info(job=JOB, rank=rank, world_size=1, client_id=f"node-{n}"))
     with grpc.insecure_channel(ingest) as ch:
         ch.unary_unary("/gradloc.v1.IngestService/Ingest")(

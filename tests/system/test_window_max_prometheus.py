@@ -13,10 +13,11 @@ from pathlib import Path
 
 import grpc
 
+from tests.builders import step_record
 from tests.grafana.promql import queries
 from tests.reliability.daemon import serving
 from tests.system.prom import running_prometheus
-from tests.transport.factories import client_info, encode, step
+from tests.transport.factories import client_info, encode
 
 JOB = "win"
 SPIKE_NORM, SPIKE_LOSS = 50.0, 9.0
@@ -37,7 +38,7 @@ class _Sender:
     def send(self, norms_losses: list[tuple[float, float]]) -> None:
         steps = []
         for norm, loss in norms_losses:
-            steps.append(step(self.step, job=JOB, rank=0, time_unix=time.time(), global_norm=norm, loss=loss))
+            steps.append(step_record(self.step, job=JOB, rank=0, time_unix=time.time(), global_norm=norm, loss=loss))
             self.step += 1
         msg, _ = encode(steps, [], client=client_info(job=JOB, rank=0, world_size=1, client_id="window-max"))
         self._sequence += 1

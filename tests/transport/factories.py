@@ -1,4 +1,5 @@
-"""Records, hypothesis strategies, wire helpers and a recording ingest server shared by the transport tests.
+"""Hypothesis strategies, wire helpers and a recording ingest server shared by the transport tests (the records
+themselves: tests/builders.py).
 
 The strategies cover what the codec must carry exactly: None next to 0.0, empty tuples, NaN where
 the policy allows it (unknown update ratios, non-finite losses, nonfinite-gradient steps), layer
@@ -47,8 +48,8 @@ from gradloc.reports import StepSummary, summarize
 from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
 from gradloc.transport.server import start_ingest_server
 from gradloc.transport.wire import INGEST_METHOD, pb
+from tests.builders import JOB
 
-JOB = "job-a"
 WORLD = 4
 NAN, INF = float("nan"), float("inf")
 
@@ -58,35 +59,6 @@ nonneg = st.floats(min_value=0, allow_nan=False, allow_infinity=False, width=64)
 small_int = st.integers(0, 2**40)
 name = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 opt_text = st.none() | st.text(max_size=20)
-
-
-def layer(n: str, norm: float = 1.0, **kw: Any) -> LayerStats:
-    args = dict(grad_norm=norm, grad_max_abs=norm / 10, nonfinite=0, param_norm=10.0, numel=100, update_ratio=1e-3)
-    args.update(kw)
-    return LayerStats(layer=n, **args)
-
-
-def step(n: int = 0, layers: tuple[LayerStats, ...] | None = None, **kw: Any) -> StepRecord:
-    layers = layers if layers is not None else (layer("embed"), layer("blocks.0.mlp", 2.0), layer("head", 3.0))
-    args = dict(job=JOB, rank=1, step=n, time_unix=1.7e9 + n, global_norm=3.7, loss=2.5, micro_batches=2,
-                layers=layers)
-    args.update(kw)
-    return StepRecord(**args)
-
-
-def incident(n: int = 7, **kw: Any) -> Incident:
-    spike = SpikeEvent(step=n, kinds=("grad_spike",), global_norm=40.0, z=9.5, mean=1.0, std=0.2, loss=2.5, loss_z=0.1,
-                       loss_mean=2.4, layers=("head",), detail="z 9.5")
-    cul = Culprit(0, 1, 5, 0.9, 0.8, 42, " x", "uid-1", (LayerShare("head", 0.7), LayerShare("embed", 0.3)))
-    span = CulpritSpan(0, 1, 5, 6, 0.9, (42,), " x", "a b", "c d", "uid-1")
-    loc = Localization(step=n, method="attribution", status="located", level="token", probes=2, passes=2,
-                       explained_share=0.93, global_norm=40.0, culprit_norm=38.0, norm_without_culprits=3.0,
-                       culprits=(cul,), spans=(span,), micro_batch_shares=(0.95, 0.05), unattributed_share=0.01,
-                       loss_share=0.4, loss_without_culprits=1.5, note="")
-    args = dict(incident_id="f" * 32, job=JOB, rank=1, step=n, time_unix=1.7e9, spike=spike, localization=loc,
-                top_layers=(layer("head", 39.0),))
-    args.update(kw)
-    return Incident(**args)
 
 
 # -- hypothesis strategies -----------------------------------------------------------------------

@@ -17,7 +17,8 @@ from gradloc.errors import ConfigError
 from gradloc.transport import AgentClient, LayerTableCache, Overloaded
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.*` under plain `pytest` too
-from tests.transport.factories import JOB, NAN, Receiver, incident, layer, step  # noqa: E402
+from tests.builders import JOB, incident_record, layer, step_record  # noqa: E402
+from tests.transport.factories import NAN, Receiver  # noqa: E402
 
 FAST = dict(world_size=4, flush_interval_s=0.02, timeout_s=2.0, backoff_initial_s=0.02, backoff_max_s=0.1)
 
@@ -68,7 +69,7 @@ def test_config_is_validated_on_construction(kw):
 # -- the training thread -------------------------------------------------------------------------------
 def test_without_a_server_on_step_is_fast_and_nothing_raises():
     c = client(f"127.0.0.1:{free_port()}", timeout_s=0.2)
-    rec = step(layers=(layer("a"),))
+    rec = step_record(layers=(layer("a"),))
     times = []
     for _ in range(300):
         t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def test_shutdown_abandons_a_call_begun_before_it_and_the_worker_ends():
         stalled.bind(("127.0.0.1", 0))
         stalled.listen(16)
         c = client(f"127.0.0.1:{stalled.getsockname()[1]}", timeout_s=30.0)
-        c.on_step(step(0))
+        c.on_step(step_record(0))
         assert wait_for(lambda: c._future is not None)  # the hello's call is out (internal: nothing else shows it)
         t0 = time.monotonic()
         c.shutdown(0.3)
@@ -112,7 +113,7 @@ def test_queue_full_drops_are_counted_exactly_and_reported_to_the_daemon(receive
     c.on_incident(blocker)
     assert blocker.entered.wait(5)  # the worker is stuck encoding it; the queue is empty
     for i in range(8 + 5):
-        c.on_step(step(i))
+        c.on_step(step_record(i))
     assert c.counters["queue_full"] == 5
     blocker.release.set()
     assert c.force_flush(10)
@@ -146,7 +147,7 @@ def test_the_daemon_hears_of_the_rank_at_construction_before_any_record(receiver
     (hello,) = receiver.batches
     assert (hello.client.job, hello.client.rank, hello.sequence) == (JOB, 1, 1)
     assert hello.steps == () and hello.incidents == () and c.counters["sent_steps"] == 0
-    c.on_step(step(0))
+    c.on_step(step_record(0))
     assert c.force_flush(10) and [b.sequence for b in receiver.batches] == [1, 2]
     c.shutdown(5)
 
@@ -155,7 +156,7 @@ def test_a_server_started_later_receives_everything_after_backoff():
     port = free_port()
     c = client(f"127.0.0.1:{port}")
     for i in range(10):
-        c.on_step(step(i))
+        c.on_step(step_record(i))
     assert wait_for(lambda: c.counters["reconnects"] >= 2)
     late = Receiver(port=port)
     try:
@@ -174,12 +175,12 @@ def test_a_server_started_later_receives_everything_after_backoff():
 def test_a_restarted_daemon_gets_the_layer_tables_again():
     first = Receiver()
     c = client(first.address)
-    c.on_step(step(0))
+    c.on_step(step_record(0))
     assert c.force_flush(10) and [s.step for s in first.steps] == [0]
     first.close()
     second = Receiver(port=first.port)
     try:
-        c.on_step(step(1))
+        c.on_step(step_record(1))
         assert c.force_flush(15)
         assert [s.step for s in second.steps] == [1] and c.counters["rejected"] == 0
         c.shutdown(5)
@@ -189,10 +190,10 @@ def test_a_restarted_daemon_gets_the_layer_tables_again():
 
 def test_a_daemon_that_forgot_the_tables_answers_failed_precondition_and_gets_them(receiver):
     c = client(receiver.address)
-    c.on_step(step(0))
+    c.on_step(step_record(0))
     assert c.force_flush(10)
     receiver.decoder.cache = LayerTableCache()  # as if the table aged out of the daemon's cache
-    c.on_step(step(1))
+    c.on_step(step_record(1))
     assert c.force_flush(10)
     assert [s.step for s in receiver.steps] == [0, 1] and receiver.rejects == ["unknown_layer_table"]
     assert (c.counters["rejected"], c.counters["reconnects"]) == (0, 0)
@@ -202,7 +203,7 @@ def test_a_daemon_that_forgot_the_tables_answers_failed_precondition_and_gets_th
 def test_an_overloaded_daemon_gets_the_batch_again_later(receiver):
     receiver.fail = Overloaded("queue full")
     c = client(receiver.address)
-    c.on_step(step(0))
+    c.on_step(step_record(0))
     assert wait_for(lambda: len(receiver.rejects) >= 2)
     receiver.fail = None
     assert c.force_flush(10)
@@ -217,10 +218,10 @@ def test_refused_batches_and_invalid_records_are_dropped_and_counted():
     r = Receiver(max_message_bytes=4096)
     try:
         c = client(r.address)
-        c.on_step(step(0, layers=tuple(layer(f"model.layers.{i}.mlp") for i in range(100))))  # > 4096 bytes
+        c.on_step(step_record(0, layers=tuple(layer(f"model.layers.{i}.mlp") for i in range(100))))  # > 4096 bytes
         assert c.force_flush(10) and r.rejects == ["oversized"]
-        c.on_step(step(1, time_unix=NAN))  # the daemon would reject it: dropped here, alone
-        c.on_step(step(2))
+        c.on_step(step_record(1, time_unix=NAN))  # the daemon would reject it: dropped here, alone
+        c.on_step(step_record(2))
         assert c.force_flush(10)
         assert [s.step for s in r.steps] == [2] and r.rejects == ["oversized"]
         assert (c.counters["rejected"], c.counters["sent_steps"]) == (2, 1)
@@ -232,13 +233,13 @@ def test_refused_batches_and_invalid_records_are_dropped_and_counted():
 def test_shutdown_flushes_then_later_records_are_counted_not_sent(receiver):
     c = client(receiver.address, flush_interval_s=60.0)  # nothing leaves before the flush
     for i in range(5):
-        c.on_step(step(i))
-    c.on_incident(incident())
+        c.on_step(step_record(i))
+    c.on_incident(incident_record())
     c.shutdown(10)
     assert [s.step for s in receiver.steps] == list(range(5))
     assert [i.step for b in receiver.batches for i in b.incidents] == [7]
     assert not c._thread.is_alive()
-    c.on_step(step(5))
+    c.on_step(step_record(5))
     c.shutdown(10)  # a no-op
     counts = c.counters
     assert (counts["sent_steps"], counts["sent_incidents"], counts["after_shutdown"]) == (5, 1, 1)
@@ -248,7 +249,7 @@ def test_while_the_daemon_is_away_the_newest_records_are_kept_and_the_oldest_cou
     port = free_port()
     c = client(f"127.0.0.1:{port}", queue_size=8, max_batch=4)
     for i in range(20):
-        c.on_step(step(i))
+        c.on_step(step_record(i))
         assert wait_for(lambda: c._queue.empty())  # let the worker take it: no queue_full in this test
     late = Receiver(port=port)
     try:

@@ -16,8 +16,8 @@ import pytest
 
 from gradloc.records import TokenStats
 from gradloc.transport import AgentClient
+from tests.builders import JOB, incident_record, step_record
 from tests.system.agent_proc import running_daemon
-from tests.transport.factories import JOB, incident, step
 
 pytestmark = pytest.mark.integration
 
@@ -42,11 +42,11 @@ def test_a_job_incident_waits_for_a_rank_that_has_sent_no_record_yet(tmp_path: P
         heard = f'gradloc_client_dropped_total{{job="{JOB}",rank="1"'
         assert _poll(lambda: heard in agent.get("/metrics")[0].decode()), "the hello never reached the daemon"
         loud = AgentClient(agent.ingest, job=JOB, rank=0, world_size=2)
-        loud.on_step(step(7, rank=0, tokens=_tokens(3.0)))
-        loud.on_incident(incident(7, rank=0, scope="job"))
+        loud.on_step(step_record(7, rank=0, tokens=_tokens(3.0)))
+        loud.on_incident(incident_record(7, rank=0, scope="job"))
         assert loud.force_flush(10)
         assert agent.json("/api/incidents") == []  # open: rank 1 has not reported step 7
-        quiet.on_step(step(7, rank=1, tokens=_tokens(1.0)))
+        quiet.on_step(step_record(7, rank=1, tokens=_tokens(1.0)))
         assert quiet.force_flush(10)
         assert _poll(lambda: len(agent.json("/api/incidents")) == 1)
         loud.shutdown(5)

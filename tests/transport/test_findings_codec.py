@@ -15,7 +15,8 @@ from gradloc.transport.codec import BatchDecoder
 from gradloc.transport.validate import RejectedBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.transport.factories import JOB, assert_summary_equal, encode, step, to_bytes  # noqa: E402
+from tests.builders import JOB, step_record  # noqa: E402
+from tests.transport.factories import assert_summary_equal, encode, to_bytes  # noqa: E402
 
 finite = st.floats(-1e6, 1e6, allow_nan=False)
 count = st.integers(0, 10_000)
@@ -47,7 +48,7 @@ def sample_stats(draw: st.DrawFn, n: int = 3) -> SampleStats:
 @settings(max_examples=100, deadline=None)
 @given(sample_stats())
 def test_samples_round_trip_inside_their_step(stats):
-    rec = step(3, samples=stats)
+    rec = step_record(3, samples=stats)
     (got,) = BatchDecoder().decode(to_bytes([rec])).steps
     assert_summary_equal(got, rec)
     assert got.samples == stats
@@ -58,7 +59,7 @@ GOOD = SampleOutlier(kind="surprise", job=JOB, rank=1, step=3, time_unix=1.7e9 +
 
 
 def _rejected(stats: SampleStats, edit=None) -> RejectedBatch:
-    msg, steps = encode([step(3, samples=stats)])
+    msg, steps = encode([step_record(3, samples=stats)])
     if edit is not None:
         edit(msg.steps[0].samples)
     with pytest.raises(RejectedBatch) as info:

@@ -9,11 +9,12 @@ import pytest
 from gradloc.records import Level, Method, Status
 from gradloc.transport.codec import BatchDecoder
 from gradloc.transport.validate import RejectedBatch
-from tests.transport.factories import encode, incident
+from tests.builders import incident_record
+from tests.transport.factories import encode
 
 
 def _decode(field: str, value: str):
-    msg, _ = encode([], [incident()])
+    msg, _ = encode([], [incident_record()])
     setattr(msg.incidents[0].localization, field, value)
     return BatchDecoder().decode(msg.SerializeToString())
 

@@ -1,14 +1,28 @@
-"""Realistic correlated incidents and step summaries for the store, codec and CLI tests.
+"""The one module that builds records for the tests, stage by stage.
 
-The main fixture is a 3-rank job where rank 2 never reported step 1200 (status "partial"): rank 0
-located one planted token (" bell"), rank 1 found a two-token span of smaller share, and both ranks'
-own findings (with Localization) ride along as ``findings``.
+- the monitor's records (``gradloc.records``): :func:`layer`, :func:`step_record`, :func:`incident_record` (one
+  rank's incident, every field set: the codec round trips), :func:`finding` (a rank's incident localized to a
+  span), :func:`rl_stats`, :func:`sample_stats`;
+- the agent's (``gradloc.reports``): :func:`columns`, :func:`summary` (a rank's step as the exporters read it),
+  :func:`step_summary` (a stored step with a top token), :func:`correlated` (a correlated incident whose every
+  rank has one finding), :func:`make_incident` (the rich one: ranks 0–2 expected, rank 2 missing, two spans),
+  :func:`nonfinite_incident`, :func:`incident_series`, :func:`flooded_incident`.
+
+Minimal where the readers read few fields (the exporters), complete where a codec or a store must carry every
+field. The hypothesis strategies and wire helpers of the transport tests are in ``tests/transport/factories.py``.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
 
 from gradloc.records import (
+    RL_ADVANTAGE_BUCKETS,
+    RL_LOG_RATIO_BUCKETS,
     Classification,
     Culprit,
     CulpritSpan,
@@ -18,16 +32,23 @@ from gradloc.records import (
     LayerStats,
     Localization,
     Remedy,
+    RLStats,
+    SampleOutlier,
     SampleShare,
+    SampleStats,
     SpikeEvent,
+    StepRecord,
     TokenScore,
     TokenStats,
 )
 from gradloc.reports import CorrelatedIncident, LayerColumns, MicroBatchShare, RankShare, RankSpan, StepSummary
 
+JOB = "job-a"  # step_record's and incident_record's job
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"  # correlated()'s trace
+NAN = math.nan
 T0 = 1_760_000_000.0  # a fixed "now" for the tests (2025-10-09)
 INCIDENT_ID = "7f3c9a0e5b2d4c1f8a6e0d9b3c2a1f40"
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARTIAL_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"  # make_incident's trace
 
 BELL = CulpritSpan(micro_batch=3, sample=1, start=41, end=42, share=0.9, token_ids=(66,), text=" bell",
                    context_before=" climb the hill behind the school before the",
@@ -38,6 +59,116 @@ ZEBRA = CulpritSpan(micro_batch=0, sample=2, start=7, end=9, share=0.5, token_id
                     context_before="the quick brown", context_after="ick fox", sample_id=None)
 
 
+
+# -- the monitor's records -----------------------------------------------------------------------
+def layer(n: str, norm: float = 1.0, **kw: Any) -> LayerStats:
+    args = dict(grad_norm=norm, grad_max_abs=norm / 10, nonfinite=0, param_norm=10.0, numel=100, update_ratio=1e-3)
+    args.update(kw)
+    return LayerStats(layer=n, **args)
+
+
+def step_record(n: int = 0, layers: tuple[LayerStats, ...] | None = None, **kw: Any) -> StepRecord:
+    layers = layers if layers is not None else (layer("embed"), layer("blocks.0.mlp", 2.0), layer("head", 3.0))
+    args = dict(job=JOB, rank=1, step=n, time_unix=1.7e9 + n, global_norm=3.7, loss=2.5, micro_batches=2,
+                layers=layers)
+    args.update(kw)
+    return StepRecord(**args)
+
+
+def incident_record(n: int = 7, **kw: Any) -> Incident:
+    spike = SpikeEvent(step=n, kinds=("grad_spike",), global_norm=40.0, z=9.5, mean=1.0, std=0.2, loss=2.5, loss_z=0.1,
+                       loss_mean=2.4, layers=("head",), detail="z 9.5")
+    cul = Culprit(0, 1, 5, 0.9, 0.8, 42, " x", "uid-1", (LayerShare("head", 0.7), LayerShare("embed", 0.3)))
+    span = CulpritSpan(0, 1, 5, 6, 0.9, (42,), " x", "a b", "c d", "uid-1")
+    loc = Localization(step=n, method="attribution", status="located", level="token", probes=2, passes=2,
+                       explained_share=0.93, global_norm=40.0, culprit_norm=38.0, norm_without_culprits=3.0,
+                       culprits=(cul,), spans=(span,), micro_batch_shares=(0.95, 0.05), unattributed_share=0.01,
+                       loss_share=0.4, loss_without_culprits=1.5, note="")
+    args = dict(incident_id="f" * 32, job=JOB, rank=1, step=n, time_unix=1.7e9, spike=spike, localization=loc,
+                top_layers=(layer("head", 39.0),))
+    args.update(kw)
+    return Incident(**args)
+
+
+def rl_stats(tokens: int = 100) -> RLStats:
+    """A step's RL distributions: every token in the bucket just above 0 (log ratio) / 1 (advantage)."""
+    lr = [0] * (len(RL_LOG_RATIO_BUCKETS) + 1)
+    lr[RL_LOG_RATIO_BUCKETS.index(0.01)] = tokens
+    adv = [0] * (len(RL_ADVANTAGE_BUCKETS) + 1)
+    adv[RL_ADVANTAGE_BUCKETS.index(1.0)] = tokens
+    return RLStats(tokens, tuple(lr), 0.005 * tokens, 0.3, 0.0, 0.9, 0.05, tuple(adv), 0.8 * tokens, 0.8, 2.5, 1.7)
+
+
+
+
+def layer_names(n: int) -> tuple[str, ...]:
+    return tuple(f"model.layers.{i}.mlp.down_proj" for i in range(n))
+
+
+def columns(norms: Sequence[float], names: Sequence[str] | None = None,
+            update_ratio: Sequence[float] | None = None) -> LayerColumns:
+    """Layer columns with the given gradient norms (max_abs = norm / 10, ratios 1e-3 unless given)."""
+    norms = np.asarray(norms, dtype=np.float64)
+    n = len(norms)
+    ratios = np.full(n, 1e-3) if update_ratio is None else update_ratio
+    return LayerColumns.build(tuple(names) if names is not None else layer_names(n), norms, norms / 10,
+                              np.zeros(n, dtype=np.int64), np.full(n, 10.0), np.full(n, 1000), ratios)
+
+
+def summary(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: float, global_norm: float | None = None,
+         loss: float | None = 2.5, grad_scale: float | None = None, tokens: bool = True,
+         skipped: bool = False, overhead: float | None = 0.03, shed: tuple[str, ...] = (),
+         rl: RLStats | None = None, band: tuple[float, float] | None = (1.2, 2.0),
+         samples: SampleStats | None = None) -> StepSummary:
+    """One rank's step ``n``; the global norm defaults to the L2 norm of the finite layer norms."""
+    if global_norm is None:
+        finite = layers.grad_norm[np.isfinite(layers.grad_norm)]
+        global_norm = float(np.sqrt(np.sum(finite ** 2)))
+    stats = TokenStats(tokens=4096, total_score=20.0, top=(), top_share=0.25, micro_batch_shares=(0.5, 0.5),
+                       unattributed_share=0.02) if tokens else None
+    nonfinite = int(np.sum(~np.isfinite(layers.grad_norm)))
+    return StepSummary(job=job, rank=rank, step=n, time_unix=time_unix, global_norm=global_norm, loss=loss, micro_batches=2,
+                       layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped,
+                       overhead_s=None if overhead is None else 0.01, step_s=None if overhead is None else 0.34,
+                       overhead=overhead, shed=shed, rl=rl, norm_mean=band and band[0], norm_threshold=band and band[1],
+                       samples=samples)
+
+
+def sample_stats(job: str, rank: int, n: int, time_unix: float) -> SampleStats:
+    """A step's per-sample judgement: 16 samples (one a surprise outlier) and an rl_mismatch finding."""
+    where = dict(job=job, rank=rank, step=n, time_unix=time_unix)
+    surprise = SampleOutlier(kind="surprise", **where, score=8.8, z=12.5, baseline=3.4, micro_batch=1, sample=2,
+                             sample_id="uid-9", start=0, end=128, tokens=128, text="qzx vvk", detail="garbage")
+    mismatch = SampleOutlier(kind="rl_mismatch", **where, score=0.35, z=30.0, baseline=0.0, tokens=2048)
+    return SampleStats(judged=15, unjudged=1, z_counts=(6, 5, 3, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0), z_sum=9.0,
+                       max_z=12.5, baseline=3.4, flagged=1, outliers=(surprise, mismatch), rl_mismatch_baseline=0.01)
+
+
+def correlated(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: float = 42.0,
+             ranks: Sequence[int] = (0, 1, 2), missing: Sequence[int] = (),
+             kinds: tuple[str, ...] = ("grad_spike",), time_unix: float = 1_760_000_000.0,
+             probes: int = 3, explained: float | None = 0.9, status: str | None = "located",
+             remedy: Remedy | None = None, kind: str | None = "train_inference_mismatch") -> CorrelatedIncident:
+    """A correlated incident whose every reporting rank has one finding of ``kinds`` (localized with
+    ``status`` unless None; ``remedy`` on every finding)."""
+    loc = None if status is None else Localization(step=step_n, method="attribution", status=status,
+                                                   probes=probes, explained_share=explained,
+                                                   global_norm=global_norm)
+    findings = tuple(
+        Incident(incident_id=f"{r:02d}{trace_id[2:]}", job=job, rank=r, step=step_n, time_unix=time_unix,
+                 spike=SpikeEvent(step=step_n, kinds=kinds, global_norm=global_norm, z=30.0, mean=1.0, std=0.1),
+                 localization=loc, remedy=remedy,
+                 classification=None if kind is None else Classification(kind, "test"))
+        for r in ranks)
+    status = "partial" if missing else "complete"
+    return CorrelatedIncident(
+        incident_id=trace_id[::-1], trace_id=trace_id, job=job, step=step_n, time_unix=time_unix, status=status,
+        kinds=kinds, global_norm=global_norm, ranks_expected=tuple(sorted((*ranks, *missing))),
+        ranks_reported=tuple(ranks), ranks_missing=tuple(missing), rank_shares=(), micro_batch_shares=(),
+        spans=(), findings=findings, closed_unix=time_unix + 1.0, explained_share=explained, probes=probes)
+
+
+# -- stored and correlated ---------------------------------------------------------------------------
 def _layers() -> tuple[LayerStats, ...]:
     return (LayerStats(layer="blocks.1.proj", grad_norm=0.031, grad_max_abs=0.004, nonfinite=0, param_norm=11.6,
                        numel=12480, update_ratio=None),
@@ -79,7 +210,7 @@ def make_incident(incident_id: str = INCIDENT_ID, *, job: str = "llm-7b", step: 
                  explained=None)
     rank_spans = (RankSpan(0, 0.72 * 0.9, BELL), RankSpan(1, 0.28 * 0.5, ZEBRA)) if spans else ()
     return CorrelatedIncident(
-        incident_id=incident_id, trace_id=TRACE_ID, job=job, step=step, time_unix=time_unix, status="partial",
+        incident_id=incident_id, trace_id=PARTIAL_TRACE_ID, job=job, step=step, time_unix=time_unix, status="partial",
         kinds=("grad_spike", "loss_spike"), global_norm=4.95, ranks_expected=(0, 1, 2), ranks_reported=(0, 1),
         ranks_missing=(2,),
         rank_shares=(RankShare(0, 0.72, 3.5, 2.9, True, "located", 2),
@@ -127,8 +258,6 @@ def step_summary(job: str, rank: int, step: int, time_unix: float, *, loss: floa
 def flooded_incident(tokens: int = 10_000, culprits: int = 121, time_unix: float = T0) -> CorrelatedIncident:
     """Issue 33's bad input: a one-process run whose culprit sample is ``tokens`` identical ``\\x00`` tokens,
     ``culprits`` of them in the middle named at the sample level (94% of ‖∇‖²), the window sent whole."""
-    from dataclasses import replace
-
     start = (tokens - culprits) // 2
     span = CulpritSpan(micro_batch=1, sample=0, start=start, end=start + culprits, share=0.94,
                        token_ids=(0,) * culprits, text="\x00" * culprits, context_before="\x00" * start,
