@@ -71,7 +71,7 @@ if [ ! -f .torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so ] && .venv/
 fi
 
 # --- RL framework integrations (gradloc/integrations: OpenRLHF, verl) ---------------------------------
-# OpenRLHF 0.11.2 for tests/distributed/test_openrlhf_zero.py (its Experience, PolicyLoss, Actor and
+# OpenRLHF 0.11.2 for tests/integrations/distributed/test_openrlhf_zero.py (its Experience, PolicyLoss, Actor and
 # DeepspeedStrategy around a real ZeRO-2 engine), installed into .venv with --no-deps: a full install
 # cannot work here (flash-attn builds from source) and would replace .venv's transformers 5.2x by 5.15 and
 # its deepspeed by 0.19.6. What the test imports needs only torch, transformers, deepspeed, sympy (already

@@ -1,5 +1,5 @@
 """The tiny pre-trained Llama both Hugging Face Trainer suites fine-tune (tests/integrations/test_transformers.py
-in one process, tests/distributed/hf_trainer_job.py on every DDP rank): a byte-level BPE tokenizer trained on
+in one process, tests/integrations/distributed/hf_trainer_job.py on every DDP rank): a byte-level BPE tokenizer trained on
 two of the demo's sentences, a random 2-layer ``LlamaForCausalLM`` (hidden 64) pre-trained by a plain loop
 until it has memorised their cycle (a fine-tune starts from a model that knows its data, so the detector's
 warm-up sees the steady state, not the first descent). Samples are ``SEQ``-token windows of the cycle whose

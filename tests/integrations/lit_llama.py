@@ -1,5 +1,5 @@
 """The LightningModule the Lightning tests train (tests/integrations/test_lightning.py in one process,
-tests/distributed/lightning_job.py on every DDP rank): the tiny pre-trained HF Llama of tests/tiny_llama.py,
+tests/integrations/distributed/lightning_job.py on every DDP rank): the tiny pre-trained HF Llama of tests/tiny_llama.py,
 its own HF loss in ``training_step``, and gradloc's two optional methods: ``gradloc_token_loss`` (the probe
 hook: the HF loss's per-token terms) and ``gradloc_batch`` (the shifted labels, and the rows' uids)."""
 from __future__ import annotations

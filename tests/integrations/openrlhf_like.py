@@ -14,7 +14,7 @@ need DeepSpeed, Ray and GPUs). Read from OpenRLHF v0.11.0 (``openrlhf/trainer/pp
   surface: ``backward`` scales by 1/gas, ``step`` clips and steps at the accumulation boundary,
   ``is_gradient_accumulation_boundary``, ``gradient_accumulation_steps``, ``get_global_grad_norm``),
   without ``zero_optimization_stage``: gradloc does not take it for a DeepSpeed engine and watches its
-  ``module`` (real ZeRO engines: tests/distributed/test_openrlhf_zero.py). ``zero_stage=`` adds the method,
+  ``module`` (real ZeRO engines: tests/integrations/distributed/test_openrlhf_zero.py). ``zero_stage=`` adds the method,
   making it DeepSpeed-shaped (only attach-time checks use that).
 - :class:`PolicyLoss`: PPO clip (+ dual clip) with the TIS correction and ``aggregate_loss`` token mode
   (Σ l·m / batch_num_tokens · dp_size), written from its formulas; :class:`Trainer`: ``training_step``

@@ -1,5 +1,5 @@
 """GradlocCallback on a real ``lightning.pytorch.Trainer`` (``accelerator="cpu"``): gradient accumulation,
-clipping, bf16 autocast, what it cannot serve; DDP in tests/distributed/test_lightning_ddp.py.
+clipping, bf16 autocast, what it cannot serve; DDP in tests/integrations/distributed/test_lightning_ddp.py.
 
 The model: the tiny pre-trained HF Llama of tests/tiny_llama.py in a LightningModule (tests/integrations/
 lit_llama.py). The planted culprit, as in the HF Trainer tests: in one row of step ``K`` the input token at

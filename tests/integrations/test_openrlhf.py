@@ -6,7 +6,7 @@ action j ↔ token j + 1), an actor, a PolicyLoss and a ``training_step`` writte
 and an engine with DeepSpeed's methods (1/gas backward scaling, clip + step at the accumulation
 boundary) that is not a DeepSpeed engine, so gradloc watches its module — around a real model (TinyGPT,
 packed with ``cu_seqlens`` under ``packing_samples``) and a real ``gradloc.watch`` monitor. OpenRLHF's
-own classes on real ZeRO-1/2/3 engines over 2 processes: tests/distributed/test_openrlhf_zero.py.
+own classes on real ZeRO-1/2/3 engines over 2 processes: tests/integrations/distributed/test_openrlhf_zero.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GradlocCallback under Lightning's ``strategy="ddp"`` (4 gloo CPU processes; tests/distributed/lightning_job.py):
+"""GradlocCallback under Lightning's ``strategy="ddp"`` (4 gloo CPU processes; tests/integrations/distributed/lightning_job.py):
 the callback watches the ``DistributedDataParallel`` wrapper, so the monitor is a DDP job — every rank judges
 the job's gradient, one incident names the rank whose data holds the corrupted token, ≤ 3 probes, and the
 parameters are bitwise those of the same fit without gradloc."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launch import run
-from tests.distributed.lightning_job import MB, POS, ROW, STEPS, UID0, K, planted_row
+from tests.integrations.distributed.lightning_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 from tests.distributed.loop import one_job_incident
 
 pytest.importorskip("lightning")
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.defaults
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    from tests.distributed.lightning_job import train
+    from tests.integrations.distributed.lightning_job import train
 
     return run(train, WORLD, timeout_s=900)
 

@@ -1,5 +1,5 @@
 """GradlocOpenRLHF on real DeepSpeed ZeRO engines (CPU accelerator, gloo, 2 processes) with OpenRLHF 0.11.2's
-own Experience, Actor, PolicyLoss, DeepspeedStrategy and loss normalizers (tests/distributed/openrlhf_job.py).
+own Experience, Actor, PolicyLoss, DeepspeedStrategy and loss normalizers (tests/integrations/distributed/openrlhf_job.py).
 
 The hooks watch the engine itself (``gradloc.watch(engine)``): ZeRO-2 — OpenRLHF's default — and ZeRO-1/3
 localize a corrupted rollout log-prob planted on rank 1 as one job incident on both ranks, with probes
@@ -29,7 +29,7 @@ def _rank_main(rank: int, world: int) -> dict:
 
     import torch
 
-    from tests.distributed.openrlhf_job import train
+    from tests.integrations.distributed.openrlhf_job import train
 
     out, seconds = {}, {}
     for stage, watched in ((2, True), (2, False), (1, True), (3, True)):

@@ -3,7 +3,7 @@
 The Trainer wraps the model in ``DistributedDataParallel``; GradlocTrainer hands gradloc that wrapper, so
 the monitor is a DDP job: every rank judges the job's (all-reduced) gradient, the rank holding the
 candidates probes in ``no_sync`` and gradloc combines the probe gradients over the ranks. A corrupted
-token planted on the last rank (tests/distributed/hf_trainer_job.py) is one job incident on every rank, naming
+token planted on the last rank (tests/integrations/distributed/hf_trainer_job.py) is one job incident on every rank, naming
 it, with ≤ 3 probes and the share measured against the job's gradient; the parameters after
 training are bitwise those of a plain ``Trainer`` on the same data.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.hf_trainer_job import MB, POS, ROW, STEPS, UID0, K, planted_row
+from tests.integrations.distributed.hf_trainer_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 from tests.distributed.launch import run
 from tests.distributed.loop import one_job_incident
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.defaults
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    from tests.distributed.hf_trainer_job import train
+    from tests.integrations.distributed.hf_trainer_job import train
 
     return run(train, WORLD, str(tmp_path_factory.mktemp("hf-ddp")), timeout_s=900)
 

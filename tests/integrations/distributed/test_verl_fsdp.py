@@ -1,4 +1,4 @@
-"""GradlocVerlHooks under FSDP2 on 2 gloo processes, in the main environment (tests/distributed/verl_fsdp_job.py):
+"""GradlocVerlHooks under FSDP2 on 2 gloo processes, in the main environment (tests/integrations/distributed/verl_fsdp_job.py):
 the engine's module sharded with ``fully_shard`` is a job of kind "fsdp", so every rank probes in lockstep and
 a mismatch planted on rank 1 is one job incident naming rank 1; training is bitwise unchanged. verl's FSDP1
 (flat parameters) is refused at attach. verl's own engine: the real-verl tier (tests/verl_tier).
@@ -14,7 +14,7 @@ STEPS, SPIKE = 7, 6
 
 
 def _rank_main(rank: int, world: int) -> dict:
-    from tests.distributed.verl_fsdp_job import train
+    from tests.integrations.distributed.verl_fsdp_job import train
 
     watched = train(rank, world, STEPS, (1, SPIKE), True)
     plain = train(rank, world, STEPS, (1, SPIKE), False)
@@ -49,7 +49,7 @@ def test_training_is_bitwise_identical_with_and_without_gradloc(ranks):
 
 
 def test_an_fsdp1_module_is_refused_at_attach():
-    from tests.distributed.verl_fsdp_job import fsdp1_refused
+    from tests.integrations.distributed.verl_fsdp_job import fsdp1_refused
 
     (msg,) = run(fsdp1_refused, 1, timeout_s=120)
     assert "strategy=fsdp2" in msg, msg
