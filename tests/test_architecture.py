@@ -236,7 +236,7 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycles(edges) == [["a", "b", "c"]]
 
 
-LEVELS = ("tokens", "below", "ranks", "prune", "naming", "bisect_step", "trail")  # localizer/: functions of the runner
+LEVELS = ("tokens", "below", "sample_probes", "ranks", "prune", "naming", "bisect_step", "trail")  # localizer/: functions of the runner
 
 
 def _level_problems(path: Path) -> list[str]:

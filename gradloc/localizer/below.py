@@ -10,7 +10,7 @@ opt-in remedy drops).
 
 Without a decomposition (the exact layer is not one module, a scope whose stored gradient is not
 whole on one rank — FSDP2, ZeRO — or a failure), each remaining probe measures one top sample
-instead, and a measured sample that passes is still named (``sample`` level). In a job, a rank whose
+instead, and a measured sample that passes is still named (``sample`` level; ``sample_probes.py``). In a job, a rank whose
 micro-batches could carry the spike together is measured as a whole after a measurement on it found
 nothing smaller (``ranks.py``: ``rank`` level). Nothing passes: ``diffuse``, with every measured
 share reported. Every rank takes the same path: the owner's results
@@ -30,7 +30,7 @@ import numpy as np
 from gradloc.localizer import ranks
 from gradloc.localizer.context import LocalizeResult, out_of_band
 from gradloc.localizer.decompose import decompose
-from gradloc.localizer.diffuse import TOP_SAMPLES, describe
+from gradloc.localizer.diffuse import TOP_SAMPLES
 from gradloc.localizer.levels import (
     SampleVerdict,
     micro_batch_passes,
@@ -41,9 +41,10 @@ from gradloc.localizer.levels import (
 )
 from gradloc.localizer.ranks import Found, RankContext
 from gradloc.localizer.runner import Runner
+from gradloc.localizer.sample_probes import by_sample_probes
 from gradloc.localizer.spans import build_culprits, range_span
-from gradloc.localizer.trail import Trail, attributed, record_samples
-from gradloc.records import CulpritGroup, Level, Localization, Method, SampleShare, Status
+from gradloc.localizer.trail import Trail, diffuse, record_samples
+from gradloc.records import CulpritGroup, Level, Method, SampleShare, Status
 
 MAX_CLOSURE_ERROR = 0.25  # a decomposition whose Σ c_t misses the probe's ⟨∇_mb, ∇⟩ by more is not trusted
 
@@ -109,7 +110,7 @@ def below(r: Runner, why: str) -> LocalizeResult:
                 return found
     if not trail.measured:
         return by_sample_probes(r, cx, trail)
-    return LocalizeResult(diffuse(r, cx, trail))
+    return LocalizeResult(diffuse(r, cx.n, trail))
 
 
 # -- decomposition ------------------------------------------------------------------------------
@@ -283,69 +284,6 @@ def regions(r: Runner, part: Part) -> tuple:
     return level, culprits, spans
 
 
-# -- without a decomposition ----------------------------------------------------------------------
-def by_sample_probes(r: Runner, cx: BelowContext, trail: Trail) -> LocalizeResult:
-    """Each probe left measures one of the job's top samples; the passing ones are named (``sample`` level)."""
-    every = r.comm.all_gather_object([(score, m, b, n, r.view.metas[m].index)
-                                      for m, b, score, n in r.view.sample_totals()[:TOP_SAMPLES]], "gradloc samples")
-    top = sorted(((score, rank, m, b, n, index) for rank, items in enumerate(every) for score, m, b, n, index in items),
-                 key=lambda e: (-e[0] if math.isfinite(e[0]) else 0.0, e[1]))[:TOP_SAMPLES]
-    measured: list[tuple[float, int, int, int, int, int]] = []  # (share, rank, view position, sample, tokens, index)
-    for score, rank, m, b, n, index in top:
-        if r.left <= 0:
-            break
-        if n == 0:
-            continue
-        group = (m, r.view.sample_flats(m, b)) if rank == r.rank else None
-        start = len(r.session.losses)
-        acc, err = r.probe_round([None] * len(r.stored.grads), group)
-        share, _ = r.scope.measure(acc, float(sum(r.session.losses[start:])), err)
-        del acc
-        r.spend()
-        measured.append((share, rank, m, b, n, index))
-        if cx.ranks is not None and not _passing(r, cx, measured).culprits:
-            trail = replace(trail, measured=_with_shares(r, measured))
-            found, trail = ranks.after_sample_probe(r, cx.ranks, trail, rank, share)
-            if found is not None:
-                return found
-    ranked = sorted(measured, key=lambda e: -e[0])
-    passing = _passing(r, cx, ranked)
-    trail = replace(trail, measured=_with_shares(r, measured))
-    if not passing.culprits:
-        return LocalizeResult(diffuse(r, cx, trail))
-    mine = [ranked[i] for i in passing.culprits if ranked[i][1] == r.rank]
-    spans = []
-    for share, _, m, b, _, _ in mine:
-        pos = r.view.sample_flats(m, b) - r.view.offsets[m] - r.view.metas[m].bounds(b)[0]
-        span = range_span(r.view, m, b, int(pos[0]), int(pos[-1]) + 1, share, r.decode, r.cfg.context_tokens)
-        spans.append(span if r.solo else replace(span, rank=r.rank))
-    spans = sorted((x for e in r.comm.all_gather_object(spans, "gradloc culprit samples") for x in e),
-                   key=lambda x: -x.share)
-    trail = trail.note(f"{len(spans)} sample(s) measured by probes carry {passing.explained:.0%} of ‖∇‖² "
-                       "(sample level; no decomposition, so no span inside them)")
-    loc = r.record(method=Method.ATTRIBUTION, status=Status.LOCATED, level=Level.SAMPLE, probes=r.used,
-                   spans=tuple(spans), samples=record_samples(r, trail), note=trail.text,
-                   explained=passing.explained)
-    return LocalizeResult(loc)
-
-
-def _passing(r: Runner, cx: BelowContext, measured: list[tuple]) -> SampleVerdict:
-    """The sample verdict on probed samples (share, rank, view position, sample, tokens, index), best first."""
-    return pick_samples([(i, e[0], e[4]) for i, e in enumerate(measured)], lambda x: r.verified(x), cx.n)
-
-
-def _with_shares(r: Runner, measured: list[tuple]) -> tuple[SampleShare, ...]:
-    """The job's top samples, with the probed ones' measured shares."""
-    shares = {(e[1], e[5], e[3]): e[0] for e in measured}
-    return tuple(replace(s, share=shares.get((s.rank or 0, s.micro_batch, s.sample), s.share)) for s in attributed(r))
-
-
-def diffuse(r: Runner, cx: BelowContext, trail: Trail) -> Localization:
-    samples = record_samples(r, trail)
-    return r.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=r.used, passes=trail.passes,
-                    samples=samples, note=f"{trail.text}; {describe(samples, cx.n)}")
-
-
 def _score_share(r: Runner, m: int, b: int) -> float:
     total = r.pic.total_score
     a, e = r.view.metas[m].bounds(b)
@@ -353,5 +291,5 @@ def _score_share(r: Runner, m: int, b: int) -> float:
     return float(r.view.scores[base + a:base + e].sum()) / total if math.isfinite(total) and total > 0 else math.nan
 
 
-__all__ = ["BelowContext", "Decomposition", "Part", "below", "by_sample_probes", "decompose_at", "diffuse",
-           "micro_batch_level", "micro_batch_order", "other_outliers", "regions", "sample_level", "verdict"]
+__all__ = ["BelowContext", "Decomposition", "Part", "below", "decompose_at", "micro_batch_level", "micro_batch_order",
+           "other_outliers", "regions", "sample_level", "verdict"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from gradloc.localizer.diffuse import TOP_SAMPLES
+from gradloc.localizer.diffuse import TOP_SAMPLES, describe
 from gradloc.localizer.picture import merge_samples, top_samples
 from gradloc.localizer.runner import Runner
-from gradloc.records import SampleShare
+from gradloc.records import Localization, Method, SampleShare, Status
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,4 +49,11 @@ def record_samples(r: Runner, trail: Trail) -> tuple[SampleShare, ...]:
     return tuple(measured[:TOP_SAMPLES] + rest)[:TOP_SAMPLES]
 
 
-__all__ = ["Trail", "attributed", "record_samples"]
+def diffuse(r: Runner, n: int, trail: Trail) -> Localization:
+    """Nothing below the tokens passed: ``diffuse``, with every measured share reported (``n``: the job's samples)."""
+    samples = record_samples(r, trail)
+    return r.record(method=Method.ATTRIBUTION, status=Status.DIFFUSE, probes=r.used, passes=trail.passes,
+                    samples=samples, note=f"{trail.text}; {describe(samples, n)}")
+
+
+__all__ = ["Trail", "attributed", "diffuse", "record_samples"]

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 from gradloc.config import WatchConfig
 from gradloc.parallel.data import FSDP, Alone
-from gradloc.parallel.job import Job, _global_layers
+from gradloc.parallel.global_layers import global_layers
+from gradloc.parallel.job import Job
 from gradloc.parallel.layout import _check
 
 
@@ -15,10 +16,10 @@ def _rank(stage: int, layers: list[str], tokens: list[str]) -> tuple:
 
 def test_every_stage_s_layers_in_stage_order_and_shared_names_qualified():
     every = [_rank(1, ["layers.0.w", "head"], ["layers.0.w", "head"]), _rank(0, ["emb", "layers.0.w"], ["emb", "layers.0.w"])]
-    g = _global_layers(every, 0)
+    g = global_layers(every, 0)
     assert g.names == ("emb", "stage0.layers.0.w", "stage1.layers.0.w", "head")
     assert g.index == (2, 3) and g.token_index == (2, 3)  # rank 0 is stage 1
-    assert _global_layers(every, 1).index == (0, 1)
+    assert global_layers(every, 1).index == (0, 1)
 
 
 def test_the_grid_check_names_what_is_wrong():
