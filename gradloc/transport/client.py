@@ -38,30 +38,23 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass
 
 import grpc
 
 from gradloc.records import Incident, StepRecord
 from gradloc.transport.client_config import ClientConfig
-from gradloc.transport.codec import LayerTables, batch_bytes, decode_incident, decode_step, encode_incident, encode_step
+from gradloc.transport.client_link import RETRY, IngestLink, Item
+from gradloc.transport.codec import LayerTables, decode_incident, decode_step, encode_incident, encode_step
 from gradloc.transport.validate import RejectedBatch
-from gradloc.transport.wire import INGEST_METHOD, SCHEMA_VERSION, pb
+from gradloc.transport.wire import pb
 
 log = logging.getLogger(__name__)
 
-_RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _REJECTED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED})
 _WAKE = object()  # queued by force_flush/shutdown to wake the worker (never counted)
 COUNTERS = ("sent_steps", "sent_incidents", "queue_full", "send_failed", "encode_failed", "rejected",
             "reconnects", "after_shutdown")
-
-
-@dataclass(slots=True)
-class _Item:
-    data: bytes  # the serialized pb.Step / pb.IncidentMsg
-    table: tuple[int, tuple[str, ...]] | None  # (id, names) for a step, None for an incident
 
 
 class AgentClient:
@@ -84,18 +77,15 @@ class AgentClient:
         self._rng = random.Random(os.urandom(16))
         # -- worker-thread state --
         self._tables = LayerTables()
-        self._pending: deque[_Item] = deque()
+        self._pending: deque[Item] = deque()
         self._pending_since = 0.0
-        self._sent_tables: set[int] = set()
         self._seq = 1
         # (sequence, items) being (re)sent; first the hello, an empty batch (see the module docstring)
-        self._inflight: tuple[int, list[_Item]] | None = (1, [])
+        self._inflight: tuple[int, list[Item]] | None = (1, [])
         self._attempt, self._retry_at, self._reconnect = 0, 0.0, False
         self._warned: Counter[str] = Counter()
-        self._channel = self._call = None
-        self._future: grpc.Future | None = None  # the call in flight (guarded by _cond): shutdown cancels it
-        self._metadata = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else None
-        self._connect()
+        self._link = IngestLink(cfg, self.client_info, self._cond, self._warn)
+        self._link.connect()
         self._thread = threading.Thread(target=self._run, name="gradloc-agent-client", daemon=True)
         self._thread.start()
 
@@ -155,10 +145,7 @@ class AgentClient:
         self.force_flush(timeout)
         self._wake()
         self._thread.join(max(0.0, start + timeout - time.monotonic()))
-        with self._cond:  # past the deadline: a call still out (one begun before shutdown) is abandoned
-            future = self._future
-        if future is not None:
-            future.cancel()
+        self._link.cancel()  # past the deadline: a call still out (one begun before shutdown) is abandoned
         self._thread.join(0.05)
 
     def close_within(self, timeout_s: float) -> int:
@@ -180,7 +167,7 @@ class AgentClient:
                 self._warn("worker", "gradloc: agent client worker error", exc_info=True)
                 time.sleep(0.05)
         self._drop_all()
-        self._channel.close()
+        self._link.close()
 
     def _tick(self) -> bool:
         now = time.monotonic()
@@ -223,11 +210,11 @@ class AgentClient:
                 table_id, index = self._tables.lookup(names)
                 msg = encode_step(record, table_id, index, cfg.job, cfg.rank)
                 decode_step(msg, names, cfg.job, cfg.rank, cfg.world_size, f"step {record.step}", False)  # the daemon's checks
-                item = _Item(msg.SerializeToString(), (table_id, names))
+                item = Item(msg.SerializeToString(), (table_id, names))
             else:
                 msg = encode_incident(record)  # type: ignore[arg-type]
                 decode_incident(msg, cfg.world_size, f"incident of step {record.step}")  # type: ignore[attr-defined]
-                item = _Item(msg.SerializeToString(), None)
+                item = Item(msg.SerializeToString(), None)
         except RejectedBatch as exc:
             self._warn("invalid", "gradloc: not sending a record the agent would reject: %s", exc)
             return self._resolve("rejected", 1)
@@ -241,7 +228,7 @@ class AgentClient:
             self._pending.popleft()
             self._resolve("send_failed", 1)
 
-    def _take_batch(self) -> tuple[int, list[_Item]]:
+    def _take_batch(self) -> tuple[int, list[Item]]:
         items, size = [], 0
         while self._pending and len(items) < self.config.max_batch:
             if items and size + len(self._pending[0].data) > self.config.max_batch_bytes:
@@ -254,14 +241,16 @@ class AgentClient:
 
     def _send(self) -> None:
         if self._reconnect:
-            self._connect()
+            self._add("reconnects")
+            self._link.connect()
+            self._reconnect = False
         self._inflight = self._inflight or self._take_batch()
         code, details = self._try_send()
         if code == grpc.StatusCode.FAILED_PRECONDITION:  # the daemon lost our tables: send them all
-            self._sent_tables.clear()
+            self._link.sent_tables.clear()
             code, details = self._try_send()
         seq, items = self._inflight
-        if code in _RETRY:
+        if code in RETRY:
             self._attempt += 1
             cap = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** min(self._attempt - 1, 30))
             self._retry_at = time.monotonic() + self._rng.uniform(0.0, cap)  # full jitter
@@ -278,56 +267,16 @@ class AgentClient:
             self._resolve("rejected" if code in _REJECTED else "send_failed", len(items))
 
     def _try_send(self) -> tuple[grpc.StatusCode | None, str]:
-        """One attempt; (None, "") on success, else the status code and details."""
+        """One attempt of the batch in flight, with the cumulative drop counts; (None, "") on success."""
         seq, items = self._inflight  # type: ignore[misc]
-        tables = {it.table[0]: it.table[1] for it in items if it.table and it.table[0] not in self._sent_tables}
         with self._cond:
             c = self._counts
             drops = pb.ClientDrops(queue_full=c["queue_full"], send_failed=c["send_failed"],
                                    encode_failed=c["encode_failed"], rejected=c["rejected"])
-        header = pb.IngestBatch(schema_version=SCHEMA_VERSION, client=self.client_info, drops=drops, sequence=seq,
-                                layer_tables=[pb.LayerTable(id=i, names=n) for i, n in tables.items()])
-        data = batch_bytes(header, [it.data for it in items if it.table], [it.data for it in items if not it.table])
         timeout = self.config.timeout_s
         if self._stop_at is not None:
             timeout = max(0.05, min(timeout, self._stop_at - time.monotonic()))
-        try:
-            future = self._call.future(data, timeout=timeout, metadata=self._metadata)
-            with self._cond:
-                self._future = future
-            try:
-                future.result()
-            finally:
-                with self._cond:
-                    self._future = None
-        except grpc.FutureCancelledError:  # by shutdown, at its deadline: dropped and counted, not retried
-            return grpc.StatusCode.CANCELLED, "cancelled at shutdown"
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            details = (exc.details() if hasattr(exc, "details") else None) or ""
-            if code == grpc.StatusCode.CANCELLED and self._stop_at is not None:
-                return code, "cancelled at shutdown"
-            if code not in _RETRY and code != grpc.StatusCode.FAILED_PRECONDITION:
-                self._warn(f"status-{code}", "gradloc: the agent refused a batch of %d records: %s %s", len(items),
-                           code, details)
-            return code, details
-        self._sent_tables.update(tables)
-        return None, ""
-
-    def _connect(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._add("reconnects")
-        options = [("grpc.max_send_message_length", 64 * 1024 * 1024)]
-        if self.config.tls or self.config.tls_ca:
-            ca = open(self.config.tls_ca, "rb").read() if self.config.tls_ca else None
-            self._channel = grpc.secure_channel(self.config.address, grpc.ssl_channel_credentials(ca), options)
-        else:
-            self._channel = grpc.insecure_channel(self.config.address, options=options)
-        self._call = self._channel.unary_unary(INGEST_METHOD, request_serializer=None,
-                                               response_deserializer=pb.IngestReply.FromString)
-        self._sent_tables.clear()  # a new connection may be a new daemon
-        self._reconnect = False
+        return self._link.send(seq, items, drops, timeout, stopping=self._stop_at is not None)
 
     def _drop_all(self) -> None:
         """At exit: whatever was not sent by the shutdown deadline is dropped (``send_failed``)."""

@@ -98,7 +98,7 @@ def test_shutdown_abandons_a_call_begun_before_it_and_the_worker_ends():
         stalled.listen(16)
         c = client(f"127.0.0.1:{stalled.getsockname()[1]}", timeout_s=30.0)
         c.on_step(step_record(0))
-        assert wait_for(lambda: c._future is not None)  # the hello's call is out (internal: nothing else shows it)
+        assert wait_for(lambda: c._link.in_call)  # the hello's call is out (internal: nothing else shows it)
         t0 = time.monotonic()
         c.shutdown(0.3)
         took = time.monotonic() - t0

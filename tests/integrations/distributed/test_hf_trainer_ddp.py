@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.distributed.hf_trainer_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 from tests.distributed.launch import run
 from tests.distributed.loop import one_job_incident
+from tests.integrations.distributed.hf_trainer_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 
 pytest.importorskip("transformers")
 

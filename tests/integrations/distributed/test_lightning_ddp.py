@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launch import run
-from tests.integrations.distributed.lightning_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 from tests.distributed.loop import one_job_incident
+from tests.integrations.distributed.lightning_job import MB, POS, ROW, STEPS, UID0, K, planted_row
 
 pytest.importorskip("lightning")
 
