@@ -32,8 +32,9 @@ from google.protobuf.message import DecodeError
 from gradloc.records import Incident
 from gradloc.reports import StepSummary
 from gradloc.transport import validate as v
-from gradloc.transport.codec_incidents import decode_incident, encode_incident
+from gradloc.transport.codec_incidents import encode_incident
 from gradloc.transport.codec_steps import decode_step, encode_step
+from gradloc.transport.decode_incidents import decode_incident
 from gradloc.transport.wire import MAX_MESSAGE_BYTES, SUPPORTED_SCHEMA_VERSIONS, layer_table_id, pb
 
 __all__ = ["ClientInfo", "ClientDrops", "DecodedBatch", "LayerTableCache", "BatchDecoder", "LayerTables",

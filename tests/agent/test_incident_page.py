@@ -347,7 +347,8 @@ def test_the_correlated_incident_carries_the_steps_the_agent_held_with_their_ban
 
 def test_layer_z_scores_cross_the_wire_and_a_nan_one_arrives_as_unknown():
     from gradloc.records import LayerStats
-    from gradloc.transport.codec_incidents import decode_incident, encode_incident
+    from gradloc.transport.codec_incidents import encode_incident
+    from gradloc.transport.decode_incidents import decode_incident
 
     f0 = make_incident().findings[0]
     layers = (LayerStats(layer="a", grad_norm=2.0, grad_max_abs=1.0, nonfinite=0, param_norm=1.0, numel=4, z=12.5),
