@@ -206,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(res) if args.json else rl_table(res))
         return 0
 
-    from bench.localization import LocalizationConfig, format_table, run_localization
+    from bench.localization import LocalizationConfig, run_localization
+    from bench.localization_summary import format_table
 
     cfg = LocalizationConfig.quick() if args.quick else LocalizationConfig()
     overrides = {"seeds": args.seeds, "train_steps": args.train_steps, "kappa": args.kappa}

@@ -9,7 +9,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from bench.localization import _fmt
+from bench.localization_summary import fmt
 
 Cell = tuple[int, int]  # (micro-batch, sample)
 LEVEL = {"repeated_tail": "span", "foreign_script": "sample", "random_ids": "sample", "shifted_labels_5": "sample",
@@ -149,9 +149,9 @@ def format_table(res: dict[str, Any]) -> str:
     for kind, d in res["faults"].items():
         lv = ",".join(f"{k}:{v}" for k, v in sorted(d["levels"].items())) or "-"
         rows.append((kind, d["level"], f"{d['detected']}/{d['injected']}", str(d["located"]), lv, str(d["wrong"]),
-                     _fmt(d["sample_recall"]), _fmt(d["sample_precision"]), _fmt(d.get("token_recall")),
-                     _fmt(d.get("token_precision")), _fmt(d.get("iou_mean_located")),
-                     f"{_fmt(d['probes_median'], 1)}/{_fmt(d['probes_max'])}", _fmt(d["passes_max"]),
+                     fmt(d["sample_recall"]), fmt(d["sample_precision"]), fmt(d.get("token_recall")),
+                     fmt(d.get("token_precision")), fmt(d.get("iou_mean_located")),
+                     f"{fmt(d['probes_median'], 1)}/{fmt(d['probes_max'])}", fmt(d["passes_max"]),
                      f"{d['outlier_hits']}/{d['outlier_planted']}", str(d["aftershocks"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -159,13 +159,13 @@ def format_table(res: dict[str, Any]) -> str:
     lines += ["", f"healthy steps {h['steps']} (from the end of the LR warm-up; {h['window_steps']} in the fault "
                   f"window, {h['window_incidents']} incidents, {h['window_outliers']} outliers there): "
                   f"false incidents {h['false_incidents']} "
-                  f"({_fmt(h['false_incidents_per_1000_steps'])} per 1,000 steps); false outliers {h['false_outliers']} "
-                  f"({_fmt(h['false_outliers_per_1000_steps'])} per 1,000 steps, "
-                  f"{_fmt(h['false_outliers_per_1000_samples'], 3)} per 1,000 of {h['judged_samples']} samples)"]
+                  f"({fmt(h['false_incidents_per_1000_steps'])} per 1,000 steps); false outliers {h['false_outliers']} "
+                  f"({fmt(h['false_outliers_per_1000_steps'])} per 1,000 steps, "
+                  f"{fmt(h['false_outliers_per_1000_samples'], 3)} per 1,000 of {h['judged_samples']} samples)"]
     lines.append(f"{s['family']} {s['params']:,} params, {s['micro_batches']} × ({s['batch']} × {s['seq']}) "
                  f"tokens/step, sensitivity {s['sensitivity']}; "
                  f"{s['seeds']} seeds × {s['steps']} steps (faults in [{s['pretrain']}, {s['steps'] - s['after']})); "
-                 f"loss at step {s['pretrain']}: {', '.join(_fmt(x['loss_at_pretrain'], 3) for x in res['runs'])}; "
+                 f"loss at step {s['pretrain']}: {', '.join(fmt(x['loss_at_pretrain'], 3) for x in res['runs'])}; "
                  f"total {res['wall_s']} s, load {res['loadavg_1m']}")
     return "\n".join(lines)
 

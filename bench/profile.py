@@ -23,7 +23,7 @@ def _profile_targets() -> list[tuple[Any, str, str]]:
     from gradloc.collector import layer_stats, step, token_hooks, update_ratio
     from gradloc.collector.rules import embedding, layer_norm, linear, rms_norm
     from gradloc.detector.detector import SpikeDetector
-    from gradloc.engine import monitor, token_path
+    from gradloc.engine import fanout, monitor, token_path
 
     out: list[tuple[Any, str, str]] = [
         (monitor.Monitor, "end_step", "Monitor.end_step (all of it)"),
@@ -34,7 +34,7 @@ def _profile_targets() -> list[tuple[Any, str, str]]:
         (step, "_parse", "collector.step._parse"),
         (token_path, "stack_step", "token_summary.stack_step"),
         (SpikeDetector, "observe", "SpikeDetector.observe"),
-        (monitor.Monitor, "_emit_pending", "Monitor._emit_pending"),
+        (fanout.Fanout, "release", "Fanout.release (the held step record out)"),
         (update_ratio.UpdateRatioTracker, "before_step", "UpdateRatioTracker.before_step (optimizer pre-hook)"),
         (update_ratio.UpdateRatioTracker, "after_step", "UpdateRatioTracker.after_step (optimizer post-hook)"),
         (token_hooks, "_capture", "token_hooks._capture (forward hook)"),

@@ -25,7 +25,8 @@ from typing import Any, Self
 
 from bench.agent import _off_daemon_cpu, template
 from gradloc.records import CulpritSpan, Incident, Localization, SpikeEvent, StepRecord
-from gradloc.transport.client import AgentClient, _Item
+from gradloc.transport.client import AgentClient
+from gradloc.transport.client_link import Item
 from gradloc.transport.codec import _varint, decode_step, encode_step
 from gradloc.transport.wire import pb
 
@@ -106,7 +107,7 @@ class ReplayClient(AgentClient):
         body, table = self._bodies[names]
         if not self._pending:
             self._pending_since = time.monotonic()
-        self._pending.append(_Item(restamp(body, record.step, record.time_unix), table))
+        self._pending.append(Item(restamp(body, record.step, record.time_unix), table))
         if len(self._pending) > self.config.queue_size:
             self._pending.popleft()
             self._resolve("send_failed", 1)
