@@ -21,9 +21,9 @@ fault is the first of its kind the model sees, at a step of an otherwise healthy
 Faults (``LEVEL`` gives the level each is planted at):
 
 - ``repeated_tail`` (span): the second half of the sample is one token of the sample repeated
-  (``natural.inject``); the planted span is the loss positions whose target is the repeated token;
-- ``foreign_script`` (sample): the whole sample is random words of another script (``natural.inject``);
-- ``random_ids`` (sample): uniformly random ids, binary garbage (``natural.inject``);
+  (``natural_faults.inject``); the planted span is the loss positions whose target is the repeated token;
+- ``foreign_script`` (sample): the whole sample is random words of another script (``natural_faults.inject``);
+- ``random_ids`` (sample): uniformly random ids, binary garbage (``natural_faults.inject``);
 - ``shifted_labels_5`` (sample): each label is the token 5 positions later (``samples.make_fault``);
 - ``duplicated_sample`` (sample ×2): one garbage (random-id) sample appears twice in the step, in two
   random slots;
@@ -32,7 +32,7 @@ Faults (``LEVEL`` gives the level each is planted at):
 - ``truncated`` (span): the document stops half-way and the rest is end-of-text padding the loss
   still counts (``samples.make_fault``); the planted span is the padding's loss positions;
 - ``planted_token`` (token, the control): the sample's least likely target gets loss weight
-  ``natural.PLANT_SHARE`` × the step's loss tokens (the demo's RL plant, ``natural.inject``).
+  ``natural_faults.PLANT_SHARE`` × the step's loss tokens (the demo's RL plant, ``natural_faults.inject``).
 
 Scoring, per fault step:
 
@@ -61,7 +61,8 @@ import torch
 
 from bench import torch_threads
 from bench.faults_score import LEVEL, Cell, format_table, score, summarize
-from bench.natural import Run, RunConfig, StepBatch, inject, natural_corpus
+from bench.natural import Run, RunConfig, StepBatch, natural_corpus
+from bench.natural_faults import inject
 from bench.samples import make_fault
 
 FAULTS = ("repeated_tail", "foreign_script", "random_ids", "shifted_labels_5", "duplicated_sample",

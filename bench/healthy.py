@@ -8,7 +8,7 @@ detector's warm-up included):
 - a **healthy run** per family × seed: ``steps`` steps, no fault at all. Every incident the monitor
   opens is a false incident.
 - a **fault run** per family × seed: the same data (step ``s``'s batch depends only on the seed and
-  ``s``), except that one sample of a step is made a fault (``bench.natural.FAULTS``) every
+  ``s``), except that one sample of a step is made a fault (``bench.natural_faults.FAULTS``) every
   ``fault_every`` steps on average, from ``fault_after`` on; the kinds take turns. A fault counts as
   detected when an incident opens on its step.
 
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from bench import early, torch_threads
-from bench.natural import FAULTS, Fault, Run, RunConfig, inject
+from bench.natural import Run, RunConfig
+from bench.natural_faults import FAULTS, Fault, inject
 from gradloc.config import DetectorConfig
 from gradloc.detector import SpikeDetector, opens_incident
 from gradloc.records import StepRecord

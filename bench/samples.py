@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from bench import torch_threads
-from bench.natural import Run, RunConfig, StepBatch, foreign_text, inject
+from bench.natural import Run, RunConfig, StepBatch
+from bench.natural_faults import foreign_text, inject
 from gradloc.config import SampleConfig
 
 FAULTS = ("random_ids", "shifted_labels_5", "shifted_labels_1", "foreign_script", "foreign_span", "truncated",

@@ -14,7 +14,8 @@ pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 
 from bench.healthy import HealthyConfig, check_replay, fault_schedule, replay, train  # noqa: E402
-from bench.natural import FAULTS, Run, RunConfig, inject, natural_corpus  # noqa: E402
+from bench.natural import Run, RunConfig, natural_corpus  # noqa: E402
+from bench.natural_faults import FAULTS, inject  # noqa: E402
 from gradloc.config import DetectorConfig  # noqa: E402
 from tests.bench.test_bench_smoke import run_bench  # noqa: E402
 
