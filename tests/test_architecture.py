@@ -272,3 +272,14 @@ def test_the_level_check_finds_a_stateful_level(tmp_path: Path):
                    "class Level:\n    def __init__(self, r):\n        self.n = r._used\n")
     assert sorted(_level_problems(bad)) == ["class Level (not a frozen dataclass)", "imports localizer.py",
                                             "reads ._used"]
+
+
+MAX_LINES = 340  # "modules around 300 lines or less": a module past this is split, not grown
+
+
+def test_modules_stay_around_300_lines():
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+             for top in ("gradloc", "bench") for p in (ROOT / top).rglob("*.py") if "_generated" not in p.parts}
+    assert len(sizes) > 100, len(sizes)
+    over = {m: n for m, n in sizes.items() if n > MAX_LINES}
+    assert not over, f"split these modules (over {MAX_LINES} lines): {over}"
