@@ -3,6 +3,7 @@
 - the monitor's records (``gradloc.records``): :func:`layer`, :func:`step_record`, :func:`incident_record` (one
   rank's incident, every field set: the codec round trips), :func:`finding` (a rank's incident localized to a
   span), :func:`rl_stats`, :func:`sample_stats`;
+- one rank's small records for the correlator and agent tests: :func:`rank_summary`, :func:`rank_finding`;
 - the agent's (``gradloc.reports``): :func:`columns`, :func:`summary` (a rank's step as the exporters read it),
   :func:`step_summary` (a stored step with a top token), :func:`correlated` (a correlated incident whose every
   rank has one finding), :func:`make_incident` (the rich one: ranks 0–2 expected, rank 2 missing, two spans),
@@ -166,6 +167,29 @@ def correlated(job: str, step_n: int, *, trace_id: str = TRACE_ID, global_norm: 
         kinds=kinds, global_norm=global_norm, ranks_expected=tuple(sorted((*ranks, *missing))),
         ranks_reported=tuple(ranks), ranks_missing=tuple(missing), rank_shares=(), micro_batch_shares=(),
         spans=(), findings=findings, closed_unix=time_unix + 1.0, explained_share=explained, probes=probes)
+
+
+# -- one rank's small records (the correlator and agent tests) ----------------------------------------
+def rank_summary(job: str, rank: int, step: int, total_score: float | None = 1.0,
+            mb_shares: tuple[float, ...] = (0.5, 0.5)) -> StepSummary:
+    """One rank's small step for the correlator and agent tests: one layer, token statistics of
+    ``total_score`` (None: none) split over micro-batches as ``mb_shares``."""
+    cols = LayerColumns.build(("a",), [1.0], [1.0], [0], [1.0], [4], [np.nan])
+    tokens = None if total_score is None else TokenStats(tokens=64, total_score=total_score, top=(), top_share=0.1,
+                                                         micro_batch_shares=mb_shares, unattributed_share=0.0)
+    return StepSummary(job=job, rank=rank, step=step, time_unix=1000.0 + step, global_norm=2.0 + rank, loss=3.0,
+                       micro_batches=len(mb_shares), layers=cols, tokens=tokens)
+
+
+def rank_finding(job: str, rank: int, step: int, share: float = 0.8, text: str = " bad") -> Incident:
+    """One rank's located finding (one culprit token, sample id ``s<rank>``) for the correlator and agent tests."""
+    spike = SpikeEvent(step=step, kinds=("grad_spike",), global_norm=5.0, z=9.0, mean=1.0, std=0.3, layers=("head",))
+    span = CulpritSpan(1, 0, 7, 8, share, (42,), text, "before", "after", f"s{rank}")
+    loc = Localization(step=step, method="attribution", status="located", level="token", probes=1,
+                       explained_share=share, global_norm=5.0, culprit_norm=4.0, norm_without_culprits=1.0,
+                       spans=(span,))
+    return Incident(incident_id=f"r{rank}", job=job, rank=rank, step=step, time_unix=1000.0 + step + rank,
+                    spike=spike, localization=loc)
 
 
 # -- stored and correlated ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from gradloc.agent.core import AgentCore, Declare
 from gradloc.agent.incident_log import IncidentLog
 from gradloc.store import IncidentStore
 from tests.agent.http_get import get
-from tests.localizer.toy import finding, summary
+from tests.builders import rank_finding, rank_summary
 
 TOKEN = "cli33-token-" + "x" * 20
 JOB = "cli33"
@@ -54,7 +54,7 @@ def test_the_cli_reads_the_daemon_it_is_pointed_at_and_its_links_open(tmp_path: 
         port = int(daemon.http.rpartition(":")[2])
         assert port != 9917
         client = AgentClient(daemon.ingest, job=JOB, rank=0, token=TOKEN)
-        client.on_incident(finding(JOB, 0, 7, text=" bad"))
+        client.on_incident(rank_finding(JOB, 0, 7, text=" bad"))
         assert client.force_flush(30)
         client.shutdown(10)
         base = f"http://{daemon.http}"
@@ -125,7 +125,7 @@ def test_an_agent_that_does_not_answer_is_named_with_the_store_read_instead(tmp_
     store_path = tmp_path / "node.db"
     with IncidentStore(store_path) as store:
         core = AgentCore(store=store).start()
-        core.submit([Declare(JOB, 0, 1), finding(JOB, 0, 3), summary(JOB, 0, 3)])
+        core.submit([Declare(JOB, 0, 1), rank_finding(JOB, 0, 3), rank_summary(JOB, 0, 3)])
         assert core.flush(10)
         core.close()
     address = f"http://127.0.0.1:{port}"
@@ -168,14 +168,14 @@ def test_each_closed_incident_is_one_info_line_at_its_level(caplog: pytest.LogCa
     from gradloc.records.incidents import SampleShare
 
     core = AgentCore(exporters=[IncidentLog(lambda: "http://node-3:19917")]).start()
-    token_level = finding("a", 0, 5, share=0.6)
+    token_level = rank_finding("a", 0, 5, share=0.6)
     loc = replace(token_level.localization, level="sample", spans=(),
                   samples=(SampleShare(2, 4, 0.5, share=0.94, tokens=12), SampleShare(0, 1, 0.3, share=0.02)))
-    sample_level = replace(finding("b", 0, 6), localization=loc)
-    control = finding("c", 0, 8, text="\x00\x1b[31m" + "z" * 60)  # client text: escaped once, cut short
+    sample_level = replace(rank_finding("b", 0, 6), localization=loc)
+    control = rank_finding("c", 0, 8, text="\x00\x1b[31m" + "z" * 60)  # client text: escaped once, cut short
     with caplog.at_level("INFO", logger="gradloc.agent.daemon"):
         for inc in (token_level, sample_level, control):
-            core.submit([Declare(inc.job, 0, 1), inc, summary(inc.job, 0, inc.step)])
+            core.submit([Declare(inc.job, 0, 1), inc, rank_summary(inc.job, 0, inc.step)])
         assert core.flush(10)
     core.close()
     lines = [r for r in caplog.records if r.getMessage().startswith("gradloc-agent: incident ")]

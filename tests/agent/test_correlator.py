@@ -12,7 +12,7 @@ from gradloc.errors import ConfigError
 from gradloc.reports import CorrelatedIncident
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.localizer.toy import finding, summary  # noqa: E402
+from tests.builders import rank_finding, rank_summary  # noqa: E402
 
 
 class Clock:
@@ -35,11 +35,11 @@ def test_all_ranks_report_one_complete_incident_with_global_shares() -> None:
     c, out, _ = make()
     for r in range(3):
         c.declare("j", r, 3)
-    c.on_incident(finding("j", 1, 7))
-    c.on_incident(finding("j", 2, 7, share=0.5))
+    c.on_incident(rank_finding("j", 1, 7))
+    c.on_incident(rank_finding("j", 2, 7, share=0.5))
     for r, score in ((0, 1.0), (1, 6.0), (2, 3.0)):
         assert not out
-        c.on_step(summary("j", r, 7, total_score=score))
+        c.on_step(rank_summary("j", r, 7, total_score=score))
     assert len(out) == 1 and c.pending == 0
     inc = out[0]
     assert inc.status == "complete" and inc.ranks_missing == () and inc.ranks_reported == (0, 1, 2)
@@ -55,9 +55,9 @@ def test_a_rank_that_never_reports_is_named_after_the_deadline() -> None:
     c, out, clock = make(deadline=5.0)
     for r in range(4):
         c.declare("j", r, 4)
-    c.on_incident(finding("j", 0, 3))
+    c.on_incident(rank_finding("j", 0, 3))
     for r in range(3):
-        c.on_step(summary("j", r, 3))
+        c.on_step(rank_summary("j", r, 3))
     clock.t += 4.9
     assert c.poll() == 1 and not out
     clock.t += 0.2
@@ -71,9 +71,9 @@ def test_step_records_that_arrived_before_the_finding_are_used() -> None:
     c, out, _ = make()
     c.declare("j", 0, 2)
     c.declare("j", 1, 2)
-    c.on_step(summary("j", 0, 9))
-    c.on_step(summary("j", 1, 9))
-    c.on_incident(finding("j", 1, 9))
+    c.on_step(rank_summary("j", 0, 9))
+    c.on_step(rank_summary("j", 1, 9))
+    c.on_incident(rank_finding("j", 1, 9))
     assert len(out) == 1 and out[0].status == "complete"
 
 
@@ -81,11 +81,11 @@ def test_jobs_and_steps_do_not_mix() -> None:
     c, out, clock = make()
     c.declare("a", 0, 1)
     c.declare("b", 0, 1)
-    c.on_incident(finding("a", 0, 1))
-    c.on_step(summary("b", 0, 1))
-    c.on_step(summary("a", 0, 2))
+    c.on_incident(rank_finding("a", 0, 1))
+    c.on_step(rank_summary("b", 0, 1))
+    c.on_step(rank_summary("a", 0, 2))
     assert not out
-    c.on_step(summary("a", 0, 1))
+    c.on_step(rank_summary("a", 0, 1))
     assert [(i.job, i.step) for i in out] == [("a", 1)]
 
 
@@ -93,9 +93,9 @@ def test_rank_without_token_stats_gets_no_share_and_a_note() -> None:
     c, out, _ = make()
     c.declare("j", 0, 2)
     c.declare("j", 1, 2)
-    c.on_incident(finding("j", 0, 4))
-    c.on_step(summary("j", 0, 4))
-    c.on_step(summary("j", 1, 4, total_score=None))
+    c.on_incident(rank_finding("j", 0, 4))
+    c.on_step(rank_summary("j", 0, 4))
+    c.on_step(rank_summary("j", 1, 4, total_score=None))
     (inc,) = out
     assert [s.share for s in inc.rank_shares] == [1.0, None]
     assert "rank(s) 1 sent no token statistics" in inc.note
@@ -104,7 +104,7 @@ def test_rank_without_token_stats_gets_no_share_and_a_note() -> None:
 def test_close_all_flushes_open_incidents_as_partial() -> None:
     c, out, _ = make()
     c.declare("j", 0, 2)
-    c.on_incident(finding("j", 0, 5))
+    c.on_incident(rank_finding("j", 0, 5))
     c.close_all()
     assert len(out) == 1 and out[0].status == "partial" and "shut down" in out[0].note
 
@@ -114,10 +114,10 @@ def test_old_steps_leave_the_history_and_pending_is_bounded() -> None:
     c = Correlator(out.append, CorrelatorConfig(history_steps=2, max_pending=2))
     c.declare("j", 0, 2)
     for step in range(5):
-        c.on_step(summary("j", 0, step))
+        c.on_step(rank_summary("j", 0, step))
     assert list(c._recent[("j", 0)]) == [3, 4]
     for step in range(3):
-        c.on_incident(finding("j", 0, 10 + step))
+        c.on_incident(rank_finding("j", 0, 10 + step))
     assert c.pending == 2 and len(out) == 1 and "closed early" in out[0].note
 
 
@@ -136,21 +136,21 @@ def test_a_job_scope_finding_keeps_its_job_wide_shares_and_each_span_its_rank() 
     c, out, _ = make()
     for r in range(2):
         c.declare("j", r, 2)
-    inc = finding("j", 0, 4)
+    inc = rank_finding("j", 0, 4)
     spans = (replace(inc.localization.spans[0], share=0.6, rank=1),
              replace(inc.localization.spans[0], share=0.2, sample=1, rank=0))
     c.on_incident(replace(inc, scope="job", localization=replace(inc.localization, spans=spans)))
-    c.on_step(summary("j", 0, 4, total_score=1.0))
+    c.on_step(rank_summary("j", 0, 4, total_score=1.0))
     assert not out
-    c.on_step(summary("j", 1, 4, total_score=3.0))
+    c.on_step(rank_summary("j", 1, 4, total_score=3.0))
     (got,) = out
     assert [(s.rank, s.share) for s in got.spans] == [(1, 0.6), (0, 0.2)]
     assert got.status == "complete" and len(got.findings) == 1
     assert "localized across the job's ranks by rank 0" in got.note
     # A rank-scope finding from the same job is still scaled by its rank's share.
-    c.on_incident(finding("j", 1, 5, share=0.5))
-    c.on_step(summary("j", 0, 5, total_score=1.0))
-    c.on_step(summary("j", 1, 5, total_score=3.0))
+    c.on_incident(rank_finding("j", 1, 5, share=0.5))
+    c.on_step(rank_summary("j", 0, 5, total_score=1.0))
+    c.on_step(rank_summary("j", 1, 5, total_score=3.0))
     assert [(s.rank, s.share) for s in out[-1].spans] == [(1, 0.375)]
 
 
@@ -162,15 +162,15 @@ def test_a_job_scope_finding_heard_by_one_rank_only_closes_at_once_without_rank_
 
     c, out, _ = make()
     c.declare("j", 0, 2)
-    c.on_incident(replace(finding("j", 0, 4), scope="job"))
-    c.on_step(summary("j", 0, 4))
+    c.on_incident(replace(rank_finding("j", 0, 4), scope="job"))
+    c.on_step(rank_summary("j", 0, 4))
     (got,) = out
     assert got.status == "complete" and got.ranks_missing == ()
     assert [s.share for s in got.rank_shares] == [None] and got.micro_batch_shares == ()
     assert "did not hear rank(s) 1" in got.note
     # A rank-scope finding of the same job still waits for rank 1 (then is partial).
-    c.on_incident(finding("j", 0, 5))
-    c.on_step(summary("j", 0, 5))
+    c.on_incident(rank_finding("j", 0, 5))
+    c.on_step(rank_summary("j", 0, 5))
     assert len(out) == 1 and c.pending == 1
 
 
@@ -180,7 +180,7 @@ def test_forgotten_ranks_and_jobs_leave_nothing_behind() -> None:
     for job in ("ended", "running"):
         for r in range(3):
             c.declare(job, r, 3)
-            c.on_step(summary(job, r, 1))
+            c.on_step(rank_summary(job, r, 1))
     c.forget(ranks=[("running", 2)])
     assert ("running", 2) not in c._recent and c._seen["running"] == {0, 1}
     assert c._world["running"] == 3  # its declared world still names rank 2 as expected
@@ -188,8 +188,8 @@ def test_forgotten_ranks_and_jobs_leave_nothing_behind() -> None:
     assert c.jobs == {"running"} and not [k for k in c._recent if k[0] == "ended"]
     # a job that comes back (a restart under the same name) starts afresh and still correlates
     c.declare("ended", 0, 1)
-    c.on_incident(finding("ended", 0, 2))
-    c.on_step(summary("ended", 0, 2))
+    c.on_incident(rank_finding("ended", 0, 2))
+    c.on_step(rank_summary("ended", 0, 2))
     assert [(i.job, i.status, i.ranks_expected) for i in out] == [("ended", "complete", (0,))]
 
 
@@ -197,8 +197,8 @@ def test_a_job_with_an_open_incident_is_not_forgotten() -> None:
     c, out, clock = make(deadline=5.0)
     for r in range(2):
         c.declare("j", r, 2)
-    c.on_step(summary("j", 0, 3))
-    c.on_incident(finding("j", 0, 3))
+    c.on_step(rank_summary("j", 0, 3))
+    c.on_incident(rank_finding("j", 0, 3))
     assert c.pending_jobs() == {"j"}
     c.forget(ranks=[("j", 0)], jobs=["j"])
     assert c.jobs == {"j"} and 3 in c._recent[("j", 0)]

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gradloc.agent.core import AgentCore, Declare  # noqa: E402
 from gradloc.agent.http import AgentHttpServer, parse_address  # noqa: E402
 from tests.agent.http_get import get  # noqa: E402
-from tests.localizer.toy import finding, summary  # noqa: E402
+from tests.builders import rank_finding, rank_summary  # noqa: E402
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def served():
 
 def test_incidents_without_a_store_come_from_memory(served) -> None:
     core, base = served
-    core.submit([Declare("j", 0, 1), finding("j", 0, 3), summary("j", 0, 3), finding("k", 0, 4), summary("k", 0, 4)])
+    core.submit([Declare("j", 0, 1), rank_finding("j", 0, 3), rank_summary("j", 0, 3), rank_finding("k", 0, 4), rank_summary("k", 0, 4)])
     assert core.flush(10)
     code, body = get(base + "/api/incidents?job=j")
     rows = json.loads(body)
@@ -40,7 +40,7 @@ def test_incidents_without_a_store_come_from_memory(served) -> None:
 def test_a_trace_id_redirects_to_its_incident_page(served) -> None:
     """The Grafana datasource's exemplar link: /incidents/trace/<trace id> -> /incidents/<incident id>."""
     core, base = served
-    core.submit([Declare("j", 0, 1), finding("j", 0, 3), summary("j", 0, 3)])
+    core.submit([Declare("j", 0, 1), rank_finding("j", 0, 3), rank_summary("j", 0, 3)])
     assert core.flush(10)
     row = json.loads(get(base + "/api/incidents")[1])[0]
     with urllib.request.urlopen(base + f"/incidents/trace/{row['trace_id']}", timeout=10) as resp:  # follows the 302
@@ -67,7 +67,7 @@ def test_bad_requests_get_clear_errors(served, path: str, code: int, needle: str
 
 def test_metrics_and_health(served) -> None:
     core, base = served
-    core.submit([summary("j", 0, 1)])
+    core.submit([rank_summary("j", 0, 1)])
     core.flush(10)
     code, body = get(base + "/metrics")
     assert code == 200 and b'gradloc_steps_total{job="j",rank="0"} 1.0' in body

@@ -323,7 +323,7 @@ def test_the_correlated_incident_carries_the_steps_the_agent_held_with_their_ban
     """The history is built agent-side from step records every client already sends (no wire change)."""
     from gradloc.agent.correlator import Correlator, CorrelatorConfig
     from gradloc.store.incident_json import correlated_from_dict, correlated_to_dict
-    from tests.localizer.toy import finding, summary
+    from tests.builders import rank_finding, rank_summary
 
     out = []
     c = Correlator(out.append, CorrelatorConfig(history_steps=8), lambda: "0" * 32, lambda: 0.0)
@@ -331,9 +331,9 @@ def test_the_correlated_incident_carries_the_steps_the_agent_held_with_their_ban
     c.declare("j", 1, 2)
     for step in range(1, 20):
         for rank in (0, 1):
-            s = summary("j", rank, step)
+            s = rank_summary("j", rank, step)
             c.on_step(replace(s, norm_mean=0.5 * step, norm_threshold=None if step == 12 else step + 0.0))
-    c.on_incident(finding("j", 1, 19))
+    c.on_incident(rank_finding("j", 1, 19))
     assert len(out) == 1
     h = out[0].history
     assert [p.step for p in h] == list(range(12, 20)) and {p.rank for p in h} == {1}  # the finding's rank, ring of 8

@@ -15,8 +15,7 @@ from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.agent.daemon import Daemon
 from gradloc.errors import ConfigError
 from gradloc.exporters.prometheus import render
-from tests.builders import columns, summary
-from tests.localizer.toy import finding
+from tests.builders import columns, rank_finding, summary
 
 RETENTION = 3600.0
 
@@ -93,7 +92,7 @@ def test_a_silent_rank_is_kept_before_the_retention(core_and_clock) -> None:
 def test_a_job_with_an_open_incident_is_kept_until_it_closes(core_and_clock) -> None:
     core, clock = core_and_clock
     send(core, clock, "j", 0, 4)
-    assert core.submit([finding("j", 0, 4)], timeout_s=5)  # rank 1 never reports: the incident stays open
+    assert core.submit([rank_finding("j", 0, 4)], timeout_s=5)  # rank 1 never reports: the incident stays open
     assert core.flush(10) and core.correlator.pending == 1
     clock.t += 2 * RETENTION
     send(core, clock, "other", 0, 1, world=1)

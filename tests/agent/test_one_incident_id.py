@@ -7,16 +7,16 @@ from dataclasses import replace
 
 from gradloc.agent.correlator import Correlator, CorrelatorConfig
 from gradloc.reports import CorrelatedIncident
-from tests.localizer.toy import finding, summary
+from tests.builders import rank_finding, rank_summary
 
 
 def _close(c: Correlator, job: str, step: int, ids: dict[int, str], world: int) -> None:
     for r in range(world):
         c.declare(job, r, world)
     for r, fid in ids.items():
-        c.on_incident(replace(finding(job, r, step), incident_id=fid))
+        c.on_incident(replace(rank_finding(job, r, step), incident_id=fid))
     for r in range(world):
-        c.on_step(summary(job, r, step))
+        c.on_step(rank_summary(job, r, step))
 
 
 def test_the_lowest_reporting_ranks_finding_id_is_the_incidents() -> None:

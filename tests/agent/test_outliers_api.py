@@ -16,7 +16,7 @@ from gradloc.agent.http import AgentHttpServer
 from gradloc.exporters.jsonl import JsonlSink
 from gradloc.records import SampleOutlier, SampleStats, StepRecord
 from gradloc.store.sqlite import IncidentStore
-from tests.localizer.toy import summary
+from tests.builders import rank_summary
 
 EVIL = "<script>window.pwned=1</script>\x1b[2J"
 
@@ -32,7 +32,7 @@ def _outlier(job: str, step: int, kind: str = "surprise", **kw) -> SampleOutlier
 
 
 def _summary(job: str, step: int, *outs: SampleOutlier):
-    return replace(summary(job, 0, step), samples=SampleStats(
+    return replace(rank_summary(job, 0, step), samples=SampleStats(
         judged=16, flagged=sum(o.kind == "surprise" for o in outs), outliers=outs, baseline=3.4,
         z_counts=(8, 4, 2, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0), z_sum=20.0, max_z=12.3, rl_mismatch_baseline=0.0))
 

@@ -21,7 +21,7 @@ from gradloc.agent.core import AgentCore, Declare
 from gradloc.agent.http import AgentHttpServer
 from gradloc.store import IncidentStore
 from tests.agent.http_get import get
-from tests.localizer.toy import finding, summary
+from tests.builders import rank_finding, rank_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 PRINTED_ID = re.compile(r"^incident ([0-9a-f]{12}) · job ", re.MULTILINE)  # render.incident_text's first line
@@ -34,7 +34,7 @@ def _served(core: AgentCore):
 
 def _feed(core: AgentCore, job: str, step: int, finding_id: str, rank: int = 0, world: int = 1) -> None:
     core.submit([Declare(job, r, world) for r in range(world)] +
-                [replace(finding(job, rank, step), incident_id=finding_id)] + [summary(job, r, step) for r in range(world)])
+                [replace(rank_finding(job, rank, step), incident_id=finding_id)] + [rank_summary(job, r, step) for r in range(world)])
     assert core.flush(10)
 
 

@@ -24,8 +24,7 @@ from gradloc.agent.links import INCIDENT, TRACE, LinkSigner  # noqa: E402
 from gradloc.agent.security import Security  # noqa: E402
 from gradloc.errors import ConfigError  # noqa: E402
 from gradloc.store import IncidentStore  # noqa: E402
-from tests.builders import INCIDENT_ID, make_incident  # noqa: E402
-from tests.localizer.toy import finding, summary  # noqa: E402
+from tests.builders import INCIDENT_ID, make_incident, rank_finding, rank_summary  # noqa: E402  # noqa: E402
 
 TOKEN = "link-T0KEN-never-shown"
 TTL = 600.0
@@ -47,8 +46,8 @@ def fetch(url: str, token: str | None = None, accept: str | None = None) -> tupl
 
 def _serve(security: Security | None):
     core = AgentCore().start()
-    core.submit([Declare(J, 0, 1), finding(J, 0, 3), summary(J, 0, 3),
-                 Declare(K, 0, 1), finding(K, 0, 4), summary(K, 0, 4)])
+    core.submit([Declare(J, 0, 1), rank_finding(J, 0, 3), rank_summary(J, 0, 3),
+                 Declare(K, 0, 1), rank_finding(K, 0, 4), rank_summary(K, 0, 4)])
     assert core.flush(10)
     http = AgentHttpServer(core, "127.0.0.1:0", security).start()
     return core, http, "http://%s:%d" % http.address

@@ -1,11 +1,9 @@
-"""Shared builders for the localizer tests.
+"""The localizer tests' exact toy (the records the tests build come from tests/builders.py).
 
-- Small per-rank records for the correlator and agent tests: a step summary and a finding.
-- An exact toy for the per-rank localizer (:class:`Toy`): one parameter w (D,); micro-batch i holds
-  token vectors V[i] (B, T, D), and the probe closure ``probe(i, mask) = w · Σ_{masked t} v_t`` has
-  gradient Σ_{masked t} v_t. The training gradient, every probe's gradient and loss, and each
-  token's exact attribution score ‖v_t‖² are known in closed form. The toy works in float64 on
-  integer-valued vectors, so every sum of token vectors is exact.
+An exact toy for the per-rank localizer (:class:`Toy`): one parameter w (D,); micro-batch i holds token vectors
+V[i] (B, T, D), and the probe closure ``probe(i, mask) = w · Σ_{masked t} v_t`` has gradient Σ_{masked t} v_t.
+The training gradient, every probe's gradient and loss, and each token's exact attribution score ‖v_t‖² are
+known in closed form. The toy works in float64 on integer-valued vectors, so every sum of token vectors is exact.
 """
 from __future__ import annotations
 
@@ -20,27 +18,6 @@ from gradloc.localizer.localizer import SpikeContext, StoredGradient
 from gradloc.localizer.probes import ProbeFn, ProbeSession
 from gradloc.localizer.scope import SoloScope
 from gradloc.localizer.token_view import TokenView
-from gradloc.records import CulpritSpan, Incident, Localization, SpikeEvent, TokenStats
-from gradloc.reports import LayerColumns, StepSummary
-
-
-def summary(job: str, rank: int, step: int, total_score: float | None = 1.0,
-            mb_shares: tuple[float, ...] = (0.5, 0.5)) -> StepSummary:
-    cols = LayerColumns.build(("a",), [1.0], [1.0], [0], [1.0], [4], [np.nan])
-    tokens = None if total_score is None else TokenStats(tokens=64, total_score=total_score, top=(), top_share=0.1,
-                                                         micro_batch_shares=mb_shares, unattributed_share=0.0)
-    return StepSummary(job=job, rank=rank, step=step, time_unix=1000.0 + step, global_norm=2.0 + rank, loss=3.0,
-                       micro_batches=len(mb_shares), layers=cols, tokens=tokens)
-
-
-def finding(job: str, rank: int, step: int, share: float = 0.8, text: str = " bad") -> Incident:
-    spike = SpikeEvent(step=step, kinds=("grad_spike",), global_norm=5.0, z=9.0, mean=1.0, std=0.3, layers=("head",))
-    span = CulpritSpan(1, 0, 7, 8, share, (42,), text, "before", "after", f"s{rank}")
-    loc = Localization(step=step, method="attribution", status="located", level="token", probes=1,
-                       explained_share=share, global_norm=5.0, culprit_norm=4.0, norm_without_culprits=1.0,
-                       spans=(span,))
-    return Incident(incident_id=f"r{rank}", job=job, rank=rank, step=step, time_unix=1000.0 + step + rank,
-                    spike=spike, localization=loc)
 
 
 # -- the exact toy --------------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from gradloc.records import CulpritGroup, SampleShare
-from tests.localizer.toy import finding
+from tests.builders import rank_finding
 
-F = finding("j", 0, 5)  # a token at micro-batch 1 · sample 0 · position 7, ' bad', 80% of ‖∇‖², 1 probe
+F = rank_finding("j", 0, 5)  # a token at micro-batch 1 · sample 0 · position 7, ' bad', 80% of ‖∇‖², 1 probe
 LOC = F.localization
 
 

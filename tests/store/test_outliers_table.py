@@ -11,7 +11,7 @@ from gradloc.store import inbox
 from gradloc.store.retention import RetentionConfig
 from gradloc.store.schema import _SCHEMA_V1, SCHEMA_VERSION
 from gradloc.store.sqlite import IncidentStore
-from tests.localizer.toy import summary
+from tests.builders import rank_summary
 
 T0 = 1_700_000_000.0
 
@@ -21,7 +21,7 @@ def _step(job: str, step: int, *kinds: str, rank: int = 0, t: float = T0):
                                baseline=3.5, micro_batch=None if k == "rl_mismatch" else 1, sample=2,
                                sample_id=f"{job}-{step}-{i}", start=0, end=64, tokens=64, text="qzx ∑", detail="d")
                  for i, k in enumerate(kinds))
-    s = replace(summary(job, rank, step), time_unix=t + step)
+    s = replace(rank_summary(job, rank, step), time_unix=t + step)
     return replace(s, samples=SampleStats(judged=16, flagged=len(outs), outliers=outs))
 
 
