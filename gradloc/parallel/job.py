@@ -82,19 +82,20 @@ class Job:
         """A forward of this rank is its own (no collective in it): a flagged step's forward can be re-run alone."""
         return self.world is None or (self.data.local_forward and not self.parts)
 
-    def scope(self, layer_stats: Any, *, alone: bool, **args: Any) -> Any:
+    def scope(self, layer_stats: Any, *, alone: bool, params: list[nn.Parameter], metas: Any, probe: Any,
+              pause_hooks: Callable[[bool], None], grads: list[Any], inv_scale: float, norm: float) -> Any:
         """The one scope through which a flagged step's probes (and its on_spike re-run) run and combine: over the
         job (parallel/scope.py), or — one process, or a rank that left its job — this rank's own
-        (``localizer/scope.SoloScope``; None without a probe closure). ``args``: params, metas, probe,
-        pause_hooks, grads, inv_scale, norm."""
+        (``localizer/scope.SoloScope``; None without a probe closure). ``grads``, ``inv_scale``, ``norm``: the
+        stored gradient the probes are measured against."""
         if not alone:
-            return self.data.scope(self, layer_stats, **args)
+            return self.data.scope(self, layer_stats, params=params, metas=metas, probe=probe,
+                                   pause_hooks=pause_hooks, grads=grads, inv_scale=inv_scale, norm=norm)
         from gradloc.localizer.scope import solo_scope
         from gradloc.parallel.scope import opener
 
-        a = args
-        opens = opener(self, a["params"], a["metas"], a["probe"], a["pause_hooks"]) if a["probe"] is not None else None
-        return solo_scope(opens, a["grads"], a["inv_scale"], a["norm"])
+        opens = opener(self, params, metas, probe, pause_hooks) if probe is not None else None
+        return solo_scope(opens, grads, inv_scale, norm)
 
     def step_problem(self, layer_stats: Any) -> str:
         """Why this step's gradient cannot be read where ``end_step`` was called ('' when it can)."""
