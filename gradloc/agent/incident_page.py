@@ -22,7 +22,7 @@ from gradloc.agent.page_chart import esc as _e
 from gradloc.agent.page_chart import history_section
 from gradloc.agent.page_chart import num as _num
 from gradloc.agent.page_text import answer_html, collapsed, run_html, token_runs
-from gradloc.agent.render import group_text
+from gradloc.agent.render import group_text, provenance_text
 from gradloc.agent.render_correlated import flagged_layers_text, header_note, layer_shares, ranks_summary
 from gradloc.records import Culprit, Incident, SampleOutlier
 from gradloc.reports import CorrelatedIncident
@@ -168,6 +168,9 @@ def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001
     where = (f"{'rank ' + str(span.rank) + ' · ' if span.rank is not None else ''}micro-batch {span.micro_batch} · "
              f"sample {span.sample}" + (f" (id {_e(span.sample_id)})" if span.sample_id else "")
              + f" · {pos} · share {_pct(span.share)}")
+    info = span.sample_info
+    origin = (f'<p class="origin">from <b>{_e(provenance_text(info))}</b></p>'
+              if info is not None and (info.provenance or info.tags) else "")
     text = _window(span, culprits) if span.window_tokens else _culprits_only(span, culprits, top)
     first = culprits[0] if culprits else None
     bars = "".join(f"<tr><td>{_e(s.layer)}</td><td><span class=\"bar\" style=\"width:{max(1, round(200 * s.share))}px\">"
@@ -177,7 +180,7 @@ def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001
     through = ("<table><tr><th colspan=\"2\">the first culprit's attribution through its largest layers</th></tr>"
                f"{bars}</table>") if bars else ""
     rl = _rl(first) if first is not None and first.rl is not None else ""
-    return f"<h3>{where}</h3>{text}{caption}{through}{rl}"
+    return f"<h3>{where}</h3>{origin}{text}{caption}{through}{rl}"
 
 
 def _culprits_only(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001 - CulpritSpan

@@ -13,6 +13,7 @@ from gradloc.records import (
     Incident,
     Localization,
     Remedy,
+    SampleInfo,
     SampleShare,
     TokenRL,
     to_dict,
@@ -78,6 +79,8 @@ def _incident_text(inc: Incident, color: bool) -> str:
         first = by_span.get((span.micro_batch, span.sample, span.start))
         if first is not None and first.layers:
             lines.append("      through " + ", ".join(f"{s.layer} {_pct(s.share)}" for s in first.layers[:4]))
+        if span.sample_info is not None and (span.sample_info.provenance or span.sample_info.tags):
+            lines.append(f"      from: {provenance_text(span.sample_info)}")
         if span.sample_info is not None and span.sample_info.request_id is not None:
             si = span.sample_info
             lines.append(f"      rollout: request {si.request_id!r} completion {si.completion_index} · response token "
@@ -87,6 +90,12 @@ def _incident_text(inc: Incident, color: bool) -> str:
     if not loc.spans and not loc.groups:
         lines.append("  no culprit tokens found")
     return "\n".join(lines)
+
+
+def provenance_text(info: SampleInfo) -> str:
+    """"source · origin [key=value, …]": where a sample came from, as far as its loader said."""
+    tags = ", ".join(f"{k}={v}" for k, v in info.tags)
+    return " ".join(x for x in (info.provenance, f"[{tags}]" if tags else "") if x)
 
 
 def group_text(g: CulpritGroup, job_scope: bool = False) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from gradloc.agent.escape import terminal
-from gradloc.agent.render import _BOLD, _OFF, _num, _pct, highlight, incident_text
+from gradloc.agent.render import _BOLD, _OFF, _num, _pct, highlight, incident_text, provenance_text
 from gradloc.records import CulpritSpan
 from gradloc.reports import CorrelatedIncident, RankShare
 from gradloc.store.rows import IncidentRow
@@ -203,4 +203,6 @@ def _span_lines(inc: CorrelatedIncident, color: bool) -> list[str]:
         lines.append(f"  • rank {rs.rank} · micro-batch {s.micro_batch} · sample {s.sample}{uid} · "
                      f"{_positions(s)} · share {_pct(rs.share)}")
         lines.append(f"      {highlight(s, color)}")
+        if s.sample_info is not None and (s.sample_info.provenance or s.sample_info.tags):
+            lines.append(f"      from: {provenance_text(s.sample_info)}")
     return lines or ["  no culprit tokens found"]

@@ -16,7 +16,11 @@ from gradloc.records.findings import (  # noqa: F401
     SampleStats,
 )
 from gradloc.records.incidents import (  # noqa: F401
+    MAX_ORIGIN,
+    MAX_SOURCE,
     MAX_SPAN_WINDOW,
+    MAX_TAG,
+    MAX_TAGS,
     Classification,
     ClassKind,
     Culprit,
@@ -33,6 +37,7 @@ from gradloc.records.incidents import (  # noqa: F401
     SampleShare,
     Status,
     TokenRL,
+    provenance_problem,
 )
 from gradloc.records.steps import (  # noqa: F401
     INCIDENT_SCHEMA_VERSION,
@@ -65,7 +70,11 @@ __all__ = [
     "LayerStats",
     "Level",
     "Localization",
+    "MAX_ORIGIN",
+    "MAX_SOURCE",
     "MAX_SPAN_WINDOW",
+    "MAX_TAG",
+    "MAX_TAGS",
     "MONITOR_EVENTS",
     "Method",
     "OUTLIER_KINDS",
@@ -77,6 +86,7 @@ __all__ = [
     "SAMPLE_Z_BUCKETS",
     "SHED_FEATURES",
     "SampleInfo",
+    "provenance_problem",
     "SampleOutlier",
     "SampleShare",
     "SampleStats",

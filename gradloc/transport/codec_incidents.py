@@ -110,5 +110,6 @@ def _encode_class(c: Classification) -> pb.ClassificationMsg:
 def _encode_info(i: SampleInfo) -> pb.SampleInfoMsg:
     m = pb.SampleInfoMsg(prompt_tokens=i.prompt_tokens, response_start=i.response_start,
                          response_tokens=i.response_tokens)
-    _set_optional(m, i, ("request_id", "completion_index", "finish_reason"))
+    _set_optional(m, i, ("request_id", "completion_index", "finish_reason", "source", "origin"))
+    m.tags.extend(pb.SampleTagMsg(key=k, value=v) for k, v in i.tags)
     return m

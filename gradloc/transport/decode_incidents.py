@@ -28,6 +28,7 @@ from gradloc.records import (
     SpikeKind,
     Status,
     TokenRL,
+    provenance_problem,
 )
 from gradloc.transport import validate as v
 from gradloc.transport.codec_incidents import RL_FIELDS
@@ -114,11 +115,17 @@ def _decode_class(m: pb.ClassificationMsg, c: _Checks, where: str) -> Classifica
 
 
 def _decode_info(m: pb.SampleInfoMsg, c: _Checks, where: str) -> SampleInfo:
+    source = m.source if m.HasField("source") else None
+    origin = m.origin if m.HasField("origin") else None
+    tags = tuple((t.key, t.value) for t in m.tags)
+    problem = provenance_problem(source, origin, tags)
+    if problem:
+        raise v.reject("invalid_value", f"{where}: {problem}")
     return SampleInfo(_get_optional(m, "request_id", c.name, where),
                       _get_optional(m, "completion_index", v.count, where),
                       v.count(m.prompt_tokens, f"{where}.prompt_tokens"), v.count(m.response_start, f"{where}.response_start"),
                       v.count(m.response_tokens, f"{where}.response_tokens"),
-                      _get_optional(m, "finish_reason", c.name, where))
+                      _get_optional(m, "finish_reason", c.name, where), source, origin, tags)
 
 
 def _decode_token_rl(m: pb.TokenRLMsg, c: _Checks, where: str) -> TokenRL:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradloc.records import Incident, Localization
+from gradloc.records import Incident, Localization, SampleInfo
 from gradloc.reports import CorrelatedIncident, RankSpan
 from gradloc.store.incident_json import correlated_from_dict, correlated_to_dict
 from tests.builders import INCIDENT_ID, make_incident, nonfinite_incident
@@ -104,6 +104,10 @@ def _strategy(tp: typing.Any) -> st.SearchStrategy:
         return st.none() | _strategy(inner)
     if origin is tuple:
         return st.lists(_strategy(args[0]), max_size=2).map(tuple)
+    if tp is SampleInfo:  # its provenance is checked on construction: the transport tests' valid ones
+        from tests.transport.factories import infos
+
+        return infos
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
         return st.builds(tp, **{f.name: _strategy(hints[f.name]) for f in dataclasses.fields(tp)

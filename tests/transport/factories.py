@@ -17,6 +17,10 @@ import pytest
 from hypothesis import strategies as st
 
 from gradloc.records import (
+    MAX_ORIGIN,
+    MAX_SOURCE,
+    MAX_TAG,
+    MAX_TAGS,
     RL_ADVANTAGE_BUCKETS,
     RL_LOG_RATIO_BUCKETS,
     Classification,
@@ -94,7 +98,13 @@ def rl_stats(draw: st.DrawFn) -> RLStats:
                    draw(counts(len(RL_ADVANTAGE_BUCKETS) + 1)), *(draw(opt(finite)) for _ in range(4)))
 
 
-infos = st.builds(SampleInfo, opt_text, opt(small_int), small_int, small_int, small_int, opt_text)
+_tag_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=MAX_TAG)
+infos = st.builds(SampleInfo, opt_text, opt(small_int), small_int, small_int, small_int, opt_text,
+                  source=opt(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1,
+                                     max_size=MAX_SOURCE)),
+                  origin=opt(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1,
+                                     max_size=MAX_ORIGIN)),
+                  tags=st.dictionaries(_tag_text, _tag_text, max_size=MAX_TAGS).map(lambda d: tuple(sorted(d.items()))))
 
 
 # the monitor's cumulative event counts: declared names, undeclared ones, sorted, non-zero (StepRecord.events)

@@ -384,20 +384,34 @@ class ClassificationMsg(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., evidence: _Optional[_Iterable[_Union[EvidenceMsg, _Mapping]]] = ...) -> None: ...
 
 class SampleInfoMsg(_message.Message):
-    __slots__ = ("request_id", "completion_index", "prompt_tokens", "response_start", "response_tokens", "finish_reason")
+    __slots__ = ("request_id", "completion_index", "prompt_tokens", "response_start", "response_tokens", "finish_reason", "source", "origin", "tags")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_START_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     completion_index: int
     prompt_tokens: int
     response_start: int
     response_tokens: int
     finish_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., completion_index: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., response_start: _Optional[int] = ..., response_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    source: str
+    origin: str
+    tags: _containers.RepeatedCompositeFieldContainer[SampleTagMsg]
+    def __init__(self, request_id: _Optional[str] = ..., completion_index: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., response_start: _Optional[int] = ..., response_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., source: _Optional[str] = ..., origin: _Optional[str] = ..., tags: _Optional[_Iterable[_Union[SampleTagMsg, _Mapping]]] = ...) -> None: ...
+
+class SampleTagMsg(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class CulpritSpanMsg(_message.Message):
     __slots__ = ("micro_batch", "sample", "start", "end", "share", "token_ids", "text", "context_before", "context_after", "sample_id", "sample_info", "rank", "window_start", "window_tokens", "window_scores")
