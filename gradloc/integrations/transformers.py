@@ -48,6 +48,7 @@ from gradloc.errors import BatchMetadataError, UnsupportedModelError
 from gradloc.integrations.held import HeldBlocks
 from gradloc.integrations.hf_batch import batch_shape, causal_view, mask_labels, pop_sample_ids
 from gradloc.integrations.loop import as_config
+from gradloc.integrations.provenance import pop_sample_infos, provenance_columns
 from gradloc.parallel.job import uncompiled
 
 log = logging.getLogger("gradloc")
@@ -68,6 +69,7 @@ class _Block:
     (``_prepare_inputs``, which a trainer such as TRL's GRPOTrainer uses to generate them)."""
 
     ids: list[str] | None  # sample ids popped from the raw batch, if any
+    infos: list[Any] | None  # one SampleInfo per row, popped from the batch (integrations/provenance.py)
     setup: bool  # before the monitor's first end_step: bad metadata raises
     num_items_in_batch: Any
     ga_steps: int
@@ -128,7 +130,9 @@ class GradlocTrainerMixin:
             self._gradloc_attach(model, inputs)  # typed errors only here, before the first optimizer step
         blocks = self._gradloc_blocks
         inputs, ids = self._gradloc_pop_ids(inputs)
-        block = self._gradloc_block = _Block(ids, not blocks.stepped, num_items_in_batch, self._gradloc_ga_steps())
+        inputs, infos = pop_sample_infos(inputs) if isinstance(inputs, Mapping) else (inputs, None)
+        block = self._gradloc_block = _Block(ids, infos, not blocks.stepped, num_items_in_batch,
+                                             self._gradloc_ga_steps())
         try:  # _prepare_inputs opens the micro-batch block inside it: it holds the forward and the backward
             loss = super().training_step(model, inputs, num_items_in_batch)
         except BaseException as exc:
@@ -156,13 +160,17 @@ class GradlocTrainerMixin:
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         if self.gradloc_sample_id_column is not None:
             inputs = self._gradloc_pop_ids(inputs)[0]
+        if isinstance(inputs, Mapping):
+            inputs = pop_sample_infos(inputs)[0]
         return super().prediction_step(model, inputs, *args, **kwargs)
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
-        col = self.gradloc_sample_id_column
-        if col is not None and self._signature_columns is not None and col not in self._signature_columns:
-            self._signature_columns = [*self._signature_columns, col]
+        if self._signature_columns is None:
+            return
+        keep = [self.gradloc_sample_id_column] if self.gradloc_sample_id_column is not None else []
+        keep += provenance_columns(getattr(self.train_dataset, "column_names", None) or [])  # with_provenance's
+        self._signature_columns = [*self._signature_columns, *(c for c in keep if c not in self._signature_columns)]
 
     # -- the probe --------------------------------------------------------------------------------
     def gradloc_probe_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any], token_mask: torch.Tensor,
@@ -267,9 +275,10 @@ class GradlocTrainerMixin:
         mon, blocks = self.gradloc, self._gradloc_blocks
         index = len(blocks.payloads)
         if mon.hooks is None:  # per-layer only: the block counts the micro-batch, no probe needs it
-            blocks.open(lambda: dict(shape=batch_shape(prepared), sample_ids=block.ids))
+            blocks.open(lambda: dict(shape=batch_shape(prepared), sample_ids=block.ids, sample_infos=block.infos))
         else:
-            blocks.open(lambda: self._gradloc_micro_batch_args(prepared, block.ids, index),
+            blocks.open(lambda: {**self._gradloc_micro_batch_args(prepared, block.ids, index),
+                                 "sample_infos": block.infos},
                         payload=_Part(block.prepared, block.num_items_in_batch, block.ga_steps))
         return blocks.held
 

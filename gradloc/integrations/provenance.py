@@ -1,0 +1,123 @@
+"""Where each training sample came from, kept through shuffling and collation (Hugging Face ``datasets``).
+
+    web = with_provenance(load_dataset("json", data_files="web-*.jsonl")["train"], source="web")
+    code = with_provenance(load_dataset("json", data_files="code.jsonl")["train"], source="code",
+                           tags={"task": "code"})
+    mixture = concatenate_datasets([web, code]).shuffle(seed=0)   # or interleave_datasets
+    trainer = GradlocTrainer(model=model, train_dataset=tokenized(mixture),
+                             data_collator=ProvenanceCollator(DataCollatorForLanguageModeling(tok, mlm=False)))
+
+:func:`with_provenance` adds two columns to every row — :data:`SOURCE` (the mixture component) and
+:data:`ORIGIN` (``"<where>:<row>"``: the row's index in the dataset it was given, after ``where`` — the data file
+when the dataset has one, else its name; or a column the loader already has, ``origin_column``) — and a column
+per tag. They are ordinary columns, so they survive ``shuffle``, ``select``, ``filter``, ``map`` (keep them in
+``remove_columns``) and mixing. :class:`ProvenanceCollator` takes them out of the features before the collator it
+wraps sees them, and puts one :class:`~gradloc.records.SampleInfo` per row in the batch under
+:data:`SAMPLE_INFOS`; the HF Trainer integration pops that key (the model never sees it) and gives the infos to
+the micro-batch, so a culprit or an outlier names "source · origin". A row without the columns gets no
+provenance (it stays optional); bad values raise :class:`~gradloc.errors.BatchMetadataError` (limits:
+``records/incidents.py``).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gradloc.errors import BatchMetadataError
+from gradloc.records import SampleInfo
+
+log = logging.getLogger("gradloc")
+
+SOURCE, ORIGIN = "gradloc_source", "gradloc_origin"
+TAG_PREFIX = "gradloc_tag_"
+SAMPLE_INFOS = "gradloc_sample_infos"  # the batch key ProvenanceCollator adds and the integrations pop
+
+
+def with_provenance(dataset: Any, source: str | None = None, *, where: str | None = None,
+                    origin_column: str | None = None, tags: Mapping[str, str] | None = None) -> Any:
+    """``dataset`` (a ``datasets.Dataset``) with the provenance columns (module docstring). ``where``: what the
+    origin names before the row (default: the dataset's one data file, else its name); ``origin_column``: a
+    column that already says where each row lives (a URL, a path), used instead of ``where:row``."""
+    if origin_column is not None and origin_column not in dataset.column_names:
+        raise KeyError(f"origin_column {origin_column!r} is not a column of the dataset ({dataset.column_names})")
+    probe = SampleInfo(source=source, origin=f"{where or 'x'}:0", tags=dict(tags or {}))  # the checks, once
+    label = where or _where(dataset)
+    extra = {f"{TAG_PREFIX}{k}": v for k, v in probe.tags}
+
+    def add(row: Mapping[str, Any], index: int) -> dict[str, Any]:
+        origin = str(row[origin_column]) if origin_column is not None else f"{label}:{index}"
+        SampleInfo(origin=origin)  # a bad origin (10 kB, empty) is a clear error here, before training
+        return {SOURCE: source, ORIGIN: origin, **extra}
+
+    return dataset.map(add, with_indices=True, desc="gradloc provenance")
+
+
+def _where(dataset: Any) -> str:
+    files = {f.get("filename", "") for f in getattr(dataset, "cache_files", ()) or ()}
+    if len(files) == 1:
+        return next(iter(files)).rsplit("/", 1)[-1]
+    info = getattr(dataset, "info", None)
+    return getattr(info, "dataset_name", None) or getattr(info, "builder_name", None) or "row"
+
+
+def provenance_columns(columns: Sequence[str]) -> list[str]:
+    """The provenance columns among ``columns`` (what a Trainer must not drop as unused)."""
+    return [c for c in columns if c in (SOURCE, ORIGIN) or c.startswith(TAG_PREFIX)]
+
+
+def sample_info(row: Mapping[str, Any]) -> SampleInfo | None:
+    """A row's provenance as a SampleInfo; None when the row has none."""
+    tags = {k[len(TAG_PREFIX):]: str(v) for k, v in row.items() if k.startswith(TAG_PREFIX) and v is not None}
+    source, origin = row.get(SOURCE), row.get(ORIGIN)
+    if source is None and origin is None and not tags:
+        return None
+    return SampleInfo(source=None if source is None else str(source), origin=None if origin is None else str(origin),
+                      tags=tags)
+
+
+class ProvenanceCollator:
+    """Wraps a collator: each feature's provenance columns are taken out before ``collate`` sees them and come back
+    as one SampleInfo per row under :data:`SAMPLE_INFOS` (an empty SampleInfo for a row without provenance; the
+    key is left out when no row has any). Collation runs in the training loop: a row whose columns were written
+    by hand and break the limits keeps no provenance, counted in ``dropped`` and logged, never raised."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+        self.dropped = 0  # rows whose provenance columns were invalid
+
+    def _info(self, row: Mapping[str, Any]) -> SampleInfo | None:
+        try:
+            return sample_info(row)
+        except BatchMetadataError:
+            self.dropped += 1
+            log.warning("gradloc: a row's provenance columns are invalid; the row keeps none (%d so far)",
+                        self.dropped, exc_info=self.dropped == 1)
+            return None
+
+    def __call__(self, features: list[Any]) -> Any:
+        infos, rest = [], []
+        for f in features:
+            if isinstance(f, Mapping):
+                cols = provenance_columns(list(f))
+                infos.append(self._info({c: f[c] for c in cols}))
+                rest.append({k: v for k, v in f.items() if k not in cols})
+            else:
+                infos.append(None)
+                rest.append(f)
+        batch = self.collate(rest)  # the wrapped collator never sees the provenance columns
+        if any(i is not None for i in infos) and isinstance(batch, dict):
+            batch[SAMPLE_INFOS] = [i if i is not None else SampleInfo() for i in infos]
+        return batch
+
+
+def pop_sample_infos(inputs: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[SampleInfo] | None]:
+    """The batch without :data:`SAMPLE_INFOS` (the model never sees it), and the infos it held."""
+    if SAMPLE_INFOS not in inputs:
+        return inputs, None
+    infos = inputs[SAMPLE_INFOS]
+    return {k: v for k, v in inputs.items() if k != SAMPLE_INFOS}, list(infos)
+
+
+__all__ = ["ORIGIN", "SAMPLE_INFOS", "SOURCE", "TAG_PREFIX", "ProvenanceCollator", "pop_sample_infos",
+           "provenance_columns", "sample_info", "with_provenance"]
