@@ -223,7 +223,7 @@ class SampleJudge:
             kind=OutlierKind.SURPRISE, step=where["step"], job=where["job"], rank=where["rank"],
             time_unix=where["time_unix"],
             score=float(score), z=float(z), baseline=float(baseline), micro_batch=meta.index, sample=b,
-            sample_id=meta.sample_id(b), start=start, end=end, tokens=n, text=text,
+            sample_id=meta.sample_id(b), start=start, end=end, tokens=n, text=text, sample_info=meta.sample_info(b),
             detail=f"surprise {score:.2f} nats/token ({what}; run median {baseline:.2f}){beyond}, z {z:.1f}")
 
 

@@ -16,11 +16,7 @@ from gradloc.records.findings import (  # noqa: F401
     SampleStats,
 )
 from gradloc.records.incidents import (  # noqa: F401
-    MAX_ORIGIN,
-    MAX_SOURCE,
     MAX_SPAN_WINDOW,
-    MAX_TAG,
-    MAX_TAGS,
     Classification,
     ClassKind,
     Culprit,
@@ -33,10 +29,16 @@ from gradloc.records.incidents import (  # noqa: F401
     Localization,
     Method,
     Remedy,
-    SampleInfo,
     SampleShare,
     Status,
     TokenRL,
+)
+from gradloc.records.provenance import (  # noqa: F401
+    MAX_ORIGIN,
+    MAX_SOURCE,
+    MAX_TAG,
+    MAX_TAGS,
+    SampleInfo,
     provenance_problem,
 )
 from gradloc.records.steps import (  # noqa: F401

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gradloc.records.provenance import SampleInfo
+
 # -- per-sample findings (gradloc/collector/surprise.py, gradloc/detector/samples.py) -----------------
 # Buckets of the per-sample surprise z-score distribution (``SampleStats.z_counts``; the last count is
 # above the last bound; z <= 0 falls in the first bucket).
@@ -50,6 +52,7 @@ class SampleOutlier:
     tokens: int = 0  # loss tokens judged (rl_mismatch: the step's RL loss tokens)
     text: str | None = None  # the span's decoded text (at most SampleConfig.excerpt_tokens tokens)
     detail: str = ""
+    sample_info: SampleInfo | None = None  # where the sample came from (its loader's provenance), when given
 
     def __post_init__(self) -> None:  # a plain string from a decoder or a test becomes the typed value
         if type(self.kind) is not OutlierKind:

@@ -6,17 +6,19 @@ Retention: the store's ``max_age_days``, and at most :data:`MAX_ROWS` rows (olde
 """
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gradloc.records import SampleOutlier
+from gradloc.records import SampleInfo, SampleOutlier, to_dict
 from gradloc.reports import StepSummary
 
 MAX_ROWS = 100_000
 COLUMNS = ("job, rank, step, time_unix, kind, score, z, baseline, micro_batch, sample, sample_id, start, "
-           '"end", tokens, text, detail')
-_INSERT = f"INSERT INTO sample_outliers ({COLUMNS}) VALUES ({', '.join('?' * 16)})"
+           '"end", tokens, text, detail, source, origin, info')
+_INSERT = f"INSERT INTO sample_outliers ({COLUMNS}) VALUES ({', '.join('?' * 19)})"
+PROVENANCE = (("source", "TEXT"), ("origin", "TEXT"), ("info", "TEXT"))  # schema 5: the sample's SampleInfo
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sample_outliers (
     job         TEXT NOT NULL,
@@ -34,11 +36,15 @@ CREATE TABLE IF NOT EXISTS sample_outliers (
     "end"       INTEGER,
     tokens      INTEGER NOT NULL,
     text        TEXT,
-    detail      TEXT NOT NULL
+    detail      TEXT NOT NULL,
+    source      TEXT,  -- SampleInfo.source (queried by source)
+    origin      TEXT,  -- SampleInfo.origin
+    info        TEXT   -- the whole SampleInfo, JSON (records.to_dict)
 );
 CREATE INDEX IF NOT EXISTS sample_outliers_time ON sample_outliers (time_unix);
 CREATE INDEX IF NOT EXISTS sample_outliers_job_step ON sample_outliers (job, step, rank);
 CREATE INDEX IF NOT EXISTS sample_outliers_sample_id ON sample_outliers (sample_id) WHERE sample_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sample_outliers_source ON sample_outliers (source) WHERE source IS NOT NULL;
 """
 
 
@@ -47,6 +53,17 @@ def create(conn: sqlite3.Connection) -> None:
     for statement in _SCHEMA.split(";"):
         if statement.strip():
             conn.execute(statement)
+
+
+def add_provenance(conn: sqlite3.Connection) -> None:
+    """Schema 4 → 5: the provenance columns, on a table made before them (a table made by :func:`create` since
+    has them already)."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(sample_outliers)")}
+    for name, kind in PROVENANCE:
+        if name not in have:
+            conn.execute(f"ALTER TABLE sample_outliers ADD COLUMN {name} {kind}")
+    conn.execute("CREATE INDEX IF NOT EXISTS sample_outliers_source ON sample_outliers (source) "
+                 "WHERE source IS NOT NULL")
 
 
 def put(conn: sqlite3.Connection, steps: Sequence[StepSummary]) -> int:
@@ -62,8 +79,10 @@ def put(conn: sqlite3.Connection, steps: Sequence[StepSummary]) -> int:
 def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
     for s in steps:
         for o in s.samples.outliers:  # type: ignore[union-attr]
+            info = o.sample_info
             yield (o.job, o.rank, o.step, o.time_unix, o.kind, o.score, o.z, o.baseline, o.micro_batch, o.sample,
-                   o.sample_id, o.start, o.end, o.tokens, o.text, o.detail)
+                   o.sample_id, o.start, o.end, o.tokens, o.text, o.detail, info.source if info else None,
+                   info.origin if info else None, json.dumps(to_dict(info), ensure_ascii=False) if info else None)
 
 
 def select(conn: sqlite3.Connection, job: str | None, kind: str | None, since_unix: float | None,
@@ -81,10 +100,17 @@ def select(conn: sqlite3.Connection, job: str | None, kind: str | None, since_un
 
 def _row(r: Sequence[Any]) -> SampleOutlier:
     (job, rank, step, time_unix, kind, score, z, baseline, mb, sample, sample_id, start, end, tokens, text,
-     detail) = r
+     detail, _source, _origin, info) = r
     return SampleOutlier(kind=kind, job=job, rank=rank, step=step, time_unix=time_unix, score=score, z=z,
                          baseline=baseline, micro_batch=mb, sample=sample, sample_id=sample_id, start=start, end=end,
-                         tokens=tokens, text=text, detail=detail)
+                         tokens=tokens, text=text, detail=detail, sample_info=_info(info))
+
+
+def _info(text: str | None) -> SampleInfo | None:
+    if text is None:
+        return None
+    d = json.loads(text)
+    return SampleInfo(**{**d, "tags": tuple(tuple(t) for t in d.get("tags", ()))})
 
 
 def prune(conn: sqlite3.Connection, max_age_days: float | None, now: float) -> int:

@@ -5,7 +5,8 @@ newer gradloc is refused rather than read: a newer schema may have moved meaning
 and a daemon that "mostly works" on it would write rows the newer reader misreads. Older versions
 are upgraded in place by the steps in ``_MIGRATIONS`` (1 → 2 adds the inbox, 2 → 3 the
 ``sample_outliers`` table of per-sample findings, gradloc/store/outliers.py, 3 → 4 the
-``finding_ids`` of each incident's rank findings, gradloc/store/aliases.py).
+``finding_ids`` of each incident's rank findings, gradloc/store/aliases.py, 4 → 5 the outliers' provenance
+columns).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from collections.abc import Callable
 from gradloc.store import aliases, inbox, outliers
 from gradloc.store.errors import SchemaVersionError, StoreError
 
-SCHEMA_VERSION = 4  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
-# 4: finding_ids (gradloc/store/aliases.py)
+SCHEMA_VERSION = 5  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
+# 4: finding_ids (gradloc/store/aliases.py); 5: the outliers' provenance (source, origin, info)
 BUSY_TIMEOUT_MS = 5000
 
 # NULL in a REAL column means "unknown or NaN" (SQLite stores NaN as NULL); the ``json`` column keeps
@@ -71,7 +72,8 @@ CREATE INDEX steps_time ON steps (time_unix);
 """
 
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: inbox.create, 2: outliers.create,
-                                                                3: aliases.create}  # v -> v + 1
+                                                                3: aliases.create,
+                                                                4: outliers.add_provenance}  # v -> v + 1
 
 
 def connect(path: str) -> sqlite3.Connection:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from gradloc.records import OUTLIER_KINDS, SAMPLE_Z_BUCKETS, SampleOutlier, SampleStats
 from gradloc.transport import validate as v
+from gradloc.transport.codec_incidents import encode_info
+from gradloc.transport.decode_incidents import decode_info
 from gradloc.transport.wire import pb
 
 MAX_OUTLIERS = 256  # per step (the trainer sends at most SampleConfig.max_outliers + 1)
@@ -29,6 +31,8 @@ def encode_samples(s: SampleStats, out: pb.SampleStatsMsg) -> None:
         for name in (*_OPTIONAL_INTS, "sample_id", "text"):
             if getattr(o, name) is not None:
                 setattr(m, name, getattr(o, name))
+        if o.sample_info is not None:
+            m.sample_info.CopyFrom(encode_info(o.sample_info))
 
 
 def decode_samples(m: pb.SampleStatsMsg, job: str, rank: int, step: int, time_unix: float,
@@ -71,4 +75,5 @@ def _outlier(o: pb.SampleOutlierMsg, job: str, rank: int, step: int, time_unix: 
         sample_id=v.text(o.sample_id, f"{where}.sample_id") if o.HasField("sample_id") else None,
         tokens=v.count(o.tokens, f"{where}.tokens"),
         text=v.text(o.text, f"{where}.text", v.MAX_TEXT) if o.HasField("text") else None,
-        detail=v.text(o.detail, f"{where}.detail", v.MAX_TEXT))
+        detail=v.text(o.detail, f"{where}.detail", v.MAX_TEXT),
+        sample_info=decode_info(o.sample_info, f"{where}.sample_info") if o.HasField("sample_info") else None)

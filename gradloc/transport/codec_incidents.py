@@ -82,14 +82,14 @@ def _encode_localization(loc: Localization) -> pb.LocalizationMsg:
         if c.classification is not None:
             cm.classification.CopyFrom(_encode_class(c.classification))
         if c.sample_info is not None:
-            cm.sample_info.CopyFrom(_encode_info(c.sample_info))
+            cm.sample_info.CopyFrom(encode_info(c.sample_info))
     for s in loc.spans:
         sm = m.spans.add(micro_batch=s.micro_batch, sample=s.sample, start=s.start, end=s.end, share=s.share,
                          token_ids=s.token_ids, window_start=s.window_start, window_tokens=s.window_tokens,
                          window_scores=s.window_scores)
         _set_optional(sm, s, ("text", "context_before", "context_after", "sample_id", "rank"))
         if s.sample_info is not None:
-            sm.sample_info.CopyFrom(_encode_info(s.sample_info))
+            sm.sample_info.CopyFrom(encode_info(s.sample_info))
     for x in loc.samples:
         xm = m.samples.add(micro_batch=x.micro_batch, sample=x.sample, score_share=x.score_share, tokens=x.tokens)
         _set_optional(xm, x, ("share", "sample_id", "rank"))
@@ -107,7 +107,7 @@ def _encode_class(c: Classification) -> pb.ClassificationMsg:
                                 evidence=[pb.EvidenceMsg(name=e.name, value=e.value) for e in c.evidence])
 
 
-def _encode_info(i: SampleInfo) -> pb.SampleInfoMsg:
+def encode_info(i: SampleInfo) -> pb.SampleInfoMsg:
     m = pb.SampleInfoMsg(prompt_tokens=i.prompt_tokens, response_start=i.response_start,
                          response_tokens=i.response_tokens)
     _set_optional(m, i, ("request_id", "completion_index", "finish_reason", "source", "origin"))

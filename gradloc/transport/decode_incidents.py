@@ -114,6 +114,11 @@ def _decode_class(m: pb.ClassificationMsg, c: _Checks, where: str) -> Classifica
                                 for i, e in enumerate(m.evidence)))
 
 
+def decode_info(m: pb.SampleInfoMsg, where: str) -> SampleInfo:
+    """A validated SampleInfo (also an outlier's: codec_findings.py)."""
+    return _decode_info(m, _Checks(False, False), where)
+
+
 def _decode_info(m: pb.SampleInfoMsg, c: _Checks, where: str) -> SampleInfo:
     source = m.source if m.HasField("source") else None
     origin = m.origin if m.HasField("origin") else None

@@ -77,3 +77,24 @@ def test_provenance_survives_the_store_json_and_shows_in_the_text_and_the_page()
     html = incident_html(inc)
     assert "web-crawl · shard-00017.jsonl:4211 [lang=en, task=qa]" in html
     assert "from: web-crawl · shard-00017.jsonl:4211 [lang=en, task=qa]" in correlated_text(inc, color=False)
+
+
+def test_an_outlier_s_provenance_crosses_the_wire_in_its_step():
+    from dataclasses import replace
+
+    from gradloc.records import SampleOutlier, SampleStats
+    from gradloc.transport.codec_findings import decode_samples, encode_samples
+    from gradloc.transport.wire import pb
+
+    out = SampleOutlier(kind="surprise", job="j", rank=0, step=3, time_unix=1.0, score=8.0, z=12.0, baseline=3.0,
+                        micro_batch=1, sample=2, sample_id="u", start=0, end=8, tokens=8, text="t", detail="d",
+                        sample_info=INFO)
+    stats = SampleStats(judged=4, flagged=1, outliers=(out,))
+    msg = pb.SampleStatsMsg()
+    encode_samples(stats, msg)
+    back = decode_samples(msg, "j", 0, 3, 1.0, "step")
+    assert back.outliers == (out,)
+    msg.outliers[0].sample_info.source = "s" * 65
+    with pytest.raises(RejectedBatch, match="source must be"):
+        decode_samples(msg, "j", 0, 3, 1.0, "step")
+    assert replace(out, sample_info=None) != out

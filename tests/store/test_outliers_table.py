@@ -70,3 +70,37 @@ def test_retention_prunes_old_findings(tmp_path: Path) -> None:
         store.put_steps([_step("a", 1, "surprise", t=T0 - 3 * 86400), _step("a", 2, "surprise")])
         counts = store.apply_retention(now=T0 + 10)
         assert counts["sample_outliers"] == 1 and [o.step for o in store.list_outliers()] == [2]
+
+
+def test_an_outlier_keeps_its_provenance_and_a_v4_store_gains_the_columns(tmp_path: Path) -> None:
+    from gradloc.records import SampleInfo
+    from gradloc.store import aliases, outliers
+
+    info = SampleInfo(source="forum", origin="forum-03.jsonl:812", tags={"lang": "en"}, request_id="r7")
+    path = tmp_path / "v4.db"
+    conn = sqlite3.connect(path)  # a store of schema 4: the outliers table without the provenance columns
+    conn.executescript(_SCHEMA_V1 + "; PRAGMA user_version = 1;")
+    inbox.create(conn)
+    conn.execute(outliers._SCHEMA.split(";")[0].replace(""",
+    source      TEXT,  -- SampleInfo.source (queried by source)
+    origin      TEXT,  -- SampleInfo.origin
+    info        TEXT   -- the whole SampleInfo, JSON (records.to_dict)""", ""))
+    aliases.create(conn)
+    conn.execute("INSERT INTO sample_outliers (job, rank, step, time_unix, kind, score, z, baseline, tokens, detail) "
+                 "VALUES ('old', 0, 1, 1.0, 'surprise', 8.0, 10.0, 3.5, 64, 'before provenance')")
+    conn.execute("PRAGMA user_version = 4")
+    conn.commit()
+    conn.close()
+    step = _step("j", 2, "surprise")
+    with_info = replace(step, samples=replace(step.samples, outliers=tuple(
+        replace(o, sample_info=info) for o in step.samples.outliers)))
+    with IncidentStore(path) as store:
+        store.put_steps([with_info])
+        got = {o.job: o for o in store.list_outliers()}
+        assert got["j"] == with_info.samples.outliers[0] and got["j"].sample_info == info
+        assert got["old"].sample_info is None and got["old"].detail == "before provenance"
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert conn.execute("SELECT source, origin FROM sample_outliers WHERE job = 'j'").fetchone() == \
+        ("forum", "forum-03.jsonl:812")
+    conn.close()

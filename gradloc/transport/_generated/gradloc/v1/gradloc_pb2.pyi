@@ -164,7 +164,7 @@ class SampleStatsMsg(_message.Message):
     def __init__(self, judged: _Optional[int] = ..., unjudged: _Optional[int] = ..., nonfinite: _Optional[int] = ..., z_counts: _Optional[_Iterable[int]] = ..., z_sum: _Optional[float] = ..., max_z: _Optional[float] = ..., baseline: _Optional[float] = ..., flagged: _Optional[int] = ..., outliers: _Optional[_Iterable[_Union[SampleOutlierMsg, _Mapping]]] = ..., rl_mismatch_baseline: _Optional[float] = ..., rl_mismatch_streak: _Optional[int] = ...) -> None: ...
 
 class SampleOutlierMsg(_message.Message):
-    __slots__ = ("kind", "score", "z", "baseline", "micro_batch", "sample", "sample_id", "start", "end", "tokens", "text", "detail")
+    __slots__ = ("kind", "score", "z", "baseline", "micro_batch", "sample", "sample_id", "start", "end", "tokens", "text", "detail", "sample_info")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     Z_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class SampleOutlierMsg(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INFO_FIELD_NUMBER: _ClassVar[int]
     kind: str
     score: float
     z: float
@@ -189,7 +190,8 @@ class SampleOutlierMsg(_message.Message):
     tokens: int
     text: str
     detail: str
-    def __init__(self, kind: _Optional[str] = ..., score: _Optional[float] = ..., z: _Optional[float] = ..., baseline: _Optional[float] = ..., micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., sample_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., text: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    sample_info: SampleInfoMsg
+    def __init__(self, kind: _Optional[str] = ..., score: _Optional[float] = ..., z: _Optional[float] = ..., baseline: _Optional[float] = ..., micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., sample_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., text: _Optional[str] = ..., detail: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
 
 class RLStatsMsg(_message.Message):
     __slots__ = ("tokens", "log_ratio_counts", "log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction", "advantage_counts", "advantage_rms", "max_abs_advantage", "entropy_mean", "advantage_sum")
