@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gradloc.errors import BatchMetadataError
+from gradloc.integrations.jagged import non_tensor
 from gradloc.records import SampleInfo
 
 log = logging.getLogger("gradloc")
@@ -111,6 +113,24 @@ class ProvenanceCollator:
         return batch
 
 
+def verl_provenance(infos: tuple[SampleInfo, ...], data_source: Any, extra_info: Any) -> tuple[SampleInfo, ...]:
+    """Each sequence's SampleInfo with verl's provenance: ``data_source`` (the dataset a prompt came from) as the
+    source, and ``extra_info``'s ``split``/``index`` (what verl's preprocessing scripts write per row) as the
+    origin "<split>:<index>" (or "row <index>"). Missing or ragged columns leave the infos as they are."""
+    sources, extras = non_tensor(data_source), non_tensor(extra_info)
+    B = len(infos)
+    sources = list(sources) if isinstance(sources, (list, tuple)) and len(sources) == B else [None] * B
+    extras = list(extras) if isinstance(extras, (list, tuple)) and len(extras) == B else [None] * B
+    out = []
+    for info, src, extra in zip(infos, sources, extras):
+        origin = None
+        if isinstance(extra, Mapping) and extra.get("index") is not None:
+            split = extra.get("split")
+            origin = f"{split}:{extra['index']}" if split else f"row {extra['index']}"
+        out.append(replace(info, source=str(src) if src else None, origin=origin) if src or origin else info)
+    return tuple(out)
+
+
 def pop_sample_infos(inputs: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[SampleInfo] | None]:
     """The batch without :data:`SAMPLE_INFOS` (the model never sees it), and the infos it held."""
     if SAMPLE_INFOS not in inputs:
@@ -120,4 +140,4 @@ def pop_sample_infos(inputs: Mapping[str, Any]) -> tuple[Mapping[str, Any], list
 
 
 __all__ = ["ORIGIN", "SAMPLE_INFOS", "SOURCE", "TAG_PREFIX", "ProvenanceCollator", "pop_sample_infos",
-           "provenance_columns", "sample_info", "with_provenance"]
+           "provenance_columns", "sample_info", "verl_provenance", "with_provenance"]

@@ -25,6 +25,7 @@ import torch
 
 from gradloc.errors import BatchMetadataError
 from gradloc.integrations.jagged import describe, micro_batch_kwargs, nest, non_tensor, to_rows, values_of, where_values
+from gradloc.integrations.provenance import verl_provenance
 from gradloc.records import SampleInfo
 
 PAD_SAMPLE = "<pad>"  # the sample id of a static pad appended to a packed row (engine pad_to_length)
@@ -163,6 +164,7 @@ def layout(micro_batch: Mapping[str, Any], *, cu_seqlens: Any = None, packed: bo
     mask = torch.zeros(token_ids.numel(), dtype=torch.bool)
     mask[flat[keep]] = True
     ids, infos = _samples(micro_batch.get(uid_key), B, seq_lens, resp_lens)
+    infos = verl_provenance(infos, micro_batch.get("data_source"), micro_batch.get("extra_info"))
     if pad_size:
         ids = None if ids is None else (*ids, PAD_SAMPLE)
         infos = (*infos, SampleInfo())

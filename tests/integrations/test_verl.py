@@ -337,3 +337,20 @@ def test_bad_input_gives_a_clear_error():
         batch = make_batch(_samples())
         batch["use_remove_padding"] = False
         layout(batch, pad_size=2)
+
+
+def test_verl_s_data_source_and_extra_info_index_are_each_sequence_s_provenance():
+    import numpy as np
+
+    s = [Sample([1, 2, 3], [4, 5], "a"), Sample([8, 9], [10, 11], "b"), Sample([6, 7], [12], "c")]
+    batch = make_batch(s)
+    batch["data_source"] = np.array(["openai/gsm8k", "lighteval/MATH", "openai/gsm8k"], dtype=object)
+    batch["extra_info"] = np.array([{"split": "train", "index": 17}, {"index": 4}, {"note": "no index"}],
+                                   dtype=object)  # what verl's preprocessing writes per row
+    infos = layout(batch).infos
+    assert [(i.source, i.origin) for i in infos] == [("openai/gsm8k", "train:17"), ("lighteval/MATH", "row 4"),
+                                                     ("openai/gsm8k", None)]
+    assert [i.request_id for i in infos] == ["a", "b", "c"]  # the uid and spans as before
+    batch["data_source"] = np.array(["only-one"], dtype=object)  # ragged: no provenance rather than a wrong one
+    del batch["extra_info"]
+    assert all(i.source is None and i.origin is None for i in layout(batch).infos)
