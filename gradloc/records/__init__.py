@@ -41,6 +41,7 @@ from gradloc.records.provenance import (  # noqa: F401
     SampleInfo,
     provenance_problem,
 )
+from gradloc.records.quarantine import QuarantineEntry, QuarantineKind  # noqa: F401
 from gradloc.records.steps import (  # noqa: F401
     INCIDENT_SCHEMA_VERSION,
     RL_ADVANTAGE_BUCKETS,
@@ -87,6 +88,8 @@ __all__ = [
     "Remedy",
     "SAMPLE_Z_BUCKETS",
     "SHED_FEATURES",
+    "QuarantineEntry",
+    "QuarantineKind",
     "SampleInfo",
     "provenance_problem",
     "SampleOutlier",

@@ -6,7 +6,7 @@ and a daemon that "mostly works" on it would write rows the newer reader misread
 are upgraded in place by the steps in ``_MIGRATIONS`` (1 → 2 adds the inbox, 2 → 3 the
 ``sample_outliers`` table of per-sample findings, gradloc/store/outliers.py, 3 → 4 the
 ``finding_ids`` of each incident's rank findings, gradloc/store/aliases.py, 4 → 5 the outliers' provenance
-columns).
+columns, 5 → 6 the quarantine, gradloc/store/quarantine.py).
 """
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import os
 import sqlite3
 from collections.abc import Callable
 
-from gradloc.store import aliases, inbox, outliers
+from gradloc.store import aliases, inbox, outliers, quarantine
 from gradloc.store.errors import SchemaVersionError, StoreError
 
-SCHEMA_VERSION = 5  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
-# 4: finding_ids (gradloc/store/aliases.py); 5: the outliers' provenance (source, origin, info)
+SCHEMA_VERSION = 6  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
+# 4: finding_ids (gradloc/store/aliases.py); 5: the outliers' provenance (source, origin, info); 6: the quarantine
+# (gradloc/store/quarantine.py)
 BUSY_TIMEOUT_MS = 5000
 
 # NULL in a REAL column means "unknown or NaN" (SQLite stores NaN as NULL); the ``json`` column keeps
@@ -73,7 +74,8 @@ CREATE INDEX steps_time ON steps (time_unix);
 
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: inbox.create, 2: outliers.create,
                                                                 3: aliases.create,
-                                                                4: outliers.add_provenance}  # v -> v + 1
+                                                                4: outliers.add_provenance,
+                                                                5: quarantine.create}  # v -> v + 1
 
 
 def connect(path: str) -> sqlite3.Connection:
@@ -142,6 +144,7 @@ def _create(conn: sqlite3.Connection, path: str) -> None:
     inbox.create(conn)
     outliers.create(conn)
     aliases.create(conn)
+    quarantine.create(conn)
 
 
 def check_path(path: str | os.PathLike[str]) -> str:

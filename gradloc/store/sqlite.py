@@ -29,6 +29,7 @@ from gradloc.store import outliers as _outliers
 from gradloc.store import retention as _retention
 from gradloc.store.errors import AmbiguousIdError, StoreError
 from gradloc.store.incident_json import correlated_from_dict
+from gradloc.store.quarantine import Quarantine
 from gradloc.store.retention import RetentionConfig
 from gradloc.store.rows import (
     INCIDENT_COLUMNS,
@@ -127,6 +128,7 @@ class IncidentStore:
         except BaseException:
             self._pool.close()
             raise
+        self.quarantine = Quarantine(self._transaction, self._pool.connection)  # samples kept out of the next run
 
     # -- writing -----------------------------------------------------------------------------
 

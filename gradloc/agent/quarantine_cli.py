@@ -1,0 +1,87 @@
+"""``gradloc-agent quarantine add|remove|list|export``: the samples and sources kept out of the next run, edited by
+hand in the store (``--db``, or ``$GRADLOC_DB``, or the default store) and exported for the loader-side helpers
+(gradloc/integrations/quarantine.py). Nothing here imports torch."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from gradloc.agent.escape import json_text, visible
+from gradloc.agent.incidents_cli import _db_option, _json_option, _opened
+
+_KIND = click.Choice(["sample", "origin", "source"])
+
+
+@click.group("quarantine")
+def quarantine() -> None:
+    """Samples (by id or origin) and whole sources kept out of the next run."""
+
+
+@quarantine.command("add")
+@_db_option
+@click.argument("kind", type=_KIND)
+@click.argument("value")
+@click.option("--reason", default="by hand", show_default=True, help="Why (kept with the entry).")
+def add(db: Path | None, kind: str, value: str, reason: str) -> None:
+    """Quarantine one sample id, origin ("file:row") or source."""
+    from gradloc.records import QuarantineEntry
+
+    try:
+        entry = QuarantineEntry(kind=kind, value=value, reason=reason, added_unix=time.time())
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    with _opened(db) as store:
+        new = store.quarantine.add([entry])
+    click.echo(f"{'quarantined' if new else 'already quarantined'}: {kind} {visible(value)}")
+
+
+@quarantine.command("remove")
+@_db_option
+@click.argument("kind", type=_KIND)
+@click.argument("value")
+def remove(db: Path | None, kind: str, value: str) -> None:
+    """Let one sample id, origin or source back in."""
+    with _opened(db) as store:
+        if not store.quarantine.remove(kind, value):
+            raise click.ClickException(f"not quarantined: {kind} {visible(value)}")
+    click.echo(f"removed from the quarantine: {kind} {visible(value)}")
+
+
+@quarantine.command("list")
+@_db_option
+@_json_option
+@click.option("--kind", type=_KIND, default=None, help="Only this kind.")
+@click.option("--job", default=None, help="Only what this job's incidents or outliers put there.")
+def list_(db: Path | None, as_json: bool, kind: str | None, job: str | None) -> None:
+    """What is quarantined, oldest first."""
+    from gradloc.records import to_dict
+
+    with _opened(db) as store:
+        entries = store.quarantine.list(kind=kind, job=job)
+    if as_json:
+        click.echo(json_text([to_dict(e) for e in entries]))
+        return
+    if not entries:
+        click.echo("nothing is quarantined")
+    for e in entries:
+        where = f" · job {e.job} step {e.step}" if e.job is not None else ""
+        click.echo(f"{e.kind} {visible(e.value)} · {visible(e.reason)}{where}")
+
+
+@quarantine.command("export")
+@_db_option
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+def export(db: Path | None, out: Path) -> None:
+    """Write the list as JSON lines, for QuarantineList.load in the training job."""
+    from gradloc.records import to_dict
+
+    with _opened(db) as store:
+        entries = store.quarantine.list()
+    out.write_text("".join(json.dumps(to_dict(e), ensure_ascii=False) + "\n" for e in entries), encoding="utf-8")
+    click.echo(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} written to {out}")
+
+
+__all__ = ["quarantine"]

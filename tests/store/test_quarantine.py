@@ -1,0 +1,79 @@
+"""The quarantine list (records/quarantine.py, store/quarantine.py, ``gradloc-agent quarantine``,
+integrations/quarantine.py): kept in the store, edited and exported by the CLI, read back by the loader-side
+helpers so that a resumed run never sees those samples again — and refused when it would leave nothing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gradloc.agent.cli import main
+from gradloc.records import QuarantineEntry
+from gradloc.store import IncidentStore
+
+
+def _cli(db: Path, *args: str):
+    return CliRunner().invoke(main, ["quarantine", *args[:1], "--db", str(db), *args[1:]])
+
+
+def test_the_store_keeps_one_entry_per_kind_and_value_the_first_reason_wins(tmp_path: Path) -> None:
+    with IncidentStore(tmp_path / "q.db") as store:
+        q = store.quarantine
+        first = QuarantineEntry(kind="origin", value="web-03.jsonl:17", reason="incident abc", added_unix=1.0,
+                                job="j", step=40, incident_id="abc")
+        assert q.add([first, QuarantineEntry(kind="source", value="forum", added_unix=2.0)]) == 2
+        assert q.add([QuarantineEntry(kind="origin", value="web-03.jsonl:17", reason="again", added_unix=3.0)]) == 0
+        assert q.list() == [first, QuarantineEntry(kind="source", value="forum", added_unix=2.0)]
+        assert [e.value for e in q.list(job="j")] == ["web-03.jsonl:17"]
+        assert q.remove("source", "forum") and not q.remove("source", "forum")
+
+
+def test_the_cli_adds_lists_exports_and_removes(tmp_path: Path) -> None:
+    db = tmp_path / "q.db"
+    IncidentStore(db).close()
+    assert "quarantined: sample s180-3-1" in _cli(db, "add", "sample", "s180-3-1").output
+    assert "already quarantined" in _cli(db, "add", "sample", "s180-3-1").output
+    assert _cli(db, "add", "origin", "web.jsonl:9", "--reason", "garbage").exit_code == 0
+    bad = _cli(db, "add", "origin", "x" * 10_000)
+    assert bad.exit_code == 2 and "at most 512 characters" in bad.output
+    listed = json.loads(_cli(db, "list", "--json").output)
+    assert [(e["kind"], e["value"], e["reason"]) for e in listed] == [("sample", "s180-3-1", "by hand"),
+                                                                     ("origin", "web.jsonl:9", "garbage")]
+    out = tmp_path / "q.jsonl"
+    assert "2 entries written" in _cli(db, "export", str(out)).output
+    assert len(out.read_text().splitlines()) == 2
+    assert _cli(db, "remove", "sample", "s180-3-1").exit_code == 0
+    gone = _cli(db, "remove", "sample", "s180-3-1")
+    assert gone.exit_code == 1 and "not quarantined" in gone.output
+
+
+def test_a_resumed_run_never_sees_a_quarantined_sample_and_the_clean_data_is_untouched(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    from gradloc.integrations.provenance import with_provenance
+    from gradloc.integrations.quarantine import EverySampleQuarantined, QuarantineList, QuarantineSampler
+
+    web = with_provenance(datasets.Dataset.from_dict({"uid": [f"w{i}" for i in range(6)]}), source="web",
+                          where="web.jsonl")
+    forum = with_provenance(datasets.Dataset.from_dict({"uid": [f"f{i}" for i in range(4)]}), source="forum",
+                            where="forum.jsonl")
+    mixed = datasets.concatenate_datasets([web, forum]).shuffle(seed=1)
+    lines = [json.dumps({"kind": "origin", "value": "web.jsonl:2"}), json.dumps({"kind": "sample", "value": "w5"}),
+             json.dumps({"kind": "source", "value": "forum"}),
+             "not json", json.dumps({"kind": "planet", "value": "x"}),  # malformed and unknown lines: counted
+             json.dumps({"kind": "origin", "value": "o" * 600})]
+    q = QuarantineList.parse(lines)
+    assert q.bad_lines == 3 and len(q.entries) == 3
+    kept = q.filter_dataset(mixed, id_column="uid")
+    assert sorted(kept["uid"]) == ["w0", "w1", "w3", "w4"]  # every clean row, none of the quarantined
+    assert q.skipped == {"origin": 1, "sample": 1, "source": 4}
+    # the same list on a torch-style sampler over indices
+    q2 = QuarantineList.parse(lines)
+    key = lambda i: (mixed[i]["uid"], mixed[i]["gradloc_origin"], mixed[i]["gradloc_source"])  # noqa: E731
+    sampler = QuarantineSampler(range(len(mixed)), q2, key)
+    assert sorted(mixed[i]["uid"] for i in sampler) == ["w0", "w1", "w3", "w4"] and len(sampler) == 4
+    # a list that would remove every sample is refused, never an empty loader
+    every = QuarantineList.parse([json.dumps({"kind": "source", "value": s}) for s in ("web", "forum")])
+    with pytest.raises(EverySampleQuarantined, match="would remove all 10 samples"):
+        every.filter_dataset(mixed, id_column="uid")
