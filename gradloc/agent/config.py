@@ -46,6 +46,8 @@ class AgentConfig:
     tls_cert: str = ""  # PEM certificate (chain): TLS for gRPC ingest and HTTP
     tls_key: str = ""  # its PEM private key
     link_ttl_s: float = DEFAULT_TTL_S  # signed page links (token-free, one incident each) open this long
+    quarantine_culprits: bool = False  # quarantine every sample a located incident names (agent/quarantine_policy.py)
+    quarantine_outlier_z: float = 0.0  # and every surprise outlier at or above this z (0: none)
 
     def __post_init__(self) -> None:
         for name in ("ingest", "http"):
@@ -58,6 +60,8 @@ class AgentConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.quarantine_outlier_z >= 0:
+            raise ConfigError(f"quarantine_outlier_z must be >= 0 (0: off), got {self.quarantine_outlier_z!r}")
         if not 0 < self.link_ttl_s <= MAX_TTL_S:  # NaN fails too
             raise ConfigError(f"link_ttl_s must be > 0 and at most {MAX_TTL_S:g} (30 days), got {self.link_ttl_s!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

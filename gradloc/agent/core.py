@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from gradloc.agent.activity import Activity
 from gradloc.agent.correlator import Correlator, CorrelatorConfig
+from gradloc.agent.quarantine_policy import QuarantinePolicy, incident_entries, outlier_entries
 from gradloc.errors import ConfigError
 from gradloc.exporters.state import StateConfig, TelemetryState
 from gradloc.records import Incident, StepRecord
@@ -71,6 +72,7 @@ class CoreConfig:
     job_retention_s: float = 3600.0  # a (job, rank) silent this long has ended: its state is forgotten
     correlator: CorrelatorConfig = field(default_factory=CorrelatorConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy)  # samples kept out by policy
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.store_batch < 1 or self.recent_incidents < 0:
@@ -273,6 +275,7 @@ class AgentCore:
         if steps and self.store is not None:
             try:
                 self.store.put_steps(steps)
+                self._quarantine(outlier_entries(self.config.quarantine, steps, self._clock()))
             except Exception:  # noqa: BLE001 - counted, never fatal
                 log.exception("gradloc: storing %d step summaries failed", len(steps))
                 self.state.count("export_failures", ("store",))
@@ -292,6 +295,11 @@ class AgentCore:
             self.store.put_incident(inc, inbox_keys=keys)
         else:
             self.store.put_incident(inc)
+        self._quarantine(incident_entries(self.config.quarantine, inc, self._clock()))
+
+    def _quarantine(self, entries: list[Any]) -> None:
+        if entries and hasattr(self.store, "quarantine"):
+            self.store.quarantine.add(entries)
 
     def _close_store(self) -> None:
         if self.store is not None:

@@ -27,6 +27,7 @@ from gradloc.agent.http import AgentHttpServer
 from gradloc.agent.incident_log import IncidentLog
 from gradloc.agent.limits import IncidentLimits
 from gradloc.agent.links import origin
+from gradloc.agent.quarantine_policy import QuarantinePolicy
 from gradloc.exporters.state import StateConfig
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ class Daemon:
         self.config = cfg = config
         core_cfg = CoreConfig(queue_size=cfg.queue_size, job_retention_s=cfg.job_retention_s,
                               state=StateConfig(max_series=cfg.max_series, max_layers=cfg.max_layers),
-                              correlator=CorrelatorConfig(straggler_deadline_s=cfg.straggler_deadline_s))
+                              correlator=CorrelatorConfig(straggler_deadline_s=cfg.straggler_deadline_s),
+                              quarantine=QuarantinePolicy(culprits=cfg.quarantine_culprits,
+                                                          outlier_z=cfg.quarantine_outlier_z or None))
         self.store = _open_store(cfg)
         self.core = AgentCore(core_cfg, self.store)
         if cfg.otlp_endpoint:

@@ -104,8 +104,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if grant == SIGNED and inc is not None and inc.incident_id != key:  # signed for exactly one id
                     raise Denied(403, "invalid")
                 store = self.server.core.store
+                held = store.quarantine.list(incident_id=inc.incident_id) if inc is not None and \
+                    hasattr(store, "quarantine") else ()
                 return self._html(200, incident_html(inc, steps=page_steps(store, inc),
-                                                     opener_id=episode_opener(store, inc))) \
+                                                     opener_id=episode_opener(store, inc), quarantined=held)) \
                     if inc is not None else \
                     self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such incident</h1>"))
             if url.path.rstrip("/") == "/api/incidents":

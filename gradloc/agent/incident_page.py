@@ -51,13 +51,14 @@ def _page(title: str, body: str) -> str:
 
 
 def incident_html(inc: CorrelatedIncident, steps: Sequence[Any] = (), opener_id: str | None = None,
-                  base: str = "/incidents/") -> str:
+                  base: str = "/incidents/", quarantined: Sequence[Any] = ()) -> str:
     """The page. ``steps``: the store's rows around the incident (:func:`gradloc.agent.page_chart.page_steps`),
     which add the follow-up steps to the charts; without them the charts show the incident's own history.
     ``opener_id``: the incident a new-cause incident follows (:func:`gradloc.agent.page_chart.episode_opener`),
-    linked at ``base`` + its id."""
+    linked at ``base`` + its id. ``quarantined``: the QuarantineEntry rows this incident put on the list."""
     parts = [f"<h1>Incident <code>{_e(inc.incident_id[:12])}</code> · job {_e(inc.job)} · step {inc.step}</h1>",
-             answer_html(inc, header_note(inc)), _follows(inc, opener_id, base), _summary(inc), history_section(inc, steps)]
+             answer_html(inc, header_note(inc)), _follows(inc, opener_id, base), _summary(inc), history_section(inc, steps),
+             _quarantined(quarantined)]
     for f in inc.findings:
         parts.append(_finding(f))
     return _page(f"gradloc incident {inc.incident_id[:12]}", "".join(parts))
@@ -161,6 +162,14 @@ def _samples(f: Incident) -> str:
     return (f'<h3>Samples carrying the norm</h3><table class="num">{head}{rows}</table><p class="muted">attributed: '
             "the sample's part of the step's per-token attribution score (free); measured: ⟨∇_S, ∇⟩ / ‖∇‖², from a "
             "probe, — where none was spent on it</p>")
+
+
+def _quarantined(entries: Sequence[Any]) -> str:
+    if not entries:
+        return ""
+    items = "".join(f"<li>{_e(e.kind)} <b>{_e(e.value)}</b></li>" for e in entries)
+    return (f'<h2>Quarantined</h2><p class="muted">kept out of the next run by the quarantine policy '
+            f"(gradloc-agent quarantine list; remove to let one back in)</p><ul>{items}</ul>")
 
 
 def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001 - CulpritSpan

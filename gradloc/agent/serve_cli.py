@@ -52,6 +52,10 @@ _D = AgentConfig()
               help=f"How long a signed incident-page link (no token needed) stays valid [{_D.link_ttl_s:g}; max 30 days].")
 @click.option("--job-retention-s", type=float, default=None,
               help=f"Forget a job's (rank's) series and state after this long without a record [{_D.job_retention_s}].")
+@click.option("--quarantine-culprits/--no-quarantine-culprits", default=None,
+              help="Quarantine every sample a located incident names (gradloc-agent quarantine list).")
+@click.option("--quarantine-outlier-z", type=float, default=None,
+              help="Also quarantine every surprise outlier at or above this z [0: none].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Once serving, write {\"ingest\": \"host:port\", \"http\": \"host:port\"} here "

@@ -52,10 +52,11 @@ class Quarantine:
         with self._write() as conn:
             return conn.execute("DELETE FROM quarantine WHERE kind = ? AND value = ?", (kind, value)).rowcount > 0
 
-    def list(self, kind: str | None = None, job: str | None = None) -> list[QuarantineEntry]:
-        """Oldest first (the order they were quarantined in)."""
+    def list(self, kind: str | None = None, job: str | None = None,
+             incident_id: str | None = None) -> list[QuarantineEntry]:
+        """Oldest first (the order they were quarantined in); ``incident_id``: what that incident put there."""
         conds, args = [], []
-        for cond, value in (("kind = ?", kind), ("job = ?", job)):
+        for cond, value in (("kind = ?", kind), ("job = ?", job), ("incident_id = ?", incident_id)):
             if value is not None:
                 conds.append(cond)
                 args.append(value)
