@@ -8,8 +8,9 @@
                              data_collator=ProvenanceCollator(DataCollatorForLanguageModeling(tok, mlm=False)))
 
 :func:`with_provenance` adds two columns to every row — :data:`SOURCE` (the mixture component) and
-:data:`ORIGIN` (``"<where>:<row>"``: the row's index in the dataset it was given, after ``where`` — the data file
-when the dataset has one, else its name; or a column the loader already has, ``origin_column``) — and a column
+:data:`ORIGIN` (``"<where>:<row>"``: the row's index in the dataset it was given, after ``where`` — name the data file there:
+``datasets`` keeps no per-row file, so the default is the dataset's name; or a column the loader already has,
+``origin_column``) — and a column
 per tag. They are ordinary columns, so they survive ``shuffle``, ``select``, ``filter``, ``map`` (keep them in
 ``remove_columns``) and mixing. :class:`ProvenanceCollator` takes them out of the features before the collator it
 wraps sees them, and puts one :class:`~gradloc.records.SampleInfo` per row in the batch under
@@ -39,7 +40,7 @@ SAMPLE_INFOS = "gradloc_sample_infos"  # the batch key ProvenanceCollator adds a
 def with_provenance(dataset: Any, source: str | None = None, *, where: str | None = None,
                     origin_column: str | None = None, tags: Mapping[str, str] | None = None) -> Any:
     """``dataset`` (a ``datasets.Dataset``) with the provenance columns (module docstring). ``where``: what the
-    origin names before the row (default: the dataset's one data file, else its name); ``origin_column``: a
+    origin names before the row — the data file (default: the dataset's name); ``origin_column``: a
     column that already says where each row lives (a URL, a path), used instead of ``where:row``."""
     if origin_column is not None and origin_column not in dataset.column_names:
         raise KeyError(f"origin_column {origin_column!r} is not a column of the dataset ({dataset.column_names})")
@@ -56,9 +57,7 @@ def with_provenance(dataset: Any, source: str | None = None, *, where: str | Non
 
 
 def _where(dataset: Any) -> str:
-    files = {f.get("filename", "") for f in getattr(dataset, "cache_files", ()) or ()}
-    if len(files) == 1:
-        return next(iter(files)).rsplit("/", 1)[-1]
+    """The dataset's name (``datasets`` keeps no per-row file: name it with ``where=``, or give a column)."""
     info = getattr(dataset, "info", None)
     return getattr(info, "dataset_name", None) or getattr(info, "builder_name", None) or "row"
 
