@@ -39,6 +39,8 @@ class AgentConfig:
     max_culprits: int = 256  # per incident; beyond: cut, counted
     max_layers: int = 1024  # layer series per rank in /metrics and OTLP; beyond: counted series_dropped
     max_series: int = 4096  # (job, rank) pairs tracked with live series; beyond: counted series_dropped
+    sources: str = ""  # comma-separated data sources that always get their own source label (exporters/source_labels.py)
+    max_sources: int = 16  # other sources labelled by name, first seen first; later ones are "other"
     auth_token: str = field(default="", repr=False)  # GRADLOC_AGENT_AUTH_TOKEN / TOML; never a flag
     auth_token_file: str = ""  # or read the token from this file
     insecure: bool = False  # allow a non-loopback binding without a token (a trusted network)
@@ -60,6 +62,10 @@ class AgentConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_sources < 0:
+            raise ConfigError(f"max_sources must be >= 0, got {self.max_sources!r}")
+        if any(not x.strip() for x in self.sources.split(",")) and self.sources:
+            raise ConfigError(f"sources: a comma-separated list of names, got {self.sources!r}")
         if not self.quarantine_outlier_z >= 0:
             raise ConfigError(f"quarantine_outlier_z must be >= 0 (0: off), got {self.quarantine_outlier_z!r}")
         if not 0 < self.link_ttl_s <= MAX_TTL_S:  # NaN fails too
@@ -81,6 +87,10 @@ class AgentConfig:
         if self.auth_token_file:
             return read_token(self.auth_token_file)
         return self.auth_token or None
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return tuple(x.strip() for x in self.sources.split(",")) if self.sources else ()
 
     def security(self) -> Security:
         return Security(self.token, self.tls_cert or None, self.tls_key or None, self.metrics_open, self.link_ttl_s)

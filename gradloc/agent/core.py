@@ -230,6 +230,8 @@ class AgentCore:
             self.state.observe_step(item, received)
             if item.events or item.events_dropped:
                 self.state.observe_events(item.job, item.rank, item.events, item.events_dropped)
+            if item.groups or item.groups_dropped:
+                self.state.observe_groups(item.job, item.groups, item.groups_dropped)
             if item.samples is not None:
                 self.recent_outliers.extend(item.samples.outliers)
             self.correlator.on_step(item)

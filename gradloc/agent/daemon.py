@@ -52,7 +52,8 @@ class Daemon:
     def __init__(self, config: AgentConfig) -> None:
         self.config = cfg = config
         core_cfg = CoreConfig(queue_size=cfg.queue_size, job_retention_s=cfg.job_retention_s,
-                              state=StateConfig(max_series=cfg.max_series, max_layers=cfg.max_layers),
+                              state=StateConfig(max_series=cfg.max_series, max_layers=cfg.max_layers,
+                                                sources=cfg.source_names, max_sources=cfg.max_sources),
                               correlator=CorrelatorConfig(straggler_deadline_s=cfg.straggler_deadline_s),
                               quarantine=QuarantinePolicy(culprits=cfg.quarantine_culprits,
                                                           outlier_z=cfg.quarantine_outlier_z or None))

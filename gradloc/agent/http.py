@@ -23,12 +23,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 from urllib.parse import parse_qs, urlsplit
 
-from gradloc.agent import links
+from gradloc.agent import links, patterns
 from gradloc.agent.core import AgentCore
 from gradloc.agent.escape import json_text
 from gradloc.agent.incident_page import incident_html, index_html
 from gradloc.agent.links import Denied
 from gradloc.agent.page_chart import episode_opener, page_steps
+from gradloc.agent.patterns import Patterns
 from gradloc.agent.security import Security
 from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
@@ -117,6 +118,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, rows)
             if url.path.rstrip("/") == "/api/outliers":  # per-sample findings (SampleOutlier), newest first
                 return self._json(200, [to_dict(o) for o in self.server.outlier_rows(parse_qs(url.query))])
+            if url.path.rstrip("/") == "/api/patterns":  # culprits and outliers per data group (agent/patterns.py)
+                return self._json(200, to_dict(self.server.patterns(parse_qs(url.query))))
             if url.path.startswith("/api/incidents/"):
                 inc = self.server.get_incident(url.path.rsplit("/", 1)[1])
                 return self._json(200, inc) if inc is not None else self._json(404, {"error": "no such incident"})
@@ -230,6 +233,13 @@ class _Server(ThreadingHTTPServer):
         newest = sorted(self.core.recent_outliers, key=lambda o: (-o.time_unix, -o.step, o.rank))  # the store's order
         return [o for o in newest if (job is None or o.job == job)
                 and (kind is None or o.kind == kind) and (since is None or o.time_unix >= since)][:limit]
+
+    def patterns(self, query: dict[str, list[str]]) -> Patterns:
+        """``?job=&since=&until=``: the store's patterns (gradloc/agent/patterns.py); a daemon without a store has none."""
+        if self.core.store is None:
+            raise ValueError("patterns need the incident store (this daemon runs with --db none)")
+        return patterns.from_store(self.core.store, job=query.get("job", [None])[-1],
+                                   since_unix=_float(query, "since", None), until_unix=_float(query, "until", None))
 
     def list_incidents(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
         return [to_dict(r) for r in self.incident_rows(query)]

@@ -40,6 +40,10 @@ _D = AgentConfig()
 @click.option("--max-culprits", type=int, default=None, help=f"Per incident; more are cut and counted [{_D.max_culprits}].")
 @click.option("--max-layers", type=int, default=None, help=f"Layer series per rank [{_D.max_layers}].")
 @click.option("--max-series", type=int, default=None, help=f"(job, rank) pairs with live series [{_D.max_series}].")
+@click.option("--sources", default=None, metavar="A,B,…",
+              help="Data sources that always get their own source label on the per-source series.")
+@click.option("--max-sources", type=int, default=None,
+              help=f"Other sources labelled by name, first seen first; later ones are 'other' [{_D.max_sources}].")
 @click.option("--auth-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Require this bearer token (the file's content) on ingest and HTTP. Or $GRADLOC_AGENT_AUTH_TOKEN.")
 @click.option("--insecure", is_flag=True, default=None,

@@ -41,6 +41,7 @@ class StepInputs:
     comm: Gather | None = None  # a multi-rank job: one all_gather per step (collector/job.py)
     samples: torch.Tensor | None = None  # the per-sample surprise pack (collector/surprise.py)
     score_weight: float = 1.0  # this rank's share of the job's token scores (1 / its token group's ranks)
+    group_tokens: torch.Tensor | None = None  # (S,) loss tokens per sample, when the step has groups (collector/groups.py)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Assembled:
     job: JobView | None = None  # a multi-rank job's step, identical on every rank
     samples: np.ndarray | None = None  # host copy of StepInputs.samples
     check: list[float] | None = None  # host copy of the token group's check (parallel/tokens.py)
+    group_tokens: np.ndarray | None = None  # host copy of StepInputs.group_tokens
 
 
 def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
@@ -76,7 +78,8 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
         update = shared_update if shared_update is not None else update  # summed: (3L + 1,), ends with a count
     fields = {"layers": pack, "scale": scale, "loss": loss_t, "tokens": summary, "rl": x.rl, "samples": x.samples,
               "check": x.scores.check if x.scores is not None else None, "update": update,
-              "job": rows.flatten() if rows is not None else None}  # (W, 3) -> (3W,)
+              "job": rows.flatten() if rows is not None else None,  # (W, 3) -> (3W,)
+              "groups": x.group_tokens}
     fields = {k: v.detach().to(dev, torch.float64).reshape(-1) for k, v in fields.items() if v is not None}
     layout = Pack.of(**{k: v.numel() for k, v in fields.items()})
     host = layout.build(**fields).cpu().numpy()  # the step's one host transfer
@@ -117,7 +120,8 @@ def _parse(host: np.ndarray, layout: Pack, layers: LayerStatsCollector, x: StepI
     job = job_view(layout.get(host, "job").reshape(-1, 3)) if "job" in present else None  # (3W,) -> (W, 3)
     samples = layout.get(host, "samples").copy() if "samples" in present else None
     check = [float(v) for v in layout.get(host, "check")] if "check" in present else None
-    return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check)
+    groups = layout.get(host, "groups").copy() if "groups" in present else None
+    return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check, groups)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

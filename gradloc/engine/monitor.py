@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from gradloc.collector import rl_fields
+from gradloc.collector import groups, rl_fields
 from gradloc.collector.batch import MicroBatchMeta, make_meta
 from gradloc.collector.job import as_judged
 from gradloc.collector.layer_stats import module_layer_map
@@ -215,11 +215,13 @@ class Monitor(Lifecycle):
         scale, unscaled = scaler_state(scaler, self.optimizer)
         upd = self._updates.take(self._fanout.held_step)
         unscored = tuple(i for m in sorted(scores.unscored_modules) for i in self._params_of.get(m, ())) if scores else ()
-        rl, rl_pack = rl_fields.step_fields([m for m, _ in parts], given_rl, scores, self.layer_stats.device)
+        metas = tuple(m for m, _ in parts)
+        rl, rl_pack = rl_fields.step_fields(list(metas), given_rl, scores, self.layer_stats.device)
         x = StepInputs(self.step, self.config.job, self.config.rank, len(parts), loss, scale, unscaled,
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
                        upd[1] if upd else None, unscored, rl_pack, self.comm,
-                       self.samples.pack(scores, set(given_rl)))
+                       self.samples.pack(scores, set(given_rl)),
+                       group_tokens=groups.step_tokens(metas, self.layer_stats.device, self.counters))
         try:
             assembled = assemble(self.layer_stats, x)
         except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits
@@ -231,10 +233,11 @@ class Monitor(Lifecycle):
         ratios = self.update_ratios.ratios(assembled.previous_update) if assembled.previous_update is not None else None
         self._fanout.release(ratios, self.layer_stats.layers)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
-                         layers_global=self.comm is not None)
+                         layers_global=self.comm is not None,
+                         groups=groups.step_groups(metas, assembled.group_tokens, self.counters))
         if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
             record, scores = self.tokens.checked(record, scores, assembled.check)
-        record = self.samples.judge_step(record, assembled.samples, [m for m, _ in parts])
+        record = self.samples.judge_step(record, assembled.samples, list(metas))
         spike = self.detector.observe(as_judged(record, assembled.job))
         self._fanout.hold(replace(assembled, record=replace(record, **self.detector.band(spike))))
         self.meter.end(t1)
@@ -249,7 +252,7 @@ class Monitor(Lifecycle):
                 SpikeInputs(record=record, spike=spike, scores=scores, probe=probe, scale=assembled.scale,
                             unscaled=unscaled, has_scaler=scale is not None, rl=rl,
                             job_loss=assembled.job.loss if assembled.job else record.loss,
-                            layer_z=self.detector.layer_z, metas=tuple(m for m, _ in parts)), rerun)
+                            layer_z=self.detector.layer_z, metas=metas), rerun)
             self.meter.exclude(time.perf_counter() - t2)
             self.incidents.append(incident)
             if self.comm is None or self.config.rank == 0:  # a job's incident is emitted once, by rank 0

@@ -23,6 +23,9 @@ LIMIT_MEANINGS = {
     "max_layers": "`layer` values per rank; the first N layers of a record get series, the record counts "
                   "in `gradloc_agent_series_dropped_total{reason=\"max_layers\"}`",
     "stale_after_s": "seconds without a record after which a rank's gauges disappear (counters stay)",
+    "sources": "data sources that always get their own `source` label (`--sources`)",
+    "max_sources": "other `source` values labelled by name, first seen first; later ones are `other` "
+                   "(sample ids, origins and tags never become labels)",
 }
 
 

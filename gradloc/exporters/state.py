@@ -37,7 +37,10 @@ from gradloc.exporters.snapshot import (
     norm_hist_labels,
     widen_window,
 )
+from gradloc.exporters.source_labels import SourceLabels
+from gradloc.records import SampleInfo
 from gradloc.records.events import labelled
+from gradloc.records.groups import NO_SOURCE, GroupKind, GroupTokens
 from gradloc.reports import CorrelatedIncident, StepSummary
 
 
@@ -46,10 +49,12 @@ class StateConfig:
     max_series: int = 4096  # (job, rank) pairs with live gauges
     max_layers: int = 1024  # layer labels per rank
     stale_after_s: float = 900.0
+    sources: tuple[str, ...] = ()  # data sources that always get their own ``source`` label (exporters/source_labels.py)
+    max_sources: int = 16  # other sources labelled by name, first seen first; later ones are "other"
 
     def __post_init__(self) -> None:
-        if self.max_series < 1 or self.max_layers < 1:
-            raise ConfigError("max_series and max_layers must be >= 1")
+        if self.max_series < 1 or self.max_layers < 1 or self.max_sources < 0:
+            raise ConfigError("max_series and max_layers must be >= 1, max_sources >= 0")
         if not self.stale_after_s > 0:
             raise ConfigError("stale_after_s must be > 0")
 
@@ -102,6 +107,7 @@ class TelemetryState:
         self._exemplars: dict[tuple[str, Labels], Exemplar] = {}
         self._hists: dict[tuple[str, Labels], _Hist] = {}
         self._pending = self._queued = 0
+        self._sources = SourceLabels(self.config.sources, self.config.max_sources)
         # reader -> (job, rank label) -> window key -> max since that reader's previous snapshot
         self._windows: dict[str, dict[tuple[str, str], dict[str, float]]] = {r: {} for r in WINDOW_READERS}
 
@@ -135,6 +141,8 @@ class TelemetryState:
         for o in st.outliers:
             if o.kind != "surprise":  # surprise outliers are counted by st.flagged (the list is capped)
                 self._bump("sample_outliers", (s.job, str(s.rank), o.kind))
+            else:  # by source: the outliers the step carries (at most SampleConfig.max_outliers of them)
+                self._flag_source(s.job, o.sample_info, "outlier")
 
     def _observe_rl(self, s: StepSummary) -> None:
         rl, job = s.rl, (s.job,)
@@ -182,6 +190,8 @@ class TelemetryState:
                     self._bump("incident_classes", (inc.job, f.classification.kind))
                 if f.remedy is not None:
                     self._bump("remedies", (inc.job, f.remedy.action, "true" if f.remedy.applied else "false"))
+            for rs in inc.spans:
+                self._flag_source(inc.job, rs.span.sample_info, "culprit")
             self._hist("probes", (inc.job,)).observe(float(inc.probes))
             if inc.explained_share is not None and math.isfinite(inc.explained_share):
                 # ⟨∇_C, ∇⟩/‖∇‖² can dip below 0 for a culprit set pointing against the rest: clamp.
@@ -218,6 +228,20 @@ class TelemetryState:
                 self._set_cumulative("monitor_events", (job, str(rank), label), float(n))
             if dropped:
                 self._bump("series_dropped", ("monitor_events",), n=dropped)
+
+    def observe_groups(self, job: str, groups: Iterable[GroupTokens], dropped: int = 0) -> None:
+        """A step's loss tokens per source (``gradloc_source_tokens_total``); ``dropped``: invalid groups the wire
+        decoder refused (``series_dropped{reason="data_groups"}``)."""
+        with self._lock:
+            for g in groups:
+                if g.kind == GroupKind.SOURCE:
+                    self._bump("source_tokens", (job, self._sources.label(g.name)), n=g.tokens)
+            if dropped:
+                self._bump("series_dropped", ("data_groups",), n=dropped)
+
+    def _flag_source(self, job: str, info: SampleInfo | None, kind: str) -> None:
+        source = (info.source if info else None) or NO_SOURCE
+        self._bump("source_flags", (job, self._sources.label(source), kind))
 
     def _set_cumulative(self, key: str, labels: Labels, value: float) -> None:
         k = (key, labels)

@@ -15,6 +15,7 @@ from gradloc.records.findings import (  # noqa: F401
     SampleOutlier,
     SampleStats,
 )
+from gradloc.records.groups import GroupKind, GroupTokens  # noqa: F401
 from gradloc.records.incidents import (  # noqa: F401
     MAX_SPAN_WINDOW,
     Classification,

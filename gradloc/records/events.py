@@ -58,6 +58,8 @@ MONITOR_EVENTS: dict[str, str] = {
     # optional measurements
     "sample_errors": "steps whose per-sample surprise or judgement failed (no sample findings that step)",
     "update_ratio_errors": "optimizer steps whose update-ratio measurement failed",
+    "groups_dropped": "data groups (sources, tags, length buckets) past records.groups.MAX_GROUPS in a step, not counted",
+    "group_errors": "steps whose per-group data count failed (no groups that step)",
     # delivery (gradloc/engine/fanout.py)
     "sink_errors": "sink calls (on_step, on_incident, flush, shutdown) that raised",
     "undelivered_at_close": "records the agent client could not deliver by close_timeout_s (counted at close: "

@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Any
 
 from gradloc.records.findings import SampleStats
+from gradloc.records.groups import GroupTokens
 
 INCIDENT_SCHEMA_VERSION = 1
 SHED_FEATURES = ("update_ratio", "layer_breakdown")  # StepRecord.shed values, in shedding order
@@ -142,6 +143,9 @@ class StepFields:
     # the monitor's cumulative event counts (Monitor.counters: what it dropped or degraded without raising),
     # non-zero ones, sorted by name; gradloc.records.events declares the names and their meanings
     events: tuple[tuple[str, int], ...] = ()
+    # the step's data per group (source, tag, length bucket): samples and loss tokens (records/groups.py); empty
+    # when no micro-batch gave provenance (SampleInfo.source / tags)
+    groups: tuple[GroupTokens, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

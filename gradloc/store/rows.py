@@ -74,8 +74,10 @@ def span_params(inc: CorrelatedIncident) -> Iterator[tuple[Any, ...]]:
     """Parameters of one ``spans`` INSERT per culprit span, in the incident's order (``idx``)."""
     for idx, rs in enumerate(inc.spans):
         s = rs.span
+        info = s.sample_info
         yield (inc.incident_id, idx, rs.rank, s.micro_batch, s.sample, s.start, s.end, _real(rs.share),
-               s.text, json.dumps(list(s.token_ids)), s.sample_id)
+               s.text, json.dumps(list(s.token_ids)), s.sample_id, info.source if info else None,
+               info.origin if info else None)
 
 
 def step_params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:

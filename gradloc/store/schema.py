@@ -6,7 +6,8 @@ and a daemon that "mostly works" on it would write rows the newer reader misread
 are upgraded in place by the steps in ``_MIGRATIONS`` (1 → 2 adds the inbox, 2 → 3 the
 ``sample_outliers`` table of per-sample findings, gradloc/store/outliers.py, 3 → 4 the
 ``finding_ids`` of each incident's rank findings, gradloc/store/aliases.py, 4 → 5 the outliers' provenance
-columns, 5 → 6 the quarantine, gradloc/store/quarantine.py).
+columns, 5 → 6 the quarantine, gradloc/store/quarantine.py, 6 → 7 the per-step data groups,
+gradloc/store/groups.py, and the spans' source and origin, gradloc/store/history.py).
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import os
 import sqlite3
 from collections.abc import Callable
 
-from gradloc.store import aliases, inbox, outliers, quarantine
+from gradloc.store import aliases, groups, history, inbox, outliers, quarantine
 from gradloc.store.errors import SchemaVersionError, StoreError
 
-SCHEMA_VERSION = 6  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
+SCHEMA_VERSION = 7  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
 # 4: finding_ids (gradloc/store/aliases.py); 5: the outliers' provenance (source, origin, info); 6: the quarantine
-# (gradloc/store/quarantine.py)
+# (gradloc/store/quarantine.py); 7: step_groups (gradloc/store/groups.py) and the spans' source and origin
+# (gradloc/store/history.py)
 BUSY_TIMEOUT_MS = 5000
 
 # NULL in a REAL column means "unknown or NaN" (SQLite stores NaN as NULL); the ``json`` column keeps
@@ -72,10 +74,16 @@ CREATE UNIQUE INDEX steps_job_step ON steps (job, step, rank);
 CREATE INDEX steps_time ON steps (time_unix);
 """
 
+def _groups_and_span_provenance(conn: sqlite3.Connection) -> None:
+    groups.create(conn)
+    history.add_span_provenance(conn)
+
+
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: inbox.create, 2: outliers.create,
                                                                 3: aliases.create,
                                                                 4: outliers.add_provenance,
-                                                                5: quarantine.create}  # v -> v + 1
+                                                                5: quarantine.create,
+                                                                6: _groups_and_span_provenance}  # v -> v + 1
 
 
 def connect(path: str) -> sqlite3.Connection:
@@ -145,6 +153,7 @@ def _create(conn: sqlite3.Connection, path: str) -> None:
     outliers.create(conn)
     aliases.create(conn)
     quarantine.create(conn)
+    _groups_and_span_provenance(conn)
 
 
 def check_path(path: str | os.PathLike[str]) -> str:

@@ -24,6 +24,8 @@ from gradloc.errors import ConfigError
 from gradloc.records import SampleOutlier
 from gradloc.reports import CorrelatedIncident, StepSummary
 from gradloc.store import aliases as _aliases
+from gradloc.store import groups as _groups
+from gradloc.store import history as _history
 from gradloc.store import inbox as _inbox
 from gradloc.store import outliers as _outliers
 from gradloc.store import retention as _retention
@@ -45,7 +47,7 @@ from gradloc.store.schema import check_path, connect, ensure_schema
 
 _INSERT_INCIDENT = f"INSERT INTO incidents ({INCIDENT_COLUMNS}, json) VALUES ({', '.join('?' * 12)})"
 _INSERT_SPAN = ('INSERT INTO spans (incident_id, idx, rank, micro_batch, sample, start, "end", share, text, '
-                f"token_ids, sample_id) VALUES ({', '.join('?' * 11)})")
+                f"token_ids, sample_id, source, origin) VALUES ({', '.join('?' * 13)})")
 _INSERT_STEP = ("INSERT OR REPLACE INTO steps (job, rank, step, time_unix, global_norm, loss, top_share, "
                 f"unattributed_share, nonfinite, skipped) VALUES ({', '.join('?' * 10)})")
 _STEP_COLUMNS = "job, rank, step, time_unix, global_norm, loss, top_share, unattributed_share, nonfinite, skipped"
@@ -186,6 +188,7 @@ class IncidentStore:
             return 0
         with self._transaction() as conn:
             _outliers.put(conn, steps)  # their per-sample findings, in the same transaction
+            _groups.put(conn, steps)  # and their per-group data counts
             return conn.executemany(_INSERT_STEP, step_params(steps)).rowcount
 
     def apply_retention(self, now: float | None = None) -> dict[str, int]:
@@ -196,6 +199,7 @@ class IncidentStore:
             counts = _retention.apply(conn, self.retention, now)
             counts["inbox"] = _inbox.prune(conn, now)
             counts["sample_outliers"] = _outliers.prune(conn, self.retention.max_age_days, now)
+            counts["step_groups"] = _groups.prune(conn, self.retention.max_age_days, now)
             return counts
 
     # -- reading -----------------------------------------------------------------------------
@@ -276,6 +280,19 @@ class IncidentStore:
             raise ValueError(f"limit must be >= 1 or None, got {limit}")
         with self._pool.connection() as conn:
             return _outliers.select(conn, job, kind, since_unix, limit)
+
+    def group_totals(self, job: str | None = None, since_unix: float | None = None,
+                     until_unix: float | None = None) -> list[tuple[str, str, int, int]]:
+        """(kind, name, samples, tokens) of every data group in the window, summed over ranks and steps."""
+        with self._pool.connection() as conn:
+            return _groups.totals(conn, job, since_unix, until_unix)
+
+    def seen_before(self, *, origin: str | None, sample_id: str | None, before_unix: float,
+                    exclude_incident: str | None = None) -> _history.SeenBefore | None:
+        """Earlier flags of one sample (gradloc/store/history.py), or None."""
+        with self._pool.connection() as conn:
+            return _history.seen_before(conn, origin=origin, sample_id=sample_id, before_unix=before_unix,
+                                        exclude_incident=exclude_incident)
 
     def step_summaries(self, job: str, rank: int | None = None, last: int = 1000) -> list[StepRow]:
         """The ``last`` most recent steps of ``job`` (all ranks, or one), in step then rank order."""

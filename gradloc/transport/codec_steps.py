@@ -24,6 +24,7 @@ from gradloc.records import (
     TokenStats,
 )
 from gradloc.records.events import MAX_EVENT_NAME, MAX_EVENTS
+from gradloc.records.groups import MAX_GROUPS, STEP_KINDS, GroupTokens, group_problem
 from gradloc.reports import LayerColumns, StepSummary
 from gradloc.transport import validate as v
 from gradloc.transport.codec_findings import decode_samples, encode_samples
@@ -73,6 +74,8 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
         encode_samples(rec.samples, m.samples)
     for name, n in rec.events:
         m.events[name] = n
+    for grp in rec.groups:
+        m.groups.add(kind=str(grp.kind), name=grp.name, samples=grp.samples, tokens=grp.tokens)
     return m
 
 
@@ -143,6 +146,7 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
     job = v.text(m.job, f"{where}.job", required=True) if m.HasField("job") else job
     rank = v.rank(m.rank, world_size, f"{where}.rank") if m.HasField("rank") else rank
     events, dropped = _events(m) if m.events else ((), 0)
+    groups, groups_dropped = _groups(m) if m.groups else ((), 0)
     overhead = {name: v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
                 for name, f in (("overhead_s", "overhead_seconds"), ("step_s", "step_seconds"), ("overhead", "overhead"))}
     norm_mean, norm_threshold = _band(m, where)
@@ -159,7 +163,15 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         norm_mean=norm_mean, norm_threshold=norm_threshold,
         samples=decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples")
         if m.HasField("samples") else None,
-        events=events, events_dropped=dropped)
+        events=events, events_dropped=dropped, groups=groups, groups_dropped=groups_dropped)
+
+
+def _groups(m: pb.Step) -> tuple[tuple[GroupTokens, ...], int]:
+    """The step's data groups: an entry of an unknown kind, an empty or too long name or a negative count is dropped
+    (not the step), and so is every valid one after the first MAX_GROUPS; returns (groups, entries dropped)."""
+    kept = tuple(GroupTokens(kind=g.kind, name=g.name, samples=g.samples, tokens=g.tokens) for g in m.groups
+                 if g.kind in STEP_KINDS and not group_problem(g.name, g.samples, g.tokens))[:MAX_GROUPS]
+    return kept, len(m.groups) - len(kept)
 
 
 def _events(m: pb.Step) -> tuple[tuple[tuple[str, int], ...], int]:

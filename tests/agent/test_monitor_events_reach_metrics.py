@@ -90,3 +90,27 @@ def test_decoded_steps_carry_their_events_into_the_state() -> None:
     assert events_in(text) == {("job-a", "1", "hook_errors"): 5.0, ("job-a", "1", "sink_errors"): 1.0,
                                ("job-a", "1", "other"): 7.0, ("other-job", "1", "other"): 1.0}
     assert 'gradloc_agent_series_dropped_total{reason="monitor_events"} 2.0' in text
+
+
+def test_invalid_data_groups_are_dropped_and_counted_the_step_kept() -> None:
+    """A step's groups from the wire: an unknown kind, an empty name or a negative count is dropped (not the step)
+    and counted (``series_dropped{reason="data_groups"}``)."""
+    from gradloc.transport._generated.gradloc.v1 import gradloc_pb2 as pb
+    from gradloc.transport.codec_steps import _groups
+
+    m = pb.Step(groups=[pb.GroupTokensMsg(kind="source", name="web", samples=2, tokens=100),
+                        pb.GroupTokensMsg(kind="position", name="≤16", samples=1, tokens=1),
+                        pb.GroupTokensMsg(kind="source", name="", samples=1, tokens=1),
+                        pb.GroupTokensMsg(kind="tag", name="lang=py", samples=-1, tokens=1)])
+    kept, dropped = _groups(m)
+    assert [(str(g.kind), g.name, g.samples, g.tokens) for g in kept] == [("source", "web", 2, 100)] and dropped == 3
+    step = replace(step_record(3), groups=())
+    core = AgentCore().start()
+    try:
+        from gradloc.reports import summarize
+        assert core.submit([replace(summarize(step), groups=kept, groups_dropped=dropped)])
+        assert core.flush(10.0)
+        text = render(core.state, None)[0].decode()
+    finally:
+        core.close()
+    assert 'gradloc_agent_series_dropped_total{reason="data_groups"} 3.0' in text

@@ -31,7 +31,7 @@ from gradloc.exporters.metric_specs import SPECS
 from gradloc.exporters.otlp import OtlpConfig, OtlpExporter
 from gradloc.exporters.otlp_traces import culprit_span_attributes
 from gradloc.exporters.state import TelemetryState
-from gradloc.records import CulpritSpan
+from gradloc.records import CulpritSpan, GroupTokens
 from gradloc.reports import CorrelatedIncident, RankSpan
 from tests.builders import NAN, columns, make_incident, nonfinite_incident, rl_stats, sample_stats, summary
 from tests.exporters.otlp_receiver import OtlpReceiver, attrs, closed_port
@@ -93,6 +93,7 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
         state.count(key, labels)
     state.set_cumulative("client_dropped", (JOB, "0", "queue_full"), 3)
     state.observe_events(JOB, 0, (("probe_errors", 2), ("some_new_counter", 1)))
+    state.observe_groups(JOB, (GroupTokens(kind="source", name="web", samples=4, tokens=512),))
     state.set_pending(2, queued=3)
     return inc
 

@@ -27,7 +27,7 @@ from gradloc.exporters.prometheus import (
 )
 from gradloc.exporters.snapshot import RankPoint
 from gradloc.exporters.state import StateConfig, TelemetryState
-from gradloc.records import Remedy
+from gradloc.records import GroupTokens, Remedy
 from tests.builders import NAN, TRACE_ID, columns, correlated, layer_names, rl_stats, sample_stats, summary
 
 OM_ACCEPT = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
@@ -63,6 +63,7 @@ def realistic_state() -> TelemetryState:
     state.count("retention_deleted", ("steps_by_count",), 5)
     state.set_cumulative("client_dropped", ("llm-7b", "1", "queue_full"), 3)
     state.observe_events("llm-7b", 1, (("localize_errors", 1), ("sink_errors", 4)))
+    state.observe_groups("llm-7b", (GroupTokens(kind="source", name="web", samples=4, tokens=512),))
     state.count("export_failures", ("otlp_metrics",))
     state.set_pending(2, queued=3)
     return state

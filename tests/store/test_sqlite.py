@@ -86,11 +86,11 @@ def test_reopening_keeps_data(db: Path) -> None:
 def test_a_newer_schema_version_is_refused_and_left_untouched(db: Path) -> None:
     IncidentStore(db).close()
     with _raw(db) as conn:
-        conn.execute("PRAGMA user_version = 7")
-    with pytest.raises(SchemaVersionError, match="schema version 7.*newer gradloc"):
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(SchemaVersionError, match=f"schema version {SCHEMA_VERSION + 1}.*newer gradloc"):
         IncidentStore(db)
     with _raw(db) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 7
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
 
 
 def test_foreign_files_are_refused(tmp_path: Path) -> None:
@@ -272,7 +272,7 @@ def test_retention_by_age_deletes_old_incidents_spans_and_steps(db: Path) -> Non
         s.put_steps([step_summary("j", 0, 1, T0 - 31 * DAY), step_summary("j", 0, 2, T0 - DAY)])
         counts = s.apply_retention(now=T0)
         assert counts == {"incidents_by_age": 1, "incidents_by_count": 0, "spans": 2, "steps_by_age": 1,
-                          "steps_by_count": 0, "inbox": 0, "sample_outliers": 0}
+                          "steps_by_count": 0, "inbox": 0, "sample_outliers": 0, "step_groups": 0}
         assert [r.incident_id for r in s.list_incidents()] == ["02" * 16, "01" * 16]
         assert [r.step for r in s.step_summaries("j")] == [2]
         assert _spans(db, "00" * 16) == [] and len(_spans(db, "01" * 16)) == 2
@@ -286,7 +286,7 @@ def test_retention_by_count_keeps_the_newest(db: Path) -> None:
         s.put_steps([step_summary("a", 0, n, T0) for n in range(10)] + [step_summary("b", 1, n, T0) for n in range(3)])
         counts = s.apply_retention(now=T0 + 1e9)  # age is off: nothing expires however late it is
         assert counts == {"incidents_by_age": 0, "incidents_by_count": 3, "spans": 6, "steps_by_age": 0,
-                          "steps_by_count": 5, "inbox": 0, "sample_outliers": 0}
+                          "steps_by_count": 5, "inbox": 0, "sample_outliers": 0, "step_groups": 0}
         assert [r.incident_id for r in s.list_incidents()] == [series[4].incident_id, series[3].incident_id]
         assert [r.step for r in s.step_summaries("a")] == [5, 6, 7, 8, 9]
         assert [r.step for r in s.step_summaries("b")] == [0, 1, 2]

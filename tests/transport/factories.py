@@ -48,6 +48,7 @@ from gradloc.records import (
     to_dict,
 )
 from gradloc.records.events import MAX_EVENT_NAME, MONITOR_EVENTS
+from gradloc.records.groups import MAX_GROUP_NAME, GroupTokens
 from gradloc.reports import StepSummary, summarize
 from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
 from gradloc.transport.server import start_ingest_server
@@ -111,6 +112,13 @@ infos = st.builds(SampleInfo, opt_text, opt(small_int), small_int, small_int, sm
 events = st.dictionaries(st.sampled_from([*MONITOR_EVENTS][:6]) | st.text(min_size=1, max_size=MAX_EVENT_NAME),
                          st.integers(1, 2**62), max_size=5).map(lambda d: tuple(sorted(d.items())))
 
+# the step's data groups (StepRecord.groups): valid kinds, names and counts
+groups = st.lists(st.builds(GroupTokens, kind=st.sampled_from(["source", "tag", "length"]),
+                            name=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1,
+                                         max_size=MAX_GROUP_NAME),
+                            samples=st.integers(0, 2**40), tokens=st.integers(0, 2**50)),
+                  max_size=6).map(tuple)
+
 # the detector's band: (None, None) during warm-up, else 0 <= mean <= threshold
 bands = st.none().map(lambda _: (None, None)) | st.tuples(nonneg, nonneg).map(lambda p: (p[0], p[0] + p[1])).filter(
     lambda p: p[1] < float("inf"))
@@ -133,7 +141,7 @@ def step_records(draw: st.DrawFn) -> StepRecord:
                       shed=tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2,
                                                unique=True))),
                       rl=draw(opt(rl_stats())), layers_global=draw(st.booleans()), norm_mean=norm_mean,
-                      norm_threshold=norm_threshold, events=draw(events))
+                      norm_threshold=norm_threshold, events=draw(events), groups=draw(groups))
 
 
 @st.composite
@@ -236,6 +244,7 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
         assert to_dict(got.tokens) == to_dict(want.tokens)  # (to_dict spells NaN "nan", so NaN == NaN)
     assert got.samples == want.samples  # per-sample findings: all finite, compared exactly
     assert got.events == rec.events and got.events_dropped == 0  # the monitor's event counts (a decoded step's)
+    assert got.groups == rec.groups and got.groups_dropped == 0  # its data groups
 
 
 class Receiver:
