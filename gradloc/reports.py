@@ -175,6 +175,13 @@ class CorrelatedIncident:
         (``SpikeEvent.follows`` of its findings: the job's verdict, the same on every rank); None otherwise."""
         return next((f.spike.follows for f in self.findings if f.spike.follows is not None), None)
 
+    @property
+    def last_healthy_step(self) -> int | None:
+        """The last step before the incident's episode that every reporting rank found healthy (the earliest of
+        their ``SpikeEvent.last_healthy_step``): roll back to a checkpoint saved at or before it. None: unknown."""
+        steps = [f.spike.last_healthy_step for f in self.findings if f.spike.last_healthy_step is not None]
+        return min(steps) if steps else None
+
     def summary(self) -> str:
         """The answer in one line: the id's first 12 hex digits (what the trainer, the store and the page
         show; any prefix resolves), job, step and :meth:`answer`."""

@@ -204,7 +204,8 @@ def finding(rank: int, step: int, span: CulpritSpan, *, incident_id: str, time_u
             status: str = "located", explained: float | None = 0.93) -> Incident:
     """One rank's own incident, localized to ``span``."""
     spike = SpikeEvent(step=step, kinds=("grad_spike", "loss_spike"), global_norm=3.5, z=41.2, mean=0.8,
-                       std=0.066, loss=2.9, loss_z=4.8, loss_mean=2.1, layers=("blocks.1.proj",), detail="")
+                       std=0.066, loss=2.9, loss_z=4.8, loss_mean=2.1, layers=("blocks.1.proj",), detail="",
+                       last_healthy_step=step - 1 - rank)
     culprits = tuple(Culprit(span.micro_batch, span.sample, pos, share=span.share / (span.end - span.start),
                              score_share=0.6, token_id=tok, text=span.text, sample_id=span.sample_id,
                              layers=(LayerShare("head", 0.29), LayerShare("blocks.1.proj", 0.2)))

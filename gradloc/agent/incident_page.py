@@ -23,7 +23,13 @@ from gradloc.agent.page_chart import history_section
 from gradloc.agent.page_chart import num as _num
 from gradloc.agent.page_text import answer_html, collapsed, run_html, token_runs
 from gradloc.agent.render import group_text, provenance_text
-from gradloc.agent.render_correlated import flagged_layers_text, header_note, layer_shares, ranks_summary
+from gradloc.agent.render_correlated import (
+    flagged_layers_text,
+    header_note,
+    layer_shares,
+    ranks_summary,
+    rollback_text,
+)
 from gradloc.records import Culprit, Incident, SampleOutlier
 from gradloc.reports import CorrelatedIncident
 from gradloc.store.rows import IncidentRow
@@ -82,7 +88,8 @@ def _summary(inc: CorrelatedIncident) -> str:
     layers = flagged_layers_text(inc) if inc.top_layers or layer_shares(inc) else "none"
     rows = [("status", inc.status), ("kinds", ", ".join(inc.kinds) or "—"), ("global ‖∇‖", _num(inc.global_norm)),
             ("explained share", _pct(inc.explained_share)), ("probes", inc.probes), ("ranks", ranks),
-            ("layers", layers), ("trace id", inc.trace_id), ("note", header_note(inc) or "—")]
+            ("layers", layers), ("roll back", rollback_text(inc)), ("trace id", inc.trace_id),
+            ("note", header_note(inc) or "—")]
     return '<table class="kv">' + "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
 
 

@@ -94,9 +94,18 @@ def _header(inc: CorrelatedIncident, b, opener_id: str | None = None) -> list[st
         lines.append(f"  follows: the incident of step {inc.follows}{opener}, whose episode this step is a new cause in")
     if inc.detail:
         lines.append(f"  detector: {inc.detail}")
+    lines.append(f"  roll back: {rollback_text(inc)}")
     if header_note(inc):
         lines.append(f"  note: {header_note(inc)}")
     return lines
+
+
+def rollback_text(inc: CorrelatedIncident) -> str:
+    """Where a restart goes: the last healthy step before the incident's episode (``inc.last_healthy_step``)."""
+    n = inc.last_healthy_step
+    if n is None:
+        return "no healthy step before this incident is known (the detector's first steps, or an older client)"
+    return f"last healthy step {n} — resume from a checkpoint saved at or before step {n}"
 
 
 def ranks_summary(inc: CorrelatedIncident) -> str:

@@ -107,6 +107,7 @@ class SpikeDetector:
         self._warm_band: tuple[int, float] | None = None  # (step, warm-up level) of the last warm-up step judged
         self._rising = 0
         self._episode: _Episode | None = None
+        self._last_healthy: int | None = None  # the last step judged with no kind at all, outside any episode
         self._layer_z: np.ndarray | None = None  # the last observed step's per-layer z-scores (see layer_z)
         # a job's ranks: whether a flag holds on any rank (one all-reduce), set by the monitor. Each rank
         # judges only its own samples; sample_spike must be the job's verdict, the same on every rank.
@@ -174,10 +175,16 @@ class SpikeDetector:
             if self._divergence(g):
                 kinds.append(K.DIVERGENCE)
             self._global.update(np.array([g]), c.z_threshold)
+        healthy_before = self._last_healthy
         episode, follows, detail = self._fold(rec, kinds, g)
+        if not kinds and episode is None:
+            self._last_healthy = rec.step
+        opens = not INCIDENT.isdisjoint(kinds) and episode is None
+        last_healthy = (self._episode.healthy if follows is not None and self._episode is not None
+                        else healthy_before) if opens else None
         return SpikeEvent(step=rec.step, kinds=tuple(kinds), global_norm=g, z=z, mean=mean, std=std, loss=rec.loss,
                           loss_z=loss_z, loss_mean=loss_mean, layers=hot_layers, episode=episode, follows=follows,
-                          detail=detail)
+                          detail=detail, last_healthy_step=last_healthy)
 
     def _fold(self, rec: StepRecord, kinds: list[SpikeKind], g: float) -> tuple[int | None, int | None, str]:
         """(the episode ``rec``'s step belongs to, None: it opens an incident or is outside any episode;
@@ -195,6 +202,7 @@ class SpikeDetector:
                 seen = culprit_samples(rec) | (ep.seen if ep is not None else frozenset())
                 self._episode = _Episode(step, step, norm, flagged, seen)
                 self._episode.causes = ep.causes if ep is not None else 0
+                self._episode.healthy = ep.healthy if ep is not None else self._last_healthy
             return None, None, ""
         ep.last, ep.peak = step, max(ep.peak, norm)
         new, why = (new_cause(rec, ep.seen) if ep.causes < NEW_CAUSES else (frozenset(), ""))
@@ -284,10 +292,11 @@ class _Episode:
     the incident kinds of its incident, the samples its incidents' attribution named, the new-cause
     incidents opened inside it."""
 
-    __slots__ = ("start", "last", "peak", "kinds", "seen", "causes")
+    __slots__ = ("start", "last", "peak", "kinds", "seen", "causes", "healthy")
 
     def __init__(self, start: int, last: int, peak: float, kinds: set[SpikeKind], seen: frozenset) -> None:
         self.start, self.last, self.peak, self.kinds, self.seen, self.causes = start, last, peak, kinds, seen, 0
+        self.healthy: int | None = None  # the last healthy step before the episode (its incidents' rollback point)
 
 
 def _key(step: int, sample_id: str | None, micro_batch: int | None, sample: int | None) -> object:

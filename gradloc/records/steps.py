@@ -196,6 +196,10 @@ class SpikeEvent:
     # on a step that opens an incident inside an earlier incident's episode because its culprits are new data
     # (gradloc/detector/detector.py, "new cause"): that incident's step. None otherwise.
     follows: int | None = None
+    # on a step that opens an incident: the last step before its episode that the detector found healthy (no kind
+    # at all, outside any episode) — the checkpoint to roll back to is one saved at or before it. None otherwise,
+    # and when no step before was healthy.
+    last_healthy_step: int | None = None
 
     def __post_init__(self) -> None:  # plain strings from a decoder or a test become the typed values
         if not all(type(k) is SpikeKind for k in self.kinds):

@@ -50,7 +50,8 @@ def encode_incident(inc: Incident) -> pb.IncidentMsg:
 
 def _encode_spike(s: SpikeEvent) -> pb.SpikeMsg:
     m = pb.SpikeMsg(step=s.step, kinds=s.kinds, global_norm=s.global_norm, layers=s.layers, detail=s.detail)
-    _set_optional(m, s, ("z", "mean", "std", "loss", "loss_z", "loss_mean", "follows"))
+    _set_optional(m, s, ("z", "mean", "std", "loss", "loss_z", "loss_mean", "follows",
+                         "last_healthy_step"))
     return m
 
 

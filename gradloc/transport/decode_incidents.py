@@ -181,7 +181,9 @@ def _decode_spike(m: pb.SpikeMsg, c: _Checks, where: str) -> SpikeEvent:
         loss=_get_optional(m, "loss", c.any_float, where), loss_z=opt["loss_z"], loss_mean=opt["loss_mean"],
         layers=tuple(c.name(x, f"{where}.layers[{i}]") for i, x in enumerate(m.layers)),
         detail=c.free_text(m.detail, f"{where}.detail"),
-        follows=v.count(m.follows, f"{where}.follows") if m.HasField("follows") else None)
+        follows=v.count(m.follows, f"{where}.follows") if m.HasField("follows") else None,
+        last_healthy_step=v.count(m.last_healthy_step, f"{where}.last_healthy_step")
+        if m.HasField("last_healthy_step") else None)
 
 
 def _decode_shares(ms: Any, c: _Checks, where: str) -> tuple[LayerShare, ...]:

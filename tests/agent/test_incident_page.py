@@ -472,3 +472,15 @@ def test_short_runs_stay_tokens_and_context_runs_collapse():
     assert [t[3] for t in _tokens(page)][:MIN_RUN + 2] == ["a"] * (MIN_RUN - 1) + [" bell", "b", "b"]
     assert collapsed("x" + "ab" * 8 + "<y>") == 'x<span class="run" title="8 identical in a row">8 × ab</span>&lt;y&gt;'
     assert collapsed("ab" * 7) == "ab" * 7  # fewer than MIN_CHAR_RUN repeats: as written
+
+
+def test_the_page_and_the_cli_name_the_last_healthy_step_to_roll_back_to():
+    """make_incident's ranks found steps 1199 and 1198 healthy last: the job's rollback point is the earlier."""
+    from gradloc.agent.render_correlated import correlated_text
+
+    inc = make_incident()
+    assert inc.last_healthy_step == 1198
+    want = "last healthy step 1198 — resume from a checkpoint saved at or before step 1198"
+    assert want in incident_html(inc) and want in correlated_text(inc, color=False)
+    old = replace(inc, findings=tuple(replace(f, spike=replace(f.spike, last_healthy_step=None)) for f in inc.findings))
+    assert old.last_healthy_step is None and "no healthy step before this incident is known" in incident_html(old)

@@ -457,3 +457,23 @@ def test_in_a_job_a_new_cause_is_the_job_s_verdict():
         assert opens_incident(first) and asked == []  # not asked outside an episode
         ev = _feed(feed, 8.0)  # this rank: a new top but no evidence
         assert asked.pop() is False and opens_incident(ev) is other_rank_has_it
+
+
+def test_an_incident_names_the_last_healthy_step_before_its_episode():
+    """The rollback point: the last step with no kind at all outside any episode. Steps inside an episode — even
+    quiet ones, the run still reacting — are not healthy; an escalation or a new cause keeps the episode's point."""
+    feed = Feed(DetectorConfig())
+    feed.flat(100)
+    first = _feed(feed, 10.0, outlier=True)
+    assert opens_incident(first) and first.last_healthy_step == first.step - 1 == 99
+    echo = feed(4.0)
+    assert not opens_incident(echo) and echo.last_healthy_step is None  # only an incident's step carries it
+    again = _feed(feed, 18.0, outlier=True)  # a new cause inside the episode
+    assert again.follows == first.step and again.last_healthy_step == 99
+    worse = feed(18.0 * ESCALATION * 1.1)  # an escalation: a new episode, the same rollback point
+    assert opens_incident(worse) and worse.follows is None and worse.last_healthy_step == 99
+    quiet = feed.flat(DetectorConfig().resolved().episode_steps + 1, seed=1)
+    assert quiet[-1].episode is None and quiet[-1].kinds == ()
+    later = feed(10.0, loss=8.0, top=0.9)
+    assert opens_incident(later) and later.last_healthy_step == quiet[-1].step == later.step - 1
+    assert SpikeDetector(DetectorConfig(), []).observe(record(0, float("nan"), nonfinite=1)).last_healthy_step is None

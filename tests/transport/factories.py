@@ -183,7 +183,8 @@ def incidents(draw: st.DrawFn) -> Incident:
     spike = SpikeEvent(step=draw(small_int), kinds=kinds, global_norm=draw(g), z=draw(opt(finite)),
                        mean=draw(opt(finite)), std=draw(opt(finite)), loss=loss, loss_z=draw(opt(finite)),
                        loss_mean=draw(opt(finite)), layers=tuple(draw(st.lists(name, max_size=3))),
-                       detail=draw(st.text(max_size=30)), follows=draw(opt(small_int)))
+                       detail=draw(st.text(max_size=30)), follows=draw(opt(small_int)),
+                       last_healthy_step=draw(opt(small_int)))
     top = tuple(draw(st.lists(name.flatmap(layer_stats), max_size=3)))
     return Incident(incident_id=draw(name), job=draw(name), rank=draw(st.integers(0, WORLD - 1)), step=draw(small_int),
                     time_unix=draw(finite), spike=spike, localization=loc,

@@ -304,7 +304,7 @@ class LayerStatsMsg(_message.Message):
     def __init__(self, layer: _Optional[str] = ..., grad_norm: _Optional[float] = ..., grad_max_abs: _Optional[float] = ..., nonfinite: _Optional[int] = ..., param_norm: _Optional[float] = ..., numel: _Optional[int] = ..., update_ratio: _Optional[float] = ..., z: _Optional[float] = ...) -> None: ...
 
 class SpikeMsg(_message.Message):
-    __slots__ = ("step", "kinds", "global_norm", "z", "mean", "std", "loss", "loss_z", "loss_mean", "layers", "detail", "follows")
+    __slots__ = ("step", "kinds", "global_norm", "z", "mean", "std", "loss", "loss_z", "loss_mean", "layers", "detail", "follows", "last_healthy_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class SpikeMsg(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEALTHY_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     kinds: _containers.RepeatedScalarFieldContainer[str]
     global_norm: float
@@ -329,7 +330,8 @@ class SpikeMsg(_message.Message):
     layers: _containers.RepeatedScalarFieldContainer[str]
     detail: str
     follows: int
-    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ..., global_norm: _Optional[float] = ..., z: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., loss: _Optional[float] = ..., loss_z: _Optional[float] = ..., loss_mean: _Optional[float] = ..., layers: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ..., follows: _Optional[int] = ...) -> None: ...
+    last_healthy_step: int
+    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ..., global_norm: _Optional[float] = ..., z: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., loss: _Optional[float] = ..., loss_z: _Optional[float] = ..., loss_mean: _Optional[float] = ..., layers: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ..., follows: _Optional[int] = ..., last_healthy_step: _Optional[int] = ...) -> None: ...
 
 class CulpritMsg(_message.Message):
     __slots__ = ("micro_batch", "sample", "position", "share", "score_share", "token_id", "text", "sample_id", "layers", "rl", "classification", "sample_info", "rank")
