@@ -28,9 +28,9 @@ from gradloc.agent.core import AgentCore
 from gradloc.agent.escape import json_text
 from gradloc.agent.incident_page import incident_html, index_html
 from gradloc.agent.links import Denied
-from gradloc.agent.page_chart import episode_opener, page_steps
 from gradloc.agent.patterns import Patterns
 from gradloc.agent.security import Security
+from gradloc.agent.store_context import store_context
 from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.records import to_dict
@@ -40,6 +40,7 @@ from gradloc.store.incident_json import correlated_to_dict
 from gradloc.store.rows import IncidentRow
 
 log = logging.getLogger(__name__)
+PAGE_PATTERNS_S = 7 * 86400.0  # the index page's patterns window without ?since= (the CLI and the API: any window)
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 CSP = "default-src 'none'; style-src 'unsafe-inline'"  # the pages need nothing else: no script runs
 FULL, PUBLIC, SIGNED = "full", "public", "signed"  # what a request may see: everything, an open route, one page
@@ -90,7 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
             if url.path.rstrip("/") == "/incidents":
                 query = parse_qs(url.query)
                 return self._html(200, index_html(self.server.incident_rows(query), outliers=self.server.outlier_rows(query),
-                                                  link=self._page_link if self.server.signer else None))
+                                                  link=self._page_link if self.server.signer else None,
+                                                  patterns=self.server.page_patterns(query)))
             if url.path.startswith("/incidents/trace/"):  # an exemplar's trace id -> its incident's page
                 found = self.server.incident_id_of_trace(url.path.rsplit("/", 1)[1])
                 if found is None:
@@ -104,11 +106,7 @@ class _Handler(BaseHTTPRequestHandler):
                 inc = self.server.incident(key)
                 if grant == SIGNED and inc is not None and inc.incident_id != key:  # signed for exactly one id
                     raise Denied(403, "invalid")
-                store = self.server.core.store
-                held = store.quarantine.list(incident_id=inc.incident_id) if inc is not None and \
-                    hasattr(store, "quarantine") else ()
-                return self._html(200, incident_html(inc, steps=page_steps(store, inc),
-                                                     opener_id=episode_opener(store, inc), quarantined=held)) \
+                return self._html(200, incident_html(inc, store_context(self.server.core.store, inc))) \
                     if inc is not None else \
                     self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such incident</h1>"))
             if url.path.rstrip("/") == "/api/incidents":
@@ -118,6 +116,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, rows)
             if url.path.rstrip("/") == "/api/outliers":  # per-sample findings (SampleOutlier), newest first
                 return self._json(200, [to_dict(o) for o in self.server.outlier_rows(parse_qs(url.query))])
+            if url.path.rstrip("/") == "/api/quarantine":  # the list a resumed run keeps out (QuarantineList.from_agent)
+                if self.server.core.store is None:
+                    raise ValueError("the quarantine lives in the incident store (this daemon runs with --db none)")
+                return self._json(200, [to_dict(e) for e in self.server.core.store.quarantine.list()])
             if url.path.rstrip("/") == "/api/patterns":  # culprits and outliers per data group (agent/patterns.py)
                 return self._json(200, to_dict(self.server.patterns(parse_qs(url.query))))
             if url.path.startswith("/api/incidents/"):
@@ -240,6 +242,14 @@ class _Server(ThreadingHTTPServer):
             raise ValueError("patterns need the incident store (this daemon runs with --db none)")
         return patterns.from_store(self.core.store, job=query.get("job", [None])[-1],
                                    since_unix=_float(query, "since", None), until_unix=_float(query, "until", None))
+
+    def page_patterns(self, query: dict[str, list[str]]) -> Patterns | None:
+        """The index page's patterns: the query's job and ``since``, else the last PAGE_PATTERNS_S (None: no store)."""
+        if self.core.store is None:
+            return None
+        since = _float(query, "since", None)
+        return patterns.from_store(self.core.store, job=query.get("job", [None])[-1],
+                                   since_unix=since if since is not None else time.time() - PAGE_PATTERNS_S)
 
     def list_incidents(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
         return [to_dict(r) for r in self.incident_rows(query)]

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gradloc.agent.page_chart import esc as _e
 from gradloc.agent.page_chart import history_section
 from gradloc.agent.page_chart import num as _num
+from gradloc.agent.page_patterns import patterns_html
 from gradloc.agent.page_text import answer_html, collapsed, run_html, token_runs
+from gradloc.agent.patterns import Patterns
 from gradloc.agent.render import group_text, provenance_text
 from gradloc.agent.render_correlated import (
     flagged_layers_text,
@@ -30,8 +32,10 @@ from gradloc.agent.render_correlated import (
     ranks_summary,
     rollback_text,
 )
+from gradloc.agent.store_context import StoreContext
 from gradloc.records import Culprit, Incident, SampleOutlier
 from gradloc.reports import CorrelatedIncident
+from gradloc.store.history import SeenBefore
 from gradloc.store.rows import IncidentRow
 
 _CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:1em auto;max-width:70em;padding:0 1em;color:#222;
@@ -56,17 +60,17 @@ def _page(title: str, body: str) -> str:
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{body}</body></html>\n")
 
 
-def incident_html(inc: CorrelatedIncident, steps: Sequence[Any] = (), opener_id: str | None = None,
-                  base: str = "/incidents/", quarantined: Sequence[Any] = ()) -> str:
-    """The page. ``steps``: the store's rows around the incident (:func:`gradloc.agent.page_chart.page_steps`),
-    which add the follow-up steps to the charts; without them the charts show the incident's own history.
-    ``opener_id``: the incident a new-cause incident follows (:func:`gradloc.agent.page_chart.episode_opener`),
-    linked at ``base`` + its id. ``quarantined``: the QuarantineEntry rows this incident put on the list."""
+def incident_html(inc: CorrelatedIncident, context: StoreContext | None = None, base: str = "/incidents/") -> str:
+    """The page. ``context``: what the store knows around it (:func:`gradloc.agent.store_context.store_context`):
+    the steps around it (the charts then show the follow-up steps; without them the incident's own history), the
+    incident a new-cause incident follows (linked at ``base`` + its id), the samples it quarantined, and the
+    culprits' earlier flags (memory across runs)."""
+    ctx = context or StoreContext()
     parts = [f"<h1>Incident <code>{_e(inc.incident_id[:12])}</code> · job {_e(inc.job)} · step {inc.step}</h1>",
-             answer_html(inc, header_note(inc)), _follows(inc, opener_id, base), _summary(inc), history_section(inc, steps),
-             _quarantined(quarantined)]
+             answer_html(inc, header_note(inc)), _follows(inc, ctx.opener_id, base), _summary(inc),
+             _memory(ctx), history_section(inc, ctx.steps), _quarantined(ctx.quarantined)]
     for f in inc.findings:
-        parts.append(_finding(f))
+        parts.append(_finding(f, ctx.seen))
     return _page(f"gradloc incident {inc.incident_id[:12]}", "".join(parts))
 
 
@@ -93,7 +97,7 @@ def _summary(inc: CorrelatedIncident) -> str:
     return '<table class="kv">' + "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
-def _finding(f: Incident) -> str:
+def _finding(f: Incident, seen: Mapping[str, SeenBefore]) -> str:
     sp, loc = f.spike, f.localization
     ratio = f" ({sp.global_norm / sp.mean:.3g}× the healthy mean)" if (
         sp.mean is not None and math.isfinite(sp.global_norm) and sp.mean > 0) else ""
@@ -120,7 +124,7 @@ def _finding(f: Incident) -> str:
     for span in loc.spans:
         cul = [c for c in loc.culprits if (c.micro_batch, c.sample) == (span.micro_batch, span.sample)
                and span.start <= c.position < span.end and (c.rank is None or c.rank == span.rank)]
-        out.append(_span(span, sorted(cul, key=lambda c: c.position), top))
+        out.append(_span(span, sorted(cul, key=lambda c: c.position), top, seen))
     return "".join(out)
 
 
@@ -171,6 +175,13 @@ def _samples(f: Incident) -> str:
             "probe, — where none was spent on it</p>")
 
 
+def _memory(ctx: StoreContext) -> str:
+    """Memory across runs: the culprits flagged before (by origin or sample id) and their sources' earlier flags."""
+    items = [f"<li><b>{_e(key)}</b>: {_e(seen.text())}</li>" for key, seen in ctx.seen.items()]
+    items += [f"<li>{_e(s.text())}</li>" for s in ctx.sources]
+    return f'<h2>Seen before</h2><ul class="seen">{"".join(items)}</ul>' if items else ""
+
+
 def _quarantined(entries: Sequence[Any]) -> str:
     if not entries:
         return ""
@@ -179,7 +190,8 @@ def _quarantined(entries: Sequence[Any]) -> str:
             f"(gradloc-agent quarantine list; remove to let one back in)</p><ul>{items}</ul>")
 
 
-def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001 - CulpritSpan
+def _span(span, culprits: Sequence[Culprit], top: float,  # noqa: ANN001 - CulpritSpan
+          seen: Mapping[str, SeenBefore]) -> str:
     pos = f"position {span.start}" if span.end - span.start == 1 else f"positions {span.start}–{span.end - 1}"
     where = (f"{'rank ' + str(span.rank) + ' · ' if span.rank is not None else ''}micro-batch {span.micro_batch} · "
              f"sample {span.sample}" + (f" (id {_e(span.sample_id)})" if span.sample_id else "")
@@ -187,6 +199,9 @@ def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001
     info = span.sample_info
     origin = (f'<p class="origin">from <b>{_e(provenance_text(info))}</b></p>'
               if info is not None and (info.provenance or info.tags) else "")
+    before = seen.get((info.origin if info is not None else None) or span.sample_id or "")
+    if before is not None:
+        origin += '<p class="seen">' + _e(before.text()) + "</p>"
     text = _window(span, culprits) if span.window_tokens else _culprits_only(span, culprits, top)
     first = culprits[0] if culprits else None
     bars = "".join(f"<tr><td>{_e(s.layer)}</td><td><span class=\"bar\" style=\"width:{max(1, round(200 * s.share))}px\">"
@@ -253,9 +268,10 @@ def _rl(c: Culprit) -> str:
 
 
 def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/", outliers: Sequence[SampleOutlier] = (),
-               link: Callable[[str], str] | None = None) -> str:
+               link: Callable[[str], str] | None = None, patterns: Patterns | None = None) -> str:
     """The incidents table; ``link`` (incident id -> a signed page link, when the agent has a token): a column
-    of links that open one incident's page without the token, to share."""
+    of links that open one incident's page without the token, to share; ``patterns``: the data groups that
+    spike (agent/page_patterns.py)."""
     def share(r: IncidentRow) -> str:
         return f'<td><a href="{html.escape(link(r.incident_id), quote=True)}">signed link</a></td>' if link else ""
 
@@ -264,7 +280,8 @@ def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/", outliers:
                    f"<td>{_pct(r.explained_share)}</td><td>{r.probes}</td>{share(r)}</tr>" for r in rows)
     head = ("<tr><th>incident</th><th>job</th><th>step</th><th>status</th><th>kinds</th><th>explained</th><th>probes</th>"
             + ("<th>share (no token needed)</th>" if link else "") + "</tr>")
-    return _page("gradloc incidents", f"<h1>Incidents</h1><table>{head}{body}</table>{_outliers(outliers)}")
+    return _page("gradloc incidents",
+                 f"<h1>Incidents</h1><table>{head}{body}</table>{patterns_html(patterns)}{_outliers(outliers)}")
 
 
 def _outliers(outliers: Sequence[SampleOutlier]) -> str:

@@ -175,7 +175,7 @@ def show_cmd(incident_id: str, db: Path | None, agent: str | None, as_json: bool
     from gradloc.store import correlated_to_dict
 
     source = _source(db, agent)
-    inc, opener, page = _show_from_agent(source, incident_id, html_file) if source.agent is not None else \
+    inc, ctx, page = _show_from_agent(source, incident_id, html_file) if source.agent is not None else \
         _show_from_store(source, incident_id, html_file)
     if not inc.incident_id.startswith(incident_id.strip()):
         click.echo(f"{incident_id.strip()} names a rank finding of incident {inc.incident_id}", err=True)
@@ -196,24 +196,23 @@ def show_cmd(incident_id: str, db: Path | None, agent: str | None, as_json: bool
         click.echo(json_text(correlated_to_dict(inc)))
         return
     color = sys.stdout.isatty() if color is None else color
-    click.echo(correlated_text(inc, color=color, opener_id=opener), color=color)
+    click.echo(correlated_text(inc, color=color, context=ctx), color=color)
 
 
 def _show_from_store(source: Source, incident_id: str, html_file: Path | None):
-    """(incident, the id of the incident whose episode it follows, its page HTML or "")."""
-    from gradloc.agent.page_chart import episode_opener, page_steps
+    """(incident, what the store knows around it (agent/store_context.py), its page HTML or "")."""
+    from gradloc.agent.store_context import store_context
 
     with _opened(source.store) as store:
         inc = store.get_incident(incident_id)
         if inc is None:
             raise click.ClickException(f"no incident {incident_id.strip()!r} in {store.path}")
-        steps = page_steps(store, inc) if html_file is not None else []  # the follow-up steps the chart draws
-        opener = episode_opener(store, inc)  # a new-cause incident: the one whose episode it follows
+        ctx = store_context(store, inc, steps=html_file is not None)  # the chart's follow-up steps for --html only
     if html_file is None:
-        return inc, opener, ""
+        return inc, ctx, ""
     from gradloc.agent.incident_page import incident_html
 
-    return inc, opener, incident_html(inc, steps=steps, opener_id=opener)
+    return inc, ctx, incident_html(inc, ctx)
 
 
 def _show_from_agent(source: Source, incident_id: str, html_file: Path | None):
@@ -237,7 +236,7 @@ def _show_from_agent(source: Source, incident_id: str, html_file: Path | None):
             page = source.fetch(f"/incidents/{quoted(inc.incident_id)}").decode("utf-8")
         except (AgentUnreachable, LookupError, ValueError) as exc:
             raise click.ClickException(str(exc).strip("'\"")) from exc
-    return inc, None, page
+    return inc, None, page  # the daemon's page has its store's context; the text goes without
 
 
 @incidents.command("export")

@@ -129,7 +129,7 @@ def from_store(store: Any, *, job: str | None = None, since_unix: float | None =
 
     incidents = (i for i in store.iter_incidents(job=job, since_unix=since_unix) if within(i.time_unix))
     outliers = (o for o in store.list_outliers(job=job, since_unix=since_unix, limit=None) if within(o.time_unix))
-    return compute(incidents, outliers, store.group_totals(job, since_unix, until_unix), job=job,
+    return compute(incidents, outliers, store.history.group_totals(job, since_unix, until_unix), job=job,
                    since_unix=since_unix, until_unix=until_unix)
 
 

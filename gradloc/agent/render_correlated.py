@@ -12,6 +12,7 @@ from datetime import datetime
 
 from gradloc.agent.escape import terminal
 from gradloc.agent.render import _BOLD, _OFF, _num, _pct, highlight, incident_text, provenance_text
+from gradloc.agent.store_context import StoreContext
 from gradloc.records import CulpritSpan
 from gradloc.reports import CorrelatedIncident, RankShare
 from gradloc.store.rows import IncidentRow
@@ -63,15 +64,19 @@ def incident_table(rows: Sequence[IncidentRow]) -> str:
     return terminal("\n".join(table(_LIST_HEADER, cells, right=frozenset({3, 6, 7}))))
 
 
-def correlated_text(inc: CorrelatedIncident, color: bool = True, opener_id: str | None = None) -> str:
+def correlated_text(inc: CorrelatedIncident, color: bool = True, context: StoreContext | None = None) -> str:
     """The whole incident: header, ranks, per-rank and per-micro-batch shares, culprit spans, then
-    every rank's own finding as :func:`gradloc.agent.render.incident_text` prints it. ``opener_id``: the
-    id of the incident a new-cause incident follows (``inc.follows``), when known."""
+    every rank's own finding as :func:`gradloc.agent.render.incident_text` prints it. ``context``: what the store
+    knows around it (agent/store_context.py: the incident a new-cause incident follows, earlier flags of its
+    culprits and their sources), when read from a store."""
+    ctx = context or StoreContext()
     b = (lambda s: f"{_BOLD}{s}{_OFF}") if color else (lambda s: s)
-    lines = _header(inc, b, opener_id)
+    lines = _header(inc, b, ctx.opener_id)
     lines += ["", b("per-rank shares"), *_rank_table(inc)]
     lines += ["", b("per-micro-batch shares"), *_micro_batch_lines(inc)]
-    lines += ["", b("culprit spans, largest share first"), *_span_lines(inc, color)]
+    lines += ["", b("culprit spans, largest share first"), *_span_lines(inc, color, ctx)]
+    if ctx.sources:
+        lines += [f"  {s.text()}" for s in ctx.sources]
     lines += ["", b(f"findings of the {len(inc.findings)} reporting rank(s)")]
     for finding in sorted(inc.findings, key=lambda f: f.rank):
         lines += [incident_text(finding, color=color), ""]
@@ -204,7 +209,7 @@ def _positions(span: CulpritSpan) -> str:
     return f"position {span.start}" if span.end - span.start == 1 else f"positions {span.start}–{span.end - 1}"
 
 
-def _span_lines(inc: CorrelatedIncident, color: bool) -> list[str]:
+def _span_lines(inc: CorrelatedIncident, color: bool, ctx: StoreContext) -> list[str]:
     lines = []
     for rs in sorted(inc.spans, key=lambda rs: -rs.share if not math.isnan(rs.share) else math.inf):
         s = rs.span
@@ -214,4 +219,7 @@ def _span_lines(inc: CorrelatedIncident, color: bool) -> list[str]:
         lines.append(f"      {highlight(s, color)}")
         if s.sample_info is not None and (s.sample_info.provenance or s.sample_info.tags):
             lines.append(f"      from: {provenance_text(s.sample_info)}")
+        before = ctx.seen.get((s.sample_info.origin if s.sample_info is not None else None) or s.sample_id or "")
+        if before is not None:
+            lines.append(f"      {before.text()}")
     return lines or ["  no culprit tokens found"]

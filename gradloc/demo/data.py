@@ -12,6 +12,10 @@ from typing import Callable
 
 import torch
 
+from gradloc.records import SampleInfo
+
+SOURCE = "sentences"  # the demo's one data source: SENTENCES as a cycle
+
 SENTENCES = (
     "The river keeps the mill turning from spring until the first frost.",
     "Every morning the baker counts forty loaves onto the long oak shelf.",
@@ -32,13 +36,23 @@ class Corpus:
 
     def batch(self, gen: torch.Generator, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), each (B, T): windows of the cycle at random offsets."""
+        x, y, _ = self.windows(gen, batch, seq)
+        return x, y
+
+    def windows(self, gen: torch.Generator, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(inputs, labels, each window's start in the cycle): :meth:`batch` and where each sample came from."""
         P = self.stream.numel()
         reps = (seq + 1) // P + 2
         cycle = self.stream.repeat(reps)  # (P·reps,)
         starts = torch.randint(0, P, (batch,), generator=gen)
         idx = starts[:, None] + torch.arange(seq + 1)[None, :]  # (B, T + 1)
         window = cycle[idx]
-        return window[:, :-1], window[:, 1:]
+        return window[:, :-1], window[:, 1:], [int(s) for s in starts]
+
+
+def provenance(starts: list[int]) -> list[SampleInfo]:
+    """The demo's samples' provenance: one source (the sentence cycle), each window's token offset in it."""
+    return [SampleInfo(source=SOURCE, origin=f"cycle:{s}") for s in starts]
 
 
 def cl100k_corpus() -> Corpus:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradloc.demo.data import provenance
+
 PARALLEL_BACKENDS = ("tp", "fsdp-tp", "pp")
 PLANT_DP_RANK = 1
 
@@ -164,7 +166,7 @@ def run_rank(cfg: Any, vocab: int, on_step: Callable[[int, Any], None] | None, b
              watch: Callable[..., Any]) -> tuple[Any, list]:
     """One rank's training loop (gradloc/demo/run.py's, for the model-parallel backends); returns (the monitor,
     closed; planted culprits as (micro-batch, sample, position, token id, data rank)). ``batches(gen)``: the
-    step's micro-batches [(x, y)] of this data rank."""
+    step's micro-batches [(x, y, each sample's window start)] of this data rank."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -192,7 +194,8 @@ def run_rank(cfg: Any, vocab: int, on_step: Callable[[int, Any], None] | None, b
                                  scale_grads=False)
     with mon:
         for step in range(cfg.steps):
-            mbs = batches(gen)
+            windows = batches(gen)
+            mbs, infos = [(x, y) for x, y, _ in windows], [provenance(starts) for _, _, starts in windows]
             w = mask.float().expand(cfg.micro_batches, -1, -1).clone()  # (M, B, T) per-token weights
             if step == cfg.inject_step and cfg.inject != "none" and dp_rank == PLANT_DP_RANK:
                 i, b = int(torch.randint(0, cfg.micro_batches, (1,), generator=gen)), \
@@ -222,7 +225,8 @@ def run_rank(cfg: Any, vocab: int, on_step: Callable[[int, Any], None] | None, b
                 total = torch.zeros(())
                 for i, (_, y) in enumerate(mbs):
                     with mon.micro_batch(y, loss_mask=mask, sample_ids=[f"r{dp_rank}-s{step}-{i}-{b}"
-                                                                        for b in range(cfg.batch)]):
+                                                                        for b in range(cfg.batch)],
+                                         sample_infos=infos[i]):
                         loss = loss_for(i)
                         loss.backward()
                     total += loss.detach()

@@ -13,7 +13,7 @@ from torch import nn
 
 from gradloc.adapters.pytorch import watch
 from gradloc.config import DetectorConfig, WatchConfig
-from gradloc.demo.data import cl100k_corpus
+from gradloc.demo.data import cl100k_corpus, provenance
 from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
 from gradloc.errors import ConfigError
 from gradloc.records import Incident, StepRecord
@@ -120,7 +120,7 @@ def _run_model_parallel(cfg: DemoConfig, on_step: Callable[[int, StepRecord], No
                        agent=cfg.agent, store_path=cfg.store_path, metrics_address=cfg.metrics_address,
                        detector=DetectorConfig(alpha=cfg.detector_alpha))
     mon, planted = run_rank(cfg, corpus.vocab, on_step,
-                            lambda gen: [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)],
+                            lambda gen: [corpus.windows(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)],
                             lambda model, opt: watch(model, opt, config=wcfg, decode=corpus.to_text))
     return DemoResult([Planted(*p) for p in planted], list(mon.incidents), [], corpus.to_text, store_path(mon))
 
@@ -164,7 +164,8 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
     plants_here = cfg.inject != "none" and (cfg.backend is None or cfg.rank == PLANT_RANK)
     with mon:
         for step in range(cfg.steps):
-            batches = [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]
+            windows = [corpus.windows(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]
+            batches, infos = [(x, y) for x, y, _ in windows], [provenance(starts) for _, _, starts in windows]
             weights = loss_mask.float().expand(cfg.micro_batches, -1, -1).clone()  # (M, B, T) per-token weights
             if step == cfg.inject_step and cfg.inject != "none":
                 plant = _plant(cfg, net, batches, weights, gen, apply=plants_here)  # every rank runs its forward
@@ -180,7 +181,7 @@ def _run(cfg: DemoConfig, on_step: Callable[[int, StepRecord], None] | None) -> 
                 uids = [f"s{step}-{i}-{b}" if cfg.backend is None else f"r{cfg.rank}-s{step}-{i}-{b}"
                         for b in range(cfg.batch)]
                 sync = model.no_sync() if cfg.backend == "ddp" and i < cfg.micro_batches - 1 else contextlib.nullcontext()
-                with sync, mon.micro_batch(y, loss_mask=loss_mask, sample_ids=uids):
+                with sync, mon.micro_batch(y, loss_mask=loss_mask, sample_ids=uids, sample_infos=infos[i]):
                     loss = loss_for(i, fwd=model)
                     model.backward(loss) if ds else loss.backward()
                 total += loss.detach() / (cfg.micro_batches if ds else 1)

@@ -221,7 +221,8 @@ class Monitor(Lifecycle):
                        scores, tuple(self.hooks.layers) if self.hooks else (), self.config.top_k,
                        upd[1] if upd else None, unscored, rl_pack, self.comm,
                        self.samples.pack(scores, set(given_rl)),
-                       group_tokens=groups.step_tokens(metas, self.layer_stats.device, self.counters))
+                       group_tokens=groups.step_tokens(metas, self.layer_stats.device, self.counters)
+                       if self.job.judges_samples else None)  # once per data index (tp, pp: one rank counts)
         try:
             assembled = assemble(self.layer_stats, x)
         except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits

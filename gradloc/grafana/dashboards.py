@@ -126,6 +126,18 @@ def tokens() -> dict[str, Any]:
               f"p{100 * p:g} {{{{job}}}}") for p in (0.5, 0.99, 0.999)], "none", width=12,
             description="Every judged sample's z against the run's history (z <= 0 counts in the first bucket); "
                         "a sample at z >= SampleConfig.z_threshold (6) is an outlier."),
+        Panel("Spikes and outliers per million tokens, by source", [
+            q(f"1e6 * sum by (job, source, instance) (increase(gradloc_source_flags_total{J}[$__range])) / "
+              f"sum by (job, source, instance) (increase(gradloc_source_tokens_total{J}[$__range]))", "{{job}} {{source}}",
+              instant=True)], "short", kind="bargauge", width=12, links=INCIDENT_LINK,
+            description="Culprit spans of incidents plus surprise outliers per million loss tokens each data source "
+                        "contributed over the range: a source with a small share of the tokens and many flags is "
+                        "where bad data comes from (the trainer gives provenance: docs/provenance.md). source: the "
+                        "configured sources, the first --max-sources seen, then other. gradloc-agent patterns has "
+                        "tags, length, position and token class too."),
+        Panel("Tokens by source", [
+            q(f"sum by (job, source, instance) (rate(gradloc_source_tokens_total{J}[$__rate_interval]))", "{{job}} {{source}}")],
+            "short", width=12, description="Loss tokens per second per data source: the mixture as trained."),
     ]
     return dashboard("gradloc-tokens", "gradloc · Tokens & incidents", panels,
                      "Incident rate, how well spikes are explained, and links to the incidents.")

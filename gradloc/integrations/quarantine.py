@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradloc.integrations.provenance import ORIGIN, SOURCE
-from gradloc.records import QuarantineEntry, QuarantineKind
+from gradloc.records import QuarantineEntry, QuarantineKind, to_dict
 
 log = logging.getLogger("gradloc")
 Key = tuple[str | None, str | None, str | None]  # (sample id, origin, source) of one sample
@@ -46,6 +46,27 @@ class QuarantineList:
     def load(cls, path: str | Path) -> QuarantineList:
         """The list a ``gradloc-agent quarantine export`` wrote (one JSON entry per line)."""
         return cls.parse(Path(path).read_text(encoding="utf-8").splitlines())
+
+    @classmethod
+    def from_store(cls, path: str | Path) -> QuarantineList:
+        """The list in an incident store (a SQLite file the daemon writes; it is not created when missing)."""
+        from gradloc.store import IncidentStore
+
+        with IncidentStore(path, create=False) as store:
+            return cls.parse(json.dumps(to_dict(e)) for e in store.quarantine.list())
+
+    @classmethod
+    def from_agent(cls, address: str, token: str | None = None, timeout_s: float = 30.0) -> QuarantineList:
+        """The list a running daemon holds (``GET /api/quarantine`` at its ``--http`` address, ``host:port`` or a
+        URL; ``token``: its bearer token). Raises ``OSError`` when it does not answer: call it before training."""
+        import urllib.request
+
+        base = address if "://" in address else f"http://{address}"
+        req = urllib.request.Request(base.rstrip("/") + "/api/quarantine",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            rows = json.loads(resp.read().decode("utf-8"))
+        return cls.parse(json.dumps(row) for row in rows)
 
     @classmethod
     def parse(cls, lines: Iterable[str]) -> QuarantineList:

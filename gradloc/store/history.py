@@ -8,7 +8,11 @@ spans stored before stay NULL there: their incidents' JSON still has them, but t
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+
+from gradloc.store import groups
 
 SPAN_PROVENANCE = (("source", "TEXT"), ("origin", "TEXT"))
 
@@ -67,3 +71,51 @@ def seen_before(conn: sqlite3.Connection, *, origin: str | None, sample_id: str 
     sightings = tuple(Sighting(what=w, job=j, step=int(s), time_unix=float(t), incident_id=i)
                       for w, j, s, t, i in rows[:limit])
     return SeenBefore(key=key, count=len(rows), sightings=sightings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceBefore:
+    """Earlier flags of one source in other jobs of the store: culprit spans and outliers, and how many jobs."""
+
+    source: str
+    flags: int
+    jobs: int
+
+    def text(self) -> str:
+        return (f"source {self.source}: flagged {self.flags} time{'s' if self.flags != 1 else ''} before in "
+                f"{self.jobs} other job{'s' if self.jobs != 1 else ''}")
+
+
+def source_before(conn: sqlite3.Connection, *, source: str, before_unix: float, job: str) -> SourceBefore | None:
+    """Culprit spans and outliers of ``source`` in jobs other than ``job``, before ``before_unix``."""
+    spans = ("SELECT i.job FROM spans s JOIN incidents i ON i.incident_id = s.incident_id "
+             "WHERE s.source = ? AND i.time_unix < ? AND i.job != ?")
+    outliers = "SELECT job FROM sample_outliers WHERE source = ? AND time_unix < ? AND job != ?"
+    row = conn.execute(f"SELECT count(*), count(DISTINCT job) FROM ({spans} UNION ALL {outliers}) AS flags",
+                       (source, before_unix, job, source, before_unix, job)).fetchone()
+    return SourceBefore(source=source, flags=int(row[0]), jobs=int(row[1])) if row and row[0] else None
+
+
+class History:
+    """The store's memory across runs (``store.history``): reads only, each on a pooled connection."""
+
+    def __init__(self, read: Callable[[], AbstractContextManager[sqlite3.Connection]]) -> None:
+        self._read = read
+
+    def seen_before(self, *, origin: str | None, sample_id: str | None, before_unix: float,
+                    exclude_incident: str | None = None) -> SeenBefore | None:
+        """Earlier culprit spans and outliers of one sample (:func:`seen_before`), or None."""
+        with self._read() as conn:
+            return seen_before(conn, origin=origin, sample_id=sample_id, before_unix=before_unix,
+                               exclude_incident=exclude_incident)
+
+    def source_before(self, *, source: str, before_unix: float, job: str) -> SourceBefore | None:
+        """Earlier flags of one source in other jobs (:func:`source_before`), or None."""
+        with self._read() as conn:
+            return source_before(conn, source=source, before_unix=before_unix, job=job)
+
+    def group_totals(self, job: str | None = None, since_unix: float | None = None,
+                     until_unix: float | None = None) -> list[tuple[str, str, int, int]]:
+        """(kind, name, samples, tokens) of every data group in the window, summed over ranks and steps."""
+        with self._read() as conn:
+            return groups.totals(conn, job, since_unix, until_unix)

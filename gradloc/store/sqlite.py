@@ -131,6 +131,7 @@ class IncidentStore:
             self._pool.close()
             raise
         self.quarantine = Quarantine(self._transaction, self._pool.connection)  # samples kept out of the next run
+        self.history = _history.History(self._pool.connection)  # earlier flags, data groups: memory across runs
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -280,19 +281,6 @@ class IncidentStore:
             raise ValueError(f"limit must be >= 1 or None, got {limit}")
         with self._pool.connection() as conn:
             return _outliers.select(conn, job, kind, since_unix, limit)
-
-    def group_totals(self, job: str | None = None, since_unix: float | None = None,
-                     until_unix: float | None = None) -> list[tuple[str, str, int, int]]:
-        """(kind, name, samples, tokens) of every data group in the window, summed over ranks and steps."""
-        with self._pool.connection() as conn:
-            return _groups.totals(conn, job, since_unix, until_unix)
-
-    def seen_before(self, *, origin: str | None, sample_id: str | None, before_unix: float,
-                    exclude_incident: str | None = None) -> _history.SeenBefore | None:
-        """Earlier flags of one sample (gradloc/store/history.py), or None."""
-        with self._pool.connection() as conn:
-            return _history.seen_before(conn, origin=origin, sample_id=sample_id, before_unix=before_unix,
-                                        exclude_incident=exclude_incident)
 
     def step_summaries(self, job: str, rank: int | None = None, last: int = 1000) -> list[StepRow]:
         """The ``last`` most recent steps of ``job`` (all ranks, or one), in step then rank order."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 from html.parser import HTMLParser
 
 from gradloc.agent.incident_page import incident_html, index_html
+from gradloc.agent.store_context import StoreContext
 from gradloc.store.rows import IncidentRow
 from tests.builders import BELL, make_incident
 
@@ -161,7 +162,7 @@ def _rows(steps, rank: int = 0, norm: float = 0.9):
 
 def test_the_norm_chart_has_a_point_per_finite_step_the_band_and_the_incident_marked():
     inc = replace(make_incident(), history=_history())
-    p = _tags(incident_html(inc, steps=_rows(range(1201, 1206))))
+    p = _tags(incident_html(inc, StoreContext(steps=tuple(_rows(range(1201, 1206))))))
     assert len(_of(p, "svg", "chart")) == 2  # the norm and the loss
     points = _of(p, "circle", "pt")
     assert len(points) == 19 + 5  # 20 history steps, one NaN; 5 follow-up steps from the store
@@ -372,10 +373,10 @@ def test_a_follow_up_links_its_episode_s_incident():
     inc = make_incident()
     f0 = inc.findings[0]
     follow = replace(inc, findings=(replace(f0, spike=replace(f0.spike, follows=1190, detail="new cause <y>")),))
-    page = incident_html(follow, opener_id="ab" * 16)
+    page = incident_html(follow, StoreContext(opener_id="ab" * 16))
     assert f'<a href="/incidents/{"ab" * 16}">the incident of step 1190</a>' in page and "&lt;y&gt;" in page
     assert "the incident of step 1190 (not in this store)" in incident_html(follow)  # opener unknown: no link
-    assert 'class="follows"' not in incident_html(inc, opener_id="ab" * 16)  # not a follow-up: nothing
+    assert 'class="follows"' not in incident_html(inc, StoreContext(opener_id="ab" * 16))  # not a follow-up: nothing
 
 
 # -- issue 33: the words, and a page that leads with the answer --------------------------------------
@@ -434,11 +435,11 @@ def test_the_follow_up_line_is_named_truly_when_the_incident_step_was_under_it()
     hist = tuple(StepPoint(rank=0, step=s, global_norm=1.668 if s == 1200 else 0.9, loss=2.0, norm_mean=0.9,
                            norm_threshold=1.994) for s in range(1190, 1201))
     rows = [StepPoint(rank=0, step=1201, global_norm=2.5, loss=2.0), StepPoint(rank=0, step=1202, global_norm=0.9, loss=2.0)]
-    under = incident_html(replace(inc, history=hist, kinds=("layer_spike", "loss_spike")), steps=rows)
+    under = incident_html(replace(inc, history=hist, kinds=("layer_spike", "loss_spike")), StoreContext(steps=tuple(rows)))
     assert ("2 after the incident, 1 above the detector's ‖∇‖ line at the incident step (1.994); the incident "
             "step's own ‖∇‖ 1.668 was under it: it was flagged by layer_spike, loss_spike</summary>") in under
     assert "line it crossed" not in under
-    over = incident_html(replace(inc, history=hist[:-1] + (replace(hist[-1], global_norm=3.5),)), steps=rows)
+    over = incident_html(replace(inc, history=hist[:-1] + (replace(hist[-1], global_norm=3.5),)), StoreContext(steps=tuple(rows)))
     assert "1 above the detector's ‖∇‖ line at the incident step (1.994), which the incident step's ‖∇‖ 3.5 crossed" in over
 
 

@@ -123,3 +123,20 @@ def test_token_classes():
     assert [token_class(t) for t in ("<|endoftext|>", "  \n", " 2024", "!?", " hello", " Привет", None)] == \
         ["special", "whitespace", "digits", "punctuation", "latin", "other_script", "unknown"]
     assert ZEBRA.text and token_class(ZEBRA.text) == "latin"
+
+
+def test_the_index_page_shows_the_patterns_of_its_window(store):
+    core = AgentCore(store=store).start()
+    http = AgentHttpServer(core, "127.0.0.1:0").start()
+    try:
+        base = "http://%s:%d/incidents" % http.address
+        with urllib.request.urlopen(base + "?since=0", timeout=10) as resp:
+            page = resp.read().decode()
+        with urllib.request.urlopen(base, timeout=10) as resp:  # the default window: the last 7 days (these are older)
+            recent = resp.read().decode()
+    finally:
+        http.stop()
+        core.close()
+    section = page[page.index("<h2>Patterns</h2>"):]
+    assert "by source" in section and section.index(">code<") < section.index(">web<")
+    assert "3,000.0" in section and "Patterns" not in recent

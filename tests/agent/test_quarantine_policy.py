@@ -12,6 +12,7 @@ from gradloc.agent.core import AgentCore, CoreConfig, Declare
 from gradloc.agent.correlator import CorrelatorConfig
 from gradloc.agent.incident_page import incident_html
 from gradloc.agent.quarantine_policy import QuarantinePolicy, incident_entries, outlier_entries
+from gradloc.agent.store_context import StoreContext
 from gradloc.errors import ConfigError
 from gradloc.records import SampleInfo, SampleOutlier, SampleStats
 from gradloc.store.sqlite import IncidentStore
@@ -56,7 +57,7 @@ def test_the_core_quarantines_what_the_incident_names_and_the_page_says_so(tmp_p
         (stored,) = list(store.iter_incidents())
         held = store.quarantine.list(incident_id=stored.incident_id)
         assert [(e.kind, e.value) for e in held] == [("sample", "s1200-3-1")]
-    page = incident_html(stored, quarantined=held)
+    page = incident_html(stored, StoreContext(quarantined=tuple(held)))
     assert "<h2>Quarantined</h2>" in page and "s1200-3-1" in page
 
 

@@ -33,22 +33,22 @@ def test_an_earlier_run_s_culprits_and_outliers_are_recognised_by_origin(tmp_pat
         store.put_steps([_outlier_step("run-1", 15, T + 50, ROW)])
         store.put_incident(_incident(2, "run-1", T + 100, info=SampleInfo(source="forum", origin="other.jsonl:1")))
         store.put_incident(_incident(3, "run-2", T + 1000))  # today's run: the same row again
-        seen = store.seen_before(origin=ROW.origin, sample_id=None, before_unix=T + 1000,
+        seen = store.history.seen_before(origin=ROW.origin, sample_id=None, before_unix=T + 1000,
                                  exclude_incident=f"{3:032x}")
         assert seen is not None and seen.count == 2 and seen.key == ROW.origin
         assert [(s.what, s.job, s.step) for s in seen.sightings] == [("outlier", "run-1", 15), ("culprit", "run-1", 10)]
         assert seen.sightings[1].incident_id == f"{1:032x}"
         assert seen.text() == "seen before: job run-1 step 15 (outlier), job run-1 step 10 (culprit) — 2 times"
         # before the first flag: nothing; a row never flagged: nothing; no key: nothing
-        assert store.seen_before(origin=ROW.origin, sample_id=None, before_unix=T) is None
-        assert store.seen_before(origin="never.jsonl:0", sample_id=None, before_unix=T + 9999) is None
-        assert store.seen_before(origin=None, sample_id=None, before_unix=T + 9999) is None
+        assert store.history.seen_before(origin=ROW.origin, sample_id=None, before_unix=T) is None
+        assert store.history.seen_before(origin="never.jsonl:0", sample_id=None, before_unix=T + 9999) is None
+        assert store.history.seen_before(origin=None, sample_id=None, before_unix=T + 9999) is None
 
 
 def test_without_an_origin_the_sample_id_matches(tmp_path: Path):
     with IncidentStore(tmp_path / "h.db") as store:
         store.put_incident(_incident(1, "run-1", T, info=None, sample_id="doc-42"))
-        seen = store.seen_before(origin=None, sample_id="doc-42", before_unix=T + 1)
+        seen = store.history.seen_before(origin=None, sample_id="doc-42", before_unix=T + 1)
         assert seen is not None and seen.count == 1 and seen.sightings[0].job == "run-1"
 
 
@@ -65,8 +65,8 @@ def test_a_v6_store_gains_the_columns_and_the_groups_table(tmp_path: Path):
         store.put_incident(_incident(2, "new", T + 10))
         store.put_steps([replace(step_summary("new", 0, 3, T + 11),
                                  groups=(GroupTokens(kind="source", name="forum", samples=2, tokens=64),))])
-        assert store.group_totals() == [("source", "forum", 2, 64)]
-        assert store.seen_before(origin=ROW.origin, sample_id=None, before_unix=T + 20).sightings[0].job == "new"
+        assert store.history.group_totals() == [("source", "forum", 2, 64)]
+        assert store.history.seen_before(origin=ROW.origin, sample_id=None, before_unix=T + 20).sightings[0].job == "new"
         assert store.get_incident(f"{1:032x}") is not None  # the old incident reads as before
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
@@ -82,4 +82,4 @@ def test_retention_prunes_old_group_rows(tmp_path: Path):
         store.put_steps([replace(step_summary("j", 0, 1, T), groups=g), replace(step_summary("j", 0, 2, T + 2 * 86400),
                                                                                groups=g)])
         counts = store.apply_retention(now=T + 2 * 86400)
-        assert counts["step_groups"] == 1 and store.group_totals() == [("source", "web", 1, 5)]
+        assert counts["step_groups"] == 1 and store.history.group_totals() == [("source", "web", 1, 5)]

@@ -77,3 +77,40 @@ def test_a_resumed_run_never_sees_a_quarantined_sample_and_the_clean_data_is_unt
     every = QuarantineList.parse([json.dumps({"kind": "source", "value": s}) for s in ("web", "forum")])
     with pytest.raises(EverySampleQuarantined, match="would remove all 10 samples"):
         every.filter_dataset(mixed, id_column="uid")
+
+
+def test_the_loader_reads_the_list_from_the_store_the_daemon_and_an_export_alike(tmp_path: Path) -> None:
+    import urllib.error
+
+    from gradloc.agent.core import AgentCore
+    from gradloc.agent.http import AgentHttpServer
+    from gradloc.integrations.quarantine import QuarantineList
+
+    db = tmp_path / "q.db"
+    store = IncidentStore(db)
+    store.quarantine.add([QuarantineEntry(kind="origin", value="web.jsonl:9", reason="garbage", added_unix=1.0),
+                          QuarantineEntry(kind="source", value="forum", added_unix=2.0)])
+    out = tmp_path / "q.jsonl"
+    assert _cli(db, "export", str(out)).exit_code == 0
+    core = AgentCore(store=store).start()
+    http = AgentHttpServer(core, "127.0.0.1:0").start()
+    try:
+        lists = [QuarantineList.load(out), QuarantineList.from_store(db),
+                 QuarantineList.from_agent("%s:%d" % http.address)]
+    finally:
+        http.stop()
+        core.close()
+        store.close()
+    assert all(q.entries == lists[0].entries and not q.bad_lines for q in lists) and len(lists[0].entries) == 2
+    assert all(q.match(origin="web.jsonl:9") == "origin" and q.match(source="forum") == "source" for q in lists)
+    nobody = AgentCore().start()  # a daemon without a store has no list: a clear error, before training
+    http = AgentHttpServer(nobody, "127.0.0.1:0").start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            QuarantineList.from_agent("%s:%d" % http.address)
+        assert err.value.code == 400
+    finally:
+        http.stop()
+        nobody.close()
+    with pytest.raises(Exception, match="no incident store"):
+        QuarantineList.from_store(tmp_path / "missing.db")

@@ -30,6 +30,7 @@ import pytest
 
 from gradloc.agent.incident_page import incident_html
 from gradloc.agent.page_chart import chart_points, page_steps
+from gradloc.agent.store_context import StoreContext
 from gradloc.localizer.spans import WINDOW_TOKENS
 from gradloc.reports import StepPoint
 from gradloc.store.sqlite import IncidentStore
@@ -197,7 +198,7 @@ def test_demo_incident_page_draws_the_steps_around_it_and_is_the_readme_screensh
     points = chart_points(inc, steps)
     assert [p.step for p in inc.history][-1] == inc.step and any(p.step > inc.step for p in points)
     out = tmp_path / "demo.html"
-    out.write_text(incident_html(inc, steps=steps), encoding="utf-8")
+    out.write_text(incident_html(inc, StoreContext(steps=tuple(steps))), encoding="utf-8")
     shot = tmp_path / "incident-page.png"
     got = _browse(out.as_uri(), shot)
     assert got["pwned"] == "undefined" and got["requests"] == [out.as_uri()] and got["scripts"] == 0
