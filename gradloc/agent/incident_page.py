@@ -178,7 +178,7 @@ def _span(span, culprits: Sequence[Culprit], top: float) -> str:  # noqa: ANN001
              f"sample {span.sample}" + (f" (id {_e(span.sample_id)})" if span.sample_id else "")
              + f" · {pos} · share {_pct(span.share)}")
     info = span.sample_info
-    origin = (f'<p class="origin">from <b>{_e(provenance_text(info))}</b></p>'
+    origin = (f'<p class="origin">from <b>{_e(provenance_text(info, span.start, span.end))}</b></p>'
               if info is not None and (info.provenance or info.tags) else "")
     text = _window(span, culprits) if span.window_tokens else _culprits_only(span, culprits, top)
     first = culprits[0] if culprits else None

@@ -204,5 +204,5 @@ def _span_lines(inc: CorrelatedIncident, color: bool) -> list[str]:
                      f"{_positions(s)} · share {_pct(rs.share)}")
         lines.append(f"      {highlight(s, color)}")
         if s.sample_info is not None and (s.sample_info.provenance or s.sample_info.tags):
-            lines.append(f"      from: {provenance_text(s.sample_info)}")
+            lines.append(f"      from: {provenance_text(s.sample_info, s.start, s.end)}")
     return lines or ["  no culprit tokens found"]
