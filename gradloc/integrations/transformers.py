@@ -130,7 +130,7 @@ class GradlocTrainerMixin:
             self._gradloc_attach(model, inputs)  # typed errors only here, before the first optimizer step
         blocks = self._gradloc_blocks
         inputs, ids = self._gradloc_pop_ids(inputs)
-        inputs, infos = pop_sample_infos(inputs) if isinstance(inputs, Mapping) else (inputs, None)
+        inputs, infos = pop_sample_infos(inputs, blocks.drop_provenance) if isinstance(inputs, Mapping) else (inputs, None)
         block = self._gradloc_block = _Block(ids, infos, not blocks.stepped, num_items_in_batch,
                                              self._gradloc_ga_steps())
         try:  # _prepare_inputs opens the micro-batch block inside it: it holds the forward and the backward
