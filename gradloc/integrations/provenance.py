@@ -126,18 +126,20 @@ class ProvenanceCollator:
             else:
                 rows.append({})
                 rest.append(f)
-        infos = checked_infos(rows, self._drop)
+        infos = rows_sample_infos(rows, self._drop)
         batch = self.collate(rest)  # the wrapped collator never sees the provenance columns
-        if any(i is not None for i in infos) and isinstance(batch, dict):
-            batch[SAMPLE_INFOS] = SampleInfos(i if i is not None else SampleInfo() for i in infos)
+        if infos is not None and isinstance(batch, dict):
+            batch[SAMPLE_INFOS] = SampleInfos(infos)
         return batch
 
 
-def checked_infos(rows: Sequence[Mapping[str, Any]], on_drop: Callable[[int], None] | None = None
-                  ) -> list[SampleInfo | None]:
-    """Each row's provenance (:func:`sample_info`; None without any). On the training path: a row whose values
-    break the limits keeps none — ``on_drop(n)`` counts them, a warning says so — never an exception."""
-    out, bad = [], 0
+def rows_sample_infos(rows: Sequence[Mapping[str, Any]], on_drop: Callable[[int], None] | None = None
+                      ) -> list[SampleInfo] | None:
+    """One SampleInfo per row from its provenance columns (:func:`sample_info`; an empty one for a row without),
+    None when no row has any. This runs in the training loop: a row whose values break the limits keeps none —
+    ``on_drop(n)`` counts them, a warning says so — never an exception."""
+    out: list[SampleInfo | None] = []
+    bad = 0
     for row in rows:
         try:
             out.append(sample_info(row))
@@ -148,7 +150,7 @@ def checked_infos(rows: Sequence[Mapping[str, Any]], on_drop: Callable[[int], No
         if on_drop is not None:
             on_drop(bad)
         log.warning("gradloc: %d row(s) of a batch have invalid provenance columns; they keep none", bad)
-    return out
+    return [i if i is not None else SampleInfo() for i in out] if any(i is not None for i in out) else None
 
 
 def verl_provenance(infos: tuple[SampleInfo, ...], data_source: Any, extra_info: Any) -> tuple[SampleInfo, ...]:
@@ -201,9 +203,8 @@ def take_sample_infos(batch: Any, on_drop: Callable[[int], None] | None = None) 
         log.warning("gradloc: the batch's provenance columns are not one list per column of equal lengths (%s); "
                     "the batch keeps no provenance", {c: type(v).__name__ for c, v in cols.items()})
         return None
-    infos = checked_infos([{c: v[i] for c, v in cols.items() if v[i] is not None} for i in range(n)], on_drop)
-    return [i if i is not None else SampleInfo() for i in infos]
+    return rows_sample_infos([{c: v[i] for c, v in cols.items() if v[i] is not None} for i in range(n)], on_drop)
 
 
-__all__ = ["ORIGIN", "SAMPLE_INFOS", "SOURCE", "TAG_PREFIX", "ProvenanceCollator", "SampleInfos", "checked_infos", "pop_sample_infos",
-           "provenance_columns", "sample_info", "take_sample_infos", "verl_provenance", "with_provenance"]
+__all__ = ["ORIGIN", "SAMPLE_INFOS", "SOURCE", "TAG_PREFIX", "ProvenanceCollator", "SampleInfos", "pop_sample_infos",
+           "provenance_columns", "rows_sample_infos", "sample_info", "take_sample_infos", "verl_provenance", "with_provenance"]

@@ -277,8 +277,8 @@ class GradlocTrainerMixin:
         if mon.hooks is None:  # per-layer only: the block counts the micro-batch, no probe needs it
             blocks.open(lambda: dict(shape=batch_shape(prepared), sample_ids=block.ids, sample_infos=block.infos))
         else:
-            blocks.open(lambda: {**self._gradloc_micro_batch_args(prepared, block.ids, index),
-                                 "sample_infos": block.infos},
+            blocks.open(lambda: {"sample_infos": block.infos,  # unless the layout has its own (TRL's generated rows)
+                                 **self._gradloc_micro_batch_args(prepared, block.ids, index)},
                         payload=_Part(block.prepared, block.num_items_in_batch, block.ga_steps))
         return blocks.held
 
