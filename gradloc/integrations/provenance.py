@@ -146,29 +146,54 @@ def rows_sample_infos(rows: Sequence[Mapping[str, Any]], on_drop: Callable[[int]
         except BatchMetadataError:
             out.append(None)
             bad += 1
-    if bad:
-        if on_drop is not None:
-            on_drop(bad)
-        log.warning("gradloc: %d row(s) of a batch have invalid provenance columns; they keep none", bad)
+    _dropped(bad, on_drop, "row(s) of a batch have invalid provenance columns")
     return [i if i is not None else SampleInfo() for i in out] if any(i is not None for i in out) else None
 
 
 def verl_provenance(infos: tuple[SampleInfo, ...], data_source: Any, extra_info: Any) -> tuple[SampleInfo, ...]:
     """Each sequence's SampleInfo with verl's provenance: ``data_source`` (the dataset a prompt came from) as the
     source, and ``extra_info``'s ``split``/``index`` (what verl's preprocessing scripts write per row) as the
-    origin "<split>:<index>" (or "row <index>"). Missing or ragged columns leave the infos as they are."""
+    origin "<split>:<index>" (or "row <index>"). Missing or ragged columns leave the infos as they are. verl's
+    ``uid`` is not provenance: a fresh uuid4 per prompt and rollout batch (``ray_trainer.py``), already each
+    sequence's ``request_id`` and sample id."""
     sources, extras = non_tensor(data_source), non_tensor(extra_info)
     B = len(infos)
     sources = list(sources) if isinstance(sources, (list, tuple)) and len(sources) == B else [None] * B
     extras = list(extras) if isinstance(extras, (list, tuple)) and len(extras) == B else [None] * B
-    out = []
-    for info, src, extra in zip(infos, sources, extras):
+    rows = []
+    for src, extra in zip(sources, extras):
         origin = None
         if isinstance(extra, Mapping) and extra.get("index") is not None:
             split = extra.get("split")
             origin = f"{split}:{extra['index']}" if split else f"row {extra['index']}"
-        out.append(replace(info, source=str(src) if src else None, origin=origin) if src or origin else info)
+        rows.append((str(src) if src else None, origin))
+    return with_row_provenance(infos, rows)
+
+
+def with_row_provenance(infos: Sequence[SampleInfo], rows: Sequence[tuple[str | None, str | None]] | None,
+                        on_drop: Callable[[int], None] | None = None) -> tuple[SampleInfo, ...]:
+    """Each info with its row's (source, origin), its RL request and spans kept; ``rows`` missing or ragged leave
+    the infos as they are. On the training path: a row whose values break the limits keeps its info as it was
+    (``on_drop(n)`` counts them, a warning says so), never an exception."""
+    if rows is None or len(rows) != len(infos):
+        return tuple(infos)
+    out, bad = [], 0
+    for info, (source, origin) in zip(infos, rows):
+        try:
+            out.append(replace(info, source=source, origin=origin) if source or origin else info)
+        except BatchMetadataError:
+            out.append(info)
+            bad += 1
+    _dropped(bad, on_drop, "sequence(s) of a batch have an invalid source or origin")
     return tuple(out)
+
+
+def _dropped(n: int, on_drop: Callable[[int], None] | None, what: str) -> None:
+    """``n`` rows kept no provenance: counted (``on_drop``) and said — the training path's regime."""
+    if n:
+        if on_drop is not None:
+            on_drop(n)
+        log.warning("gradloc: %d %s; they keep none", n, what)
 
 
 def pop_sample_infos(inputs: Mapping[str, Any], on_drop: Callable[[int], None] | None = None
@@ -207,4 +232,5 @@ def take_sample_infos(batch: Any, on_drop: Callable[[int], None] | None = None) 
 
 
 __all__ = ["ORIGIN", "SAMPLE_INFOS", "SOURCE", "TAG_PREFIX", "ProvenanceCollator", "SampleInfos", "pop_sample_infos",
-           "provenance_columns", "rows_sample_infos", "sample_info", "take_sample_infos", "verl_provenance", "with_provenance"]
+           "provenance_columns", "rows_sample_infos", "sample_info", "take_sample_infos", "verl_provenance",
+           "with_provenance", "with_row_provenance"]
