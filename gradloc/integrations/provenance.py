@@ -16,8 +16,11 @@ per tag. They are ordinary columns, so they survive ``shuffle``, ``select``, ``f
 wraps sees them, and puts one :class:`~gradloc.records.SampleInfo` per row in the batch under
 :data:`SAMPLE_INFOS`; the HF Trainer integration pops that key (the model never sees it) and gives the infos to
 the micro-batch, so a culprit or an outlier names "source · origin". A row without the columns gets no
-provenance (it stays optional); bad values raise :class:`~gradloc.errors.BatchMetadataError` (limits:
-``records/incidents.py``).
+provenance (it stays optional); bad values raise :class:`~gradloc.errors.BatchMetadataError` where
+``with_provenance`` writes them (limits: ``records/provenance.py``), and are counted, never raised, once in the
+training loop. The other integrations' helpers live here too: the Lightning/Accelerate form of a batch's
+provenance (:func:`take_sample_infos`), verl's and OpenRLHF's rows (:func:`with_row_provenance`); Megatron's
+in ``megatron_data.py``.
 """
 from __future__ import annotations
 
