@@ -197,7 +197,7 @@ def _span(span, culprits: Sequence[Culprit], top: float,  # noqa: ANN001 - Culpr
              f"sample {span.sample}" + (f" (id {_e(span.sample_id)})" if span.sample_id else "")
              + f" · {pos} · share {_pct(span.share)}")
     info = span.sample_info
-    origin = (f'<p class="origin">from <b>{_e(provenance_text(info))}</b></p>'
+    origin = (f'<p class="origin">from <b>{_e(provenance_text(info, span.start, span.end))}</b></p>'
               if info is not None and (info.provenance or info.tags) else "")
     before = seen.get((info.origin if info is not None else None) or span.sample_id or "")
     if before is not None:

@@ -18,6 +18,7 @@ from gradloc.records import (
     TokenRL,
     to_dict,
 )
+from gradloc.records.packed_origin import span_documents
 
 _HL, _DIM, _BOLD, _OFF = "\x1b[1;97;41m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 
@@ -80,7 +81,7 @@ def _incident_text(inc: Incident, color: bool) -> str:
         if first is not None and first.layers:
             lines.append("      through " + ", ".join(f"{s.layer} {_pct(s.share)}" for s in first.layers[:4]))
         if span.sample_info is not None and (span.sample_info.provenance or span.sample_info.tags):
-            lines.append(f"      from: {provenance_text(span.sample_info)}")
+            lines.append(f"      from: {provenance_text(span.sample_info, span.start, span.end)}")
         if span.sample_info is not None and span.sample_info.request_id is not None:
             si = span.sample_info
             lines.append(f"      rollout: request {si.request_id!r} completion {si.completion_index} · response token "
@@ -92,10 +93,12 @@ def _incident_text(inc: Incident, color: bool) -> str:
     return "\n".join(lines)
 
 
-def provenance_text(info: SampleInfo) -> str:
-    """"source · origin [key=value, …]": where a sample came from, as far as its loader said."""
+def provenance_text(info: SampleInfo, start: int | None = None, end: int | None = None) -> str:
+    """"source · origin [key=value, …]": where a sample came from, as far as its loader said; with a span's
+    positions [start, end) of a packed row (Megatron), also the document they lie in (records/packed_origin.py)."""
     tags = ", ".join(f"{k}={v}" for k, v in info.tags)
-    return " ".join(x for x in (info.provenance, f"[{tags}]" if tags else "") if x)
+    doc = span_documents(info, start, end) if start is not None and end is not None else None
+    return " ".join(x for x in (info.provenance, f"[{tags}]" if tags else "", f"— {doc}" if doc else "") if x)
 
 
 def group_text(g: CulpritGroup, job_scope: bool = False) -> str:

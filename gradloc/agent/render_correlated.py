@@ -218,7 +218,7 @@ def _span_lines(inc: CorrelatedIncident, color: bool, ctx: StoreContext) -> list
                      f"{_positions(s)} · share {_pct(rs.share)}")
         lines.append(f"      {highlight(s, color)}")
         if s.sample_info is not None and (s.sample_info.provenance or s.sample_info.tags):
-            lines.append(f"      from: {provenance_text(s.sample_info)}")
+            lines.append(f"      from: {provenance_text(s.sample_info, s.start, s.end)}")
         before = ctx.seen.get((s.sample_info.origin if s.sample_info is not None else None) or s.sample_id or "")
         if before is not None:
             lines.append(f"      {before.text()}")

@@ -19,6 +19,10 @@ to ``backward`` (for an HF causal LM: ``causal_lm_token_loss(model(input_ids=...
 probes run it on the unwrapped model under ``accelerator.autocast()``, divided like ``backward`` does.
 ``view(batch)`` → token ids (default: an HF batch's shifted labels). A multi-process DDP model is
 watched as a DDP job. DeepSpeed is refused: its engine clips and steps inside ``backward``.
+
+Provenance: ``accumulate(batch)`` takes a :class:`~gradloc.integrations.provenance.ProvenanceCollator` batch's
+infos (or its provenance columns collated into lists) out of the batch *in place*, before ``model(**batch)``
+runs, and the micro-batch carries one SampleInfo per row.
 """
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ class GradlocAccelerate:
     def accumulate(self, batch: Any) -> Iterator[None]:
         """``accelerator.accumulate(model)`` plus this micro-batch's gradloc block (forward and backward)."""
         with self.accelerator.accumulate(self.model):
-            self.driver.begin(batch)
+            self.driver.begin(batch, self.driver.take_infos(batch))  # provenance leaves the batch, in place
             try:
                 yield
             finally:

@@ -107,6 +107,10 @@ class HeldBlocks:
         self.reports.append(report)
         return report
 
+    def drop_provenance(self, n: int) -> None:
+        """``n`` rows of a batch whose provenance was invalid (they train, keeping none; the caller logged it)."""
+        self.mon.note_event("integration_provenance_dropped", n)
+
     def skip(self, message: str) -> None:
         """A micro-batch the integration could not open a block for (trained, left out), counted."""
         self._count("skipped_micro_batches", message)

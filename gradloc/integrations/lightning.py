@@ -25,6 +25,10 @@ per-layer statistics of the gradient ``opt.step()`` sees), a strategy other than
 (per-layer statistics of the strategy's model if gradloc can read it, else gradloc off for the fit; only
 single-device and DDP are tested), DeepSpeed (it accumulates, clips and steps inside its engine: gradloc off),
 no ``gradloc_token_loss`` (per-token attribution without probes: nothing is called located).
+
+Provenance: a batch from :class:`~gradloc.integrations.provenance.ProvenanceCollator` (or with the provenance
+columns collated into lists) loses it in ``on_train_batch_start`` — in place, before ``training_step`` sees the
+batch — and its micro-batch carries one SampleInfo per row (validation, test and predict batches lose it too).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from gradloc.config import WatchConfig
 from gradloc.errors import ConfigError, GradlocError
 from gradloc.integrations.hf_batch import causal_lm_token_loss
 from gradloc.integrations.loop import LoopDriver, as_config, hf_view
+from gradloc.integrations.provenance import take_sample_infos
 
 log = logging.getLogger("gradloc")
 __all__ = ["GradlocCallback", "causal_lm_token_loss"]
@@ -88,8 +93,18 @@ class GradlocCallback(pl.Callback):
                              batch_idx: int) -> None:
         if self._plan is not None:
             self._attach(trainer, pl_module)
-        if self.driver is not None and pl_module.automatic_optimization:
-            self.driver.begin(batch)
+        driver = self.driver
+        # the batch's provenance (ProvenanceCollator's key or collated columns) leaves the batch here, always:
+        # training_step gets this same object, and a leftover key would reach model(**batch)
+        infos = driver.take_infos(batch) if driver is not None else take_sample_infos(batch)
+        if driver is not None and pl_module.automatic_optimization:
+            driver.begin(batch, infos)
+
+    def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                                  *args: Any) -> None:
+        take_sample_infos(batch)  # a loader with the provenance collator: the model must not see its key
+
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Any) -> None:
         if self.driver is not None:

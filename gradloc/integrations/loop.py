@@ -25,6 +25,8 @@ from gradloc.engine.monitor import Monitor, StepReport
 from gradloc.errors import BatchMetadataError, ConfigError
 from gradloc.integrations.held import HeldBlocks
 from gradloc.integrations.hf_batch import causal_view
+from gradloc.integrations.provenance import take_sample_infos
+from gradloc.records import SampleInfo
 
 View = Callable[[Any], Mapping[str, Any] | None]
 TokenLoss = Callable[[Any], torch.Tensor]
@@ -51,10 +53,15 @@ class LoopDriver:
         """Failures caught on the training path (each one logged and counted)."""
         return self.blocks.errors
 
-    def begin(self, batch: Any) -> None:
-        """Before the micro-batch's forward: open its block. Bad metadata raises on the first step (a setup
+    def take_infos(self, batch: Any) -> list[SampleInfo] | None:
+        """The batch's provenance, removed from it in place (integrations/provenance.py), invalid rows counted."""
+        return take_sample_infos(batch, self.blocks.drop_provenance)
+
+    def begin(self, batch: Any, infos: list[SampleInfo] | None = None) -> None:
+        """Before the micro-batch's forward: open its block (``infos``: its rows' provenance, when the batch had
+        some, unless the view gives ``sample_infos`` itself). Bad metadata raises on the first step (a setup
         mistake); after that the micro-batch is left out of per-token statistics (counted)."""
-        self.blocks.open(lambda: self._args(batch), payload=batch)
+        self.blocks.open(lambda: self._args(batch, infos), payload=batch)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """The loss the loop back-propagates for this micro-batch (already divided for accumulation)."""
@@ -79,12 +86,14 @@ class LoopDriver:
         self.blocks.payloads, self.blocks.loss = [], None
         self.blocks.guard(self.mon.close, "close", setup_raises=False)
 
-    def _args(self, batch: Any) -> Mapping[str, Any]:
+    def _args(self, batch: Any, infos: list[SampleInfo] | None) -> Mapping[str, Any]:
         if self.mon.hooks is None:  # per-layer only: the block just counts the micro-batch
             return {"shape": (1, 1)}
         args = self.view(batch)
         if args is None:
             raise BatchMetadataError("no token ids for this batch (gradloc_batch / view returned None)")
+        if infos is not None and args.get("sample_infos") is None:
+            args = {**args, "sample_infos": infos}
         return args
 
     def _probe(self, parts: list[Any]) -> Callable[[int, torch.Tensor], torch.Tensor]:

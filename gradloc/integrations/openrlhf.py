@@ -45,12 +45,12 @@ import torch
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, ProbeError, UnsupportedModelError
 from gradloc.integrations.held import HeldBlocks
-from gradloc.integrations.openrlhf_batch import ExperienceLayout, layout, rl_fields
+from gradloc.integrations.openrlhf_batch import ExperienceLayout, PromptProvenance, layout, rl_fields
 from gradloc.integrations.patch import Patches, run_after
 
 log = logging.getLogger("gradloc")
 
-__all__ = ["ExperienceLayout", "GradlocOpenRLHF", "install", "layout", "masked_loss", "rl_fields"]
+__all__ = ["ExperienceLayout", "GradlocOpenRLHF", "PromptProvenance", "install", "layout", "masked_loss", "rl_fields"]
 
 
 @dataclass
@@ -73,10 +73,13 @@ class GradlocOpenRLHF:
 
     ``packed``: the layout the actor runs (default ``trainer.args.ds.packing_samples``).
     ``sample_ids(experience) -> ids``: one per row (default: ``experience.index`` when it has one per row).
+    ``provenance(experience) -> [(source, origin)]``: one per row (:class:`PromptProvenance`; OpenRLHF's experience
+    carries no datasource or dataset index of its own).
     """
 
     def __init__(self, trainer: Any, mon: Any = None, *, config: WatchConfig | None = None, probes: bool | None = None,
                  packed: bool | None = None, sample_ids: Callable[[Any], Any] | None = None,
+                 provenance: Callable[[Any], Any] | None = None,
                  on_report: Callable[[Any], None] | None = None, **overrides: Any) -> None:
         strategy = getattr(trainer, "strategy", None)
         engine = getattr(getattr(trainer, "actor", None), "model", getattr(trainer, "actor", None))
@@ -84,7 +87,7 @@ class GradlocOpenRLHF:
         self.trainer, self.strategy, self.probes, self.on_report = trainer, strategy, probes, on_report
         self.engine = engine
         self.packed = bool(_arg(trainer, "ds", "packing_samples", False)) if packed is None else packed
-        self.sample_ids = sample_ids
+        self.sample_ids, self.provenance = sample_ids, provenance
         self.own_monitor = mon is None
         self.mon = mon if mon is not None else _watch(engine, trainer, config, overrides)
         self.blocks = HeldBlocks(self.mon, "openrlhf")
@@ -157,7 +160,8 @@ class GradlocOpenRLHF:
 
         def make() -> ExperienceLayout:
             ids = self.sample_ids(experience) if self.sample_ids is not None else None
-            return layout(experience, packed=self.packed, sample_ids=ids)
+            rows = self.blocks.guard(lambda: self.provenance(experience), "provenance") if self.provenance else None
+            return layout(experience, packed=self.packed, sample_ids=ids, provenance=rows)
 
         return self.blocks.guard(make, "layout") if self.blocks.stepped else make()
 

@@ -23,6 +23,7 @@ import torch
 
 from gradloc.errors import BatchMetadataError
 from gradloc.integrations.jagged import describe, micro_batch_kwargs
+from gradloc.integrations.provenance import with_row_provenance
 from gradloc.records import SampleInfo
 
 
@@ -59,11 +60,12 @@ class ExperienceLayout:
 
 
 def layout(experience: Any, *, packed: bool = False, sample_ids: Sequence[object] | None = None,
-           pad_id: int = 0) -> ExperienceLayout:
+           pad_id: int = 0, provenance: Sequence[tuple[str | None, str | None]] | None = None) -> ExperienceLayout:
     """The gradloc layout of one OpenRLHF micro-batch experience; raises :class:`BatchMetadataError`.
 
     ``packed``: the actor runs with ``packing_samples`` (``args.ds.packing_samples``). ``sample_ids``:
-    one per row; by default ``experience.index`` when it holds one rollout index per row.
+    one per row; by default ``experience.index`` when it holds one rollout index per row. ``provenance``: one
+    (source, origin) per row (:class:`PromptProvenance`); packed or not, each row keeps its own.
     """
     seq, att, am = (getattr(experience, k, None) for k in ("sequences", "attention_mask", "action_mask"))
     for name, t in (("sequences", seq), ("attention_mask", att), ("action_mask", am)):
@@ -92,6 +94,7 @@ def layout(experience: Any, *, packed: bool = False, sample_ids: Sequence[object
     ids = _sample_ids(experience, sample_ids, B)
     first = att.float().argmax(1)  # (B,): first attended column (left padding)
     infos = _infos(experience, act, offset, first if packed else torch.zeros(B, dtype=torch.long))
+    infos = with_row_provenance(infos, provenance)
     if not packed:
         index = torch.where(scored[:, offset:], torch.arange(B)[:, None] * T + pos, -1)  # (B, A)
         return ExperienceLayout(False, targets, mask, None, ids, infos, index)
@@ -126,6 +129,49 @@ def rl_fields(lay: ExperienceLayout, experience: Any, log_probs: torch.Tensor | 
             lo, hi = clip_eps
             out["clipped"] = torch.clamp(ratio, 1 - lo, 1 + hi) * adv < ratio * adv  # NaN outside: False
     return out
+
+
+class PromptProvenance:
+    """``experience`` → one (source, origin) per row, from OpenRLHF's ``PromptDataset`` (or anything with its
+    ``prompts`` and ``datasources`` lists). OpenRLHF reads each prompt row's ``datasource`` (default
+    ``"default"``: none given) but drops it before the rollout (``_collect_prompt_batch``); the experience keeps
+    the prompt text (``experience.prompts``), so rows are matched by it, as OpenRLHF's own evaluation maps
+    prompts to datasources. Source: the datasource (none for ``"default"``); origin ``"<where>:<i>"``, i the
+    prompt's index in the dataset. A prompt text found at several indices gets no origin (and no source unless
+    they agree). Build it where the hooks run (the actor's process) from the same prompt data; it holds one
+    dict entry per distinct prompt."""
+
+    def __init__(self, prompt_dataset: Any, where: str = "prompts") -> None:
+        prompts = list(prompt_dataset.prompts)
+        sources = list(getattr(prompt_dataset, "datasources", None) or [None] * len(prompts))
+        self.where, self.sources = where, [None if s in (None, "", "default") else str(s) for s in sources]
+        self.rows: dict[str, int] = {}  # prompt text → its index; −1 when it is at several
+        self.shared: dict[str, str | None] = {}  # the source of a prompt at several indices, when they agree
+        for i, p in enumerate(prompts):
+            j = self.rows.get(p)
+            if j is None:
+                self.rows[p] = i
+                continue
+            source = self.sources[j] if j >= 0 else self.shared[p]  # what the earlier occurrences agree on
+            self.rows[p], self.shared[p] = -1, source if source == self.sources[i] else None
+        SampleInfo(origin=f"{where}:{len(prompts)}")  # the checks, here, before training: the longest origin
+        for s in {s for s in self.sources if s is not None}:
+            SampleInfo(source=s)  # and every datasource
+
+    def __call__(self, experience: Any) -> list[tuple[str | None, str | None]] | None:
+        prompts = getattr(experience, "prompts", None)
+        if not isinstance(prompts, (list, tuple)):
+            return None
+        out: list[tuple[str | None, str | None]] = []
+        for p in prompts:
+            i = self.rows.get(p) if isinstance(p, str) else None
+            if i is None:
+                out.append((None, None))
+            elif i < 0:
+                out.append((self.shared.get(p), None))
+            else:
+                out.append((self.sources[i], f"{self.where}:{i}"))
+        return out
 
 
 def _sample_ids(experience: Any, given: Sequence[object] | None, B: int) -> tuple[str, ...] | None:

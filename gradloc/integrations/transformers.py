@@ -130,7 +130,7 @@ class GradlocTrainerMixin:
             self._gradloc_attach(model, inputs)  # typed errors only here, before the first optimizer step
         blocks = self._gradloc_blocks
         inputs, ids = self._gradloc_pop_ids(inputs)
-        inputs, infos = pop_sample_infos(inputs) if isinstance(inputs, Mapping) else (inputs, None)
+        inputs, infos = pop_sample_infos(inputs, blocks.drop_provenance) if isinstance(inputs, Mapping) else (inputs, None)
         block = self._gradloc_block = _Block(ids, infos, not blocks.stepped, num_items_in_batch,
                                              self._gradloc_ga_steps())
         try:  # _prepare_inputs opens the micro-batch block inside it: it holds the forward and the backward
@@ -277,8 +277,8 @@ class GradlocTrainerMixin:
         if mon.hooks is None:  # per-layer only: the block counts the micro-batch, no probe needs it
             blocks.open(lambda: dict(shape=batch_shape(prepared), sample_ids=block.ids, sample_infos=block.infos))
         else:
-            blocks.open(lambda: {**self._gradloc_micro_batch_args(prepared, block.ids, index),
-                                 "sample_infos": block.infos},
+            blocks.open(lambda: {"sample_infos": block.infos,  # unless the layout has its own (TRL's generated rows)
+                                 **self._gradloc_micro_batch_args(prepared, block.ids, index)},
                         payload=_Part(block.prepared, block.num_items_in_batch, block.ga_steps))
         return blocks.held
 

@@ -36,6 +36,8 @@ the optimizer step's last backward, before clipping. This module adds what is GR
   generation batch over all processes, the completion's index among its prompt's
   ``num_generations``), or ``"<id>:<k>"`` with ``gradloc_sample_ids="<dataset column>"``. They ride
   in the batch as the list ``gradloc_sample_ids`` (TRL shuffles and splits lists with the tensors).
+- **Provenance**: TRL knows no data source nor dataset index; prompt rows carrying ``with_provenance``'s columns
+  (HF ``datasets``) give each of their completions that SampleInfo, riding as the list ``gradloc_sample_infos``.
 - **Probe**: TRL's own ``_compute_loss`` with the advantages multiplied by the token mask. Every
   loss type's per-token policy term is proportional to its token's advantage, and the masks and
   normalizers (``completion_mask``, ``num_items_in_batch``, GA) are untouched, so the probe is the
@@ -63,6 +65,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from gradloc.errors import BatchMetadataError
 from gradloc.integrations.fused_head import FusedHeadScores
+from gradloc.integrations.provenance import SAMPLE_INFOS, rows_sample_infos
 from gradloc.integrations.transformers import GradlocTrainerMixin, _pad_id
 
 log = logging.getLogger("gradloc")
@@ -90,6 +93,11 @@ class GradlocGRPOMixin(GradlocTrainerMixin):
         out = super()._generate_and_score_completions(inputs)
         if self.gradloc_config is not None and self.model.training and isinstance(out, dict):
             out[SAMPLE_IDS] = self._gradloc_derive_ids(inputs)
+            blocks = self._gradloc_blocks  # the prompt rows' with_provenance columns, one per completion
+            infos = rows_sample_infos([row if isinstance(row, Mapping) else {} for row in inputs],
+                                      blocks.drop_provenance if blocks is not None else None)
+            if infos is not None:
+                out[SAMPLE_INFOS] = infos
         return out
 
     def _gradloc_derive_ids(self, rows: Any) -> list[str]:
@@ -139,7 +147,9 @@ class GradlocGRPOMixin(GradlocTrainerMixin):
         ids = ids or inputs.get(SAMPLE_IDS)
         if ids is None:
             ids = [f"{self.state.global_step}:{index}:{row}" for row in range(seq.shape[0])]
-        return dict(token_ids=token_ids, loss_mask=loss_mask, sample_ids=list(ids))
+        infos = inputs.get(SAMPLE_INFOS)
+        return dict(token_ids=token_ids, loss_mask=loss_mask, sample_ids=list(ids),
+                    **({"sample_infos": list(infos)} if infos is not None else {}))
 
     # -- RL fields ----------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

@@ -31,6 +31,8 @@ INTEGRATION_COUNTERS: dict[str, str] = {
     "on_report_errors": "on_report callbacks that raised",
     "layout_errors": "micro-batches whose layout could not be read after setup (trained unwatched)",
     "close_errors": "monitor closes that raised (at the end of a fit or loop)",
+    "provenance_dropped": "rows whose provenance in the batch was invalid (trained, keeping no provenance)",
+    "provenance_errors": "micro-batches whose provenance look-up raised after setup (trained, keeping none)",
 }
 
 MONITOR_EVENTS: dict[str, str] = {

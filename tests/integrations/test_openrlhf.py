@@ -11,13 +11,14 @@ own classes on real ZeRO-1/2/3 engines over 2 processes: tests/integrations/dist
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import gradloc
 from gradloc.collector.batch import make_meta
-from gradloc.integrations.openrlhf import GradlocOpenRLHF, install, layout, masked_loss, rl_fields
+from gradloc.integrations.openrlhf import GradlocOpenRLHF, PromptProvenance, install, layout, masked_loss, rl_fields
 from tests.helpers import single_thread  # noqa: F401
 from tests.integrations.openrlhf_like import (
     Experience,
@@ -161,17 +162,23 @@ def test_probe_is_the_training_loss_restricted_to_the_mask():
 
 
 # -- the trainer wrapper ---------------------------------------------------------------------------------
+PROMPTS = SimpleNamespace(prompts=[f"prompt {n}" for n in range((SPIKE + 1) * GAS * 4)],  # a PromptDataset's lists
+                          datasources=[("gsm8k", "math", "aime", "default")[n % 4] for n in range((SPIKE + 1) * GAS * 4)])
+
+
 def _train(plant: bool, hooks: bool, packing: bool = False, steps: int = SPIKE + 1):
     """PPO steps of GAS micro-batches (experiences of 4 rows), normalizers per step window like
     ppo_train; IS correction on (TIS, threshold (0, 1e4)). ``plant``: at the spike step the engine's
-    log-prob of action j* (the 3rd action of row 2 of micro-batch 1) is 8 nats off: IS weight e^8."""
+    log-prob of action j* (the 3rd action of row 2 of micro-batch 1) is 8 nats off: IS weight e^8. Row i of
+    micro-batch k of step s rolled out ``PROMPTS``' prompt (s·GAS + k)·4 + i (its datasource, PromptProvenance)."""
     trainer = make_trainer(is_threshold=(0.0, 1e4), packing=packing)
-    h = GradlocOpenRLHF(trainer, **WATCH) if hooks else None
+    h = GradlocOpenRLHF(trainer, provenance=PromptProvenance(PROMPTS, "prompts.jsonl"), **WATCH) if hooks else None
     g = torch.Generator().manual_seed(7)
     planted = None
     for s in range(steps):
         exps = [make_experience(random_rows(g), advantages=torch.randn(4, generator=g).tolist()) for _ in range(GAS)]
-        for e in exps:
+        for k, e in enumerate(exps):
+            e.prompts = PROMPTS.prompts[(s * GAS + k) * 4:(s * GAS + k + 1) * 4]
             fill_logprobs(trainer.actor, e, noise=0.01, g=g)
         if plant and s == SPIKE:
             j = int(exps[1].action_mask[2].nonzero()[2])
@@ -188,6 +195,9 @@ def test_a_corrupted_rollout_logprob_is_located_and_classified(packing):
     trainer, hooks, planted = _train(plant=True, hooks=True, packing=packing)
     rep, top = assert_mismatch_located(hooks, SPIKE)
     assert (top.micro_batch, top.sample, top.position) == planted  # right-padded rows: position = action j
+    n = (SPIKE * GAS + 1) * 4 + 2  # the planted row's prompt; packed or not, its sequence keeps its own provenance
+    (info,) = {s.sample_info for s in rep.incident.localization.spans if (s.micro_batch, s.sample) == planted[:2]}
+    assert (info.source, info.origin) == ("aime", f"prompts.jsonl:{n}")
     assert rep.incident.classification.kind == "train_inference_mismatch"
     engine = trainer.actor.model
     assert rep.record.global_norm == pytest.approx(engine.norms[SPIKE], rel=1e-5)  # DeepSpeed's pre-clip norm

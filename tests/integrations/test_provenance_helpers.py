@@ -59,8 +59,8 @@ def test_the_collator_hides_the_columns_and_hands_one_sample_info_per_row():
     rows.append({"n": 7})  # a row without provenance
     batch = ProvenanceCollator(inner)(rows)
     assert seen_keys == [["n"]] * 3  # the wrapped collator never sees them
-    assert batch[SAMPLE_INFOS] == [SampleInfo(source="web", origin="w.jsonl:0", tags={"task": "qa"}),
-                                   SampleInfo(source="web", origin="w.jsonl:1", tags={"task": "qa"}), SampleInfo()]
+    assert list(batch[SAMPLE_INFOS]) == [SampleInfo(source="web", origin="w.jsonl:0", tags={"task": "qa"}),
+                                         SampleInfo(source="web", origin="w.jsonl:1", tags={"task": "qa"}), SampleInfo()]
     assert batch["n"].tolist() == [0, 1, 7]
 
 
@@ -73,7 +73,7 @@ def test_bad_provenance_is_refused_before_training():
     # a column written by hand past the limits: collation (inside the training loop) keeps no provenance, counted
     collate = ProvenanceCollator(default_data_collator)
     batch = collate([{"n": 1, SOURCE: "web", ORIGIN: "o" * 600}, {"n": 2, SOURCE: "web", ORIGIN: "ok:2"}])
-    assert collate.dropped == 1 and batch[SAMPLE_INFOS] == [SampleInfo(), SampleInfo(source="web", origin="ok:2")]
+    assert collate.dropped == 1 and list(batch[SAMPLE_INFOS]) == [SampleInfo(), SampleInfo(source="web", origin="ok:2")]
 
 
 def test_the_trainer_incident_names_the_planted_row_s_source_and_origin(world, tmp_path):  # noqa: F811

@@ -32,7 +32,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from gradloc.integrations.provenance import with_provenance
 from gradloc.integrations.trl import SAMPLE_IDS, GradlocGRPOMixin, GradlocGRPOTrainer
+from gradloc.records import SampleInfo
 from tests.helpers import single_thread  # noqa: F401 (autouse fixture)
 
 transformers.logging.set_verbosity_error()
@@ -83,6 +85,11 @@ def policy(w: World) -> LlamaForCausalLM:
 
 def dataset(w: World) -> Dataset:
     return Dataset.from_dict({"prompt": w.prompts, "pid": [f"p{i}" for i in range(len(w.prompts))]})
+
+
+def sourced(w: World) -> Dataset:
+    """The prompts with ``with_provenance``'s columns (the two module runs train on it, with and without gradloc)."""
+    return with_provenance(dataset(w), source="math", where="prompts.jsonl", tags={"lang": "en"})
 
 
 def reward(completions, **kwargs) -> list[float]:
@@ -153,7 +160,7 @@ class _NormAtPreOptimizerStep(TrainerCallback):
 @pytest.fixture(scope="module")
 def gradloc_run(world: World, tmp_path_factory) -> StaleGradloc:
     trainer = StaleGradloc(model=policy(world), reward_funcs=reward, args=grpo_args(tmp_path_factory.mktemp("gl")),
-                           train_dataset=dataset(world), processing_class=world.tok, gradloc=GRADLOC,
+                           train_dataset=sourced(world), processing_class=world.tok, gradloc=GRADLOC,
                            gradloc_sample_ids="pid")
     trainer.train()
     return trainer
@@ -162,7 +169,7 @@ def gradloc_run(world: World, tmp_path_factory) -> StaleGradloc:
 @pytest.fixture(scope="module")
 def plain_run(world: World, tmp_path_factory) -> _Stale:
     trainer = _Stale(model=policy(world), reward_funcs=reward, args=grpo_args(tmp_path_factory.mktemp("plain")),
-                     train_dataset=dataset(world), processing_class=world.tok, callbacks=[_NormAtPreOptimizerStep()])
+                     train_dataset=sourced(world), processing_class=world.tok, callbacks=[_NormAtPreOptimizerStep()])
     trainer.train()
     return trainer
 
@@ -191,6 +198,13 @@ def test_stale_token_is_localized_and_classified(gradloc_run: StaleGradloc, worl
     assert top.classification.kind == "stale_off_policy" and incident.classification.kind == "stale_off_policy"
     assert {c.sample for c in loc.culprits} == {row}
     assert rec.rl.max_abs_log_ratio_old == pytest.approx(STALE, abs=1e-3)
+
+
+def test_the_culprit_completion_names_its_prompt_row_s_provenance(gradloc_run: StaleGradloc, world: World):
+    _, mb, row, _, prompt = gradloc_run.planted
+    loc = gradloc_run.gradloc.incidents[0].localization
+    (info,) = {s.sample_info for s in loc.spans if (s.micro_batch, s.sample) == (mb, row)}
+    assert info == SampleInfo(source="math", origin=f"prompts.jsonl:{world.prompts.index(prompt)}", tags={"lang": "en"})
 
 
 def test_parameters_bitwise_identical_metrics_clean_and_norm_pre_clip(gradloc_run: StaleGradloc, plain_run: _Stale):
@@ -315,3 +329,26 @@ def test_sample_ids_name_each_prompt_and_generation(world: World, tmp_path: Path
             assert int(s) == step and int(k) < G
             groups[prompt].append(prompt_ids[i][prompt_mask[i].bool()].tolist())
         assert all(len(rows) == G and all(r == rows[0] for r in rows) for rows in groups.values())
+
+
+def test_each_completion_keeps_its_prompt_row_s_provenance_through_shuffling_and_splitting(world: World,
+                                                                                          tmp_path: Path):
+    """Every micro-batch the loss sees (after TRL shuffles and splits the generation batch): row i's SampleInfo is
+    its prompt's row, as its sample id and its prompt tokens say."""
+    seen = []
+
+    class Infos(GradlocGRPOTrainer):
+        def _gradloc_micro_batch_args(self, inputs, ids, index):
+            args = super()._gradloc_micro_batch_args(inputs, ids, index)
+            seen.append((args["sample_ids"], args["sample_infos"], inputs["prompt_ids"], inputs["prompt_mask"]))
+            return args
+
+    Infos(model=policy(world), reward_funcs=reward, args=grpo_args(tmp_path, steps=2), train_dataset=sourced(world),
+          processing_class=world.tok, gradloc=GRADLOC, gradloc_sample_ids="pid").train()
+    assert len(seen) == 2 * GA
+    for ids, infos, prompt_ids, prompt_mask in seen:
+        assert len(ids) == len(infos) == B
+        for i, (sid, info) in enumerate(zip(ids, infos)):
+            n = int(sid.split(":")[0][1:])  # "p<n>:<k>"
+            assert info == SampleInfo(source="math", origin=f"prompts.jsonl:{n}", tags={"lang": "en"})
+            assert world.tok.decode(prompt_ids[i][prompt_mask[i].bool()]) == world.prompts[n]

@@ -351,6 +351,16 @@ def test_verl_s_data_source_and_extra_info_index_are_each_sequence_s_provenance(
     assert [(i.source, i.origin) for i in infos] == [("openai/gsm8k", "train:17"), ("lighteval/MATH", "row 4"),
                                                      ("openai/gsm8k", None)]
     assert [i.request_id for i in infos] == ["a", "b", "c"]  # the uid and spans as before
+    lay = layout(batch)  # packed (use_remove_padding): every position of a sequence carries that sequence's info
+    meta = make_meta(0, lay.token_ids, lay.loss_mask, lay.sample_ids, None, lay.cu_seqlens, sample_infos=lay.infos)
+    assert meta.packed and meta.n_samples == 3
+    for i, sample in enumerate(s):
+        for k in range(len(sample.response)):
+            q = int(lay.flat_index[i, k])
+            assert meta.sample_info(meta.locate(q)[0]) == infos[i]
+    batch["data_source"] = np.array(["openai/gsm8k", "x" * 100, "openai/gsm8k"], dtype=object)  # past 64 characters
+    assert [(i.source, i.origin) for i in layout(batch).infos] == [("openai/gsm8k", "train:17"), (None, None),
+                                                                   ("openai/gsm8k", None)]  # that one keeps none
     batch["data_source"] = np.array(["only-one"], dtype=object)  # ragged: no provenance rather than a wrong one
     del batch["extra_info"]
     assert all(i.source is None and i.origin is None for i in layout(batch).infos)
