@@ -214,7 +214,8 @@ def run_rank(cfg: Any, vocab: int, on_step: Callable[[int, Any], None] | None, b
                 y = torch.cat([m[1] for m in mbs])
                 target = torch.stack([y.double(), w.reshape(-1, cfg.seq).double()], -1)  # (M·B, T, 2)
                 losses = mon.pipeline_step(schedule, inputs=x, target=target, token_ids=y,
-                                           loss_mask=mask.repeat(cfg.micro_batches, 1), token_loss=token_loss)
+                                           loss_mask=mask.repeat(cfg.micro_batches, 1), token_loss=token_loss,
+                                           sample_infos=[info for part in infos for info in part])
                 rep = mon.end_step(torch.stack(losses).sum() if losses else None)
             else:
                 def loss_for(i: int, m: torch.Tensor | None = None, mbs: list = mbs, w: torch.Tensor = w) -> torch.Tensor:

@@ -162,15 +162,16 @@ class Monitor(Lifecycle):
 
     def pipeline_step(self, schedule: Any, *, inputs: Any = None, target: Any = None, token_ids: Any = None,
                       loss_mask: Any = None, sample_ids: Sequence[object] | None = None, token_loss: Any = None,
-                      **step_kwargs: Any) -> list:
+                      sample_infos: Sequence[SampleInfo] | None = None, **step_kwargs: Any) -> list:
         """One step of a pipeline-parallel job (``watch(stage)``), in place of ``schedule.step`` on every stage:
         ``inputs`` (the first stage's batch), ``target`` (the last stage's), ``token_ids`` (the ids each loss
         position scores; default ``target``; give them on every stage), ``token_loss(output, target)``: the
-        per-token loss terms (B, T) whose sum is the schedule's ``loss_fn`` (for probes). Returns the last
+        per-token loss terms (B, T) whose sum is the schedule's ``loss_fn`` (for probes); ``sample_ids`` and
+        ``sample_infos``: one per row of the whole batch, split as the schedule splits it. Returns the last
         stage's per-micro-batch losses ([] elsewhere). See gradloc/parallel/pp.py."""
         return self.job.run_step(self, schedule, inputs=inputs, target=target, token_ids=token_ids,
                                  loss_mask=loss_mask, sample_ids=sample_ids, token_loss=token_loss,
-                                 step_kwargs=step_kwargs)
+                                 step_kwargs=step_kwargs, sample_infos=sample_infos)
 
     def note_event(self, name: str, n: int = 1) -> None:
         """Count a monitor event (something dropped or degraded without raising into training): the one way an

@@ -156,14 +156,14 @@ class PipelineStep:
         self.probe: PipelineProbe | None = None  # set by run: the step's probe closure
 
     def run(self, *, inputs: Any, target: Any, token_ids: Any, loss_mask: Any, sample_ids: Any,
-            token_loss: TokenLoss | None, step_kwargs: dict) -> list:
+            token_loss: TokenLoss | None, step_kwargs: dict, sample_infos: Any = None) -> list:
         from gradloc.collector.batch import make_meta
 
         st, n, mon = self.backend.stage, self.n, self.mon
         ids = target if token_ids is None else token_ids
         if ids is None:
             raise ConfigError("pipeline_step needs the token ids (target, or token_ids=) on every stage")
-        pieces = list(zip(chunks(ids, n), chunks(loss_mask, n), chunks(sample_ids, n)))
+        pieces = list(zip(chunks(ids, n), chunks(loss_mask, n), chunks(sample_ids, n), chunks(sample_infos, n)))
         seen: list[int] = []
         own = vars(st).get("forward_one_chunk")  # an instance-level wrapper someone else put there, kept
         inner = st.forward_one_chunk
@@ -175,7 +175,8 @@ class PipelineStep:
             k = int(chunk)
             if not 0 <= k < n or k in seen or mon.block_open:
                 return inner(chunk, *a, **kw)
-            mon.open_block(make_meta(k, *pieces[k], None))
+            ids_k, mask_k, sids_k, infos_k = pieces[k]
+            mon.open_block(make_meta(k, ids_k, mask_k, sids_k, None, sample_infos=infos_k))
             seen.append(k)
             try:
                 out = inner(chunk, *a, **kw)

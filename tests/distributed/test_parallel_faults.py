@@ -43,22 +43,24 @@ def _job(rank: int, world: int, backend: str) -> dict[str, Any]:
     step = [0]
 
     def batches(gen: torch.Generator) -> list:
-        mbs = [corpus.batch(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]  # M × (x, y), each (B, T)
+        mbs = [corpus.windows(gen, cfg.batch, cfg.seq) for _ in range(cfg.micro_batches)]  # M × (x, y, starts)
         s, step[0] = step[0], step[0] + 1
         if dp_rank == BAD_DP_RANK and s in FAULTS:
             i, b, kind = FAULTS[s]
-            x, y = (t.clone() for t in mbs[i])
+            x, y, starts = mbs[i][0].clone(), mbs[i][1].clone(), mbs[i][2]
             if kind == "random_ids":  # garbage: inputs and labels one random window, labels the next id
                 window = torch.randint(0, corpus.vocab, (cfg.seq + 1,), generator=bad)
                 x[b], y[b] = window[:-1], window[1:]
             else:  # shifted labels: each label is the token 5 positions later (the window's tail wraps round)
                 y[b] = torch.roll(y[b], -5)
-            mbs[i] = (x, y)
+            mbs[i] = (x, y, starts)
         return mbs
 
-    flagged, judged = [], []
+    flagged, judged, tokens = [], [], 0
 
     def on_step(s: int, record: Any) -> None:
+        nonlocal tokens
+        tokens += sum(g.tokens for g in record.groups if g.kind == "source")
         if record.samples is not None:
             judged.append(record.samples.judged)
             flagged.extend((s, str(o.kind), o.micro_batch, o.sample, round(o.z, 1)) for o in record.samples.outliers)
@@ -69,7 +71,8 @@ def _job(rank: int, world: int, backend: str) -> dict[str, Any]:
     incidents = [(i.step, i.localization.status.value, sorted({(c.rank, c.micro_batch, c.sample) for c in
                                                               (*i.localization.culprits, *i.localization.spans)}))
                  for i in mon.incidents]  # (step, status, the (data rank, micro-batch, sample) it names)
-    return {"rank": rank, "dp_rank": dp_rank, "flagged": flagged, "judged": sum(judged),
+    return {"rank": rank, "dp_rank": dp_rank, "flagged": flagged, "judged": sum(judged), "tokens": tokens,
+            "step_tokens": cfg.micro_batches * cfg.batch * (cfg.seq - cfg.prompt),
             "warmup": mon.config.detector.warmup, "incidents": incidents,
             "errors": {k: v for k, v in mon.counters.items() if k.endswith("errors") and v}}
 
@@ -79,6 +82,8 @@ def test_bad_samples_on_a_data_rank_are_flagged_there_and_nothing_else_is(backen
     results = run(_job, 4, backend, timeout_s=600)
     judges = [r for r in results if r["judged"]]
     assert len(judges) == 2 and sorted(r["dp_rank"] for r in judges) == [0, 1]  # one judging rank per data index
+    # the data's tokens per source: counted by the judging rank of each data index only (the job's sum is exact)
+    assert all(r["tokens"] == (STEPS * r["step_tokens"] if r["judged"] else 0) for r in results), results
     for r in results:
         assert r["errors"] == {}, r
         early = [s for s, *_ in r["incidents"] if r["warmup"] <= s < GARBAGE]
