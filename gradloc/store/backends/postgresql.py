@@ -136,7 +136,11 @@ class PostgresBackend(Backend):
             raise
 
     def version(self, conn: Connection) -> int:
-        if conn.execute("SELECT to_regclass('gradloc_schema')").fetchone()[0] is None:
+        # Not to_regclass(): it reads the session's catalog cache, which a wait on an advisory lock does not
+        # refresh, so a daemon that waited for another's schema creation would not see the table it made.
+        # A query on pg_tables reads the catalog with the statement's snapshot.
+        if not conn.execute("SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = current_schema() "
+                            "AND tablename = 'gradloc_schema'").fetchone()[0]:
             return 0
         row = conn.execute("SELECT max(version) FROM gradloc_schema").fetchone()
         return int(row[0] or 0)
