@@ -141,8 +141,16 @@ class Daemon:
         from gradloc.store.incident_json import incident_to_json
 
         c = batch.client
-        new = self.store.inbox_put(c.client_id, batch.sequence, (c.job, c.rank, c.world_size),
-                                   [(i, incident_to_json(inc)) for i, inc in kept], owner=self.core.inbox_owner)
+        try:
+            new = self.store.inbox_put(c.client_id, batch.sequence, (c.job, c.rank, c.world_size),
+                                       [(i, incident_to_json(inc)) for i, inc in kept], owner=self.core.inbox_owner)
+        except Exception as exc:
+            if not self.store.unavailable(exc):
+                raise  # INTERNAL: the client drops the batch (no retry loop on a poison batch)
+            from gradloc.transport.server import Overloaded  # UNAVAILABLE: the client keeps it, backs off, resends
+
+            log.warning("gradloc-agent: the incident store is unavailable; batch refused for a resend: %s", exc)
+            raise Overloaded(f"the incident store is unavailable ({type(exc).__name__})") from exc
         if len(new) < len(kept):
             self.core.state.count("duplicates", ("incident",), len(kept) - len(new))
         by_pos = dict(kept)

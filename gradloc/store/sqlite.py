@@ -270,6 +270,11 @@ class IncidentStore:
 
     # -- lifetime ----------------------------------------------------------------------------
 
+    def unavailable(self, exc: BaseException) -> bool:
+        """Whether a call failed with ``exc`` because the database cannot be reached or is busy now (the
+        same call may succeed later: the daemon tells a client to resend) rather than because of the call."""
+        return self._backend.transient(exc)
+
     def close(self) -> None:
         """Close the pooled connections; any later call raises :class:`StoreError`."""
         self._pool.close()

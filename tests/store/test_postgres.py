@@ -150,3 +150,26 @@ def test_the_password_is_in_no_message(pg_server) -> None:
         IncidentStore(url.replace(f"/{name}", "/postgres"), create=False)
     assert "s3cret" not in str(err.value)
     pg_server.admin(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_the_cli_reads_a_postgresql_store_and_never_prints_its_password(pg_server, monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    from gradloc.agent.cli import main
+
+    name = pg_server.database()
+    url = pg_server.url(name, password="s3cret-pw")
+    with IncidentStore(url) as store:
+        store.put_incident(make_incident())
+    run = CliRunner().invoke
+    listed = run(main, ["incidents", "list", "--db", url, "--json"])
+    assert listed.exit_code == 0 and make_incident().incident_id in listed.output, listed.output
+    monkeypatch.setenv("GRADLOC_DB", url)  # the environment variable takes a URL too
+    shown = run(main, ["incidents", "show", make_incident().incident_id[:8], "--json"])
+    assert shown.exit_code == 0 and "s3cret" not in shown.output, shown.output
+    down = url.replace(f":{pg_server.port}/", ":1/")
+    for args in (["incidents", "list", "--store", down], ["quarantine", "list", "--db", down],
+                 ["serve", "--store", down, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0"]):
+        res = run(main, args)
+        assert res.exit_code == 1 and "cannot connect" in res.output and "s3cret" not in res.output, (args, res.output)
+    pg_server.admin(f"DROP DATABASE {name} WITH (FORCE)")

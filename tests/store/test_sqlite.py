@@ -140,6 +140,19 @@ def test_in_memory_databases_and_bad_retention_are_refused(db: Path) -> None:
         IncidentStore(db, retention={"max_age_days": 3})
 
 
+def test_a_busy_or_unreachable_database_is_unavailable_a_bad_call_is_not(store: IncidentStore) -> None:
+    """What the daemon answers a client whose incidents it could not commit: resend later, or not at all."""
+    if store._backend.dialect == "sqlite":
+        busy: list[BaseException] = [sqlite3.OperationalError("database is locked")]
+    else:
+        import psycopg
+
+        busy = [psycopg.OperationalError("server closed the connection"), StoreError("cannot connect to …")]
+    assert all(store.unavailable(e) for e in busy)
+    bad = [ValueError("bad"), SchemaVersionError("newer"), store._backend.errors[0]("a bad statement")]
+    assert not any(store.unavailable(e) for e in bad)
+
+
 def test_a_closed_store_refuses_work(target: Path | str) -> None:
     s = IncidentStore(target)
     s.close()

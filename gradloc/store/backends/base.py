@@ -78,6 +78,11 @@ class Backend(ABC):
     def has_tables(self, conn: Connection) -> bool:
         """Whether the database (its current schema) holds any table: version 0 with tables is not ours."""
 
+    def transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the database cannot be reached or is busy now (the same call may succeed
+        later), rather than that the call itself is wrong."""
+        return False
+
     def healthy(self, conn: Connection, idle_s: float) -> bool:
         """Whether a pooled connection, idle for ``idle_s``, may be lent again (a server can drop one)."""
         return True

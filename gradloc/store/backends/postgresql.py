@@ -154,6 +154,11 @@ class PostgresBackend(Backend):
         return bool(conn.execute("SELECT count(*) FROM information_schema.tables "
                                  "WHERE table_schema = current_schema()").fetchone()[0])
 
+    def transient(self, exc: BaseException) -> bool:
+        # OperationalError: the connection broke, the lock wait timed out, the server is shutting down;
+        # a plain StoreError: connect() could not reach it
+        return isinstance(exc, self._psycopg.OperationalError) or type(exc) is StoreError
+
     def healthy(self, conn: Connection, idle_s: float) -> bool:
         raw = cast(PgConnection, conn).raw
         if raw.closed or raw.broken:

@@ -57,6 +57,9 @@ class SQLiteBackend(Backend):
     def set_version(self, conn: Connection, version: int) -> None:
         conn.execute(f"PRAGMA user_version = {int(version)}")
 
+    def transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.OperationalError)  # locked past busy_timeout, disk full, I/O error
+
     def has_tables(self, conn: Connection) -> bool:
         return bool(conn.execute("SELECT count(*) FROM sqlite_schema WHERE type = 'table'").fetchone()[0])
 
