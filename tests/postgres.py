@@ -5,7 +5,8 @@ As root (CI, these machines) the server runs as the ``postgres`` user through ``
 root; DESIGN.md §9); as anyone else, directly. It listens on 127.0.0.1 and a socket in its own dir, trusts
 local connections (user ``gradloc``), and skips fsync (a test database need not survive a power cut; the
 durability tests kill the daemon, never the server). It is stopped when the session ends, and a detached
-watchdog stops it if the test process itself is killed, so a test run never leaves a server behind.
+watchdog stops it (and removes its dir) if the test process itself is killed: a test run never leaves a
+server behind.
 
 Missing binaries fail the test that needs them with the set-up command (a silently skipped tier is a
 feature nobody checks).
@@ -73,10 +74,11 @@ class PgServer:
         raise RuntimeError(f"the PostgreSQL server did not start:\n{out.stdout}{out.stderr}\n{self.log()}")
 
     def _watch(self) -> None:
-        """A detached shell that stops the server once this process is gone (killed: no fixture teardown)."""
-        stop = f"{' '.join(self._as)} {PG_BIN / 'pg_ctl'} -D {self.root / 'data'} stop -m immediate"
+        """A detached shell that stops the server and removes its dir once this process is gone (killed: no
+        fixture teardown)."""
+        stop = f"{' '.join(self._as)} {PG_BIN / 'pg_ctl'} -D {self.root / 'data'} -w stop -m immediate"
         self._watchdog = subprocess.Popen(
-            ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; {stop}"],
+            ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; {stop}; rm -rf {self.root}"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def stop(self) -> None:

@@ -108,7 +108,8 @@ def agent_base(address: str, tls: bool) -> str:
     return f"{parts.scheme}://" + (f"[{host}]" if ":" in host else host) + f":{parts.port}"
 
 
-def resolve(db: Path | str | None, db_from_env: bool, agent: str | None, env: Mapping[str, str] | None = None) -> Source:
+def resolve(db: Path | str | None, db_from_env: bool, agent: str | None,
+            env: Mapping[str, str] | None = None) -> Source:
     """The source per the module docstring; raises ValueError for conflicting or malformed options and
     AgentUnreachable for an ``--agent`` that does not answer."""
     from gradloc.agent.config import load_config
