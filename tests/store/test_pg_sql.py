@@ -97,6 +97,8 @@ def test_a_url_is_a_string_target_and_its_password_never_shows() -> None:
     assert as_target(url) == url and str(as_target("~/x.db")).endswith("/x.db")
     assert redact(url) == "postgresql://gradloc:***@db.example:5432/incidents?sslmode=require"
     assert redact("postgresql://gradloc@h/db") == "postgresql://gradloc@h/db" and redact("/a/b.db") == "/a/b.db"
+    assert redact("postgres://h/db?sslmode=require&password=pw%26x&user=u") == \
+        "postgres://h/db?sslmode=require&password=***&user=u"
 
 
 def test_a_missing_driver_names_the_extra(monkeypatch) -> None:
@@ -104,3 +106,10 @@ def test_a_missing_driver_names_the_extra(monkeypatch) -> None:
     with pytest.raises(StoreError, match=r"pip install 'gradloc\[postgres\]'") as err:
         IncidentStore("postgresql://gradloc:s3cret@127.0.0.1:1/x")
     assert "s3cret" not in str(err.value)
+
+
+def test_a_driver_message_quoting_the_password_is_scrubbed() -> None:
+    from gradloc.store.backends.postgresql import PostgresBackend
+
+    backend = PostgresBackend("postgresql://u:s3cr%40t@127.0.0.1:1/x?password=other")
+    assert backend._scrub(ValueError('bad "s3cr@t" and s3cr%40t and other')) == 'bad "***" and *** and ***'

@@ -25,9 +25,10 @@ psycopg (3) is imported only when a ``postgresql://`` URL is opened: ``pip insta
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from gradloc.store.backends.base import BUSY_TIMEOUT_MS, Backend, Connection, Cursor
 from gradloc.store.backends.pg_sql import adapt, translate
@@ -37,6 +38,7 @@ SCHEMES = ("postgresql", "postgres")
 WRITE_LOCK = 0x6772_6164_6C6F_6301  # "gradloc\x01": the advisory lock key every writer of one database takes
 PING_AFTER_S = 10.0  # a pooled connection idle longer than this is checked before it is lent again
 IDLE_IN_TRANSACTION_MS = 60_000  # a stalled writer's session is ended by the server, releasing the lock
+_PASSWORD_PARAM = re.compile(r"((?:^|&)password=)[^&]*")
 _CONNECT_DEFAULTS = {"connect_timeout": "5", "application_name": "gradloc", "keepalives_idle": "30",
                      "keepalives_interval": "10", "keepalives_count": "3", "tcp_user_timeout": "60000"}
 
@@ -47,15 +49,23 @@ def is_url(target: object) -> bool:
 
 
 def redact(target: object) -> str:
-    """``target`` as messages and logs may show it: a URL's password replaced by ``***``."""
+    """``target`` as messages and logs may show it: a URL's password (``user:password@`` or a ``password=``
+    parameter) replaced by ``***``."""
     text = str(target)
     if not is_url(text):
         return text
     parts = urlsplit(text)
-    if parts.password is None:
-        return text
-    user, _, host = parts.netloc.rpartition("@")
-    return urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}"))
+    if parts.password is not None:
+        user, _, host = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
+    return urlunsplit(parts._replace(query=_PASSWORD_PARAM.sub(r"\1***", parts.query)))
+
+
+def _passwords(url: str) -> list[str]:
+    """Every spelling of the URL's password a driver message could quote (as written, and decoded)."""
+    parts = urlsplit(url)
+    found = [parts.password or ""] + [m[1] for m in re.finditer(r"(?:^|&)password=([^&]*)", parts.query)]
+    return sorted({p for raw in found if raw for p in (raw, unquote(raw))}, key=len, reverse=True)
 
 
 def _psycopg() -> Any:
@@ -102,7 +112,7 @@ class PostgresBackend(Backend):
         super().__init__(redact(url))
         self._psycopg = _psycopg()
         self.errors = (self._psycopg.Error,)
-        self._password = urlsplit(url).password or ""
+        self._passwords = _passwords(url)
         try:
             params = self._psycopg.conninfo.conninfo_to_dict(url)
         except self._psycopg.Error as exc:
@@ -111,7 +121,9 @@ class PostgresBackend(Backend):
 
     def _scrub(self, exc: BaseException) -> str:
         text = str(exc).strip()
-        return text.replace(self._password, "***") if self._password else text
+        for password in self._passwords:
+            text = text.replace(password, "***")
+        return text
 
     def connect(self) -> Connection:
         try:
