@@ -10,9 +10,13 @@ cd "$(dirname "$0")/.."
 # Debian packages the integration tests use. Only the binaries are used; no service is started.
 #   prometheus: Prometheus 2.42 and promtool (real scrapes, rule checks)
 #   chromium: the incident page's browser test (driven by Playwright; /usr/lib/chromium/chromium)
+#   postgresql: PostgreSQL 15's initdb/pg_ctl/postgres (/usr/lib/postgresql/15/bin): the PostgreSQL store tier
+#     starts a server of its own per test session (tests/postgres.py); the package's own cluster is left as
+#     the package leaves it
 apt_packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || apt_packages+=(prometheus)
 [ -x /usr/lib/chromium/chromium ] || apt_packages+=(chromium)
+[ -x /usr/lib/postgresql/15/bin/initdb ] && [ -x /usr/lib/postgresql/15/bin/pg_ctl ] || apt_packages+=(postgresql)
 if [ ${#apt_packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
   if [ "$SUDO" != none ] && command -v apt-get >/dev/null; then
@@ -32,7 +36,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # datasets/fsspec pinned here only (not in constraints.txt, which the verl and vLLM tiers share): lightning's
   # fsspec[http] requirement sent pip's resolver backtracking through every datasets release on a fresh venv
   # (over 12 min); the versions the tests were verified with resolve at once
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test,hf,bench,bench-peers,titan]" \
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[demo,test,hf,bench,bench-peers,titan,postgres]" \
     "datasets==4.7.0" "fsspec==2026.2.0"
   # backpack-for-pytorch (bench-peers) requires torchvision, but uses it only in an examples module.
   # PyPI's torchvision build does not load against the CPU torch served here ("operator

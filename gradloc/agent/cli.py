@@ -44,8 +44,9 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (planted culprits and incidents).")
 @click.option("--agent", default=None, metavar="HOST:PORT",
               help="Ship records to a running `gradloc-agent serve` instead of the in-process (embedded) agent.")
-@click.option("--db", "store_path", default=None, type=click.Path(dir_okay=False), envvar="GRADLOC_DB",
-              help="Embedded mode: the SQLite incident store [default: $GRADLOC_DB or ~/.local/state/gradloc/incidents.db].")
+@click.option("--db", "--store", "store_path", default=None, metavar="PATH|URL", envvar="GRADLOC_DB",
+              help="Embedded mode: the incident store, a SQLite file or a postgresql:// URL "
+                   "[default: $GRADLOC_DB or ~/.local/state/gradloc/incidents.db].")
 @click.option("--metrics-address", default=None, metavar="HOST:PORT",
               help="Embedded mode: serve /metrics and /api/incidents here while training.")
 @click.option("--job", default=None, help="Job name on every record (a metric label). [default: demo; with --rl: demo-rl]")
@@ -95,7 +96,10 @@ def demo(rl: bool, packed: bool, seed: int, steps: int, inject_step: int, inject
     if cfg.agent:
         click.echo(f"\nrecords and incidents shipped to the agent at {cfg.agent}")
     elif result.store_path:
-        click.echo(f"\nincidents stored in {result.store_path} — `gradloc-agent incidents list --db {result.store_path}`")
+        from gradloc.store.backends import redact
+
+        where = redact(result.store_path)
+        click.echo(f"\nincidents stored in {where} — `gradloc-agent incidents list --db {where}`")
 
 
 def _demo_config(rl: bool, packed: bool, backend: str | None,

@@ -23,7 +23,9 @@ ENV_PREFIX = "GRADLOC_AGENT_"
 class AgentConfig:
     ingest: str = "127.0.0.1:50917"  # gRPC ingest (trainers connect here)
     http: str = "127.0.0.1:9917"  # /metrics, /healthz, /api/incidents
-    db: str = ""  # SQLite incident store; "" = the per-user default, "none" = no store
+    # incident store: a SQLite file or a postgresql:// URL (repr=False: it may hold a password); "" = the per-user
+    # default, "none" = no store
+    db: str = field(default="", repr=False)
     otlp_endpoint: str = ""  # forward metrics and traces over OTLP/gRPC, e.g. localhost:4317
     otlp_interval_s: float = 10.0
     otlp_insecure: bool = True

@@ -16,6 +16,7 @@ import faulthandler
 import gc
 import logging
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -44,6 +45,16 @@ def _open_store(cfg: AgentConfig) -> Any:
     return IncidentStore(cfg.db or default_db_path(), retention=retention)
 
 
+def _inbox_owner(cfg: AgentConfig, store: Any) -> str:
+    """Whose inbox rows this daemon commits and, after a restart, correlates again (gradloc/store/inbox.py):
+    ``daemon`` on a store of its own (a SQLite file); on a store many daemons share (PostgreSQL), this
+    daemon's host and configured ingest address, so that each replays only its own rows and a daemon
+    restarted on the same host and port finds them (daemons sharing a store need fixed ingest ports)."""
+    if store is None or not store.shared:
+        return "daemon"
+    return f"daemon:{socket.gethostname()}:{cfg.ingest}"
+
+
 def _grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals go in brackets
 
@@ -58,7 +69,7 @@ class Daemon:
                               quarantine=QuarantinePolicy(culprits=cfg.quarantine_culprits,
                                                           outlier_z=cfg.quarantine_outlier_z or None))
         self.store = _open_store(cfg)
-        self.core = AgentCore(core_cfg, self.store)
+        self.core = AgentCore(core_cfg, self.store, inbox_owner=_inbox_owner(cfg, self.store))
         if cfg.otlp_endpoint:
             from gradloc.exporters.otlp import OtlpConfig, OtlpExporter
 
@@ -131,8 +142,16 @@ class Daemon:
         from gradloc.store.incident_json import incident_to_json
 
         c = batch.client
-        new = self.store.inbox_put(c.client_id, batch.sequence, (c.job, c.rank, c.world_size),
-                                   [(i, incident_to_json(inc)) for i, inc in kept])
+        try:
+            new = self.store.inbox_put(c.client_id, batch.sequence, (c.job, c.rank, c.world_size),
+                                       [(i, incident_to_json(inc)) for i, inc in kept], owner=self.core.inbox_owner)
+        except Exception as exc:
+            if not self.store.unavailable(exc):
+                raise  # INTERNAL: the client drops the batch (no retry loop on a poison batch)
+            from gradloc.transport.server import Overloaded  # UNAVAILABLE: the client keeps it, backs off, resends
+
+            log.warning("gradloc-agent: the incident store is unavailable; batch refused for a resend: %s", exc)
+            raise Overloaded(f"the incident store is unavailable ({type(exc).__name__})") from exc
         if len(new) < len(kept):
             self.core.state.count("duplicates", ("incident",), len(kept) - len(new))
         by_pos = dict(kept)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import sqlite3
 import sys
 import time
 from collections.abc import Iterator
@@ -27,7 +26,8 @@ if TYPE_CHECKING:
 
 _API_MAX = 10_000  # rows one /api/incidents answer holds at most (gradloc/agent/http.py)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_DB_HELP = "Incident database [default: $GRADLOC_DB, else ${XDG_STATE_HOME:-~/.local/state}/gradloc/incidents.db]."
+_DB_HELP = ("Incident store: a SQLite file, or a postgresql://user@host:port/db URL "
+            "[default: $GRADLOC_DB, else ${XDG_STATE_HOME:-~/.local/state}/gradloc/incidents.db].")
 
 
 def parse_since(text: str, now: float) -> float:
@@ -54,9 +54,15 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> flo
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
 
 
+def _store_target(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | str | None:
+    from gradloc.store.backends import as_target
+
+    return None if value is None else as_target(value)  # a URL stays a string: a Path would fold its "//"
+
+
 def _db_option(fn):
-    return click.option("--db", type=click.Path(dir_okay=False, path_type=Path), envvar="GRADLOC_DB",
-                        default=None, help=_DB_HELP)(fn)
+    return click.option("--db", "--store", "db", envvar="GRADLOC_DB", default=None, metavar="PATH|URL",
+                        callback=_store_target, help=_DB_HELP)(fn)
 
 
 def _json_option(fn):
@@ -75,7 +81,7 @@ def _agent_option(fn):
                              "GRADLOC_AGENT_HTTP), else its store; stderr says which (docs/agent.md).")(fn)
 
 
-def _source(db: Path | None, agent: str | None) -> Source:
+def _source(db: Path | str | None, agent: str | None) -> Source:
     """Where to read (gradloc/agent/source.py), said on stderr when no flag named it; errors exit 1."""
     ctx = click.get_current_context()
     from_env = db is not None and ctx.get_parameter_source("db") is click.core.ParameterSource.ENVIRONMENT
@@ -109,20 +115,23 @@ def _row(data: dict):
 
 
 @contextlib.contextmanager
-def _opened(db: Path | None) -> Iterator[IncidentStore]:
-    """The store, opened without creating it; store failures become one-line click errors (exit 1)."""
+def _opened(db: Path | str | None) -> Iterator[IncidentStore]:
+    """The store, opened without creating it; store failures become one-line click errors (exit 1) that
+    name it without its password."""
     from gradloc.store import IncidentStore, StoreError, default_db_path
+    from gradloc.store.backends import database_errors, is_url
 
     path = db or default_db_path()
     try:
         store = IncidentStore(path, create=False)
-    except (StoreError, sqlite3.Error) as exc:
-        hint = "" if Path(path).exists() else " (the agent creates it; pass --db PATH or set GRADLOC_DB)"
+    except (StoreError, *database_errors()) as exc:
+        hint = "" if is_url(path) or Path(path).exists() else \
+            " (the agent creates it; pass --db PATH or set GRADLOC_DB)"
         raise click.ClickException(f"{exc}{hint}") from exc
     try:
         yield store
-    except (StoreError, sqlite3.Error, ValueError) as exc:
-        raise click.ClickException(f"{path}: {exc}") from exc
+    except (StoreError, ValueError, *database_errors()) as exc:
+        raise click.ClickException(f"{store.path}: {exc}") from exc
     finally:
         store.close()
 
@@ -139,7 +148,7 @@ def incidents() -> None:
 @click.option("--job", default=None, help="Only this job.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1, max=10_000), help="At most this many.")
 @_since_option
-def list_cmd(db: Path | None, agent: str | None, as_json: bool, job: str | None, limit: int,
+def list_cmd(db: Path | str | None, agent: str | None, as_json: bool, job: str | None, limit: int,
              since: float | None) -> None:
     """The newest incidents first, one line each."""
     from gradloc.agent.render_correlated import incident_table
@@ -167,7 +176,7 @@ def list_cmd(db: Path | None, agent: str | None, as_json: bool, job: str | None,
 @click.option("--color/--no-color", default=None, help="Highlight culprit tokens [default: when stdout is a terminal].")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the incident page (one self-contained HTML file) here.")
-def show_cmd(incident_id: str, db: Path | None, agent: str | None, as_json: bool, color: bool | None,
+def show_cmd(incident_id: str, db: Path | str | None, agent: str | None, as_json: bool, color: bool | None,
              html_file: Path | None) -> None:
     """One incident by its id or one of its rank findings' ids (what the training process printed),
     full or a unique prefix: ranks, shares, culprit spans, each rank's finding."""
@@ -247,7 +256,7 @@ def _show_from_agent(source: Source, incident_id: str, html_file: Path | None):
 @_since_option
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write to this file instead of stdout.")
-def export_cmd(db: Path | None, agent: str | None, as_json: bool, job: str | None, since: float | None,
+def export_cmd(db: Path | str | None, agent: str | None, as_json: bool, job: str | None, since: float | None,
                output: Path | None) -> None:
     """Every matching incident, oldest first, as JSON Lines (one correlated incident per line)."""
     from gradloc.store import correlated_to_dict

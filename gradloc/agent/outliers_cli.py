@@ -20,7 +20,7 @@ from gradloc.agent.incidents_cli import _agent_option, _api, _db_option, _json_o
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1, max=10_000),
               help="At most this many.")
 @_since_option
-def outliers(db: Path | None, agent: str | None, as_json: bool, job: str | None, kind: str | None, limit: int,
+def outliers(db: Path | str | None, agent: str | None, as_json: bool, job: str | None, kind: str | None, limit: int,
              since: float | None) -> None:
     """Samples whose surprise stood out against the run's history, and sustained RL mismatches; newest first."""
     from gradloc.records import to_dict

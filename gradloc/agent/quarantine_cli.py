@@ -25,7 +25,7 @@ def quarantine() -> None:
 @click.argument("kind", type=_KIND)
 @click.argument("value")
 @click.option("--reason", default="by hand", show_default=True, help="Why (kept with the entry).")
-def add(db: Path | None, kind: str, value: str, reason: str) -> None:
+def add(db: Path | str | None, kind: str, value: str, reason: str) -> None:
     """Quarantine one sample id, origin ("file:row") or source."""
     from gradloc.records import QuarantineEntry
 
@@ -42,7 +42,7 @@ def add(db: Path | None, kind: str, value: str, reason: str) -> None:
 @_db_option
 @click.argument("kind", type=_KIND)
 @click.argument("value")
-def remove(db: Path | None, kind: str, value: str) -> None:
+def remove(db: Path | str | None, kind: str, value: str) -> None:
     """Let one sample id, origin or source back in."""
     with _opened(db) as store:
         if not store.quarantine.remove(kind, value):
@@ -55,7 +55,7 @@ def remove(db: Path | None, kind: str, value: str) -> None:
 @_json_option
 @click.option("--kind", type=_KIND, default=None, help="Only this kind.")
 @click.option("--job", default=None, help="Only what this job's incidents or outliers put there.")
-def list_(db: Path | None, as_json: bool, kind: str | None, job: str | None) -> None:
+def list_(db: Path | str | None, as_json: bool, kind: str | None, job: str | None) -> None:
     """What is quarantined, oldest first."""
     from gradloc.records import to_dict
 
@@ -74,7 +74,7 @@ def list_(db: Path | None, as_json: bool, kind: str | None, job: str | None) -> 
 @quarantine.command("export")
 @_db_option
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-def export(db: Path | None, out: Path) -> None:
+def export(db: Path | str | None, out: Path) -> None:
     """Write the list as JSON lines, for QuarantineList.load in the training job."""
     from gradloc.records import to_dict
 

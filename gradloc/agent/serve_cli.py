@@ -22,8 +22,10 @@ _D = AgentConfig()
                    "Also $GRADLOC_AGENT_CONFIG.")
 @click.option("--ingest", default=None, metavar="HOST:PORT", help=f"gRPC ingest address [{_D.ingest}].")
 @click.option("--http", default=None, metavar="HOST:PORT", help=f"/metrics and /api address [{_D.http}].")
-@click.option("--db", default=None, help="SQLite incident store; 'none' disables it "
-                                         "[$GRADLOC_DB or ~/.local/state/gradloc/incidents.db].")
+@click.option("--store", "--db", "db", default=None, metavar="PATH|URL",
+              help="Incident store: a SQLite file, or postgresql://user@host:port/db (many daemons may share one "
+                   "database; docs/incident-store.md); 'none' disables it "
+                   "[$GRADLOC_DB or ~/.local/state/gradloc/incidents.db].")
 @click.option("--otlp-endpoint", default=None, metavar="HOST:PORT",
               help="Forward metrics and incident traces over OTLP/gRPC to this collector.")
 @click.option("--otlp-interval-s", type=float, default=None, help=f"OTLP metric export interval [{_D.otlp_interval_s}].")

@@ -2,7 +2,7 @@
 
 Resolution (first that applies):
 
-1. ``--db PATH`` on the command line: that store (``--agent`` with it is a usage error).
+1. ``--db PATH|URL`` on the command line: that store (a SQLite file or a ``postgresql://`` URL) (``--agent`` with it is a usage error).
 2. ``--agent HOST:PORT`` (or ``http(s)://HOST:PORT``): that daemon's HTTP API (``/api/incidents``), its
    token and TLS from the agent config below. Unreachable: exit 1 with a message naming the address;
    no store is read instead (the message names the local store to pass as ``--db``).
@@ -12,7 +12,7 @@ Resolution (first that applies):
    (``/healthz``), else the store it names (``db``, else the per-user default), with one stderr line
    naming the address that did not answer and the store read instead (or that there is none).
 
-Page links are built for the daemon actually read (its address, signed when the config holds the
+A store is named in messages without its password (a URL's). Page links are built for the daemon actually read (its address, signed when the config holds the
 token); reading a store with no daemon answering prints no link, since none would open.
 Nothing here imports torch (the store module only for its default path).
 """
@@ -43,7 +43,7 @@ class Source:
     the stderr line naming it (empty when the user named it with a flag)."""
 
     agent: str | None = None
-    store: Path | None = None
+    store: Path | str | None = None  # a SQLite file, or a postgresql:// URL
     said: str = ""
     token: str | None = None
     cafile: str | None = None
@@ -108,11 +108,13 @@ def agent_base(address: str, tls: bool) -> str:
     return f"{parts.scheme}://" + (f"[{host}]" if ":" in host else host) + f":{parts.port}"
 
 
-def resolve(db: Path | None, db_from_env: bool, agent: str | None, env: Mapping[str, str] | None = None) -> Source:
+def resolve(db: Path | str | None, db_from_env: bool, agent: str | None,
+            env: Mapping[str, str] | None = None) -> Source:
     """The source per the module docstring; raises ValueError for conflicting or malformed options and
     AgentUnreachable for an ``--agent`` that does not answer."""
     from gradloc.agent.config import load_config
     from gradloc.errors import ConfigError
+    from gradloc.store.backends import redact
 
     env = os.environ if env is None else env
     if db is not None and agent is not None and not db_from_env:
@@ -130,11 +132,12 @@ def resolve(db: Path | None, db_from_env: bool, agent: str | None, env: Mapping[
             source.fetch("/healthz", timeout_s=PROBE_TIMEOUT_S)
         except AgentUnreachable as exc:
             local = _local_store(cfg)
-            hint = f" the local store is {local}: pass --db {local} to read it" if local else " no local store exists"
+            hint = f" the local store is {redact(local)}: pass --db {redact(local)} to read it" if local else \
+                " no local store exists"
             raise AgentUnreachable(f"{exc}; not reading a store instead ({hint.strip()})") from exc
         return source
     if db is not None:  # from $GRADLOC_DB
-        return Source(store=db, said=f"reading the store {db} ($GRADLOC_DB)")
+        return Source(store=db, said=f"reading the store {redact(db)} ($GRADLOC_DB)")
     if cfg is not None:
         implied = Source(agent=agent_base(cfg.http, bool(cfg.tls_cert)), **auth)
         try:
@@ -148,17 +151,19 @@ def resolve(db: Path | None, db_from_env: bool, agent: str | None, env: Mapping[
     local = _local_store(cfg)
     if local is None:
         raise AgentUnreachable(f"{missed}and no incident store to read instead (pass --agent HOST:PORT or --db PATH)")
-    return Source(store=local, said=f"{missed}reading the store {local}")
+    return Source(store=local, said=f"{missed}reading the store {redact(local)}")
 
 
-def _local_store(cfg: Any) -> Path | None:
-    """The store the daemon's config names (``db``, else the per-user default) when it exists."""
+def _local_store(cfg: Any) -> Path | str | None:
+    """The store the daemon's config names (``db``, else the per-user default) when it exists (a
+    ``postgresql://`` URL is taken as existing: opening it says whether it does)."""
+    from gradloc.store.backends import as_target, is_url
     from gradloc.store.sqlite import default_db_path
 
     if cfg is not None and cfg.db.lower() == "none":
         return None
-    path = Path(cfg.db).expanduser() if cfg is not None and cfg.db else default_db_path()
-    return path if path.exists() else None
+    target = as_target(cfg.db) if cfg is not None and cfg.db else default_db_path()
+    return target if is_url(target) or Path(target).exists() else None
 
 
 def quoted(incident_id: str) -> str:

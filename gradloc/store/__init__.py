@@ -1,4 +1,4 @@
-"""The agent's incident store: correlated incidents and step summaries in SQLite (no torch import).
+"""The agent's incident store: correlated incidents and step summaries, in SQLite or PostgreSQL (no torch import).
 
 See ``docs/incident-store.md`` for the schema, the JSON shape and the ``gradloc-agent incidents`` CLI.
 """

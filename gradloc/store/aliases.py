@@ -14,8 +14,9 @@ Schema version 4 adds the table; upgrading an older file fills it from the store
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterable
+
+from gradloc.store.backends import Connection
 
 DDL = """
 CREATE TABLE IF NOT EXISTS finding_ids (
@@ -26,7 +27,7 @@ CREATE INDEX IF NOT EXISTS finding_ids_incident ON finding_ids (incident_id)
 """
 
 
-def create(conn: sqlite3.Connection) -> None:
+def create(conn: Connection) -> None:
     """Create the table if missing and map the findings of the incidents already stored (idempotent)."""
     for statement in DDL.split(";"):
         if statement.strip():
@@ -43,13 +44,14 @@ def _finding_ids(text: str) -> list[str]:
         return []
 
 
-def put(conn: sqlite3.Connection, incident_id: str, finding_ids: Iterable[str]) -> None:
+def put(conn: Connection, incident_id: str, finding_ids: Iterable[str]) -> None:
     """Map ``finding_ids`` to ``incident_id`` (inside the caller's transaction)."""
     rows = [(f, incident_id) for f in dict.fromkeys(finding_ids) if f and f != incident_id]
-    conn.executemany("INSERT OR REPLACE INTO finding_ids (finding_id, incident_id) VALUES (?, ?)", rows)
+    conn.executemany("INSERT INTO finding_ids (finding_id, incident_id) VALUES (?, ?) "
+                     "ON CONFLICT (finding_id) DO UPDATE SET incident_id = excluded.incident_id", rows)
 
 
-def resolve(conn: sqlite3.Connection, key: str, upper: str) -> tuple[str, ...]:
+def resolve(conn: Connection, key: str, upper: str) -> tuple[str, ...]:
     """The ids of the incidents ``key`` may name, sorted, at most 6: the incident with that id, else
     the one holding the finding with that id, else those whose id or one of whose findings' ids
     starts with ``key`` (``upper`` ends that range of strings)."""
@@ -59,6 +61,6 @@ def resolve(conn: sqlite3.Connection, key: str, upper: str) -> tuple[str, ...]:
         if row is not None:
             return (row[0],)
     return tuple(i for (i,) in conn.execute(
-        "SELECT incident_id FROM incidents WHERE incident_id >= ?1 AND incident_id < ?2 UNION "
-        "SELECT incident_id FROM finding_ids WHERE finding_id >= ?1 AND finding_id < ?2 "
-        "ORDER BY incident_id LIMIT 6", (key, upper)))
+        "SELECT incident_id FROM incidents WHERE incident_id >= ? AND incident_id < ? UNION "
+        "SELECT incident_id FROM finding_ids WHERE finding_id >= ? AND finding_id < ? "
+        "ORDER BY incident_id LIMIT 6", (key, upper, key, upper)))

@@ -6,11 +6,11 @@ Written in the same transaction as the steps; a re-sent step replaces its rows. 
 """
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gradloc.reports import StepSummary
+from gradloc.store.backends import Connection
 
 MAX_ROWS = 2_000_000  # ~20 groups per step × 100,000 steps
 _SCHEMA = """
@@ -30,14 +30,14 @@ CREATE INDEX IF NOT EXISTS step_groups_time ON step_groups (time_unix)
 _INSERT = "INSERT INTO step_groups (job, rank, step, time_unix, kind, name, samples, tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 
 
-def create(conn: sqlite3.Connection) -> None:
+def create(conn: Connection) -> None:
     """Create the table (idempotent: a migration, or a fresh file)."""
     for statement in _SCHEMA.split(";"):
         if statement.strip():
             conn.execute(statement)
 
 
-def put(conn: sqlite3.Connection, steps: Sequence[StepSummary]) -> int:
+def put(conn: Connection, steps: Sequence[StepSummary]) -> int:
     """Write the groups of ``steps`` inside the caller's transaction; returns the rows written."""
     with_groups = [s for s in steps if s.groups]
     if not with_groups:
@@ -53,7 +53,7 @@ def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
             yield s.job, s.rank, s.step, s.time_unix, str(g.kind), g.name, g.samples, g.tokens
 
 
-def totals(conn: sqlite3.Connection, job: str | None, since_unix: float | None,
+def totals(conn: Connection, job: str | None, since_unix: float | None,
            until_unix: float | None) -> list[tuple[str, str, int, int]]:
     """(kind, name, samples, tokens) summed over ranks and steps in the window, largest token count first."""
     conds, args = [], []
@@ -67,7 +67,7 @@ def totals(conn: sqlite3.Connection, job: str | None, since_unix: float | None,
     return [(k, n, int(a), int(b)) for k, n, a, b in conn.execute(sql, args)]
 
 
-def prune(conn: sqlite3.Connection, max_age_days: float | None, now: float) -> int:
+def prune(conn: Connection, max_age_days: float | None, now: float) -> int:
     """Delete rows older than ``max_age_days`` and the oldest past :data:`MAX_ROWS`; returns the rows deleted."""
     n = 0
     if max_age_days is not None:

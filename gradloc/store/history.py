@@ -7,17 +7,17 @@ spans stored before stay NULL there: their incidents' JSON still has them, but t
 """
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from gradloc.store import groups
+from gradloc.store.backends import Connection
 
 SPAN_PROVENANCE = (("source", "TEXT"), ("origin", "TEXT"))
 
 
-def add_span_provenance(conn: sqlite3.Connection) -> None:
+def add_span_provenance(conn: Connection) -> None:
     """Schema 6 → 7, and a fresh file: the spans' source and origin columns, indexed. Idempotent like every
     migration step (the column list is read from a query's description: no PRAGMA, any SQL database)."""
     have = {d[0] for d in conn.execute("SELECT * FROM spans LIMIT 0").description}
@@ -54,7 +54,7 @@ class SeenBefore:
         return f"seen before: {shown}{more} — {self.count} time{'s' if self.count != 1 else ''}"
 
 
-def seen_before(conn: sqlite3.Connection, *, origin: str | None, sample_id: str | None, before_unix: float,
+def seen_before(conn: Connection, *, origin: str | None, sample_id: str | None, before_unix: float,
                 exclude_incident: str | None = None, limit: int = 10) -> SeenBefore | None:
     """Earlier culprit spans and outliers with this origin (else this sample id) flagged before ``before_unix``."""
     key, column = (origin, "origin") if origin else (sample_id, "sample_id")
@@ -65,7 +65,8 @@ def seen_before(conn: sqlite3.Connection, *, origin: str | None, sample_id: str 
     outliers = (f"SELECT 'outlier', job, step, time_unix, NULL FROM sample_outliers WHERE {column} = ? "
                 "AND time_unix < ?")
     args = (key, before_unix, exclude_incident or "", key, before_unix)
-    rows = conn.execute(f"SELECT DISTINCT * FROM ({spans} UNION ALL {outliers}) ORDER BY 4 DESC", args).fetchall()
+    rows = conn.execute(f"SELECT DISTINCT * FROM ({spans} UNION ALL {outliers}) AS flags ORDER BY 4 DESC",
+                        args).fetchall()
     if not rows:
         return None
     sightings = tuple(Sighting(what=w, job=j, step=int(s), time_unix=float(t), incident_id=i)
@@ -86,7 +87,7 @@ class SourceBefore:
                 f"{self.jobs} other job{'s' if self.jobs != 1 else ''}")
 
 
-def source_before(conn: sqlite3.Connection, *, source: str, before_unix: float, job: str) -> SourceBefore | None:
+def source_before(conn: Connection, *, source: str, before_unix: float, job: str) -> SourceBefore | None:
     """Culprit spans and outliers of ``source`` in jobs other than ``job``, before ``before_unix``."""
     spans = ("SELECT i.job FROM spans s JOIN incidents i ON i.incident_id = s.incident_id "
              "WHERE s.source = ? AND i.time_unix < ? AND i.job != ?")
@@ -99,7 +100,7 @@ def source_before(conn: sqlite3.Connection, *, source: str, before_unix: float, 
 class History:
     """The store's memory across runs (``store.history``): reads only, each on a pooled connection."""
 
-    def __init__(self, read: Callable[[], AbstractContextManager[sqlite3.Connection]]) -> None:
+    def __init__(self, read: Callable[[], AbstractContextManager[Connection]]) -> None:
         self._read = read
 
     def seen_before(self, *, origin: str | None, sample_id: str | None, before_unix: float,

@@ -7,12 +7,12 @@ Retention: the store's ``max_age_days``, and at most :data:`MAX_ROWS` rows (olde
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gradloc.records import SampleInfo, SampleOutlier, to_dict
 from gradloc.reports import StepSummary
+from gradloc.store.backends import Connection
 
 MAX_ROWS = 100_000
 COLUMNS = ("job, rank, step, time_unix, kind, score, z, baseline, micro_batch, sample, sample_id, start, "
@@ -48,16 +48,16 @@ CREATE INDEX IF NOT EXISTS sample_outliers_source ON sample_outliers (source) WH
 """
 
 
-def create(conn: sqlite3.Connection) -> None:
+def create(conn: Connection) -> None:
     """Create the table and its indexes (idempotent: a migration, or a fresh file)."""
     for statement in _SCHEMA.split(";"):
         if statement.strip():
             conn.execute(statement)
 
 
-def add_provenance(conn: sqlite3.Connection) -> None:
+def add_provenance(conn: Connection) -> None:
     """Schema 4 → 5: the provenance columns, on a table made before them (a table made by :func:`create` since
-    has them already)."""
+    has them already). SQLite files only (PRAGMA): PostgreSQL stores begin at schema 6."""
     have = {row[1] for row in conn.execute("PRAGMA table_info(sample_outliers)")}
     for name, kind in PROVENANCE:
         if name not in have:
@@ -66,7 +66,7 @@ def add_provenance(conn: sqlite3.Connection) -> None:
                  "WHERE source IS NOT NULL")
 
 
-def put(conn: sqlite3.Connection, steps: Sequence[StepSummary]) -> int:
+def put(conn: Connection, steps: Sequence[StepSummary]) -> int:
     """Write the findings of ``steps`` inside the caller's transaction; returns the rows written."""
     with_findings = [s for s in steps if s.samples is not None and s.samples.outliers]
     if not with_findings:
@@ -85,7 +85,7 @@ def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
                    info.origin if info else None, json.dumps(to_dict(info), ensure_ascii=False) if info else None)
 
 
-def select(conn: sqlite3.Connection, job: str | None, kind: str | None, since_unix: float | None,
+def select(conn: Connection, job: str | None, kind: str | None, since_unix: float | None,
            limit: int | None) -> list[SampleOutlier]:
     """Newest first."""
     conds, args = [], []
@@ -94,8 +94,10 @@ def select(conn: sqlite3.Connection, job: str | None, kind: str | None, since_un
             conds.append(cond)
             args.append(value)
     where = (" WHERE " + " AND ".join(conds)) if conds else ""
-    sql = f"SELECT {COLUMNS} FROM sample_outliers{where} ORDER BY time_unix DESC, step DESC, rank, rowid LIMIT ?"
-    return [_row(r) for r in conn.execute(sql, (*args, -1 if limit is None else limit))]
+    sql = f"SELECT {COLUMNS} FROM sample_outliers{where} ORDER BY time_unix DESC, step DESC, rank, rowid"
+    if limit is not None:
+        sql, args = sql + " LIMIT ?", [*args, limit]
+    return [_row(r) for r in conn.execute(sql, args)]
 
 
 def _row(r: Sequence[Any]) -> SampleOutlier:
@@ -113,7 +115,7 @@ def _info(text: str | None) -> SampleInfo | None:
     return SampleInfo(**{**d, "tags": tuple(tuple(t) for t in d.get("tags", ()))})
 
 
-def prune(conn: sqlite3.Connection, max_age_days: float | None, now: float) -> int:
+def prune(conn: Connection, max_age_days: float | None, now: float) -> int:
     """Delete findings older than ``max_age_days`` and beyond :data:`MAX_ROWS`; returns the rows deleted."""
     n = 0
     if max_age_days is not None:

@@ -3,12 +3,12 @@
 keeps the first (its reason and time stay the reason it was quarantined)."""
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from gradloc.records import QuarantineEntry
+from gradloc.store.backends import Connection
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS quarantine (
@@ -26,14 +26,14 @@ CREATE INDEX IF NOT EXISTS quarantine_job ON quarantine (job) WHERE job IS NOT N
 _COLUMNS = "kind, value, reason, added_unix, job, step, incident_id"
 
 
-def create(conn: sqlite3.Connection) -> None:
+def create(conn: Connection) -> None:
     """Create the table (idempotent: a migration, or a fresh file)."""
     for statement in _SCHEMA.split(";"):
         if statement.strip():
             conn.execute(statement)
 
 
-Connect = Callable[[], AbstractContextManager[sqlite3.Connection]]
+Connect = Callable[[], AbstractContextManager[Connection]]
 
 
 class Quarantine:
@@ -45,7 +45,8 @@ class Quarantine:
     def add(self, entries: Sequence[QuarantineEntry]) -> int:
         """Add ``entries``; returns how many were new."""
         with self._write() as conn:
-            return conn.executemany(f"INSERT OR IGNORE INTO quarantine ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            return conn.executemany(f"INSERT INTO quarantine ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
+                                    "ON CONFLICT DO NOTHING",
                                     list(_params(entries))).rowcount
 
     def remove(self, kind: str, value: str) -> bool:

@@ -8,10 +8,10 @@ go with their incident (``ON DELETE CASCADE``).
 from __future__ import annotations
 
 import math
-import sqlite3
 from dataclasses import dataclass
 
 from gradloc.errors import ConfigError
+from gradloc.store.backends import Connection
 
 _DAY_S = 86400.0
 
@@ -33,7 +33,7 @@ class RetentionConfig:
                 raise ConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
 
 
-def apply(conn: sqlite3.Connection, cfg: RetentionConfig, now: float) -> dict[str, int]:
+def apply(conn: Connection, cfg: RetentionConfig, now: float) -> dict[str, int]:
     """Run the deletes inside the caller's transaction; returns how many rows each rule removed."""
     spans_before = _count(conn, "spans")
     out = {"incidents_by_age": 0, "incidents_by_count": 0, "spans": 0, "steps_by_age": 0, "steps_by_count": 0}
@@ -51,7 +51,7 @@ def apply(conn: sqlite3.Connection, cfg: RetentionConfig, now: float) -> dict[st
     return out
 
 
-def _trim_steps(conn: sqlite3.Connection, keep: int) -> int:
+def _trim_steps(conn: Connection, keep: int) -> int:
     jobs = [j for (j,) in conn.execute("SELECT job FROM steps GROUP BY job HAVING count(*) > ?", (keep,))]
     deleted = 0
     for job in jobs:
@@ -61,5 +61,5 @@ def _trim_steps(conn: sqlite3.Connection, keep: int) -> int:
     return deleted
 
 
-def _count(conn: sqlite3.Connection, table: str) -> int:
+def _count(conn: Connection, table: str) -> int:
     return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]

@@ -1,19 +1,21 @@
-"""The incident store: correlated incidents and per-step summaries in one SQLite file (WAL mode).
+"""The incident store: correlated incidents and per-step summaries, in SQLite or PostgreSQL.
 
-The daemon writes from one thread while its HTTP handlers read from others, each request possibly on
-a new thread. Connections therefore come from a small pool (any thread borrows one for one
-operation) instead of ``threading.local``, whose connections would pile up with short-lived handler
-threads. Writes also take a lock: SQLite admits one writer at a time anyway, and waiting on our own
-lock beats spinning on SQLITE_BUSY. WAL lets readers proceed during a write and see only committed
-incidents, never half of one. Schema and pragmas: :mod:`gradloc.store.schema`; the layout is
-documented in ``docs/incident-store.md``.
+``IncidentStore(path)`` keeps them in one SQLite file (WAL mode; the embedded default), and
+``IncidentStore("postgresql://…")`` in a PostgreSQL database that many daemons on many machines write at
+once. The class and its SQL are the same for both (the module keeps its first name: every caller imports
+the store from here); what differs between the databases is a backend (gradloc/store/backends).
+
+Connections come from a small pool (any thread borrows one for one operation). Writes take a lock in
+this process first (waiting on our own lock beats spinning on the database's), then the backend's
+writer lock, which excludes writers in other processes too. Readers see only committed incidents,
+never half of one. Schema and migrations: :mod:`gradloc.store.schema`; the layout is documented in
+``docs/incident-store.md``.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,7 +31,8 @@ from gradloc.store import history as _history
 from gradloc.store import inbox as _inbox
 from gradloc.store import outliers as _outliers
 from gradloc.store import retention as _retention
-from gradloc.store.errors import AmbiguousIdError, StoreError
+from gradloc.store.backends import Connection, Pool, as_target, open_backend
+from gradloc.store.errors import AmbiguousIdError
 from gradloc.store.incident_json import correlated_from_dict
 from gradloc.store.quarantine import Quarantine
 from gradloc.store.retention import RetentionConfig
@@ -43,73 +46,39 @@ from gradloc.store.rows import (
     step_params,
     step_row,
 )
-from gradloc.store.schema import check_path, connect, ensure_schema
+from gradloc.store.schema import check_version, ensure_schema
 
 _INSERT_INCIDENT = f"INSERT INTO incidents ({INCIDENT_COLUMNS}, json) VALUES ({', '.join('?' * 12)})"
 _INSERT_SPAN = ('INSERT INTO spans (incident_id, idx, rank, micro_batch, sample, start, "end", share, text, '
                 f"token_ids, sample_id, source, origin) VALUES ({', '.join('?' * 13)})")
-_INSERT_STEP = ("INSERT OR REPLACE INTO steps (job, rank, step, time_unix, global_norm, loss, top_share, "
-                f"unattributed_share, nonfinite, skipped) VALUES ({', '.join('?' * 10)})")
 _STEP_COLUMNS = "job, rank, step, time_unix, global_norm, loss, top_share, unattributed_share, nonfinite, skipped"
+_INSERT_STEP = (f"INSERT INTO steps ({_STEP_COLUMNS}) VALUES ({', '.join('?' * 10)}) ON CONFLICT (job, step, rank) "
+                "DO UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in _STEP_COLUMNS.split(", ")[3:]))
 _MAX_CODEPOINT = "\U0010ffff"  # sorts after every character: [p, p + this) is the range of ids starting with p
 
 
-def default_db_path() -> Path:
-    """``$GRADLOC_DB``, else ``${XDG_STATE_HOME:-~/.local/state}/gradloc/incidents.db``.
+def default_db_path() -> Path | str:
+    """``$GRADLOC_DB`` (a ``postgresql://`` URL stays a string), else
+    ``${XDG_STATE_HOME:-~/.local/state}/gradloc/incidents.db``.
 
     Incidents are state (history worth keeping across restarts, not cache, not config), hence
     XDG_STATE_HOME; per the XDG spec a relative XDG_STATE_HOME is ignored.
     """
     env = os.environ.get("GRADLOC_DB")
     if env:
-        return Path(env).expanduser()
+        return as_target(env)
     state = os.environ.get("XDG_STATE_HOME", "")
     base = Path(state) if state and os.path.isabs(state) else Path.home() / ".local" / "state"
     return base / "gradloc" / "incidents.db"
 
 
-class _Pool:
-    """Idle connections to one file; a thread borrows one per operation and gives it back."""
-
-    def __init__(self, path: str, size: int = 4) -> None:
-        self._path, self._size = path, size
-        self._idle: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @contextlib.contextmanager
-    def connection(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            if self._closed:
-                raise StoreError(f"the incident store {self._path} is closed")
-            conn = self._idle.pop() if self._idle else None
-        conn = conn or connect(self._path)
-        try:
-            yield conn
-        finally:
-            self._give_back(conn)
-
-    def _give_back(self, conn: sqlite3.Connection) -> None:
-        if conn.in_transaction:  # only after a failed COMMIT/ROLLBACK: never lend a dirty connection
-            conn.rollback()
-        with self._lock:
-            if not self._closed and len(self._idle) < self._size:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed, idle, self._idle = True, self._idle, []
-        for conn in idle:
-            conn.close()
-
-
 class IncidentStore:
-    """Correlated incidents, their culprit spans and per-step summaries, in SQLite.
+    """Correlated incidents, their culprit spans and per-step summaries: in the SQLite file at ``path``, or
+    in the PostgreSQL database a ``postgresql://user@host:port/db`` URL names.
 
-    ``create=False`` refuses to create a missing file (the CLI: a typo in ``--db`` should say so,
-    not show an empty store).
+    ``create=False`` refuses to create a missing file or an empty database's schema (the CLI: a typo in
+    ``--db`` should say so, not show an empty store). ``path`` is what messages name (a URL without its
+    password); ``shared``: many processes may write this store at once (PostgreSQL).
     """
 
     def __init__(self, path: str | os.PathLike[str], retention: RetentionConfig | None = None,
@@ -117,16 +86,13 @@ class IncidentStore:
         retention = RetentionConfig() if retention is None else retention
         if not isinstance(retention, RetentionConfig):
             raise ConfigError(f"retention must be a RetentionConfig, got {type(retention).__name__}")
-        self.path, self.retention = check_path(path), retention
-        if not os.path.exists(self.path):
-            if not create:
-                raise StoreError(f"no incident store at {self.path}")
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._pool = _Pool(self.path)
+        self._backend = open_backend(path, create)
+        self.path, self.shared, self.retention = self._backend.target, self._backend.shared, retention
+        self._pool = Pool(self._backend)
         self._write_lock = threading.Lock()
         try:
             with self._pool.connection() as conn:
-                ensure_schema(conn, self.path)
+                ensure_schema(conn, self._backend, create)
         except BaseException:
             self._pool.close()
             raise
@@ -136,11 +102,14 @@ class IncidentStore:
     # -- writing -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: everything inside commits together or not at all."""
+    def _transaction(self) -> Iterator[Connection]:
+        """One write transaction: everything inside commits together or not at all. The schema version is
+        read again under the lock: on a shared database a newer gradloc may have upgraded it meanwhile,
+        and this one must not write rows the newer schema would misread."""
         with self._write_lock, self._pool.connection() as conn:
-            conn.execute("BEGIN IMMEDIATE")
+            self._backend.begin_write(conn)
             try:
+                check_version(conn, self._backend)
                 yield conn
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -211,10 +180,11 @@ class IncidentStore:
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be >= 1 or None, got {limit}")
         where, args = _filters(job, since_unix)
-        sql = (f"SELECT {INCIDENT_COLUMNS} FROM incidents{where} "
-               "ORDER BY time_unix DESC, incident_id DESC LIMIT ?")
+        sql = f"SELECT {INCIDENT_COLUMNS} FROM incidents{where} ORDER BY time_unix DESC, incident_id DESC"
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", [*args, limit]
         with self._pool.connection() as conn:
-            return [incident_row(r) for r in conn.execute(sql, (*args, -1 if limit is None else limit))]
+            return [incident_row(r) for r in conn.execute(sql, args)]
 
     def get_incident_json(self, id_or_prefix: str) -> str | None:
         """The stored JSON text of one incident (what ``/api/incidents/<id>`` serves), by full id or
@@ -292,7 +262,7 @@ class IncidentStore:
             args: tuple[Any, ...] = (job, job, last)
         else:
             sql = (f"SELECT * FROM (SELECT {_STEP_COLUMNS} FROM steps WHERE job = ? AND rank = ? "
-                   "ORDER BY step DESC LIMIT ?) ORDER BY step")
+                   "ORDER BY step DESC LIMIT ?) AS latest ORDER BY step")
             args = (job, rank, last)
         with self._pool.connection() as conn:
             return [step_row(r) for r in conn.execute(sql, args)]
@@ -304,6 +274,11 @@ class IncidentStore:
             return [step_row(r) for r in conn.execute(sql, (job, rank, first, last))]
 
     # -- lifetime ----------------------------------------------------------------------------
+
+    def unavailable(self, exc: BaseException) -> bool:
+        """Whether a call failed with ``exc`` because the database cannot be reached or is busy now (the
+        same call may succeed later: the daemon tells a client to resend) rather than because of the call."""
+        return self._backend.transient(exc)
 
     def close(self) -> None:
         """Close the pooled connections; any later call raises :class:`StoreError`."""

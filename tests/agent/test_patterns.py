@@ -19,6 +19,7 @@ from gradloc.records.groups import token_class
 from gradloc.reports import RankSpan
 from gradloc.store.sqlite import IncidentStore
 from tests.builders import BELL, ZEBRA, make_incident, step_summary
+from tests.postgres import BACKENDS, store_target
 
 T = 1_760_000_000.0
 WEB, CODE = SampleInfo(source="web", origin="web.jsonl:7"), SampleInfo(source="code", origin="code.jsonl:3",
@@ -47,9 +48,9 @@ def _step(step: int, t: float, web: int, code: int, outs=()):
     return s
 
 
-@pytest.fixture
-def store(tmp_path: Path):
-    st = IncidentStore(tmp_path / "p.db")
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path):
+    st = IncidentStore(store_target(request, tmp_path, "p.db"))  # a SQLite file, a PostgreSQL database
     # 10 steps: web 900 tokens a step, code 100 (10% of the tokens); 2 incidents on code, 1 on web; 1 code outlier
     st.put_steps([_step(i, T + i, 900, 100, [_outlier(i, CODE, T + i)] if i == 4 else []) for i in range(10)])
     for n, (info, t) in enumerate([(CODE, T + 2), (CODE, T + 5), (WEB, T + 8)]):

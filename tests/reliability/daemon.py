@@ -18,12 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_daemon(db: Path, port: int, tmp: Path, i: int, *flags: str) -> subprocess.Popen[bytes]:
-    """Start daemon number ``i`` (its log: ``tmp/agent-<i>.log``) and wait until it is ready."""
+def start_daemon(db: Path | str, port: int, tmp: Path, i: int, *flags: str) -> subprocess.Popen[bytes]:
+    """Start daemon number ``i`` on the store ``db`` (a SQLite file or a postgresql:// URL; its log:
+    ``tmp/agent-<i>.log``) and wait until it is ready."""
     ready = tmp / f"ready-{i}.json"
     log = open(tmp / f"agent-{i}.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "gradloc.agent.cli", "serve", "--ingest", f"127.0.0.1:{port}",
-                             "--http", "127.0.0.1:0", "--db", str(db), "--ready-file", str(ready),
+                             "--http", "127.0.0.1:0", "--store", str(db), "--ready-file", str(ready),
                              "--straggler-deadline-s", "0.5", *flags],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})

@@ -1,14 +1,15 @@
 """Acknowledged incidents survive ``kill -9`` of the daemon, and of the training process in embedded mode.
 
-Daemon: a real ``gradloc-agent serve`` on one fixed port and one store file is ``kill -9``ed 0.1-0.6 s
-after it is ready, 20 times, while a real :class:`AgentClient` in this process streams steps and
+Daemon: a real ``gradloc-agent serve`` on one fixed port and one store (a SQLite file, then a database on a
+real PostgreSQL server: tests/postgres.py) is ``kill -9``ed 0.1-0.6 s after it is ready, 20 times (6 on
+PostgreSQL, whose daemon journals under its host and port: the restarted one must find its own rows), while a real :class:`AgentClient` in this process streams steps and
 incidents (one per step) as fast as the client takes them. The client records which incidents a
 daemon acknowledged (its own send path: a subclass only notes the successful calls). After a last,
 clean start and the client's flush: every acknowledged incident is in the store, none is stored
-twice, and ``PRAGMA integrity_check`` passes. (Before the inbox, 10 such cycles lost 2,579 of 2,579.)
+twice, and SQLite's ``PRAGMA integrity_check`` passes (PostgreSQL's server is never killed). (Before the inbox, 10 such cycles lost 2,579 of 2,579.)
 
 Embedded: a training process with the embedded agent reports an incident and is killed with
-SIGKILL right after ``on_incident`` returned; the next embedded agent on the host stores it.
+SIGKILL right after ``on_incident`` returned; the next embedded agent on the host stores it (on both stores).
 """
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ from gradloc.store.sqlite import IncidentStore
 from gradloc.transport import AgentClient
 from gradloc.transport.wire import pb
 from tests.builders import incident_record, step_record
+from tests.postgres import BACKENDS, raw, store_target
 from tests.reliability.daemon import start_daemon
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-CYCLES = 20
+CYCLES = {"sqlite": 20, "postgresql": 6}  # the PostgreSQL run repeats the SQLite one: fewer cycles keep CI short
 UNLIMITED = ("--max-incidents-per-minute", "100000000")  # the stream is far above the default per-job rate limit
 
 
@@ -51,13 +53,33 @@ class _RecordingClient(AgentClient):
         return code, details
 
 
-def _stored(db: Path) -> list[str]:
+@pytest.fixture(params=BACKENDS)
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    return store_target(request, tmp_path, "agent.db")
+
+
+def _integrity(db: Path | str) -> None:
+    if isinstance(db, Path):  # SQLite: the file survived its writer's kill -9 intact
+        conn = sqlite3.connect(db)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        conn.close()
+
+
+def _stored_ids(db: Path | str) -> set[str]:
+    """The ids of the stored incidents and of the findings they hold, by SQL (the wait loop's poll: decoding
+    thousands of incidents per poll took seconds of the CPU the daemon needs); :func:`_stored` decodes."""
+    with raw(db) as conn:
+        rows = conn.execute("SELECT incident_id FROM incidents UNION SELECT finding_id FROM finding_ids")
+        return {i for (i,) in rows}
+
+
+def _stored(db: Path | str) -> list[str]:
     with IncidentStore(db, create=False) as store:
         return [f.incident_id for inc in store.iter_incidents() for f in inc.findings]
 
 
-def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> None:
-    db, port = tmp_path / "agent.db", free_port()
+def test_acknowledged_incidents_survive_kill_9_of_the_daemon(db: Path | str, tmp_path: Path) -> None:
+    port, cycles = free_port(), CYCLES["sqlite" if isinstance(db, Path) else "postgresql"]
     rng = random.Random(11)
     proc = start_daemon(db, port, tmp_path, 0, *UNLIMITED)
     client = _RecordingClient(f"127.0.0.1:{port}", job="kill9", rank=0, world_size=1, backoff_initial_s=0.02,
@@ -80,7 +102,7 @@ def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     try:
-        for i in range(1, CYCLES + 1):
+        for i in range(1, cycles + 1):
             time.sleep(rng.uniform(0.1, 0.6))
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
@@ -91,7 +113,7 @@ def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> 
         acked = set(client.acked)
         assert len(acked) > 100, f"too few acknowledged to mean anything: {len(acked)}"
         deadline = time.monotonic() + 60
-        while not acked <= set(stored := _stored(db)) and time.monotonic() < deadline:
+        while not acked <= _stored_ids(db) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
         stop.set()
@@ -101,15 +123,12 @@ def test_acknowledged_incidents_survive_kill_9_of_the_daemon(tmp_path: Path) -> 
     lost = acked - set(stored)
     assert not lost, f"{len(lost)} of {len(acked)} acknowledged incidents lost, e.g. {sorted(lost)[:3]}"
     assert len(stored) == len(set(stored)), "an incident was stored twice"
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    conn.close()
-    print(f"{CYCLES} kill -9 cycles: {len(offered)} incidents offered, {len(acked)} acknowledged, "
+    _integrity(db)
+    print(f"{cycles} kill -9 cycles: {len(offered)} incidents offered, {len(acked)} acknowledged, "
           f"{len(stored)} stored, {client.counters}")
 
 
-def test_embedded_store_keeps_an_incident_of_a_killed_training_process(tmp_path: Path) -> None:
-    db = tmp_path / "embedded.db"
+def test_embedded_store_keeps_an_incident_of_a_killed_training_process(db: Path | str) -> None:
     code = (
         "import os, signal, sys\n"
         "from dataclasses import replace\n"
@@ -133,7 +152,6 @@ def test_embedded_store_keeps_an_incident_of_a_killed_training_process(tmp_path:
     res = subprocess.run([sys.executable, "-c", code2], cwd=ROOT, env=env, capture_output=True, timeout=120)
     assert res.returncode == 0, res.stderr.decode()
     assert _stored(db) == ["e" * 32]
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    assert conn.execute("SELECT count(*) FROM inbox WHERE done = 0").fetchone()[0] == 0
-    conn.close()
+    _integrity(db)
+    with raw(db) as conn:
+        assert conn.execute("SELECT count(*) FROM inbox WHERE done = 0").fetchone()[0] == 0

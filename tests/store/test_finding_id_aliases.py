@@ -18,11 +18,11 @@ def _with_finding_ids(inc, *ids: str):
     return replace(inc, findings=tuple(replace(f, incident_id=i) for f, i in zip(inc.findings, ids)))
 
 
-def test_a_finding_id_full_or_prefix_resolves_to_its_incident(tmp_path: Path) -> None:
+def test_a_finding_id_full_or_prefix_resolves_to_its_incident(target: Path | str) -> None:
     inc = make_incident()
     finding_ids = [f.incident_id for f in inc.findings]
     assert INCIDENT_ID not in finding_ids and len(finding_ids) == 2  # the rank findings' own ids
-    with IncidentStore(tmp_path / "s.db") as store:
+    with IncidentStore(target) as store:
         store.put_incident(inc)
         for fid in finding_ids:
             assert store.get_incident(fid) == inc
@@ -32,10 +32,10 @@ def test_a_finding_id_full_or_prefix_resolves_to_its_incident(tmp_path: Path) ->
         assert store.get_incident("ffff") is None
 
 
-def test_a_prefix_is_ambiguous_only_across_incidents(tmp_path: Path) -> None:
+def test_a_prefix_is_ambiguous_only_across_incidents(target: Path | str) -> None:
     a = _with_finding_ids(make_incident("aa11" + "0" * 28), "bb22" + "1" * 28, "aa19" + "2" * 28)
     b = _with_finding_ids(make_incident("cc33" + "0" * 28, time_unix=T0 + 1), "bb29" + "3" * 28, "dd44" + "4" * 28)
-    with IncidentStore(tmp_path / "s.db") as store:
+    with IncidentStore(target) as store:
         store.put_incident(a)
         store.put_incident(b)
         assert store.get_incident("aa1") == a  # its own id and one of its findings: one incident
@@ -45,10 +45,10 @@ def test_a_prefix_is_ambiguous_only_across_incidents(tmp_path: Path) -> None:
         assert err.value.matches == (a.incident_id, b.incident_id)
 
 
-def test_an_exact_id_wins_over_longer_ids_it_prefixes(tmp_path: Path) -> None:
+def test_an_exact_id_wins_over_longer_ids_it_prefixes(target: Path | str) -> None:
     a = _with_finding_ids(make_incident("ab" * 16), "ee" * 16, "ef" * 16)
     b = _with_finding_ids(make_incident("ee" * 16 + "ff", time_unix=T0 + 1), "12" * 16, "34" * 16)
-    with IncidentStore(tmp_path / "s.db") as store:
+    with IncidentStore(target) as store:
         store.put_incident(a)
         store.put_incident(b)
         assert store.get_incident("ee" * 16) == a  # the finding's full id, though b's id starts with it
@@ -56,10 +56,10 @@ def test_an_exact_id_wins_over_longer_ids_it_prefixes(tmp_path: Path) -> None:
             store.get_incident("eeee")
 
 
-def test_the_mapping_follows_its_incident(tmp_path: Path) -> None:
+def test_the_mapping_follows_its_incident(target: Path | str) -> None:
     inc = make_incident()
     fid = inc.findings[0].incident_id
-    with IncidentStore(tmp_path / "s.db", RetentionConfig(max_age_days=1)) as store:
+    with IncidentStore(target, RetentionConfig(max_age_days=1)) as store:
         store.put_incident(inc)
         store.put_incident(inc)  # stored again (replaced): still one mapping
         later = _with_finding_ids(make_incident("c0ffee" * 5 + "00", time_unix=T0 + 5), fid, "77" * 16)

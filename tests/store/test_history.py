@@ -27,8 +27,8 @@ def _outlier_step(job: str, step: int, t: float, info: SampleInfo | None):
     return replace(step_summary(job, 0, step, t), samples=SampleStats(judged=1, flagged=1, outliers=(o,)))
 
 
-def test_an_earlier_run_s_culprits_and_outliers_are_recognised_by_origin(tmp_path: Path):
-    with IncidentStore(tmp_path / "h.db") as store:
+def test_an_earlier_run_s_culprits_and_outliers_are_recognised_by_origin(target: Path | str):
+    with IncidentStore(target) as store:
         store.put_incident(_incident(1, "run-1", T))
         store.put_steps([_outlier_step("run-1", 15, T + 50, ROW)])
         store.put_incident(_incident(2, "run-1", T + 100, info=SampleInfo(source="forum", origin="other.jsonl:1")))
@@ -41,18 +41,20 @@ def test_an_earlier_run_s_culprits_and_outliers_are_recognised_by_origin(tmp_pat
         assert seen.text() == "seen before: job run-1 step 15 (outlier), job run-1 step 10 (culprit) — 2 times"
         # before the first flag: nothing; a row never flagged: nothing; no key: nothing
         assert store.history.seen_before(origin=ROW.origin, sample_id=None, before_unix=T) is None
+        assert store.history.source_before(source="forum", before_unix=T + 1000, job="run-2").text() == \
+            "source forum: flagged 3 times before in 1 other job"
         assert store.history.seen_before(origin="never.jsonl:0", sample_id=None, before_unix=T + 9999) is None
         assert store.history.seen_before(origin=None, sample_id=None, before_unix=T + 9999) is None
 
 
-def test_without_an_origin_the_sample_id_matches(tmp_path: Path):
-    with IncidentStore(tmp_path / "h.db") as store:
+def test_without_an_origin_the_sample_id_matches(target: Path | str):
+    with IncidentStore(target) as store:
         store.put_incident(_incident(1, "run-1", T, info=None, sample_id="doc-42"))
         seen = store.history.seen_before(origin=None, sample_id="doc-42", before_unix=T + 1)
         assert seen is not None and seen.count == 1 and seen.sightings[0].job == "run-1"
 
 
-def test_a_v6_store_gains_the_columns_and_the_groups_table(tmp_path: Path):
+def test_a_v6_store_gains_the_columns_and_the_groups_table(tmp_path: Path):  # a SQLite file
     path = tmp_path / "v6.db"
     with IncidentStore(path) as store:
         store.put_incident(_incident(1, "old", T, info=None))
@@ -74,10 +76,10 @@ def test_a_v6_store_gains_the_columns_and_the_groups_table(tmp_path: Path):
     conn.close()
 
 
-def test_retention_prunes_old_group_rows(tmp_path: Path):
+def test_retention_prunes_old_group_rows(target: Path | str):
     from gradloc.store import RetentionConfig
 
-    with IncidentStore(tmp_path / "r.db", RetentionConfig(max_age_days=1.0)) as store:
+    with IncidentStore(target, RetentionConfig(max_age_days=1.0)) as store:
         g = (GroupTokens(kind="source", name="web", samples=1, tokens=5),)
         store.put_steps([replace(step_summary("j", 0, 1, T), groups=g), replace(step_summary("j", 0, 2, T + 2 * 86400),
                                                                                groups=g)])

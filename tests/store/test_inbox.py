@@ -1,6 +1,6 @@
 """The store's inbox (gradloc/store/inbox.py): incidents committed before they are acknowledged,
 re-sends recognised, rows marked done in the same transaction as the incident that holds them,
-pending rows listed for a restart, old done rows pruned, a version-1 file upgraded in place."""
+pending rows listed for a restart, old done rows pruned (on both databases), a version-1 file upgraded in place."""
 from __future__ import annotations
 
 import sqlite3
@@ -17,8 +17,8 @@ from tests.builders import BELL, INCIDENT_ID, T0, finding, make_incident
 WHO = ("job-a", 0, 1)
 
 
-def test_put_is_idempotent_per_client_and_sequence(tmp_path: Path) -> None:
-    with IncidentStore(tmp_path / "s.db") as store:
+def test_put_is_idempotent_per_client_and_sequence(target: Path | str) -> None:
+    with IncidentStore(target) as store:
         assert store.inbox_put("c1", 7, WHO, [(0, "{}"), (1, "{}")]) == [0, 1]
         assert store.inbox_put("c1", 7, WHO, [(0, "{}"), (1, "{}")]) == []  # the same batch re-sent
         assert store.inbox_put("c2", 7, WHO, [(0, "{}")]) == [0]  # another client's sequence 7
@@ -26,9 +26,9 @@ def test_put_is_idempotent_per_client_and_sequence(tmp_path: Path) -> None:
         assert len(store.inbox_pending()) == 4
 
 
-def test_done_commits_with_the_incident_and_pending_shrinks(tmp_path: Path) -> None:
+def test_done_commits_with_the_incident_and_pending_shrinks(target: Path | str) -> None:
     rank_inc = finding(0, 1200, BELL, incident_id=INCIDENT_ID, time_unix=T0)
-    with IncidentStore(tmp_path / "s.db") as store:
+    with IncidentStore(target) as store:
         store.inbox_put("c1", 1, WHO, [(0, incident_to_json(rank_inc))])
         (key, who, payload), = store.inbox_pending()
         assert key == ("c1", 1, 0) and who == WHO and incident_from_json(payload) == rank_inc
@@ -37,8 +37,8 @@ def test_done_commits_with_the_incident_and_pending_shrinks(tmp_path: Path) -> N
         assert store.inbox_put("c1", 1, WHO, [(0, incident_to_json(rank_inc))]) == []  # a late re-send: still known
 
 
-def test_retention_prunes_only_old_done_rows(tmp_path: Path) -> None:
-    with IncidentStore(tmp_path / "s.db") as store:
+def test_retention_prunes_only_old_done_rows(target: Path | str) -> None:
+    with IncidentStore(target) as store:
         store.inbox_put("c1", 1, WHO, [(0, "{}"), (1, "{}")])
         store.put_incident(make_incident(), inbox_keys=[("c1", 1, 0)])
         later = time.time() + inbox.KEEP_DONE_S + 60

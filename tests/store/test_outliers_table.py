@@ -1,5 +1,5 @@
 """The ``sample_outliers`` table (gradloc/store/outliers.py): findings written with their steps,
-listed newest first, replaced when a step is re-sent, migrated into older files, pruned."""
+listed newest first, replaced when a step is re-sent, pruned (on both databases), migrated into older files."""
 from __future__ import annotations
 
 import sqlite3
@@ -25,8 +25,8 @@ def _step(job: str, step: int, *kinds: str, rank: int = 0, t: float = T0):
     return replace(s, samples=SampleStats(judged=16, flagged=len(outs), outliers=outs))
 
 
-def test_findings_are_stored_with_their_steps_and_listed_newest_first(tmp_path: Path) -> None:
-    with IncidentStore(tmp_path / "s.db") as store:
+def test_findings_are_stored_with_their_steps_and_listed_newest_first(target: Path | str) -> None:
+    with IncidentStore(target) as store:
         store.put_steps([_step("a", 1, "surprise"), _step("a", 2), _step("b", 3, "surprise", "rl_mismatch")])
         rows = store.list_outliers()
         assert [(o.job, o.step, o.kind) for o in rows] == [("b", 3, "surprise"), ("b", 3, "rl_mismatch"),
@@ -38,8 +38,8 @@ def test_findings_are_stored_with_their_steps_and_listed_newest_first(tmp_path: 
         assert len(store.list_outliers(limit=1)) == 1 and len(store.list_outliers(limit=None)) == 3
 
 
-def test_a_resent_step_replaces_its_findings(tmp_path: Path) -> None:
-    with IncidentStore(tmp_path / "s.db") as store:
+def test_a_resent_step_replaces_its_findings(target: Path | str) -> None:
+    with IncidentStore(target) as store:
         store.put_steps([_step("a", 1, "surprise", "surprise")])
         store.put_steps([_step("a", 1, "surprise")])  # at-least-once delivery: the same step again
         assert len(store.list_outliers()) == 1
@@ -65,8 +65,8 @@ def test_an_older_store_gains_the_table_and_keeps_its_rows(tmp_path: Path) -> No
     conn.close()
 
 
-def test_retention_prunes_old_findings(tmp_path: Path) -> None:
-    with IncidentStore(tmp_path / "s.db", RetentionConfig(max_age_days=1)) as store:
+def test_retention_prunes_old_findings(target: Path | str) -> None:
+    with IncidentStore(target, RetentionConfig(max_age_days=1)) as store:
         store.put_steps([_step("a", 1, "surprise", t=T0 - 3 * 86400), _step("a", 2, "surprise")])
         counts = store.apply_retention(now=T0 + 10)
         assert counts["sample_outliers"] == 1 and [o.step for o in store.list_outliers()] == [2]

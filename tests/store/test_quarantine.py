@@ -14,12 +14,12 @@ from gradloc.records import QuarantineEntry
 from gradloc.store import IncidentStore
 
 
-def _cli(db: Path, *args: str):
+def _cli(db: Path | str, *args: str):
     return CliRunner().invoke(main, ["quarantine", *args[:1], "--db", str(db), *args[1:]])
 
 
-def test_the_store_keeps_one_entry_per_kind_and_value_the_first_reason_wins(tmp_path: Path) -> None:
-    with IncidentStore(tmp_path / "q.db") as store:
+def test_the_store_keeps_one_entry_per_kind_and_value_the_first_reason_wins(target: Path | str) -> None:
+    with IncidentStore(target) as store:
         q = store.quarantine
         first = QuarantineEntry(kind="origin", value="web-03.jsonl:17", reason="incident abc", added_unix=1.0,
                                 job="j", step=40, incident_id="abc")
@@ -30,8 +30,8 @@ def test_the_store_keeps_one_entry_per_kind_and_value_the_first_reason_wins(tmp_
         assert q.remove("source", "forum") and not q.remove("source", "forum")
 
 
-def test_the_cli_adds_lists_exports_and_removes(tmp_path: Path) -> None:
-    db = tmp_path / "q.db"
+def test_the_cli_adds_lists_exports_and_removes(target: Path | str, tmp_path: Path) -> None:
+    db = target
     IncidentStore(db).close()
     assert "quarantined: sample s180-3-1" in _cli(db, "add", "sample", "s180-3-1").output
     assert "already quarantined" in _cli(db, "add", "sample", "s180-3-1").output

@@ -1,4 +1,7 @@
-"""The SQLite incident store: schema and pragmas, atomic writes, queries, retention, threads."""
+"""The incident store: schema and pragmas, atomic writes, queries, retention, threads.
+
+Tests taking ``target`` run on both databases (SQLite, then PostgreSQL: tests/store/conftest.py); those
+taking ``db`` are about SQLite files (WAL, pragmas, triggers, file paths)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +26,7 @@ from gradloc.store import (
     default_db_path,
 )
 from gradloc.store import sqlite as store_sqlite
+from gradloc.store.backends import open_backend
 from tests.builders import (
     INCIDENT_ID,
     PARTIAL_TRACE_ID,
@@ -32,6 +36,7 @@ from tests.builders import (
     nonfinite_incident,
     step_summary,
 )
+from tests.postgres import raw
 
 DAY = 86400.0
 
@@ -42,8 +47,8 @@ def db(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def store(db: Path):
-    s = IncidentStore(db)
+def store(target: Path | str):
+    s = IncidentStore(target)
     yield s
     s.close()
 
@@ -52,10 +57,11 @@ def _raw(db: Path) -> sqlite3.Connection:
     return sqlite3.connect(db, isolation_level=None)
 
 
-def _spans(db: Path, incident_id: str) -> list[tuple]:
-    with _raw(db) as conn:
-        return conn.execute('SELECT idx, rank, micro_batch, sample, start, "end", share, text, token_ids, sample_id '
-                            "FROM spans WHERE incident_id = ? ORDER BY idx", (incident_id,)).fetchall()
+def _spans(target: Path | str, incident_id: str) -> list[tuple]:
+    with raw(target) as conn:
+        return [tuple(r) for r in conn.execute('SELECT idx, rank, micro_batch, sample, start, "end", share, text, '
+                                               "token_ids, sample_id FROM spans WHERE incident_id = ? ORDER BY idx",
+                                               (incident_id,))]
 
 
 # -- schema and pragmas ------------------------------------------------------------------------------
@@ -76,29 +82,36 @@ def test_fresh_file_gets_the_current_schema_in_wal_mode_with_parents_created(tmp
     conn.close()
 
 
-def test_reopening_keeps_data(db: Path) -> None:
-    with IncidentStore(db) as s:
+def test_reopening_keeps_data(target: Path | str) -> None:
+    with IncidentStore(target) as s:
         s.put_incident(make_incident())
-    with IncidentStore(db) as s:
+    with IncidentStore(target) as s:
         assert s.get_incident(INCIDENT_ID) == make_incident()
 
 
-def test_a_newer_schema_version_is_refused_and_left_untouched(db: Path) -> None:
-    IncidentStore(db).close()
-    with _raw(db) as conn:
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+def test_a_newer_schema_version_is_refused_and_left_untouched(target: Path | str) -> None:
+    """On open, and on a write of a store opened before a newer gradloc upgraded the database."""
+    backend = open_backend(target, create=True)
+    with IncidentStore(target) as opened:
+        with raw(target) as conn:
+            backend.set_version(conn, SCHEMA_VERSION + 1)
+        with pytest.raises(SchemaVersionError, match=f"schema version {SCHEMA_VERSION + 1}.*newer gradloc"):
+            opened.put_incident(make_incident())
+        assert opened.list_incidents() == []
     with pytest.raises(SchemaVersionError, match=f"schema version {SCHEMA_VERSION + 1}.*newer gradloc"):
-        IncidentStore(db)
-    with _raw(db) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+        IncidentStore(target)
+    with raw(target) as conn:
+        assert backend.version(conn) == SCHEMA_VERSION + 1
 
 
-def test_foreign_files_are_refused(tmp_path: Path) -> None:
-    other = tmp_path / "other.db"
-    with _raw(other) as conn:
-        conn.execute("CREATE TABLE notes (x)")
+def test_foreign_databases_are_refused(target: Path | str) -> None:
+    with raw(target) as conn:
+        conn.execute("CREATE TABLE notes (x TEXT)")
     with pytest.raises(StoreError, match="without an incident-store schema version"):
-        IncidentStore(other)
+        IncidentStore(target)
+
+
+def test_junk_files_are_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"this is not a database, just some text that is long enough" * 10)
     with pytest.raises(StoreError, match="junk.db"):
@@ -111,6 +124,15 @@ def test_missing_file_is_an_error_with_create_false_and_not_created(db: Path) ->
     assert not db.exists()
 
 
+def test_a_database_without_the_schema_is_an_error_with_create_false_and_left_empty(target: Path | str) -> None:
+    with raw(target):  # a SQLite file exists now, empty: as a fresh PostgreSQL database is
+        pass
+    with pytest.raises(StoreError, match="no incident store in"):
+        IncidentStore(target, create=False)
+    with raw(target) as conn:
+        assert not open_backend(target, create=True).has_tables(conn)
+
+
 def test_in_memory_databases_and_bad_retention_are_refused(db: Path) -> None:
     with pytest.raises(StoreError, match="file path"):
         IncidentStore(":memory:")
@@ -118,8 +140,21 @@ def test_in_memory_databases_and_bad_retention_are_refused(db: Path) -> None:
         IncidentStore(db, retention={"max_age_days": 3})
 
 
-def test_a_closed_store_refuses_work(db: Path) -> None:
-    s = IncidentStore(db)
+def test_a_busy_or_unreachable_database_is_unavailable_a_bad_call_is_not(store: IncidentStore) -> None:
+    """What the daemon answers a client whose incidents it could not commit: resend later, or not at all."""
+    if store._backend.dialect == "sqlite":
+        busy: list[BaseException] = [sqlite3.OperationalError("database is locked")]
+    else:
+        import psycopg
+
+        busy = [psycopg.OperationalError("server closed the connection"), StoreError("cannot connect to …")]
+    assert all(store.unavailable(e) for e in busy)
+    bad = [ValueError("bad"), SchemaVersionError("newer"), store._backend.errors[0]("a bad statement")]
+    assert not any(store.unavailable(e) for e in bad)
+
+
+def test_a_closed_store_refuses_work(target: Path | str) -> None:
+    s = IncidentStore(target)
     s.close()
     with pytest.raises(StoreError, match="closed"):
         s.list_incidents()
@@ -127,30 +162,32 @@ def test_a_closed_store_refuses_work(db: Path) -> None:
 
 # -- writing incidents ---------------------------------------------------------------------------
 
-def test_put_incident_fills_all_three_places(store: IncidentStore, db: Path) -> None:
+def test_put_incident_fills_all_three_places(store: IncidentStore, target: Path | str) -> None:
     inc = make_incident()
     store.put_incident(inc)
-    with _raw(db) as conn:
+    with raw(target) as conn:
         row = conn.execute("SELECT trace_id, job, step, time_unix, status, kinds, global_norm, ranks_missing, "
                            "explained_share, probes, json FROM incidents").fetchone()
     assert row[:10] == (PARTIAL_TRACE_ID, "llm-7b", 1200, T0, "partial", '["grad_spike", "loss_spike"]', 4.95, "[2]", 0.93, 2)
     assert json.loads(row[10])["findings"][0]["localization"]["spans"][0]["text"] == " bell"
-    assert _spans(db, INCIDENT_ID) == [
+    assert _spans(target, INCIDENT_ID) == [
         (0, 0, 3, 1, 41, 42, pytest.approx(0.648), " bell", "[66]", "s1200-3-1"),
         (1, 1, 0, 2, 7, 9, pytest.approx(0.14), "zebra\tqu", "[901, 77]", None)]
 
 
-def test_putting_the_same_id_again_replaces_the_incident_and_its_spans(store: IncidentStore, db: Path) -> None:
+def test_putting_the_same_id_again_replaces_the_incident_and_its_spans(store: IncidentStore,
+                                                                        target: Path | str) -> None:
     store.put_incident(make_incident())
     later = dataclasses.replace(make_incident(spans=False), status="complete", ranks_missing=())
     store.put_incident(later)
     assert store.get_incident(INCIDENT_ID) == later
-    assert _spans(db, INCIDENT_ID) == []
+    assert _spans(target, INCIDENT_ID) == []
     assert [r.status for r in store.list_incidents()] == ["complete"]
 
 
-def test_a_failing_span_insert_leaves_the_previous_version_intact(store: IncidentStore, db: Path) -> None:
+def test_a_failing_span_insert_leaves_the_previous_version_intact(db: Path) -> None:
     """A trigger aborts the second span row: neither the replacement nor a new incident half-lands."""
+    store = IncidentStore(db)
     old = make_incident()
     store.put_incident(old)
     with _raw(db) as conn:
@@ -163,9 +200,11 @@ def test_a_failing_span_insert_leaves_the_previous_version_intact(store: Inciden
     assert store.get_incident(INCIDENT_ID) == old
     assert len(_spans(db, INCIDENT_ID)) == 2
     assert store.get_incident("ab" * 16) is None and _spans(db, "ab" * 16) == []
+    store.close()
 
 
-def test_a_constraint_violation_midway_rolls_everything_back(store: IncidentStore, db: Path, monkeypatch) -> None:
+def test_a_constraint_violation_midway_rolls_everything_back(store: IncidentStore, target: Path | str,
+                                                             monkeypatch) -> None:
     real = store_sqlite.span_params
 
     def second_row_has_no_rank(inc):
@@ -174,9 +213,9 @@ def test_a_constraint_violation_midway_rolls_everything_back(store: IncidentStor
         yield rows[1][:2] + (None,) + rows[1][3:]  # rank NOT NULL
 
     monkeypatch.setattr(store_sqlite, "span_params", second_row_has_no_rank)
-    with pytest.raises(sqlite3.IntegrityError, match="NOT NULL"):
+    with pytest.raises(store._backend.errors, match="(?i)not[ -]null"):
         store.put_incident(make_incident())
-    with _raw(db) as conn:
+    with raw(target) as conn:
         assert conn.execute("SELECT count(*) FROM incidents").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM spans").fetchone()[0] == 0
     monkeypatch.undo()
@@ -265,8 +304,8 @@ def test_a_re_run_step_replaces_its_row_and_odd_values_map_to_null(store: Incide
 
 # -- retention ---------------------------------------------------------------------------------
 
-def test_retention_by_age_deletes_old_incidents_spans_and_steps(db: Path) -> None:
-    with IncidentStore(db, RetentionConfig(max_age_days=30, max_incidents=None, max_step_rows=None)) as s:
+def test_retention_by_age_deletes_old_incidents_spans_and_steps(target: Path | str) -> None:
+    with IncidentStore(target, RetentionConfig(max_age_days=30, max_incidents=None, max_step_rows=None)) as s:
         for i, age in enumerate((40, 29, 0)):
             s.put_incident(make_incident(f"{i:02x}" * 16, time_unix=T0 - age * DAY))
         s.put_steps([step_summary("j", 0, 1, T0 - 31 * DAY), step_summary("j", 0, 2, T0 - DAY)])
@@ -275,11 +314,11 @@ def test_retention_by_age_deletes_old_incidents_spans_and_steps(db: Path) -> Non
                           "steps_by_count": 0, "inbox": 0, "sample_outliers": 0, "step_groups": 0}
         assert [r.incident_id for r in s.list_incidents()] == ["02" * 16, "01" * 16]
         assert [r.step for r in s.step_summaries("j")] == [2]
-        assert _spans(db, "00" * 16) == [] and len(_spans(db, "01" * 16)) == 2
+        assert _spans(target, "00" * 16) == [] and len(_spans(target, "01" * 16)) == 2
 
 
-def test_retention_by_count_keeps_the_newest(db: Path) -> None:
-    with IncidentStore(db, RetentionConfig(max_age_days=None, max_incidents=2, max_step_rows=5)) as s:
+def test_retention_by_count_keeps_the_newest(target: Path | str) -> None:
+    with IncidentStore(target, RetentionConfig(max_age_days=None, max_incidents=2, max_step_rows=5)) as s:
         series = incident_series(5)
         for inc in series:
             s.put_incident(inc)
@@ -308,8 +347,9 @@ def test_retention_config_accepts_none_and_defaults() -> None:
 
 # -- threads and WAL ---------------------------------------------------------------------------
 
-def test_a_long_read_does_not_block_a_write(store: IncidentStore, db: Path) -> None:
+def test_a_long_read_does_not_block_a_write(db: Path) -> None:
     """WAL: a reader holding a snapshot neither blocks the writer nor sees the new row mid-read."""
+    store = IncidentStore(db)
     store.put_incident(make_incident())
     reader = _raw(db)
     reader.execute("BEGIN")
@@ -321,6 +361,7 @@ def test_a_long_read_does_not_block_a_write(store: IncidentStore, db: Path) -> N
     reader.execute("COMMIT")
     assert reader.execute("SELECT count(*) FROM incidents").fetchone()[0] == 2
     reader.close()
+    store.close()
 
 
 def test_readers_on_other_threads_only_ever_see_whole_incidents(store: IncidentStore) -> None:
