@@ -11,6 +11,7 @@ from typing import Any
 
 from gradloc.reports import StepSummary
 from gradloc.store.backends import Connection
+from gradloc.store.rows import replace_step_rows, where
 
 MAX_ROWS = 2_000_000  # ~20 groups per step × 100,000 steps
 _SCHEMA = """
@@ -42,9 +43,7 @@ def put(conn: Connection, steps: Sequence[StepSummary]) -> int:
     with_groups = [s for s in steps if s.groups]
     if not with_groups:
         return 0
-    conn.executemany("DELETE FROM step_groups WHERE job = ? AND step = ? AND rank = ?",
-                     [(s.job, s.step, s.rank) for s in with_groups])
-    return conn.executemany(_INSERT, _params(with_groups)).rowcount
+    return replace_step_rows(conn, "step_groups", with_groups, _INSERT, _params(with_groups))
 
 
 def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
@@ -56,13 +55,8 @@ def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
 def totals(conn: Connection, job: str | None, since_unix: float | None,
            until_unix: float | None) -> list[tuple[str, str, int, int]]:
     """(kind, name, samples, tokens) summed over ranks and steps in the window, largest token count first."""
-    conds, args = [], []
-    for cond, value in (("job = ?", job), ("time_unix >= ?", since_unix), ("time_unix < ?", until_unix)):
-        if value is not None:
-            conds.append(cond)
-            args.append(value)
-    where = (" WHERE " + " AND ".join(conds)) if conds else ""
-    sql = (f"SELECT kind, name, SUM(samples), SUM(tokens) FROM step_groups{where} GROUP BY kind, name "
+    cond, args = where(("job = ?", job), ("time_unix >= ?", since_unix), ("time_unix < ?", until_unix))
+    sql = (f"SELECT kind, name, SUM(samples), SUM(tokens) FROM step_groups{cond} GROUP BY kind, name "
            "ORDER BY SUM(tokens) DESC, kind, name")
     return [(k, n, int(a), int(b)) for k, n, a, b in conn.execute(sql, args)]
 

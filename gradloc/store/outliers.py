@@ -13,6 +13,7 @@ from typing import Any
 from gradloc.records import SampleInfo, SampleOutlier, to_dict
 from gradloc.reports import StepSummary
 from gradloc.store.backends import Connection
+from gradloc.store.rows import replace_step_rows, where
 
 MAX_ROWS = 100_000
 COLUMNS = ("job, rank, step, time_unix, kind, score, z, baseline, micro_batch, sample, sample_id, start, "
@@ -71,9 +72,7 @@ def put(conn: Connection, steps: Sequence[StepSummary]) -> int:
     with_findings = [s for s in steps if s.samples is not None and s.samples.outliers]
     if not with_findings:
         return 0
-    conn.executemany("DELETE FROM sample_outliers WHERE job = ? AND step = ? AND rank = ?",
-                     [(s.job, s.step, s.rank) for s in with_findings])
-    return conn.executemany(_INSERT, _params(with_findings)).rowcount
+    return replace_step_rows(conn, "sample_outliers", with_findings, _INSERT, _params(with_findings))
 
 
 def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
@@ -88,13 +87,8 @@ def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
 def select(conn: Connection, job: str | None, kind: str | None, since_unix: float | None,
            limit: int | None) -> list[SampleOutlier]:
     """Newest first."""
-    conds, args = [], []
-    for cond, value in (("job = ?", job), ("kind = ?", kind), ("time_unix >= ?", since_unix)):
-        if value is not None:
-            conds.append(cond)
-            args.append(value)
-    where = (" WHERE " + " AND ".join(conds)) if conds else ""
-    sql = f"SELECT {COLUMNS} FROM sample_outliers{where} ORDER BY time_unix DESC, step DESC, rank, rowid"
+    cond, args = where(("job = ?", job), ("kind = ?", kind), ("time_unix >= ?", since_unix))
+    sql = f"SELECT {COLUMNS} FROM sample_outliers{cond} ORDER BY time_unix DESC, step DESC, rank, rowid"
     if limit is not None:
         sql, args = sql + " LIMIT ?", [*args, limit]
     return [_row(r) for r in conn.execute(sql, args)]

@@ -9,6 +9,7 @@ from typing import Any
 
 from gradloc.records import QuarantineEntry
 from gradloc.store.backends import Connection
+from gradloc.store.rows import where
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS quarantine (
@@ -56,14 +57,9 @@ class Quarantine:
     def list(self, kind: str | None = None, job: str | None = None,
              incident_id: str | None = None) -> list[QuarantineEntry]:
         """Oldest first (the order they were quarantined in); ``incident_id``: what that incident put there."""
-        conds, args = [], []
-        for cond, value in (("kind = ?", kind), ("job = ?", job), ("incident_id = ?", incident_id)):
-            if value is not None:
-                conds.append(cond)
-                args.append(value)
-        where = (" WHERE " + " AND ".join(conds)) if conds else ""
+        cond, args = where(("kind = ?", kind), ("job = ?", job), ("incident_id = ?", incident_id))
         with self._read() as conn:
-            rows = conn.execute(f"SELECT {_COLUMNS} FROM quarantine{where} ORDER BY added_unix, kind, value", args)
+            rows = conn.execute(f"SELECT {_COLUMNS} FROM quarantine{cond} ORDER BY added_unix, kind, value", args)
             return [QuarantineEntry(kind=k, value=v, reason=r, added_unix=t, job=j, step=s, incident_id=i)
                     for k, v, r, t, j, s, i in rows]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,3 +100,19 @@ def step_row(row: Sequence[Any]) -> StepRow:
     job, rank, step, time_unix, norm, loss, top, unattributed, nonfinite, skipped = row
     return StepRow(job, rank, step, time_unix, math.nan if norm is None else norm, loss, top, unattributed,
                    nonfinite, bool(skipped))
+
+
+def where(*filters: tuple[str, Any]) -> tuple[str, list[Any]]:
+    """(" WHERE a = ? AND b >= ?", [its arguments]) from (condition, value) pairs, leaving out those whose value is
+    None ("", [] when none is left): the one filter builder of the store's queries."""
+    kept = [(cond, value) for cond, value in filters if value is not None]
+    return (" WHERE " + " AND ".join(c for c, _ in kept)) if kept else "", [v for _, v in kept]
+
+
+def replace_step_rows(conn: Any, table: str, steps: Sequence[StepSummary], insert: str,
+                      params: Iterable[tuple[Any, ...]]) -> int:
+    """Delete ``table``'s rows of these (job, step, rank)s, then insert ``params``: a re-sent step (delivery is at
+    least once) replaces its rows. Inside the caller's transaction; returns the rows written."""
+    conn.executemany(f"DELETE FROM {table} WHERE job = ? AND step = ? AND rank = ?",
+                     [(s.job, s.step, s.rank) for s in steps])
+    return conn.executemany(insert, params).rowcount

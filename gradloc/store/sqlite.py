@@ -45,6 +45,7 @@ from gradloc.store.rows import (
     span_params,
     step_params,
     step_row,
+    where,
 )
 from gradloc.store.schema import check_version, ensure_schema
 
@@ -292,11 +293,4 @@ class IncidentStore:
 
 
 def _filters(job: str | None, since_unix: float | None) -> tuple[str, list[Any]]:
-    conds, args = [], []
-    if job is not None:
-        conds.append("job = ?")
-        args.append(job)
-    if since_unix is not None:
-        conds.append("time_unix >= ?")
-        args.append(since_unix)
-    return (" WHERE " + " AND ".join(conds)) if conds else "", args
+    return where(("job = ?", job), ("time_unix >= ?", since_unix))
