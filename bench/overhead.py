@@ -49,6 +49,7 @@ class OverheadConfig:
     quick: bool = False  # the small models of bench.models.QUICK
     peers: bool = False  # add the peer tools' variants (TinyGPT only)
     rl: bool = False  # add per_token_rl: the default monitor with per-token RL fields
+    provenance: bool = False  # add per_token_provenance: the default monitor with every sample's provenance
     on_spike: bool = False  # add on_spike: token_stats="on_spike" (no module hook on healthy steps)
     compile: bool = False  # every variant's step calls torch.compile(model) (inductor); adds on_spike
     device: str = "cpu"
@@ -76,7 +77,8 @@ class OverheadConfig:
     @property
     def variants(self) -> tuple[str, ...]:
         return (VARIANTS + (("on_spike",) if self.on_spike or self.compile else ())
-                + (("per_token_rl",) if self.rl else ()) + (PEER_VARIANTS if self.peers else ()))
+                + (("per_token_rl",) if self.rl else ()) + (("per_token_provenance",) if self.provenance else ())
+                + (PEER_VARIANTS if self.peers else ()))
 
 
 def _ms(xs: list[float]) -> float:

@@ -27,6 +27,7 @@ GRADLOC_VARIANTS: dict[str, dict[str, Any]] = {
     "per_token_off": {"update_ratio": "off"},  # no optimizer hooks, no snapshot
     "per_token_rl": {},  # the default, plus per-token RL fields every micro-batch (RLVariant)
     "on_spike": {"token_stats": "on_spike"},  # no module hook on healthy steps (engine/on_spike.py)
+    "per_token_provenance": {},  # the default, plus each sample's SampleInfo (source, origin, a tag) and a loss mask
 }
 COMPUTES = {
     "plain": "nothing (baseline)",
@@ -38,6 +39,8 @@ COMPUTES = {
                 "hook; per-token statistics from re-running a flagged step",
     "per_token_rl": "gradloc default + RL fields (logp, old/rollout logp, advantages, ratio, clipped) and their "
                     "per-step distributions",
+    "per_token_provenance": "gradloc default + every sample's provenance (source of 4, origin, a tag) and a loss "
+                            "mask: the per-step samples and loss tokens per source, tag and length bucket",
 }
 
 
@@ -84,11 +87,26 @@ class RLVariant(GradlocVariant):
             return loss.detach()
 
 
+class ProvenanceVariant(GradlocVariant):
+    """The default monitor, and every micro-batch hands over its samples' provenance (one of four sources, an
+    origin, a tag) and a loss mask: the extra cost of counting each step's data per group (collector/groups.py)."""
+
+    SOURCES = ("web", "code", "books", "forum")
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        infos = [gradloc.SampleInfo(source=self.SOURCES[b % 4], origin=f"shard-{b}.jsonl:{b}", tags={"lang": "en"})
+                 for b in range(y.shape[0])]
+        with self.mon.micro_batch(y, loss_mask=torch.ones_like(y, dtype=torch.bool), sample_infos=infos):
+            return Variant.micro_step(self, x, y, n_tokens)
+
+
 def make_variant(name: str, model: nn.Module, lr: float, device: str = "cpu", compile: bool = False) -> Variant:
     if name == "plain":
         return Variant(name, model, lr, device, compile).compiled()
     if name == "per_token_rl":
         return RLVariant(name, model, lr, device, compile).compiled()
+    if name == "per_token_provenance":
+        return ProvenanceVariant(name, model, lr, device, compile).compiled()
     if name in GRADLOC_VARIANTS:
         return GradlocVariant(name, model, lr, device, compile).compiled()
     if compile:

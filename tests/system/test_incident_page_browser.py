@@ -32,9 +32,10 @@ from gradloc.agent.incident_page import incident_html
 from gradloc.agent.page_chart import chart_points, page_steps
 from gradloc.agent.store_context import StoreContext
 from gradloc.localizer.spans import WINDOW_TOKENS
+from gradloc.records import MAX_SOURCE, MAX_TAG, GroupTokens, SampleInfo
 from gradloc.reports import StepPoint
 from gradloc.store.sqlite import IncidentStore
-from tests.builders import flooded_incident, make_incident
+from tests.builders import flooded_incident, make_incident, step_summary
 from tests.reliability.daemon import ROOT, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -43,12 +44,15 @@ XSS = ('<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
        '"><svg onload="window.pwned=3"></svg>\x1b]0;t\x07')
 
 
+EVIL_INFO = SampleInfo(source=XSS[:MAX_SOURCE], origin=XSS, tags={"task": XSS[:MAX_TAG]})
+
+
 def _evil():
     inc = make_incident(time_unix=time.time())  # (the daemon's retention deletes the fixture's 2025 date)
     findings = []
     for f in inc.findings:
         loc = f.localization
-        spans = tuple(replace(s, text=XSS, context_before=XSS, context_after=XSS, sample_id=XSS,
+        spans = tuple(replace(s, text=XSS, context_before=XSS, context_after=XSS, sample_id=XSS, sample_info=EVIL_INFO,
                               window_tokens=tuple(XSS + str(i) for i in range(len(s.window_tokens))))
                       for s in loc.spans)
         culprits = tuple(replace(c, text=XSS + str(i), sample_id=XSS) for i, c in enumerate(loc.culprits))
@@ -56,7 +60,8 @@ def _evil():
                                                                          note=XSS)))
     history = tuple(StepPoint(rank=0, step=s, global_norm=4.95 if s == inc.step else 0.8 + 0.01 * (s % 3),
                               loss=2.0, norm_mean=0.8, norm_threshold=1.0) for s in range(inc.step - 30, inc.step + 1))
-    spans = tuple(replace(rs, span=replace(rs.span, text=XSS, context_before=XSS, context_after=XSS, sample_id=XSS))
+    spans = tuple(replace(rs, span=replace(rs.span, text=XSS, context_before=XSS, context_after=XSS, sample_id=XSS,
+                                           sample_info=EVIL_INFO))
                   for rs in inc.spans)  # the correlated spans: the answer block at the top of the page shows one
     return replace(inc, job="job" + XSS, note=XSS, findings=tuple(findings), history=history, spans=spans)
 
@@ -161,7 +166,9 @@ def test_incident_page_served_and_written_is_inert_and_offline(tmp_path: Path) -
     db = tmp_path / "store.db"
     inc = _evil()
     with IncidentStore(db) as store:
-        store.put_incident(inc)
+        store.put_incident(inc)  # its culprits' provenance and the step's data per source: the index's Patterns
+        store.put_steps([replace(step_summary(inc.job, 0, inc.step, inc.time_unix),
+                                 groups=(GroupTokens(kind="source", name=EVIL_INFO.source, samples=4, tokens=250),))])
     with serving(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(db)) as agent:
         url = f"http://{agent['http']}/incidents/{inc.incident_id}"
         served = _browse(url, tmp_path / "served.png")
@@ -169,6 +176,7 @@ def test_incident_page_served_and_written_is_inert_and_offline(tmp_path: Path) -
     _check(served, url)
     _check_charts(served, len(inc.history))
     assert index["pwned"] == "undefined" and inc.incident_id[:12] in index["text"]
+    assert "Patterns" in index["text"] and "by source" in index["text"] and "8,000.0" in index["text"]  # 2 / 250 tokens
     out = tmp_path / "incident.html"
     res = subprocess.run([sys.executable, "-m", "gradloc.agent.cli", "incidents", "show", inc.incident_id[:8],
                           "--db", str(db), "--html", str(out)], cwd=ROOT, capture_output=True, text=True,
