@@ -30,7 +30,7 @@ def _progress(enabled: bool):
 
 # benchmarks whose own module parses their arguments: name -> module
 DELEGATED = {"samples": "bench.samples", "faults": "bench.faults", "compare": "bench.compare",
-             "compile-guards": "bench.compile_guards", "deepspeed-grads": "bench.deepspeed_grads"}
+             "compile-guards": "bench.compile_guards", "deepspeed-grads": "bench.deepspeed_grads", "patterns": "bench.patterns"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
