@@ -156,9 +156,11 @@ def restart(cfg: Any, seed: int, mix: Any, ds: Any, db: str, workdir: Path, trai
     job = f"patterns-{seed}-restart"
     mon, agent = _watch(trainer, job, db, cfg.quarantine_z)
     drawn: Counter[str] = Counter()
+    live = Draws(mix.faults)
 
     def note(report: Any, micro: list) -> None:
         drawn.update(info.origin for _, _, _, infos in micro for info in infos)
+        live.note(report, micro)
 
     train_phase(trainer, loader_of(ds, cfg, seed, sampler=sampler), mon, note)
     mon.close()
@@ -170,15 +172,16 @@ def restart(cfg: Any, seed: int, mix: Any, ds: Any, db: str, workdir: Path, trai
     with IncidentStore(db) as store:
         rows = patterns.from_store(store, job=job).of("source")
         flagged = [o for *_, o, _ in _flags(store, job) if o is not None]
-    return {"export_said": said.getvalue().strip().split(" written")[0], "exported": len(q.entries), "bad_lines": q.bad_lines, "skipped": dict(q.skipped),
-            "filter_dataset_kept": len(kept), "filter_dataset_skipped": dict(by_filter.skipped),
-            "sampler_len": len(sampler), "quarantined_rows": len(quarantined),
-            "quarantined_drawn": sum(drawn[o] for o in quarantined),
+    return {"export_said": said.getvalue().strip(), "exported": len(q.entries), "bad_lines": q.bad_lines,
+            "skipped": dict(q.skipped), "filter_dataset_kept": len(kept),
+            "filter_dataset_skipped": dict(by_filter.skipped), "sampler_len": len(sampler),
+            "quarantined_rows": len(quarantined), "quarantined_drawn": sum(drawn[o] for o in quarantined),
             "clean_expected": len(clean_expected), "clean_drawn": len(clean_expected & set(drawn)),
-            "clean_drawn_twice": sum(1 for o in clean_expected if drawn[o] > 1),
-            "draws": sum(drawn.values()),
+            "clean_drawn_twice": sum(1 for o in clean_expected if drawn[o] > 1), "draws": sum(drawn.values()),
             "faulty_drawn": sum(drawn[o] for o in mix.faults), "drawn_outside": len(set(drawn) - expected),
-            "agent_dropped": agent.dropped, "flags": len(flagged), "flags_on_faulty": sum(1 for o in flagged if o in mix.faults),
+            "agent_dropped": agent.dropped, "flags": len(flagged),
+            "flags_on_faulty": sum(1 for o in flagged if o in mix.faults),
+            "live": live.summary(),  # the restart's judge has its own warm-up: what it judged, what it flagged
             "order": [r.name for r in rows],
             "per_million": {r.name: None if r.per_million is None else round(r.per_million, 1) for r in rows}}
 
@@ -193,7 +196,8 @@ def total(runs: list[dict[str, Any]]) -> dict[str, Any]:
         rs.update({k: r["restart"][k] for k in ("quarantined_rows", "quarantined_drawn", "clean_expected",
                                                  "clean_drawn", "faulty_drawn", "drawn_outside", "flags",
                                                  "flags_on_faulty")})
-        rs.update({"skipped": sum(r["restart"]["skipped"].values())})
+        rs.update({"skipped": sum(r["restart"]["skipped"].values()),
+                   "judged": sum(v["judged"] for v in r["restart"]["live"].values())})
         by_fault.update(r["quarantine"]["by_fault"])
         faults.update(r["faults_by_kind"])
         for k, v in r["live"].items():
@@ -233,6 +237,6 @@ def format_table(out: dict[str, Any]) -> str:
               f"{t['recall_by_fault']}), {q['clean']} clean",
               "judged draws flagged live: " + ", ".join(f"{k} {v['flagged']}/{v['judged']}" for k, v in t["live"].items()),
               f"restart: {rs['quarantined_drawn']} quarantined rows drawn, clean {rs['clean_drawn']}/"
-              f"{rs['clean_expected']}, the sampler skipped {rs['skipped']}; {rs['flags']} flags "
+              f"{rs['clean_expected']}, the sampler skipped {rs['skipped']}; {rs['flags']} flags in {rs['judged']} judged draws "
               f"({rs['flags_on_faulty']} on faulty rows left in)"]
     return "\n".join(lines)
