@@ -25,176 +25,21 @@ Per seed:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
-import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from collections import Counter
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench import torch_threads
-
-EPOCH_SEED = 1_000_003
-
-
-@dataclass(frozen=True)
-class PatternsConfig:
-    seeds: int = 3
-    rows_per_source: int = 300
-    fault_rate: float = 0.04  # of a faulty source's rows
-    pretrain_steps: int = 300
-    epochs: int = 3  # measured epochs over the mixture (every faulty row is drawn this many times)
-    micro_batches: int = 2
-    batch: int = 8
-    seq: int = 128
-    d_model: int = 128
-    n_layers: int = 3
-    dropout: float = 0.1
-    lr: float = 2e-3
-    lr_warmup: int = 50
-    min_lr_ratio: float = 0.1
-    quarantine_z: float = 6.0  # QuarantinePolicy.outlier_z
-    corpus_bytes: int = 3_000_000  # files read per kind, at most about (bench/patterns_data.py)
-    threads: int | None = 1
-
-    @staticmethod
-    def quick() -> "PatternsConfig":
-        return PatternsConfig(seeds=1, rows_per_source=48, pretrain_steps=40, epochs=3, corpus_bytes=600_000)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return -(-4 * self.rows_per_source // (self.micro_batches * self.batch))
-
-    def lr_at(self, step: int) -> float:
-        """Linear warm-up, then cosine to ``min_lr_ratio`` × lr over pre-training, measured and restart phases."""
-        if step < self.lr_warmup:
-            return self.lr * (step + 1) / self.lr_warmup
-        total = self.pretrain_steps + (self.epochs + 1) * self.steps_per_epoch
-        p = min(1.0, (step - self.lr_warmup) / max(1, total - self.lr_warmup))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
-
-
-class Trainer:
-    """The user's loop: model, AdamW with decay on matrices, clipping at 1.0, one LR schedule over every phase."""
-
-    def __init__(self, cfg: PatternsConfig, seed: int) -> None:
-        from bench.samples_text import TextConfig, _model
-
-        self.cfg, self.step_no, self.report = cfg, 0, None
-        self.model = _model(TextConfig(seq=cfg.seq, d_model=cfg.d_model, n_layers=cfg.n_layers, dropout=cfg.dropout,
-                                       seed=seed))
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        rest = [p for p in self.model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(0.9, 0.95))
-
-    def pretrain(self, text: dict[str, list[bytes]], seed: int) -> float:
-        """``pretrain_steps`` on clean windows of the four kinds the mixture did not take (no gradloc, no faults):
-        each sample a random kind, then a random window of it. The last 20 steps' mean loss."""
-        gen = torch.Generator().manual_seed(seed * EPOCH_SEED - 1)
-        kinds = [k for k in text if text[k]]
-        n, losses = self.cfg.micro_batches * self.cfg.batch, []
-        for _ in range(self.cfg.pretrain_steps):
-            rows = []
-            for k in torch.randint(0, len(kinds), (n,), generator=gen).tolist():
-                pool = text[kinds[k]]
-                rows.append(list(pool[int(torch.randint(0, len(pool), (1,), generator=gen))]))
-            w = torch.tensor(rows).view(self.cfg.micro_batches, self.cfg.batch, -1)  # (M, B, T + 1)
-            losses.append(self.step([(w[i, :, :-1], w[i, :, 1:], None, None) for i in range(len(w))], None))
-        tail = losses[-20:]
-        return sum(tail) / len(tail)
-
-    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list | None]],
-             mon: Any) -> float:
-        """One optimizer step over micro-batches of (inputs, labels, loss mask, SampleInfos); the mean token loss."""
-        from bench.natural import token_losses
-
-        for g in self.opt.param_groups:
-            g["lr"] = self.cfg.lr_at(self.step_no)
-        n = sum(int(x.numel()) if m is None else int(m.sum()) for x, _, m, _ in micro)
-
-        def loss_for(i: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-            x, y, m, _ = micro[i]
-            w = torch.ones_like(y, dtype=torch.float32) if m is None else m.float()
-            w = w if mask is None else w * mask
-            return (token_losses(self.model(input_ids=x).logits, y) * w).sum() / n
-
-        total = torch.zeros(())
-        for i, (_, y, m, infos) in enumerate(micro):
-            if mon is None:
-                loss = loss_for(i)
-                loss.backward()
-            else:
-                with mon.micro_batch(y, loss_mask=m, sample_infos=infos):
-                    loss = loss_for(i)
-                    loss.backward()
-            total += loss.detach()
-        if mon is not None:
-            self.report = mon.end_step(total, probe=loss_for)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.step_no += 1
-        return float(total)
-
-
-def _watch(trainer: Trainer, job: str, db: str, quarantine_z: float) -> tuple[Any, Any]:
-    """gradloc watching ``trainer``'s model, its records going to an in-process agent core with the quarantine
-    policy on (``WatchConfig`` has no field for the core's config, so the ``EmbeddedAgent`` is built here and
-    given as the monitor's sink, as ``watch`` would build it)."""
-    import gradloc
-    from bench.samples_text import decode
-    from gradloc.agent.core import CoreConfig
-    from gradloc.agent.embedded import EmbeddedAgent
-    from gradloc.agent.quarantine_policy import QuarantinePolicy
-
-    agent = EmbeddedAgent(job=job, store_path=db, core_config=CoreConfig(
-        quarantine=QuarantinePolicy(culprits=True, outlier_z=quarantine_z)))
-    mon = gradloc.watch(trainer.model, trainer.opt, job=job, embedded=False, sinks=[agent], update_ratio="off",
-                        max_overhead=None, decode=decode)  # no shedding: what is judged must not depend on timing
-    return mon, agent
-
-
-def _micro_batches(loader: Any, m: int) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]]]:
-    """The loader's batches, ``m`` at a time (one optimizer step), each as (inputs, labels, loss mask, infos)."""
-    from gradloc.integrations.provenance import pop_sample_infos
-
-    group = []
-    for batch in loader:
-        batch, infos = pop_sample_infos(batch)
-        labels = batch["labels"]
-        group.append((batch["input_ids"], labels, torch.ones_like(labels, dtype=torch.bool), infos))
-        if len(group) == m:
-            yield group
-            group = []
-    if group:  # the epoch's last, shorter step: every row drawn is trained on
-        yield group
-
-
-def train_phase(trainer: Trainer, loader: Any, mon: Any, on_step: Callable[[Any, list], None]) -> list[float]:
-    """One pass of ``loader`` with ``mon`` watching; ``on_step(gradloc's StepReport, micro-batches)`` after each."""
-    losses = []
-    for micro in _micro_batches(loader, trainer.cfg.micro_batches):
-        losses.append(trainer.step(micro, mon))
-        on_step(trainer.report, micro)
-    return losses
-
-
-def loader_of(ds: Any, cfg: PatternsConfig, seed: int, sampler: Any = None) -> Any:
-    """A torch DataLoader over the HF dataset: random order per ``seed``, provenance through the collator."""
-    from torch.utils.data import DataLoader, RandomSampler
-    from transformers import default_data_collator
-
-    from gradloc.integrations.provenance import ProvenanceCollator
-
-    sampler = sampler if sampler is not None else RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
-    return DataLoader(ds.with_format(None), batch_size=cfg.batch, sampler=sampler,
-                      collate_fn=ProvenanceCollator(default_data_collator))
+from bench.patterns_loop import EPOCH_SEED, PatternsConfig, Trainer, loader_of, train_phase, watch_with_agent
 
 
 def run_seed(cfg: PatternsConfig, seed: int, workdir: Path, progress: Any = None) -> dict[str, Any]:
@@ -210,7 +55,7 @@ def run_seed(cfg: PatternsConfig, seed: int, workdir: Path, progress: Any = None
     for stale in (db, db + "-wal", db + "-shm", str(workdir / f"quarantine-{seed}.jsonl")):
         Path(stale).unlink(missing_ok=True)  # a kept folder used again: this run's store only
     job = f"patterns-{seed}"
-    mon, agent = _watch(trainer, job, db, cfg.quarantine_z)
+    mon, agent = watch_with_agent(trainer, job, db, cfg.quarantine_z)
     draws = patterns_score.Draws(mix.faults)
 
     losses: list[float] = []
@@ -222,13 +67,66 @@ def run_seed(cfg: PatternsConfig, seed: int, workdir: Path, progress: Any = None
     dropped = agent.dropped
     t_measured = time.time()
     found = patterns_score.findings(db, job, mix, draws.fed, cfg.seq)
-    restart = patterns_score.restart(cfg, seed, mix, ds, db, workdir, trainer)
+    restart_out = restart(cfg, seed, mix, ds, db, workdir, trainer)
     return {"seed": seed, "faulty_sources": list(mix.faulty_sources), "faulty_rows": len(mix.faults),
             "faults_by_kind": patterns_score.count(mix.faults.values()), "rows": len(ds),
             "pretrain_loss": round(pre_loss, 3), "measured_loss_last": round(sum(losses[-20:]) / len(losses[-20:]), 3),
-            "measured_steps": len(losses), "agent_dropped": dropped, "live": draws.summary(), **found, "restart": restart,
+            "measured_steps": len(losses), "agent_dropped": dropped, "live": draws.summary(), **found, "restart": restart_out,
             "seconds": {"pretrain": round(t_pre - t0, 1), "measured": round(t_measured - t_pre, 1),
                         "restart": round(time.time() - t_measured, 1)}}
+
+
+def restart(cfg: PatternsConfig, seed: int, mix: Any, ds: Any, db: str, workdir: Path, trainer: Any) -> dict[str, Any]:
+    """Step 4 (module docstring): one epoch after a restart, through the loader helper."""
+    from torch.utils.data import RandomSampler
+
+    from bench.patterns_score import Draws, flags_of
+    from gradloc.agent import patterns
+    from gradloc.agent.cli import main as agent_cli
+    from gradloc.integrations.provenance import ORIGIN, SOURCE
+    from gradloc.integrations.quarantine import QuarantineList, QuarantineSampler
+
+    out = workdir / f"quarantine-{seed}.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # the CLI's own line, kept out of --json's stdout
+        agent_cli.main(["quarantine", "export", "--db", db, str(out)], standalone_mode=False)
+    q = QuarantineList.load(out)
+    origins, sources = ds[ORIGIN], ds[SOURCE]
+    gen = torch.Generator().manual_seed(seed * EPOCH_SEED + cfg.epochs)
+    sampler = QuarantineSampler(RandomSampler(ds, generator=gen), q, key=lambda i: (None, origins[i], sources[i]),
+                                size=len(ds))
+    by_filter = QuarantineList.load(out)
+    kept = by_filter.filter_dataset(ds)
+    quarantined = {origins[i] for i in sampler.blocked}
+    job = f"patterns-{seed}-restart"
+    mon, agent = watch_with_agent(trainer, job, db, cfg.quarantine_z)
+    drawn: Counter[str] = Counter()
+    live = Draws(mix.faults)
+
+    def note(report: Any, micro: list) -> None:
+        drawn.update(info.origin for _, _, _, infos in micro for info in infos)
+        live.note(report, micro)
+
+    train_phase(trainer, loader_of(ds, cfg, seed, sampler=sampler), mon, note)
+    mon.close()
+    expected = {o for o in origins if o not in quarantined}
+    clean_expected = expected - set(mix.faults)
+    from gradloc.store.sqlite import IncidentStore
+
+    with IncidentStore(db) as store:
+        rows = patterns.from_store(store, job=job).of("source")
+        flagged = [o for *_, o, _ in flags_of(store, job) if o is not None]
+    return {"export_said": said.getvalue().strip(), "exported": len(q.entries), "bad_lines": q.bad_lines,
+            "skipped": dict(q.skipped), "filter_dataset_kept": len(kept),
+            "filter_dataset_skipped": dict(by_filter.skipped), "sampler_len": len(sampler),
+            "quarantined_rows": len(quarantined), "quarantined_drawn": sum(drawn[o] for o in quarantined),
+            "clean_expected": len(clean_expected), "clean_drawn": len(clean_expected & set(drawn)),
+            "clean_drawn_twice": sum(1 for o in clean_expected if drawn[o] > 1), "draws": sum(drawn.values()),
+            "faulty_drawn": sum(drawn[o] for o in mix.faults), "drawn_outside": len(set(drawn) - expected),
+            "agent_dropped": agent.dropped, "flags": len(flagged),
+            "flags_on_faulty": sum(1 for o in flagged if o in mix.faults),
+            "live": live.summary(),  # the restart's judge has its own warm-up: what it judged, what it flagged
+            "order": [r.name for r in rows],
+            "per_million": {r.name: None if r.per_million is None else round(r.per_million, 1) for r in rows}}
 
 
 def run_patterns(cfg: PatternsConfig, progress: Any = None, keep: str | None = None,

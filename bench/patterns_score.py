@@ -7,18 +7,14 @@
   collator, the monitor, the wire and the store) and :func:`~bench.patterns_data.resolve` must read that row's
   bytes back from the named file and line (*resolves*); it is a true flag when the row is faulty.
 - **quarantine**: the store's list against the faulty rows (recall, and clean rows quarantined);
-- **restart**: the list exported by ``gradloc-agent quarantine export`` and loaded with ``QuarantineList.load``,
-  one epoch through ``QuarantineSampler``: quarantined rows drawn again (target 0), clean rows drawn against the
-  clean rows that are not quarantined (each exactly once), the helper's own ``skipped`` count, the same list
-  through ``filter_dataset``, and what gradloc flagged on the restart epoch per source.
+- **live**: :class:`Draws`, gradloc's judgement of every draw as the loop saw it (each step's ``StepReport``);
+- :func:`total` pools the seeds; :func:`format_table` is the human table. The restart epoch is run and counted in
+  bench/patterns.py (``restart``).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 
@@ -39,7 +35,7 @@ def _ranking(store: Any, job: str, faulty: tuple[str, ...]) -> dict[str, Any]:
                                  "samples": r.samples} for r in rows}}
 
 
-def _flags(store: Any, job: str) -> list[tuple[str, int, int, int, str | None, str | None, float | None]]:
+def flags_of(store: Any, job: str) -> list[tuple[str, int, int, int, str | None, str | None, float | None]]:
     """Every flag of the job: (what, step, micro-batch, sample, source, origin, z)."""
     out = []
     for o in store.list_outliers(job=job, kind="surprise", limit=None):
@@ -60,7 +56,7 @@ def findings(db: str, job: str, mix: Any, fed: dict[tuple[int, int, int], str], 
     sources = mix.origins
     with IncidentStore(db) as store:
         ranking = _ranking(store, job, mix.faulty_sources)
-        flags = _flags(store, job)
+        flags = flags_of(store, job)
         held = store.quarantine.list(job=job)
         incidents = sum(1 for _ in store.iter_incidents(job=job))
     clean = {o: b for rows in mix.rows.values() for o, b in rows}
@@ -130,60 +126,6 @@ class Draws:
     def summary(self) -> dict[str, dict[str, Any]]:
         return {k: {"judged": n, "flagged": self.flagged[k], "rate": round(self.flagged[k] / n, 3),
                     "z_median": _median(self.z.get(k, []))} for k, n in sorted(self.judged.items())}
-
-
-def restart(cfg: Any, seed: int, mix: Any, ds: Any, db: str, workdir: Path, trainer: Any) -> dict[str, Any]:
-    """One epoch after a restart through the loader helper (module docstring)."""
-    import torch
-    from torch.utils.data import RandomSampler
-
-    from bench.patterns import EPOCH_SEED, _watch, loader_of, train_phase
-    from gradloc.agent.cli import main as agent_cli
-    from gradloc.integrations.provenance import ORIGIN, SOURCE
-    from gradloc.integrations.quarantine import QuarantineList, QuarantineSampler
-
-    out = workdir / f"quarantine-{seed}.jsonl"
-    with contextlib.redirect_stdout(io.StringIO()) as said:  # the CLI's own line, kept out of --json's stdout
-        agent_cli.main(["quarantine", "export", "--db", db, str(out)], standalone_mode=False)
-    q = QuarantineList.load(out)
-    origins, sources = ds[ORIGIN], ds[SOURCE]
-    gen = torch.Generator().manual_seed(seed * EPOCH_SEED + cfg.epochs)
-    sampler = QuarantineSampler(RandomSampler(ds, generator=gen), q, key=lambda i: (None, origins[i], sources[i]),
-                                size=len(ds))
-    by_filter = QuarantineList.load(out)
-    kept = by_filter.filter_dataset(ds)
-    quarantined = {origins[i] for i in sampler.blocked}
-    job = f"patterns-{seed}-restart"
-    mon, agent = _watch(trainer, job, db, cfg.quarantine_z)
-    drawn: Counter[str] = Counter()
-    live = Draws(mix.faults)
-
-    def note(report: Any, micro: list) -> None:
-        drawn.update(info.origin for _, _, _, infos in micro for info in infos)
-        live.note(report, micro)
-
-    train_phase(trainer, loader_of(ds, cfg, seed, sampler=sampler), mon, note)
-    mon.close()
-    expected = {o for o in origins if o not in quarantined}
-    clean_expected = expected - set(mix.faults)
-    from gradloc.agent import patterns
-    from gradloc.store.sqlite import IncidentStore
-
-    with IncidentStore(db) as store:
-        rows = patterns.from_store(store, job=job).of("source")
-        flagged = [o for *_, o, _ in _flags(store, job) if o is not None]
-    return {"export_said": said.getvalue().strip(), "exported": len(q.entries), "bad_lines": q.bad_lines,
-            "skipped": dict(q.skipped), "filter_dataset_kept": len(kept),
-            "filter_dataset_skipped": dict(by_filter.skipped), "sampler_len": len(sampler),
-            "quarantined_rows": len(quarantined), "quarantined_drawn": sum(drawn[o] for o in quarantined),
-            "clean_expected": len(clean_expected), "clean_drawn": len(clean_expected & set(drawn)),
-            "clean_drawn_twice": sum(1 for o in clean_expected if drawn[o] > 1), "draws": sum(drawn.values()),
-            "faulty_drawn": sum(drawn[o] for o in mix.faults), "drawn_outside": len(set(drawn) - expected),
-            "agent_dropped": agent.dropped, "flags": len(flagged),
-            "flags_on_faulty": sum(1 for o in flagged if o in mix.faults),
-            "live": live.summary(),  # the restart's judge has its own warm-up: what it judged, what it flagged
-            "order": [r.name for r in rows],
-            "per_million": {r.name: None if r.per_million is None else round(r.per_million, 1) for r in rows}}
 
 
 def total(runs: list[dict[str, Any]]) -> dict[str, Any]:
