@@ -115,7 +115,8 @@ def restart(cfg: PatternsConfig, seed: int, mix: Any, ds: Any, db: str, workdir:
     with IncidentStore(db) as store:
         rows = patterns.from_store(store, job=job).of("source")
         flagged = [o for *_, o, _ in flags_of(store, job) if o is not None]
-    return {"export_said": said.getvalue().strip(), "exported": len(q.entries), "bad_lines": q.bad_lines,
+    return {"export_said": said.getvalue().strip().split(" written")[0],  # "N entries" (the path is the run's)
+            "exported": len(q.entries), "bad_lines": q.bad_lines,
             "skipped": dict(q.skipped), "filter_dataset_kept": len(kept),
             "filter_dataset_skipped": dict(by_filter.skipped), "sampler_len": len(sampler),
             "quarantined_rows": len(quarantined), "quarantined_drawn": sum(drawn[o] for o in quarantined),
