@@ -2,7 +2,7 @@
 
 ``overhead``, ``localization``, ``agent``, ``soak`` and ``healthy`` are parsed here (``overhead`` runs TinyGPT and an
 HF Llama side by side, ``--model``; ``--memory``, ``--peers`` and ``--profile`` are its other modes); ``samples``,
-``faults``, ``compare``, ``compile-guards`` and ``deepspeed-grads`` hand their arguments to their own module's
+``faults``, ``patterns``, ``compare``, ``compile-guards`` and ``deepspeed-grads`` hand their arguments to their own module's
 ``main`` (``--help`` there).
 
 With ``--json`` exactly one JSON object is printed on stdout (progress goes to stderr with
@@ -30,7 +30,8 @@ def _progress(enabled: bool):
 
 # benchmarks whose own module parses their arguments: name -> module
 DELEGATED = {"samples": "bench.samples", "faults": "bench.faults", "compare": "bench.compare",
-             "compile-guards": "bench.compile_guards", "deepspeed-grads": "bench.deepspeed_grads"}
+             "compile-guards": "bench.compile_guards", "deepspeed-grads": "bench.deepspeed_grads",
+             "patterns": "bench.patterns"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
