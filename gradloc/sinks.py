@@ -50,12 +50,15 @@ def default_sinks(cfg: "WatchConfig", embedded_store: bool = True) -> list[Any]:
             sinks.append(AgentClient(cfg.agent, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, token=token,
                                      tls_ca=cfg.agent_tls_ca))
         elif cfg.embedded:
+            from gradloc.agent.core import CoreConfig
             from gradloc.agent.embedded import EmbeddedAgent
+            from gradloc.agent.quarantine_policy import QuarantinePolicy
 
+            policy = QuarantinePolicy(culprits=cfg.quarantine_culprits, outlier_z=cfg.quarantine_outlier_z or None)
             sinks.append(EmbeddedAgent(job=cfg.job, rank=cfg.rank, world_size=cfg.world_size,
                                        store=cfg.store and embedded_store, store_path=cfg.store_path,
                                        metrics_address=cfg.metrics_address if embedded_store else None,
-                                       otlp_endpoint=cfg.otlp_endpoint))
+                                       otlp_endpoint=cfg.otlp_endpoint, core_config=CoreConfig(quarantine=policy)))
     except BaseException:
         for sink in sinks:
             sink.shutdown()

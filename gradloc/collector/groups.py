@@ -51,10 +51,13 @@ def tokens_pack(metas: Sequence[MicroBatchMeta], device: torch.device) -> torch.
         if m.loss_mask is None:
             parts.append(torch.tensor(lengths, dtype=torch.float64, device=device))
             continue
-        mask = m.loss_mask.to(device=device, dtype=torch.float64).reshape(-1)  # (B, T) -> (B·T,)
+        mask = m.loss_mask.to(device=device, dtype=torch.float64)  # (B, T)
+        if not m.packed:  # one sample per row
+            parts.append(mask.sum(dim=1))
+            continue
         seg = torch.repeat_interleave(torch.arange(m.n_samples, device=device), torch.tensor(lengths, device=device),
-                                      output_size=sum(lengths))  # (B·T,) each position's sample; no size sync
-        parts.append(torch.zeros(m.n_samples, dtype=torch.float64, device=device).index_add_(0, seg, mask))
+                                      output_size=sum(lengths))  # (N,) each position's sample; no size sync
+        parts.append(torch.zeros(m.n_samples, dtype=torch.float64, device=device).index_add_(0, seg, mask.reshape(-1)))  # (1, N) -> (N,)
     return torch.cat(parts)  # (S,)
 
 

@@ -67,6 +67,10 @@ class WatchConfig:
     store: bool = True  # embedded mode keeps incidents in the SQLite store
     metrics_address: str | None = None  # embedded mode: serve /metrics and /api here, e.g. "127.0.0.1:9917"
     otlp_endpoint: str | None = None  # embedded mode: export metrics and traces over OTLP/gRPC
+    # embedded mode's quarantine policy (a daemon's: serve --quarantine-culprits / --quarantine-outlier-z): every
+    # sample a located incident names, every surprise outlier at or above this z (0: none) goes on the store's list
+    quarantine_culprits: bool = False
+    quarantine_outlier_z: float = 0.0
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     localizer: LocalizerConfig = field(default_factory=LocalizerConfig)
     samples: SampleConfig = field(default_factory=SampleConfig)  # per-sample outlier findings
@@ -77,6 +81,7 @@ class WatchConfig:
         check(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
         check(self.world_size >= 1 and self.rank < self.world_size,
                f"need 0 <= rank < world_size, got rank {self.rank}, world_size {self.world_size}")
+        check(self.quarantine_outlier_z >= 0, f"quarantine_outlier_z must be >= 0 (0: off), got {self.quarantine_outlier_z}")
         for name in ("agent", "metrics_address"):
             addr = getattr(self, name)
             check(addr is None or is_address(addr), f"{name} must be 'host:port', got {addr!r}")

@@ -120,13 +120,20 @@ class QuarantineList:
 
 class QuarantineSampler:
     """A sampler (any iterable of dataset indices) without the quarantined indices: ``key(i)`` gives index i's
-    (sample id, origin, source). Checked once over every index at construction (refusing an all-quarantined
-    dataset); the indices it drops are counted in the list's ``skipped``."""
+    (sample id, origin, source). Checked once over every index of the dataset at construction (refusing an
+    all-quarantined dataset); the indices it drops are counted in the list's ``skipped``. ``size``: the dataset's
+    length (default: the wrapped sampler's ``data_source`` or ``dataset``, else its own length).
+
+    ``len()``: exact for a sampler that draws every index once (``SequentialSampler``, ``RandomSampler`` without
+    replacement over the whole dataset), for a ``DistributedSampler`` (counted over its own seeded order: no
+    global RNG is drawn) and a fixed sequence of indices; for any other sampler, its own length — an upper bound, said once in the log."""
 
     def __init__(self, sampler: Iterable[int], quarantine: QuarantineList, key: Callable[[int], Key],
                  size: int | None = None) -> None:
         self.sampler, self.q = sampler, quarantine
-        n = size if size is not None else len(sampler)  # type: ignore[arg-type]
+        data = getattr(sampler, "data_source", None) or getattr(sampler, "dataset", None)
+        n = size if size is not None else len(data) if data is not None else len(sampler)  # type: ignore[arg-type]
+        self._size, self._warned = n, False
         hits: Counter[str] = Counter()
         self.blocked: set[int] = set()
         for i in range(n):
@@ -140,7 +147,18 @@ class QuarantineSampler:
         return (i for i in self.sampler if i not in self.blocked)
 
     def __len__(self) -> int:
-        return len(self.sampler) - len(self.blocked)  # type: ignore[arg-type]
+        from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+        s = self.sampler
+        if isinstance(s, SequentialSampler) or (isinstance(s, RandomSampler) and not s.replacement
+                                                 and s.num_samples == self._size):
+            return self._size - len(self.blocked)
+        if isinstance(s, (DistributedSampler, range, list, tuple)):  # its own seeded order, or a fixed one: counted
+            return sum(1 for i in s if i not in self.blocked)
+        if not self._warned:
+            self._warned = True
+            log.info("gradloc: QuarantineSampler over a %s: len() is its length, an upper bound", type(s).__name__)
+        return len(s)  # type: ignore[arg-type]
 
 
 __all__ = ["EverySampleQuarantined", "Key", "QuarantineList", "QuarantineSampler"]

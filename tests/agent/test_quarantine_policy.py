@@ -73,3 +73,25 @@ def test_the_core_quarantines_outliers_from_the_steps_it_stores(tmp_path: Path) 
     with IncidentStore(db) as store:
         assert [(e.kind, e.value, e.job, e.step) for e in store.quarantine.list()] == \
             [("origin", "forum-03.jsonl:812", "j", 9)]
+
+
+def test_embedded_mode_quarantines_by_the_watch_config_s_policy(tmp_path: Path) -> None:
+    """watch(..., quarantine_culprits=True) without a daemon: the in-process agent puts what a located incident
+    names on its store's list, as ``serve --quarantine-culprits`` does."""
+    from gradloc.config import WatchConfig
+    from gradloc.errors import ConfigError
+    from gradloc.sinks import default_sinks
+
+    db = tmp_path / "embedded.db"
+    (agent,) = default_sinks(WatchConfig(job="llm-7b", store_path=str(db), quarantine_culprits=True))
+    agent.on_incident(replace(finding(0, 1200, BELL, incident_id="", time_unix=T0), incident_id="a" * 32))
+    agent.shutdown()
+    with IncidentStore(db) as store:
+        assert [(e.kind, e.value) for e in store.quarantine.list()] == [("sample", "s1200-3-1")]
+    (off,) = default_sinks(WatchConfig(job="llm-7b", store_path=str(tmp_path / "off.db")))  # the default: off
+    off.on_incident(replace(finding(0, 1200, BELL, incident_id="", time_unix=T0), incident_id="b" * 32))
+    off.shutdown()
+    with IncidentStore(tmp_path / "off.db") as store:
+        assert store.quarantine.list() == []
+    with pytest.raises(ConfigError, match="quarantine_outlier_z"):
+        WatchConfig(quarantine_outlier_z=-1.0)

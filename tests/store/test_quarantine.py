@@ -114,3 +114,28 @@ def test_the_loader_reads_the_list_from_the_store_the_daemon_and_an_export_alike
         nobody.close()
     with pytest.raises(Exception, match="no incident store"):
         QuarantineList.from_store(tmp_path / "missing.db")
+
+
+def test_the_sampler_s_length_is_what_it_yields_or_an_upper_bound() -> None:
+    """Issue 35's loader helper over the samplers a DataLoader is built with: exact where the order covers the
+    dataset once or is the DistributedSampler's own, an upper bound (the wrapped length) where it is not."""
+    import torch
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    from gradloc.integrations.quarantine import QuarantineList, QuarantineSampler
+
+    data = list(range(10))
+    q = QuarantineList((*(QuarantineEntry(kind="sample", value=f"s{i}") for i in (1, 3, 5, 7)),))
+
+    def key(i: int):
+        return f"s{i}", None, None
+
+    torch.manual_seed(0)
+    for inner in (SequentialSampler(data), RandomSampler(data),
+                  DistributedSampler(data, num_replicas=2, rank=0, shuffle=False),
+                  DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)):
+        s = QuarantineSampler(inner, q, key)
+        got = list(s)
+        assert len(s) == len(got) and not set(got) & {1, 3, 5, 7}, (type(inner).__name__, len(s), got)
+    bounded = QuarantineSampler(RandomSampler(data, replacement=True, num_samples=4), q, key)
+    assert len(bounded) == 4 >= len(list(bounded))
