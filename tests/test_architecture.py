@@ -285,3 +285,13 @@ def test_modules_stay_around_300_lines():
     assert len(sizes) > 100, len(sizes)
     over = {m: n for m, n in sizes.items() if n > MAX_LINES}
     assert not over, f"split these modules (over {MAX_LINES} lines): {over}"
+
+
+def test_every_test_module_has_its_own_name():
+    """pytest's rootdir import mode imports a test module outside a package by its basename: two such ``test_x.py``
+    in different folders stop the whole run at collection (it did, twice, in issue 35's work)."""
+    from collections import Counter
+
+    # a module in a folder without __init__.py is imported by its basename alone (in a package: by its dotted path)
+    names = Counter(p.name for p in (ROOT / "tests").rglob("test_*.py") if not (p.parent / "__init__.py").exists())
+    assert [n for n, k in names.items() if k > 1] == []
