@@ -90,7 +90,7 @@ def _check_incidents(conn: sqlite3.Connection) -> list[Any]:
         head, want = incident_row(row[:-1]), IncidentRow.of(inc)
         assert to_dict(head) == to_dict(want), (head, want)
         spans = conn.execute('SELECT incident_id, idx, rank, micro_batch, sample, start, "end", share, text, '
-                             "token_ids, sample_id FROM spans WHERE incident_id = ? ORDER BY idx",
+                             "token_ids, sample_id, source, origin FROM spans WHERE incident_id = ? ORDER BY idx",
                              (inc.incident_id,)).fetchall()
         assert spans == list(span_params(inc)), inc.incident_id
         out.append(inc)
