@@ -1,9 +1,8 @@
-"""``gradloc-agent quarantine add|remove|list|export``: the samples and sources kept out of the next run, edited by
+"""``gradloc-agent quarantine add|remove|list|export|import``: the samples and sources kept out of the next run, edited by
 hand in the store (``--db``, or ``$GRADLOC_DB``, or the default store) and exported for the loader-side helpers
 (gradloc/integrations/quarantine.py). Nothing here imports torch."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -76,12 +75,32 @@ def list_(db: Path | str | None, as_json: bool, kind: str | None, job: str | Non
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 def export(db: Path | str | None, out: Path) -> None:
     """Write the list as JSON lines, for QuarantineList.load in the training job."""
-    from gradloc.records import to_dict
+    from gradloc.records.quarantine import entries_jsonl
 
     with _opened(db) as store:
         entries = store.quarantine.list()
-    out.write_text("".join(json.dumps(to_dict(e), ensure_ascii=False) + "\n" for e in entries), encoding="utf-8")
-    click.echo(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} written to {out}")
+    out.write_text(entries_jsonl(entries), encoding="utf-8")
+    click.echo(f"{_entries(len(entries))} written to {out}")
+
+
+@quarantine.command("import")
+@_db_option
+@click.argument("src", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+def import_(db: Path | str | None, src: Path) -> None:
+    """Add the entries of a JSON-lines list (an export, or QuarantineList.save after with_lookalikes) to the store.
+    Lines that are not entries are named and skipped; entries already there are kept as they are."""
+    from gradloc.records.quarantine import parse_jsonl
+
+    entries, bad = parse_jsonl(src.read_text(encoding="utf-8").splitlines())
+    for n, why in bad:
+        click.echo(f"line {n} skipped: {visible(why)}", err=True)
+    with _opened(db) as store:
+        new = store.quarantine.add(entries)
+    click.echo(f"{_entries(new)} added, {len(entries) - new} already quarantined, {len(bad)} lines skipped")
+
+
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
 
 
 __all__ = ["quarantine"]

@@ -7,6 +7,8 @@
 A row is skipped when its sample id, its origin or its source is on the list (the columns ``with_provenance``
 adds, ``integrations/provenance.py``). Both helpers count what they skipped (``skipped``, by kind) and refuse —
 with a clear error — a list that would leave no sample: a loader that trains on nothing is never the answer.
+``with_lookalikes`` adds the rows that look like quarantined ones (a content fault gradloc flagged only the first few
+rows of: integrations/lookalike.py).
 Lines of the list that are not entries (malformed JSON, an unknown kind, a value past its limit) are skipped,
 counted in ``QuarantineList.bad_lines`` and logged, never guessed.
 """
@@ -14,17 +16,21 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradloc.integrations import lookalike
+from gradloc.integrations.lookalike import LookalikeConfig
 from gradloc.integrations.provenance import ORIGIN, SOURCE
 from gradloc.records import QuarantineEntry, QuarantineKind, to_dict
+from gradloc.records.quarantine import MAX_REASON, entries_jsonl, parse_jsonl
 
 log = logging.getLogger("gradloc")
-Key = tuple[str | None, str | None, str | None]  # (sample id, origin, source) of one sample
+Key = lookalike.Key  # (sample id, origin, source) of one sample
 
 
 class EverySampleQuarantined(ValueError):
@@ -36,6 +42,7 @@ class QuarantineList:
     entries: tuple[QuarantineEntry, ...] = ()
     bad_lines: int = 0  # lines of the loaded list that were not valid entries (logged)
     skipped: Counter[str] = field(default_factory=Counter)  # samples a helper left out, by the kind that matched
+    unnamed_lookalikes: int = 0  # look-alike rows with_lookalikes could not name (no origin, no sample id)
 
     def __post_init__(self) -> None:
         by = {k: frozenset(e.value for e in self.entries if e.kind == k) for k in QuarantineKind}
@@ -70,19 +77,10 @@ class QuarantineList:
 
     @classmethod
     def parse(cls, lines: Iterable[str]) -> QuarantineList:
-        entries, bad = [], 0
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                entries.append(QuarantineEntry(kind=d["kind"], value=d["value"], reason=d.get("reason", ""),
-                                               added_unix=float(d.get("added_unix", 0.0)), job=d.get("job"),
-                                               step=d.get("step"), incident_id=d.get("incident_id")))
-            except (ValueError, KeyError, TypeError) as exc:
-                bad += 1
-                log.warning("gradloc: quarantine line %d is not an entry (%s); skipped", n, exc)
-        return cls(tuple(entries), bad_lines=bad)
+        entries, bad = parse_jsonl(lines)
+        for n, why in bad:
+            log.warning("gradloc: quarantine line %d is not an entry (%s); skipped", n, why)
+        return cls(tuple(entries), bad_lines=len(bad))
 
     def match(self, sample_id: str | None = None, origin: str | None = None, source: str | None = None) -> str | None:
         """The kind of entry that keeps this sample out (None: it stays)."""
@@ -94,13 +92,52 @@ class QuarantineList:
             return QuarantineKind.SOURCE.value
         return None
 
+    def entry_of(self, key: Key) -> QuarantineEntry | None:
+        """The sample id or origin entry that holds a row (None: none does; a source entry is not a row's)."""
+        sample_id, origin, _ = key
+        for e in self.entries:
+            if (e.kind == QuarantineKind.SAMPLE and sample_id is not None and e.value == str(sample_id)) or \
+                    (e.kind == QuarantineKind.ORIGIN and origin is not None and e.value == origin):
+                return e
+        return None
+
+    def with_lookalikes(self, rows: Sequence[Sequence[int]], keys: Sequence[Key],
+                        cfg: LookalikeConfig | None = None) -> QuarantineList:
+        """This list and an origin (else sample id) entry for every row that looks like a quarantined row
+        (integrations/lookalike.py: ``rows[i]`` row i's token ids, ``keys[i]`` its (sample id, origin, source);
+        ``dataset_keys`` gives them for an HF dataset). A look-alike without an origin or id cannot be named: counted
+        in ``unnamed_lookalikes`` and logged."""
+        held = {i for i, k in enumerate(keys) if self.match(k[0], k[1]) is not None}
+        found = lookalike.find(rows, keys, lambda k: self.match(k[0], k[1]) is not None, cfg or LookalikeConfig())
+        added, unnamed = [], 0
+        for la in found:
+            kind, value = (QuarantineKind.ORIGIN, la.key[1]) if la.key[1] else (QuarantineKind.SAMPLE, la.key[0])
+            if not value:
+                unnamed += 1
+                continue
+            seed = self.entry_of(keys[la.like])
+            added.append(QuarantineEntry(kind=kind, value=str(value), added_unix=time.time(),
+                                         reason=f"looks like {seed.value if seed else la.like}: token mix "
+                                                f"{la.similarity:.2f} alike, {la.atypical_z:.1f} MAD from its "
+                                                f"source's"[:MAX_REASON],
+                                         job=seed.job if seed else None, step=seed.step if seed else None,
+                                         incident_id=seed.incident_id if seed else None))
+        if unnamed:
+            log.warning("gradloc: %d look-alike rows have neither an origin nor a sample id: not quarantined", unnamed)
+        log.info("gradloc: %d rows look like the %d quarantined ones", len(added), len(held))
+        out = QuarantineList(self.entries + tuple(added), bad_lines=self.bad_lines)
+        out.unnamed_lookalikes = unnamed
+        return out
+
+    def save(self, path: str | Path) -> None:
+        """Write the list as ``gradloc-agent quarantine export`` does (one JSON entry per line): for ``load``, or
+        ``gradloc-agent quarantine import`` into a store."""
+        Path(path).write_text(entries_jsonl(self.entries), encoding="utf-8")
+
     def filter_dataset(self, dataset: Any, id_column: str | None = None) -> Any:
         """A ``datasets.Dataset`` without its quarantined rows (by ``id_column`` and the provenance columns)."""
-        cols = set(dataset.column_names)
-        keys = [dataset[c] if c is not None and c in cols else [None] * len(dataset)
-                for c in (id_column, ORIGIN, SOURCE)]
         kept, hits = [], Counter()
-        for i, key in enumerate(zip(*keys)):
+        for i, key in enumerate(dataset_keys(dataset, id_column)):
             hit = self.match(*key)
             if hit is None:
                 kept.append(i)
@@ -116,6 +153,14 @@ class QuarantineList:
         self.skipped.update(hits)
         if hits:
             log.info("gradloc: quarantine left out %d of %d samples (%s)", total - kept, total, dict(hits))
+
+
+def dataset_keys(dataset: Any, id_column: str | None = None) -> list[Key]:
+    """Each row's (sample id, origin, source) of a ``datasets.Dataset`` (``id_column`` and the provenance columns
+    ``with_provenance`` adds; None where a column is absent)."""
+    cols = set(dataset.column_names)
+    columns = [dataset[c] if c is not None and c in cols else [None] * len(dataset) for c in (id_column, ORIGIN, SOURCE)]
+    return list(zip(*columns))
 
 
 class QuarantineSampler:
@@ -161,4 +206,4 @@ class QuarantineSampler:
         return len(s)  # type: ignore[arg-type]
 
 
-__all__ = ["EverySampleQuarantined", "Key", "QuarantineList", "QuarantineSampler"]
+__all__ = ["EverySampleQuarantined", "Key", "QuarantineList", "QuarantineSampler", "dataset_keys"]

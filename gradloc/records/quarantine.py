@@ -7,10 +7,13 @@ line, ``to_dict`` of an entry — so that a resumed run never sees those samples
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from gradloc.records.provenance import MAX_ORIGIN, MAX_SOURCE
+from gradloc.records.steps import to_dict
 
 MAX_VALUE = max(MAX_ORIGIN, MAX_SOURCE, 256)  # characters of an entry's value (a sample id: at most 256)
 MAX_REASON = 1024
@@ -54,4 +57,27 @@ def entry_problem(kind: object, value: object, reason: object) -> str:
     return ""
 
 
-__all__ = ["LIMITS", "MAX_REASON", "QuarantineEntry", "QuarantineKind", "entry_problem"]
+def entries_jsonl(entries: Iterable[QuarantineEntry]) -> str:
+    """The export format: one JSON object per entry and line (``gradloc-agent quarantine export``,
+    ``QuarantineList.save``); :func:`parse_jsonl` reads it back."""
+    return "".join(json.dumps(to_dict(e), ensure_ascii=False) + "\n" for e in entries)
+
+
+def parse_jsonl(lines: Iterable[str]) -> tuple[list[QuarantineEntry], list[tuple[int, str]]]:
+    """The entries of an export, and (line number, why) for each line that is not one (never guessed)."""
+    entries, bad = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            entries.append(QuarantineEntry(kind=d["kind"], value=d["value"], reason=d.get("reason", ""),
+                                           added_unix=float(d.get("added_unix", 0.0)), job=d.get("job"),
+                                           step=d.get("step"), incident_id=d.get("incident_id")))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            bad.append((n, str(exc)))
+    return entries, bad
+
+
+__all__ = ["LIMITS", "MAX_REASON", "QuarantineEntry", "QuarantineKind", "entries_jsonl", "entry_problem",
+           "parse_jsonl"]
