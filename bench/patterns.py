@@ -19,7 +19,9 @@ Per seed:
 3. **the findings**: ``patterns.from_store`` (sources ranked by culprits + outliers per million tokens), every
    stored flag followed back to its row (bench/patterns_score.py), the quarantine list against the ground truth;
 4. **restart**: the list exported by the real ``gradloc-agent quarantine export``, loaded with
-   ``QuarantineList.load``; one more epoch through ``QuarantineSampler`` (``filter_dataset`` counted beside
+   ``QuarantineList.load``, extended with the rows that look like quarantined ones (``with_lookalikes``: the
+   content faults the model learned before gradloc met all their rows), saved and put back into the store with
+   ``gradloc-agent quarantine import``; one more epoch through ``QuarantineSampler`` (``filter_dataset`` counted beside
    it), trained with gradloc watching as a second job: which rows were drawn, and what was flagged then.
 """
 from __future__ import annotations
@@ -52,7 +54,8 @@ def run_seed(cfg: PatternsConfig, seed: int, workdir: Path, progress: Any = None
     pre_loss = trainer.pretrain(patterns_data.held_out(mix, cfg.seq, cfg.corpus_bytes), seed)
     t_pre = time.time()
     db = str(workdir / f"seed{seed}.db")
-    for stale in (db, db + "-wal", db + "-shm", str(workdir / f"quarantine-{seed}.jsonl")):
+    for stale in (db, db + "-wal", db + "-shm", str(workdir / f"quarantine-{seed}.jsonl"),
+                  str(workdir / f"quarantine-{seed}-lookalikes.jsonl")):
         Path(stale).unlink(missing_ok=True)  # a kept folder used again: this run's store only
     job = f"patterns-{seed}"
     mon, agent = watch_with_agent(trainer, job, db, cfg.quarantine_z)
@@ -84,17 +87,23 @@ def restart(cfg: PatternsConfig, seed: int, mix: Any, ds: Any, db: str, workdir:
     from gradloc.agent import patterns
     from gradloc.agent.cli import main as agent_cli
     from gradloc.integrations.provenance import ORIGIN, SOURCE
-    from gradloc.integrations.quarantine import QuarantineList, QuarantineSampler
+    from gradloc.integrations.quarantine import QuarantineList, QuarantineSampler, dataset_keys
 
     out = workdir / f"quarantine-{seed}.jsonl"
     with contextlib.redirect_stdout(io.StringIO()) as said:  # the CLI's own line, kept out of --json's stdout
         agent_cli.main(["quarantine", "export", "--db", db, str(out)], standalone_mode=False)
-    q = QuarantineList.load(out)
+    found = QuarantineList.load(out)
+    q = found.with_lookalikes(ds["input_ids"], dataset_keys(ds))  # rows that look like quarantined ones
+    extended = workdir / f"quarantine-{seed}-lookalikes.jsonl"
+    q.save(extended)
+    with contextlib.redirect_stdout(io.StringIO()) as imported:  # back into the store: the team's list has them
+        agent_cli.main(["quarantine", "import", "--db", db, str(extended)], standalone_mode=False)
+    looks = {e.value: e for e in q.entries[len(found.entries):]}
     origins, sources = ds[ORIGIN], ds[SOURCE]
     gen = torch.Generator().manual_seed(seed * EPOCH_SEED + cfg.epochs)
     sampler = QuarantineSampler(RandomSampler(ds, generator=gen), q, key=lambda i: (None, origins[i], sources[i]),
                                 size=len(ds))
-    by_filter = QuarantineList.load(out)
+    by_filter = QuarantineList.load(extended)
     kept = by_filter.filter_dataset(ds)
     quarantined = {origins[i] for i in sampler.blocked}
     job = f"patterns-{seed}-restart"
@@ -116,7 +125,12 @@ def restart(cfg: PatternsConfig, seed: int, mix: Any, ds: Any, db: str, workdir:
         rows = patterns.from_store(store, job=job).of("source")
         flagged = [o for *_, o, _ in flags_of(store, job) if o is not None]
     return {"export_said": said.getvalue().strip().split(" written")[0],  # "N entries" (the path is the run's)
-            "exported": len(q.entries), "bad_lines": q.bad_lines,
+            "exported": len(found.entries), "bad_lines": found.bad_lines,
+            "lookalikes": {"added": len(looks), "imported": imported.getvalue().strip(),
+                           "faulty": sum(1 for o in looks if o in mix.faults),
+                           "clean": sum(1 for o in looks if o not in mix.faults),
+                           "by_fault": dict(Counter(mix.faults[o] for o in looks if o in mix.faults)),
+                           "clean_rows": {o: looks[o].reason for o in sorted(looks) if o not in mix.faults}},
             "skipped": dict(q.skipped), "filter_dataset_kept": len(kept),
             "filter_dataset_skipped": dict(by_filter.skipped), "sampler_len": len(sampler),
             "quarantined_rows": len(quarantined), "quarantined_drawn": sum(drawn[o] for o in quarantined),

@@ -131,6 +131,7 @@ class Draws:
 def total(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The seeds together: every target, pooled."""
     flags, q, rs, by_fault, faults, live = Counter(), Counter(), Counter(), Counter(), Counter(), {}
+    looks, by_fault_all = Counter(), Counter()  # the look-alikes the restart added; gradloc's flags and them
     for r in runs:
         for c in r["flags"].values():
             flags.update(c)
@@ -141,6 +142,10 @@ def total(runs: list[dict[str, Any]]) -> dict[str, Any]:
         rs.update({"skipped": sum(r["restart"]["skipped"].values()),
                    "judged": sum(v["judged"] for v in r["restart"]["live"].values())})
         by_fault.update(r["quarantine"]["by_fault"])
+        la = r["restart"]["lookalikes"]
+        looks.update({"added": la["added"], "faulty": la["faulty"], "clean": la["clean"]})
+        by_fault_all.update(r["quarantine"]["by_fault"])
+        by_fault_all.update(la["by_fault"])
         faults.update(r["faults_by_kind"])
         for k, v in r["live"].items():
             acc = live.setdefault(k, Counter())
@@ -149,6 +154,10 @@ def total(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "flags": dict(flags), "precision": round(flags["true"] / flags["flags"], 3) if flags["flags"] else None,
             "quarantine": dict(q), "recall": round(q["faulty"] / q["faulty_total"], 3) if q["faulty_total"] else None,
             "recall_by_fault": {k: f"{by_fault[k]}/{n}" for k, n in sorted(faults.items())},
+            "lookalikes": dict(looks),  # the end: gradloc's quarantine and the rows that look like it
+            "recall_with_lookalikes": round((q["faulty"] + looks["faulty"]) / q["faulty_total"], 3)
+            if q["faulty_total"] else None,
+            "recall_by_fault_with_lookalikes": {k: f"{by_fault_all[k]}/{n}" for k, n in sorted(faults.items())},
             "live": {k: {**v, "rate": round(v["flagged"] / v["judged"], 3) if v["judged"] else None}
                      for k, v in sorted(live.items())},
             "restart": dict(rs)}
@@ -160,7 +169,8 @@ def format_table(out: dict[str, Any]) -> str:
              f"rows faulty; {c['pretrain_steps']} pre-training steps, {c['epochs']} measured epochs, 1 after the "
              f"restart ({out['seconds']} s)", "",
              "| seed | faulty | per M tokens (rank) | faulty first | flags: fed / resolves / faulty | quarantined: "
-             "faulty / clean | restart: quarantined drawn · clean drawn / expected · skipped |", "|---" * 7 + "|"]
+             "faulty / clean | look-alikes: faulty / clean | restart: quarantined drawn · clean drawn / expected · "
+             "skipped |", "|---" * 8 + "|"]
     for r in out["runs"]:
         rk, q, rs = r["ranking"], r["quarantine"], r["restart"]
         f = Counter()
@@ -169,14 +179,18 @@ def format_table(out: dict[str, Any]) -> str:
         rates = ", ".join(f"{n} {rk['sources'][n]['per_million']}" for n in rk["order"])
         lines.append(f"| {r['seed']} | {'+'.join(r['faulty_sources'])} ({r['faulty_rows']} rows) | {rates} | "
                      f"{rk['faulty_first']} | {f['flags']}: {f['fed']} / {f['resolves']} / {f['true']} | "
-                     f"{q['faulty']}/{q['faulty_total']} / {q['clean']} | {rs['quarantined_drawn']} · "
+                     f"{q['faulty']}/{q['faulty_total']} / {q['clean']} | {rs['lookalikes']['faulty']} / "
+                     f"{rs['lookalikes']['clean']} | {rs['quarantined_drawn']} · "
                      f"{rs['clean_drawn']}/{rs['clean_expected']} · {sum(rs['skipped'].values())} |")
     f, q, rs = t["flags"], t["quarantine"], t["restart"]
     lines += ["", f"faulty sources first on {t['faulty_first']}/{t['seeds']} seeds; flags {f.get('flags', 0)}, "
                   f"{f.get('fed', 0)} name the row fed, {f.get('resolves', 0)} resolve to their file and line, "
                   f"{f.get('true', 0)} faulty (precision {t['precision']})",
               f"quarantined {q['faulty']}/{q['faulty_total']} faulty rows (recall {t['recall']}; by fault "
-              f"{t['recall_by_fault']}), {q['clean']} clean",
+              f"{t['recall_by_fault']}), {q['clean']} clean; with the {t['lookalikes'].get('added', 0)} look-alikes "
+              f"({t['lookalikes'].get('clean', 0)} clean): {q['faulty'] + t['lookalikes'].get('faulty', 0)}/"
+              f"{q['faulty_total']} (recall {t['recall_with_lookalikes']}; by fault "
+              f"{t['recall_by_fault_with_lookalikes']})",
               "judged draws flagged live: " + ", ".join(f"{k} {v['flagged']}/{v['judged']}" for k, v in t["live"].items()),
               f"restart: {rs['quarantined_drawn']} quarantined rows drawn, clean {rs['clean_drawn']}/"
               f"{rs['clean_expected']}, the sampler skipped {rs['skipped']}; {rs['flags']} flags in {rs['judged']} judged draws "

@@ -69,6 +69,10 @@ def test_the_quick_run_follows_flags_to_rows_and_the_restart_keeps_the_quarantin
     assert rs["sampler_len"] == rs["filter_dataset_kept"] == run["rows"] - rs["quarantined_rows"] == rs["draws"]
     assert rs["quarantined_drawn"] == 0 and rs["drawn_outside"] == 0
     assert rs["clean_drawn"] == rs["clean_expected"] and rs["clean_drawn_twice"] == 0
-    assert rs["faulty_drawn"] == q["faulty_total"] - q["faulty"]  # the faulty rows not quarantined, once each
+    la = rs["lookalikes"]  # rows that look like quarantined ones: added to the list and imported into the store
+    assert la["faulty"] + la["clean"] == la["added"] and sum(la["by_fault"].values()) == la["faulty"]
+    assert la["imported"].startswith(f"{la['added']} entr") and la["imported"].endswith(", 0 lines skipped")
+    # the faulty rows neither quarantined nor look-alikes, once each
+    assert rs["faulty_drawn"] == q["faulty_total"] - q["faulty"] - la["faulty"]
     t = out["total"]
     assert t["seeds"] == 1 and t["restart"]["quarantined_drawn"] == 0
