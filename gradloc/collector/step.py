@@ -2,7 +2,7 @@
 
 Packed layout (float64): a ``packs.Pack`` of the fields present this step, in this order: the layer pack, the
 GradScaler scale, the loss (a tensor), the token summary, the RL pack, the per-sample surprise pack, the token
-group's check, the previous step's update sums, every rank's job row. In a multi-rank job
+group's check, the previous step's update sums, every rank's job row, the groups' tokens, the precursor slots. In a multi-rank job
 one collective precedes the transfer (collector/job.py); on one rank there is none.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ class StepInputs:
     samples: torch.Tensor | None = None  # the per-sample surprise pack (collector/surprise.py)
     score_weight: float = 1.0  # this rank's share of the job's token scores (1 / its token group's ranks)
     group_tokens: torch.Tensor | None = None  # (S,) loss tokens per sample, when the step has groups (collector/groups.py)
+    # the step's precursor slots and their pack (collector/precursors/slots.py: StepSlots.take), when measured
+    precursors: tuple[tuple, torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Assembled:
     samples: np.ndarray | None = None  # host copy of StepInputs.samples
     check: list[float] | None = None  # host copy of the token group's check (parallel/tokens.py)
     group_tokens: np.ndarray | None = None  # host copy of StepInputs.group_tokens
+    precursors: np.ndarray | None = None  # host copy of StepInputs.precursors' pack
 
 
 def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
@@ -79,7 +82,7 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     fields = {"layers": pack, "scale": scale, "loss": loss_t, "tokens": summary, "rl": x.rl, "samples": x.samples,
               "check": x.scores.check if x.scores is not None else None, "update": update,
               "job": rows.flatten() if rows is not None else None,  # (W, 3) -> (3W,)
-              "groups": x.group_tokens}
+              "groups": x.group_tokens, "precursors": x.precursors[1] if x.precursors is not None else None}
     fields = {k: v.detach().to(dev, torch.float64).reshape(-1) for k, v in fields.items() if v is not None}
     layout = Pack.of(**{k: v.numel() for k, v in fields.items()})
     host = layout.build(**fields).cpu().numpy()  # the step's one host transfer
@@ -121,7 +124,8 @@ def _parse(host: np.ndarray, layout: Pack, layers: LayerStatsCollector, x: StepI
     samples = layout.get(host, "samples").copy() if "samples" in present else None
     check = [float(v) for v in layout.get(host, "check")] if "check" in present else None
     groups = layout.get(host, "groups").copy() if "groups" in present else None
-    return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check, groups)
+    precursors = layout.get(host, "precursors").copy() if "precursors" in present else None
+    return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check, groups, precursors)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

@@ -14,6 +14,7 @@ from gradloc.config.options import (
     check,
     is_address,
 )
+from gradloc.config.precursors import PrecursorConfig
 from gradloc.config.stages import DetectorConfig, LocalizerConfig, SampleConfig
 
 
@@ -74,6 +75,7 @@ class WatchConfig:
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     localizer: LocalizerConfig = field(default_factory=LocalizerConfig)
     samples: SampleConfig = field(default_factory=SampleConfig)  # per-sample outlier findings
+    precursors: PrecursorConfig = field(default_factory=PrecursorConfig)  # slow instabilities' statistics
 
     def __post_init__(self) -> None:
         check(bool(self.job) and isinstance(self.job, str), "job must be a non-empty string")
@@ -111,3 +113,4 @@ class WatchConfig:
         check(isinstance(self.detector, DetectorConfig), "detector must be a DetectorConfig")
         check(isinstance(self.localizer, LocalizerConfig), "localizer must be a LocalizerConfig")
         check(isinstance(self.samples, SampleConfig), "samples must be a SampleConfig")
+        check(isinstance(self.precursors, PrecursorConfig), "precursors must be a PrecursorConfig")

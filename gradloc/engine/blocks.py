@@ -23,8 +23,9 @@ Part = tuple[MicroBatchMeta, MicroBatchScores | None]  # a micro-batch and its p
 
 class StepBlocks:
     def __init__(self, tokens: TokenPath, hooks: TokenHooks | None, meter: OverheadMeter, config: WatchConfig,
-                 samples: Any, counters: Counter[str]) -> None:
+                 samples: Any, counters: Counter[str], precursors: Any = None) -> None:
         self.tokens, self.hooks, self.meter, self.config = tokens, hooks, meter, config
+        self.precursors = precursors  # collector/precursors/hooks.py (None: off)
         self.samples, self.counters = samples, counters
         self.parts: list[Part] = []
         self.open: MicroBatchMeta | None = None  # the micro-batch block being run
@@ -36,6 +37,8 @@ class StepBlocks:
         if self.tokens.live:
             breakdown = self.config.layer_breakdown and not self.meter.is_shed("layer_breakdown")
             self.hooks.begin(meta.index, meta.batch, meta.seq, breakdown, labels=self.samples.labels(meta))
+        if self.precursors is not None:
+            self.precursors.begin(meta.index, meta.loss_mask)
         self.meter.end(t0)
         self.open = meta
 
@@ -43,6 +46,8 @@ class StepBlocks:
         """The open block's backward ran (or, ``failed``, it did not: the micro-batch is not part of the step).
         ``setup``: a wiring mistake raises (the first step of a strict monitor)."""
         meta, self.open = self.open, None
+        if self.precursors is not None:
+            self.precursors.end()
         if failed:
             if self.tokens.live:
                 self.hooks.end()

@@ -27,6 +27,7 @@ class Lifecycle:
     config: Any
     _updates: Any
     _fanout: Any
+    precursors: Any
 
     def _lifecycle_init(self) -> None:
         self.attached = False
@@ -39,6 +40,8 @@ class Lifecycle:
             raise AttachError("this model already has a gradloc monitor attached; detach() it first")
         if self.tokens.live:
             self.hooks.attach()
+        if self.precursors is not None:
+            self.precursors.attach()
         self._updates.attach(self.optimizer)
         ATTACHED[self.model] = self
         self.attached = True
@@ -50,6 +53,8 @@ class Lifecycle:
             raise AttachError("this monitor is not attached")
         if self.tokens.live:
             self.hooks.detach()
+        if self.precursors is not None:
+            self.precursors.detach()
         self._updates.detach()
         ATTACHED.pop(self.model, None)
         self.attached = False

@@ -31,6 +31,8 @@ from gradloc.collector.batch import MicroBatchMeta, make_meta
 from gradloc.collector.job import as_judged
 from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.overhead import OverheadMeter
+from gradloc.collector.precursors.hooks import make_precursors
+from gradloc.collector.precursors.stats import precursor_stats
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.step import StepInputs, assemble
 from gradloc.collector.token_hooks import TokenHooks
@@ -65,7 +67,7 @@ class Monitor(Lifecycle):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: WatchConfig | None = None, decode: Callable[[list[int]], str] | Any = None,
                  sinks: Sequence[Sink] = ()) -> None:
-        model = check_model(model)  # a torch.compile wrapper: its module
+        given, model = model, check_model(model)  # a torch.compile wrapper: its module
         self.model, self.optimizer = model, optimizer
         self.job = job = resolve(model, config or WatchConfig())
         self.config = cfg = job.config
@@ -97,6 +99,9 @@ class Monitor(Lifecycle):
                                                 self.layer_stats.device, self.job.weights,
                                                 self.layer_stats.numel if self.job.weights is not None else None)
         self.counters: Counter[str] = Counter()
+        self.precursors = make_precursors(watched, cfg.precursors, self.counters, job.layout, job.holds_head,
+                                          compiled=type(given).__name__ == "OptimizedModule",
+                                          on_spike=cfg.token_stats == "on_spike")
         self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job,
                                 self.counters)
         self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,
@@ -115,7 +120,8 @@ class Monitor(Lifecycle):
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
-        self._blocks = StepBlocks(self.tokens, self.hooks, self.meter, cfg, self.samples, self.counters)
+        self._blocks = StepBlocks(self.tokens, self.hooks, self.meter, cfg, self.samples, self.counters,
+                                  self.precursors)
         self._lifecycle_init()
 
     # -- per micro-batch ------------------------------------------------------------------------
@@ -223,7 +229,8 @@ class Monitor(Lifecycle):
                        upd[1] if upd else None, unscored, rl_pack, self.comm,
                        self.samples.pack(scores, set(given_rl)),
                        group_tokens=groups.step_tokens(metas, self.layer_stats.device, self.counters)
-                       if self.job.judges_samples else None)  # once per data index (tp, pp: one rank counts)
+                       if self.job.judges_samples else None,  # once per data index (tp, pp: one rank counts)
+                       precursors=self.precursors.take() if self.precursors is not None else None)
         try:
             assembled = assemble(self.layer_stats, x)
         except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits
@@ -236,7 +243,9 @@ class Monitor(Lifecycle):
         self._fanout.release(ratios, self.layer_stats.layers)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None,
-                         groups=groups.step_groups(metas, assembled.group_tokens, self.counters))
+                         groups=groups.step_groups(metas, assembled.group_tokens, self.counters),
+                         precursors=precursor_stats(x.precursors, assembled.precursors, self.config.precursors,
+                                                    self.counters))
         if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
             record, scores = self.tokens.checked(record, scores, assembled.check)
         record = self.samples.judge_step(record, assembled.samples, list(metas))

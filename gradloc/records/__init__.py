@@ -34,6 +34,11 @@ from gradloc.records.incidents import (  # noqa: F401
     Status,
     TokenRL,
 )
+from gradloc.records.precursors import (  # noqa: F401
+    PRECURSOR_MEANINGS,
+    PrecursorKind,
+    PrecursorStat,
+)
 from gradloc.records.provenance import (  # noqa: F401
     MAX_ORIGIN,
     MAX_SOURCE,
@@ -61,6 +66,9 @@ from gradloc.records.steps import (  # noqa: F401
 )
 
 __all__ = [
+    "PRECURSOR_MEANINGS",
+    "PrecursorKind",
+    "PrecursorStat",
     "ClassKind",
     "Classification",
     "Culprit",

@@ -62,6 +62,14 @@ MONITOR_EVENTS: dict[str, str] = {
     "update_ratio_errors": "optimizer steps whose update-ratio measurement failed",
     "groups_dropped": "data groups (sources, tags, length buckets) past records.groups.MAX_GROUPS in a step, not counted",
     "group_errors": "steps whose per-group data count failed (no groups that step)",
+    "precursors_compiled": "runs whose first micro-batch ran no module eagerly (a compiled model): precursor statistics "
+                           "are not measured inside torch.compile graphs (counted once)",
+    "precursors_unsupported": "module calls whose shapes the precursor statistics do not understand (not measured)",
+    "precursors_errors": "precursor measurements that failed (that call not measured)",
+    "precursors_mode_errors": "the precursor attention mode could not be left cleanly (another mode was left open)",
+    "precursors_tensor_split": "a job that splits heads or logits over ranks (tensor / expert parallelism): precursor "
+                               "statistics not measured (counted once at watch)",
+    "precursors_nonfinite": "precursor values that were not finite (left out of the record)",
     # delivery (gradloc/engine/fanout.py)
     "sink_errors": "sink calls (on_step, on_incident, flush, shutdown) that raised",
     "undelivered_at_close": "records the agent client could not deliver by close_timeout_s (counted at close: "

@@ -8,6 +8,7 @@ from typing import Any
 
 from gradloc.records.findings import SampleStats
 from gradloc.records.groups import GroupTokens
+from gradloc.records.precursors import PrecursorStat
 
 INCIDENT_SCHEMA_VERSION = 1
 SHED_FEATURES = ("update_ratio", "layer_breakdown")  # StepRecord.shed values, in shedding order
@@ -146,6 +147,9 @@ class StepFields:
     # the step's data per group (source, tag, length bucket): samples and loss tokens (records/groups.py); empty
     # when no micro-batch gave provenance (SampleInfo.source / tags)
     groups: tuple[GroupTokens, ...] = ()
+    # the step's precursor statistics (records/precursors.py): attention logits and entropy, output logits, the
+    # residual stream, MoE routers; empty when PrecursorConfig turns them off or nothing was found to measure
+    precursors: tuple[PrecursorStat, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

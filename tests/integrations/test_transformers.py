@@ -91,9 +91,9 @@ def logged_norms(trainer: Trainer) -> list[float]:
     return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
 
 
-def check_planted(trainer: GradlocTrainer, sample_id: str) -> None:
+def check_planted(trainer: GradlocTrainer, sample_id: str, counters: dict[str, int] | None = None) -> None:
     mon = trainer.gradloc
-    assert trainer.gradloc_errors == 0 and not mon.counters, mon.counters
+    assert trainer.gradloc_errors == 0 and dict(mon.counters) == (counters or {}), mon.counters
     assert [i.step for i in mon.incidents] == [K]  # the planted step, and no false alarm
     loc = mon.incidents[0].localization
     assert loc.status == "located" and 1 <= loc.probes <= 3, loc
@@ -195,7 +195,8 @@ def test_torch_compile_localizes_the_same_token(world: World, gradloc_run: Gradl
     trainer.train()
     assert trainer.gradloc_degraded is None and trainer.gradloc.hooks is not None
     assert not counters["graph_break"], dict(counters["graph_break"])
-    check_planted(trainer, sample_id=str(UID0 + planted_index()))
+    # a compiled forward: the precursor statistics are not measured, and the monitor says so once
+    check_planted(trainer, sample_id=str(UID0 + planted_index()), counters={"precursors_compiled": 1})
     assert [r.global_norm for r in trainer.gradloc.history] == pytest.approx(
         [r.global_norm for r in gradloc_run.gradloc.history], rel=1e-4)
     assert all(r.tokens.unattributed_share == 0.0 for r in list(trainer.gradloc.history)[1:])

@@ -1,0 +1,337 @@
+"""Where the precursor statistics are taken: hooks on the modules that hold them, found on the first micro-batch.
+
+Discovery (the first micro-batch with a forward): a forward pre- and post-hook on every module keeps the stack of
+modules running, and a ``TorchFunctionMode`` active for that block sees every call of scaled-dot-product attention
+(``F.scaled_dot_product_attention``, which HF's sdpa and flash paths and most hand-written models call) and of a
+last-dim softmax over a 4-D tensor (an eager attention's weights). The innermost module running at such a call is
+an **attention site**; the last module with parameters of its own to run in the forward is the **loss head**, and
+the one before it, when its class is a norm, the **final norm**; MoE routers are known by type
+(collector/rules/router.py). Then the discovery hooks go, and from the next micro-batch on only these stay:
+
+- an attention site enters the mode in its pre-hook and leaves it in its post-hook, so only the calls inside it pay
+  for the mode's dispatch; an SDPA call is measured on ``attention_queries`` query rows per sequence
+  (measure.attention_logits: its T×T is never built), an eager softmax on its own weights, every row;
+- the head's forward hook measures its output logits, the final norm's pre-hook its input, a router's forward hook
+  its logits and choices.
+
+Discovery's mode is not entered for a model handed over compiled (a ``torch.compile`` wrapper) or with a module
+compiled in place (``module.compile()``): an active mode is part of dynamo's guards, its graphs would be traced
+again with it, and again without it. A model compiled after ``watch`` and first called inside the first block is
+traced once with the mode (one extra compilation, once). Nothing runs outside a micro-batch block, with gradients off (a probe, evaluation), in a re-run forward (activation
+checkpointing) or while torch.compile traces (a compiled region is not measured: counted once in
+``precursors_compiled`` once, when no module ran eagerly in a block before any was found). A call whose shapes are not understood is counted (``precursors_unsupported``), never
+guessed; no exception leaves a hook.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from gradloc.collector.precursors import measure
+from gradloc.collector.precursors.slots import Reduce, SlotKey, StepSlots
+from gradloc.collector.rules.router import is_router
+from gradloc.config import PrecursorConfig
+
+log = logging.getLogger("gradloc")
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, owner: PrecursorHooks) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention or func in _SOFTMAX:
+            self.owner.on_attention(func, args, kwargs)
+        return out
+
+
+def _compiles_inside(model: nn.Module) -> bool:
+    """Whether a module of ``model`` was compiled in place (``module.compile()``: torchtitan's per-block recipe)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+class PrecursorHooks:
+    def __init__(self, model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], compiled: bool = False) -> None:
+        """``compiled``: the model was handed over compiled (a torch.compile wrapper): no discovery mode."""
+        self.model, self.cfg, self.counters, self.compiled = model, cfg, counters, compiled
+        self.slots = StepSlots()
+        self.names = {m: n for n, m in model.named_modules()}
+        self.routers = [n for n, m in model.named_modules() if is_router(m)] if cfg.router else []
+        self.sites: list[str] = []  # attention modules (discovered)
+        self.head: str | None = None
+        self.final_norm: str | None = None
+        self.discovered = False
+        self._stack: list[str] = []  # modules running (discovery), or attention sites running (after it)
+        self._order: list[str] = []  # modules with parameters of their own, in forward order (discovery)
+        self._handles: list[Any] = []
+        self._mode: _Mode | None = None
+        self._entered = 0
+        self.micro_batch: int | None = None
+        self.keep: torch.Tensor | None = None
+        self.attention_on = cfg.attention
+        self._steps = 0
+        self._said_none = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def attach(self) -> None:
+        if not self.discovered:
+            modules = dict(self.model.named_modules())
+            for name in self.routers:
+                self._handles.append(modules[name].register_forward_hook(self._router_hook(name)))
+            for name, module in modules.items():
+                self._handles.append(module.register_forward_pre_hook(self._push(name)))
+                self._handles.append(module.register_forward_hook(self._pop(name)))
+        else:
+            self._install()
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._leave_all()
+
+    def begin(self, micro_batch: int, keep: torch.Tensor | None) -> None:
+        """A micro-batch block opens (``keep``: its loss positions, (B, T) bool, or None)."""
+        self.micro_batch, self.keep = micro_batch, keep
+        self._stack.clear()
+        if not self.discovered and self.attention_on and not self.compiled and not _compiles_inside(self.model):
+            self._enter()  # a mode on the stack is part of dynamo's guards: a compiled model's graphs would retrace
+
+    def end(self) -> None:
+        """The block closed (its backward ran, or it failed)."""
+        self._leave_all()
+        self.micro_batch, self.keep = None, None
+        if not self.discovered and self._order:
+            self._finish_discovery()
+        elif not self.discovered and not self._said_none:  # no module ran eagerly in the block: a compiled forward
+            self._said_none = True
+            self.counters["precursors_compiled"] += 1
+            log.info("gradloc: precursors: no module ran eagerly in the first micro-batch (a compiled model?): "
+                     "nothing is measured until one does")
+
+    def take(self) -> tuple[tuple[SlotKey, ...], torch.Tensor | None]:
+        """The step's slots (collector/precursors/slots.py); the next step starts empty."""
+        self._steps += 1
+        self.attention_on = self.cfg.attention and self._steps % self.cfg.attention_every == 0
+        return self.slots.take()
+
+    # -- discovery ----------------------------------------------------------------------------
+    def _measuring(self) -> bool:
+        if torch.compiler.is_compiling():  # first: a traced hook folds to nothing (no graph break, no side effect)
+            return False
+        return self.micro_batch is not None and torch.is_grad_enabled() and _graph_task_id() == -1
+
+    def _push(self, name: str):
+        def pre(module: nn.Module, args: tuple) -> None:
+            if self._measuring():
+                self._stack.append(name)
+                if any(p.requires_grad for p in module.parameters(recurse=False)):
+                    self._order.append(name)
+        return pre
+
+    def _pop(self, name: str):
+        def post(module: nn.Module, args: tuple, out: Any) -> None:  # the head is not known yet: not measured
+            if torch.compiler.is_compiling():  # first, as in every hook here: traced, it is nothing (no guard on name)
+                return
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+        return post
+
+    def _finish_discovery(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.discovered = True
+        order = self._order
+        self.head = order[-1]
+        before = dict(self.model.named_modules()).get(order[-2]) if len(order) > 1 else None
+        self.final_norm = order[-2] if before is not None and _is_norm(before) else None
+        self._order = []
+        self._install()
+        log.info("gradloc: precursors: attention in %s, loss head %s, final norm %s, %d router(s)",
+                 ", ".join(self.sites) or "no module (none called SDPA or a softmax over attention weights)",
+                 self.head, self.final_norm or "none found", len(self.routers))
+
+    def _install(self) -> None:
+        modules = dict(self.model.named_modules())
+        for name in self.routers:
+            self._handles.append(modules[name].register_forward_hook(self._router_hook(name)))
+        for name in self.sites:
+            self._handles.append(modules[name].register_forward_pre_hook(self._site_in(name)))
+            self._handles.append(modules[name].register_forward_hook(self._site_out(name)))
+        if self.head is not None and self.cfg.head_logits:
+            self._handles.append(modules[self.head].register_forward_hook(
+                lambda m, a, out: self._on_head(m, out) if self._measuring() else None))
+        if self.final_norm is not None and self.cfg.residual:
+            self._handles.append(modules[self.final_norm].register_forward_pre_hook(self._on_norm))
+
+    # -- the mode -----------------------------------------------------------------------------
+    def _enter(self) -> None:
+        if self._mode is None:
+            self._mode = _Mode(self)
+        self._mode.__enter__()
+        self._entered += 1
+
+    def _leave_all(self) -> None:
+        while self._entered:
+            self._entered -= 1
+            try:
+                self._mode.__exit__(None, None, None)
+            except Exception:  # another mode entered inside ours and left open: never raise into training
+                self.counters["precursors_mode_errors"] += 1
+                log.debug("gradloc: leaving the precursor mode failed", exc_info=True)
+
+    def _site_in(self, name: str):
+        def pre(module: nn.Module, args: tuple) -> None:
+            if self.attention_on and self._measuring():
+                self._stack.append(name)
+                self._enter()
+        return pre
+
+    def _site_out(self, name: str):
+        def post(module: nn.Module, args: tuple, out: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
+            if self._stack and self._stack[-1] == name and self._entered:
+                self._stack.pop()
+                self._entered -= 1
+                try:
+                    self._mode.__exit__(None, None, None)
+                except Exception:  # another mode entered inside ours and left open: never raise into training
+                    self.counters["precursors_mode_errors"] += 1
+        return post
+
+    # -- measurements -------------------------------------------------------------------------
+    def on_attention(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if not self._stack or not self._measuring():
+            return
+        site = self._stack[-1]
+        try:
+            with torch.no_grad():
+                if func is F.scaled_dot_product_attention:
+                    q, k = args[0], args[1]
+                    if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
+                        self.counters["precursors_unsupported"] += 1
+                        return
+                    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+                    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+                    rows = measure.query_rows(q.shape[2], self.cfg.attention_queries, q.device)
+                    scale = args[6] if len(args) > 6 else kwargs.get("scale")
+                    logits = measure.attention_logits(q, k, rows, mask, bool(causal), scale)
+                    stats = measure.attention_stats(logits, rows)
+                else:
+                    x = args[0]
+                    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                    if not isinstance(x, torch.Tensor) or x.dim() != 4 or dim not in (-1, 3):
+                        return  # not attention weights (a router's, a head's softmax): not this call's business
+                    stats = measure.attention_stats(x.detach())
+                self._fold_attention(site, stats)
+        except Exception:
+            self.counters["precursors_errors"] += 1
+            log.debug("gradloc: attention precursors failed in %s", site, exc_info=True)
+        if not self.discovered and site not in self.sites:
+            self.sites.append(site)
+
+    def _fold_attention(self, site: str, s: dict[str, torch.Tensor]) -> None:
+        H, mb = s["max"].numel(), self.micro_batch
+        self.slots.update(SlotKey("attn_max_logit", site, Reduce.MAX, H), s["max"], micro_batch=mb,
+                          extreme=s["max"].amax(), at=s["max_at"])
+        self.slots.update(SlotKey("attn_entropy", site, Reduce.SUM, 2 * H, lowest=True),
+                          torch.cat([s["entropy_sum"], s["rows"]]), micro_batch=mb, extreme=s["min_row"],
+                          at=s["min_at"])
+
+    def _on_head(self, module: nn.Module, out: Any) -> None:
+        logits = out[0] if isinstance(out, (tuple, list)) and out else getattr(out, "logits", out)
+        if not self.cfg.head_logits or not isinstance(logits, torch.Tensor):
+            return
+        try:
+            with torch.no_grad():
+                if logits.dim() != 3:
+                    self.counters["precursors_unsupported"] += 1
+                    return
+                keep = self.keep if self.keep is not None and self.keep.shape == logits.shape[:2] else None
+                s = measure.head_stats(logits.detach(), keep.to(logits.device) if keep is not None else None)
+                name, mb = self.names.get(module, ""), self.micro_batch
+                self.slots.update(SlotKey("logit_max_abs", name, Reduce.MAX, 1), s["max_abs"], micro_batch=mb,
+                                  extreme=s["max_abs"], at=s["max_at"])
+                self.slots.update(SlotKey("logit_lse_sq", name, Reduce.SUM, 1), s["lse_sq_sum"], micro_batch=mb,
+                                  count=s["n"])
+        except Exception:
+            self.counters["precursors_errors"] += 1
+            log.debug("gradloc: head precursors failed", exc_info=True)
+
+    def _on_norm(self, module: nn.Module, args: tuple) -> None:
+        if not self._measuring() or not args or not isinstance(args[0], torch.Tensor):
+            return
+        try:
+            with torch.no_grad():
+                x = args[0].detach()
+                if x.dim() != 3:
+                    self.counters["precursors_unsupported"] += 1
+                    return
+                s = measure.rms_stats(x)
+                self.slots.update(SlotKey("residual_rms", self.names.get(module, ""), Reduce.SUM, 1), s["sum"],
+                                  micro_batch=self.micro_batch, count=s["n"], extreme=s["max"], at=s["max_at"])
+        except Exception:
+            self.counters["precursors_errors"] += 1
+            log.debug("gradloc: residual precursors failed", exc_info=True)
+
+    def _router_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            if not self._measuring():
+                return
+            try:
+                with torch.no_grad():
+                    logits = out[0] if isinstance(out, tuple) else out
+                    chosen = out[2] if isinstance(out, tuple) and len(out) > 2 and isinstance(out[2], torch.Tensor) \
+                        and not out[2].is_floating_point() else None
+                    s = measure.router_stats(logits.detach(), chosen, int(getattr(module, "top_k", 1)))
+                    E = s["counts"].numel()
+                    self.slots.update(SlotKey("router", name, Reduce.SUM, 1 + E),
+                                      torch.cat([s["entropy_sum"].reshape(1), s["counts"]]),
+                                      micro_batch=self.micro_batch, count=s["n"])
+            except Exception:
+                self.counters["precursors_errors"] += 1
+                log.debug("gradloc: router precursors failed in %s", name, exc_info=True)
+        return hook
+
+
+def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], layout: Any,
+                    holds_head: bool = True, compiled: bool = False, on_spike: bool = False) -> PrecursorHooks | None:
+    """The monitor's precursor hooks (None: off). A job that splits heads or the vocabulary over ranks (tensor or
+    expert parallelism: ``layout`` says) is not measured: a rank's shard of the attention heads or of the logits
+    would be reported as the layer's, and combining them exactly is not built yet — said once, never guessed. A
+    pipeline stage without the loss head (``holds_head``) measures its attention only: its last module is not a head.
+    ``token_stats="on_spike"`` (``on_spike``) promises no module hook on a healthy step: no precursors there."""
+    if not cfg.enabled:
+        return None
+    if on_spike:
+        log.info("gradloc: token_stats='on_spike' runs no module hook on a healthy step: precursor statistics are off")
+        return None
+    if layout is not None and (layout.size("tp") > 1 or layout.size("ep") > 1):
+        log.info("gradloc: precursor statistics are not measured under tensor or expert parallelism yet (a rank holds "
+                 "a shard of the heads and the logits)")
+        counters["precursors_tensor_split"] += 1
+        return None
+    if not holds_head:
+        cfg = replace(cfg, head_logits=False, residual=False)
+    return PrecursorHooks(model, cfg, counters, compiled)
+
+
+__all__ = ["PrecursorHooks", "make_precursors"]

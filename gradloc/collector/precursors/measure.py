@@ -1,0 +1,124 @@
+"""The precursor statistics of one module call, on the device, under ``no_grad`` (records/precursors.py says what
+each is). Every function returns device tensors and never syncs with the host: the values ride the step's one host
+transfer (collector/precursors/slots.py): nothing here reads a value on the host or sizes a tensor by one
+(``bincount``, ``unique``, ``nonzero`` would). Locations are (row, position) of the micro-batch."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """The multi-index of a flat index into ``shape`` (device tensors, no sync)."""
+    out = []
+    for n in reversed(shape):
+        out.append(flat % n)
+        flat = torch.div(flat, n, rounding_mode="floor")
+    return out[::-1]
+
+
+_ROWS: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def query_rows(T: int, queries: int, device: torch.device) -> torch.Tensor:
+    """``queries`` query positions of T, evenly spaced, the first and the last among them (all of T when fewer);
+    built on the host once per (T, queries, device) and kept: no transfer per call."""
+    key = (T, queries, str(device))
+    rows = _ROWS.get(key)
+    if rows is None:
+        picked = sorted({round(i * (T - 1) / (queries - 1)) for i in range(queries)}) if 1 < queries < T else \
+            list(range(T)) if queries >= T else [T - 1]
+        rows = _ROWS[key] = torch.tensor(picked, dtype=torch.long, device=device)
+    return rows
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, attn_mask: torch.Tensor | None,
+                     is_causal: bool, scale: float | None) -> torch.Tensor:
+    """The logits of scaled-dot-product attention at query ``rows`` only: (B, H, Q, S) float32, −inf where the mask
+    keeps a key out. q (B, H, T, D), k (B, Hk, S, D) with H a multiple of Hk (grouped-query attention); the mask
+    as SDPA takes it (bool: True takes part; float: added), broadcastable to (B, H, T, S); ``is_causal``: key j
+    takes part for query i when j <= i (SDPA's top-left alignment)."""
+    H, Hk = q.shape[1], k.shape[1]
+    if Hk != H:
+        k = k.repeat_interleave(H // Hk, dim=1)  # (B, Hk, S, D) -> (B, H, S, D)
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    logits = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * s  # (B, H, Q, D) @ (B, H, D, S) -> (B, H, Q, S)
+    S = k.shape[2]
+    if is_causal:
+        keep = torch.arange(S, device=q.device)[None, :] <= rows[:, None]  # (Q, S)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        m = attn_mask.expand(*attn_mask.shape[:-2], q.shape[2], S)[..., rows, :]  # (.., T, S) -> (.., Q, S)
+        logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
+    return logits
+
+
+def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per head of one call's attention logits (B, H, Q, S) (−inf: masked; ``rows``: the positions of the Q query
+    rows, None: all of them): ``max`` (H,) the largest logit, ``max_at`` (2,) the (row, position) of the largest
+    over heads, ``entropy_sum`` (H,) the sum of its rows' entropies (nats) and ``rows`` (H,) how many rows counted
+    (a row with every key masked does not), ``min_row`` the lowest entropy of a row over its most possible
+(log of the keys it sees: rows of at least 2 keys) and ``min_at`` (2,) where."""
+    B, H, Q, S = logits.shape
+    finite = torch.where(torch.isfinite(logits), logits, torch.full_like(logits, float("-inf")))
+    per_head = finite.amax(dim=(0, 2, 3))  # (B, H, Q, S) -> (H,)
+    flat = finite.flatten().argmax()  # over (B, H, Q, S)
+    b, _, qi, _ = _unravel(flat, (B, H, Q, S))
+    p = torch.softmax(finite, dim=-1)  # (B, H, Q, S); NaN on a row with every key masked
+    ent = torch.special.entr(p).sum(-1)  # (B, H, Q)
+    counted = torch.isfinite(ent)
+    ent0 = torch.where(counted, ent, torch.zeros_like(ent))
+    # the most concentrated row: entropy over its most possible, log(keys it may see) — a causal row with one or two
+    # keys is low by construction and names nothing; rows of fewer than 2 keys are not candidates
+    keys = torch.isfinite(finite).sum(-1).to(ent.dtype)  # (B, H, Q)
+    norm = torch.where(counted & (keys >= 2), ent / keys.clamp(min=2).log(), torch.full_like(ent, float("inf")))
+    lb, _, lq = _unravel(norm.flatten().argmin(), (B, H, Q))
+    pos = (lambda i: rows[i]) if rows is not None else (lambda i: i)
+    return {"max": per_head, "max_at": torch.stack([b, pos(qi)]),
+            "entropy_sum": ent0.sum(dim=(0, 2)), "rows": counted.sum(dim=(0, 2)).to(ent.dtype),  # (B, H, Q) -> (H,)
+            "min_row": norm.amin(), "min_at": torch.stack([lb, pos(lq)])}
+
+
+def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The loss head's output logits (B, T, V) (``keep`` (B, T) bool: the loss positions, None: all): ``max_abs``
+    the largest |logit| over kept positions and ``max_at`` (2,) its (row, position); ``lse_sq_sum`` Σ logsumexp²
+    and ``n`` the positions counted. Non-finite logits make the values non-finite (the host drops them)."""
+    B, T, _ = logits.shape
+    per_pos = torch.maximum(logits.amax(-1), -logits.amin(-1)).float()  # (B, T, V) -> (B, T), no |x| copy
+    lse = torch.logsumexp(logits, dim=-1).float()  # (B, T, V) -> (B, T)
+    if keep is not None:
+        per_pos = torch.where(keep, per_pos, torch.full_like(per_pos, float("-inf")))
+        lse = torch.where(keep, lse, torch.zeros_like(lse))
+        n = keep.sum().float()
+    else:
+        n = float(B * T)
+    r, t = _unravel(per_pos.flatten().argmax(), (B, T))
+    return {"max_abs": per_pos.amax(), "max_at": torch.stack([r, t]), "lse_sq_sum": lse.square().sum(), "n": n}
+
+
+def rms_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The residual stream (B, T, d) at the final norm's input: ``sum`` Σ over positions of each position's RMS,
+    ``n`` the positions, ``max`` the largest and ``max_at`` (2,) its (row, position)."""
+    B, T, d = x.shape
+    rms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) / math.sqrt(d)  # (B, T, d) -> (B, T)
+    r, t = _unravel(rms.flatten().argmax(), (B, T))
+    return {"sum": rms.sum(), "n": float(B * T), "max": rms.amax(),
+            "max_at": torch.stack([r, t])}
+
+
+def router_stats(logits: torch.Tensor, chosen: torch.Tensor | None, top_k: int) -> dict[str, torch.Tensor]:
+    """A MoE router's logits (N, E) (any leading dims) and its chosen experts (N, k) (None: the top ``top_k`` of
+    the logits): ``entropy_sum`` Σ routing entropy over tokens, ``n`` the tokens, ``counts`` (E,) tokens routed to
+    each expert."""
+    E = logits.shape[-1]
+    flat = logits.reshape(-1, E).float()  # (*lead, E) -> (N, E)
+    ent = torch.special.entr(torch.softmax(flat, dim=-1)).sum(-1)  # (N,)
+    if chosen is None:
+        chosen = flat.topk(min(top_k, E), dim=-1).indices  # (N, k)
+    idx = chosen.reshape(-1).long()  # (N, k) -> (N·k,)
+    counts = torch.zeros(E, device=flat.device).index_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))  # (E,)
+    return {"entropy_sum": ent.sum(), "n": float(flat.shape[0]), "counts": counts}
+
+
+__all__ = ["attention_logits", "attention_stats", "head_stats", "query_rows", "router_stats", "rms_stats"]
