@@ -71,6 +71,7 @@ class StepSummary(StepFields):
     layers: LayerColumns
     events_dropped: int = 0  # decoded from the wire: entries dropped as invalid (the agent counts them)
     groups_dropped: int = 0  # decoded from the wire: data groups dropped as invalid (the agent counts them)
+    precursors_dropped: int = 0  # decoded from the wire: precursor stats dropped as invalid (the agent counts them)
 
 
 def summarize(record: StepRecord) -> StepSummary:

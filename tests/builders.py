@@ -32,6 +32,8 @@ from gradloc.records import (
     LayerShare,
     LayerStats,
     Localization,
+    PrecursorKind,
+    PrecursorStat,
     Remedy,
     RLStats,
     SampleOutlier,
@@ -120,7 +122,7 @@ def summary(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: flo
          loss: float | None = 2.5, grad_scale: float | None = None, tokens: bool = True,
          skipped: bool = False, overhead: float | None = 0.03, shed: tuple[str, ...] = (),
          rl: RLStats | None = None, band: tuple[float, float] | None = (1.2, 2.0),
-         samples: SampleStats | None = None) -> StepSummary:
+         samples: SampleStats | None = None, precursors: tuple[PrecursorStat, ...] = ()) -> StepSummary:
     """One rank's step ``n``; the global norm defaults to the L2 norm of the finite layer norms."""
     if global_norm is None:
         finite = layers.grad_norm[np.isfinite(layers.grad_norm)]
@@ -132,7 +134,28 @@ def summary(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: flo
                        layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped,
                        overhead_s=None if overhead is None else 0.01, step_s=None if overhead is None else 0.34,
                        overhead=overhead, shed=shed, rl=rl, norm_mean=band and band[0], norm_threshold=band and band[1],
-                       samples=samples)
+                       samples=samples, precursors=precursors)
+
+
+def precursor_stats(layers: int = 2, heads: int = 2) -> tuple[PrecursorStat, ...]:
+    """Every kind of precursor stat: attention per layer (and per head), the head, the final norm, one router with
+    per-expert loads."""
+    K = PrecursorKind
+    out = []
+    for i in range(layers):
+        out += [PrecursorStat(kind=K.ATTN_MAX_LOGIT, layer=f"blocks.{i}.attn", value=4.0 + i, at=(0, 1, 7)),
+                PrecursorStat(kind=K.ATTN_ENTROPY, layer=f"blocks.{i}.attn", value=1.5 - 0.1 * i, at=(1, 0, 3))]
+        out += [PrecursorStat(kind=K.ATTN_MAX_LOGIT, layer=f"blocks.{i}.attn", value=3.0 + h, head=h)
+                for h in range(heads)]
+        out += [PrecursorStat(kind=K.ATTN_ENTROPY, layer=f"blocks.{i}.attn", value=1.6 + h, head=h) for h in range(heads)]
+    out += [PrecursorStat(kind=K.LOGIT_MAX_ABS, layer="lm_head", value=12.5, at=(0, 0, 2)),
+            PrecursorStat(kind=K.LOGIT_LSE_SQ, layer="lm_head", value=30.0),
+            PrecursorStat(kind=K.RESIDUAL_RMS, layer="norm", value=2.2, at=(1, 1, 1)),
+            PrecursorStat(kind=K.ROUTER_ENTROPY, layer="blocks.0.moe.gate", value=1.2),
+            PrecursorStat(kind=K.EXPERT_LOAD_MAX, layer="blocks.0.moe.gate", value=1.8),
+            PrecursorStat(kind=K.DEAD_EXPERTS, layer="blocks.0.moe.gate", value=0.0)]
+    out += [PrecursorStat(kind=K.EXPERT_LOAD_MAX, layer="blocks.0.moe.gate", value=0.5 + 0.3 * e, head=e) for e in range(4)]
+    return tuple(out)
 
 
 def sample_stats(job: str, rank: int, n: int, time_unix: float) -> SampleStats:

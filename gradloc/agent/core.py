@@ -232,6 +232,8 @@ class AgentCore:
                 self.state.observe_events(item.job, item.rank, item.events, item.events_dropped)
             if item.groups or item.groups_dropped:
                 self.state.observe_groups(item.job, item.groups, item.groups_dropped)
+            if item.precursors_dropped:
+                self.state.observe_dropped("precursors", item.precursors_dropped)
             if item.samples is not None:
                 self.recent_outliers.extend(item.samples.outliers)
             self.correlator.on_step(item)

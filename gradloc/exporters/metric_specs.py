@@ -114,6 +114,31 @@ SPECS: tuple[MetricSpec, ...] = (
        "warm-up. A share above 2 × this + 0.05 for rl_patience steps is an rl_mismatch finding."),
     _g("shed", "gradloc_shed", "gradloc.shed", "1", ("job", "rank", "feature"),
        "1 while gradloc sheds an optional feature (update_ratio, layer_breakdown) to stay within its overhead budget, else 0."),
+    # Precursor statistics of the latest step (gradloc/records/precursors.py), per module that measured them; per
+    # head and per expert only with PrecursorConfig.per_head.
+    _g("attn_max_logit", "gradloc_attention_max_logit", "gradloc.attention.max_logit", "1", JRL,
+       "Largest attention logit (q·k × scale) of one attention module, max over heads; SDPA/flash: over the sampled "
+       "query rows (PrecursorConfig.attention_queries), eager: every row."),
+    _g("attn_entropy", "gradloc_attention_entropy_nats", "gradloc.attention.entropy", "nat", JRL,
+       "Mean entropy of one attention module's rows, the lowest head's (attention entropy collapse: falling)."),
+    _g("attn_head_max_logit", "gradloc_attention_head_max_logit", "gradloc.attention.head_max_logit", "1",
+       ("job", "rank", "layer", "head"), "Largest attention logit of one head (PrecursorConfig.per_head)."),
+    _g("attn_head_entropy", "gradloc_attention_head_entropy_nats", "gradloc.attention.head_entropy", "nat",
+       ("job", "rank", "layer", "head"), "Mean row entropy of one attention head (PrecursorConfig.per_head)."),
+    _g("logit_max_abs", "gradloc_output_logit_max_abs", "gradloc.output.logit_max_abs", "1", JRL,
+       "Largest |output logit| at the loss head (output-logit divergence: rising)."),
+    _g("logit_lse_sq", "gradloc_output_logsumexp_squared", "gradloc.output.logsumexp_squared", "1", JRL,
+       "Mean logsumexp² of the output logits over the loss positions: the z-loss term."),
+    _g("residual_rms", "gradloc_residual_rms", "gradloc.residual.rms", "1", JRL,
+       "Root mean square of the residual stream at the final norm's input, mean over positions."),
+    _g("router_entropy", "gradloc_router_entropy_nats", "gradloc.router.entropy", "nat", JRL,
+       "Mean routing entropy of one MoE router over the step's tokens (router collapse: falling)."),
+    _g("expert_load_max", "gradloc_expert_load_max_ratio", "gradloc.expert.load_max", "1", JRL,
+       "The most loaded expert's share of one router's routed tokens over the mean share (1: balanced)."),
+    _g("expert_load", "gradloc_expert_load_ratio", "gradloc.expert.load", "1", ("job", "rank", "layer", "expert"),
+       "One expert's share of its router's routed tokens over the mean share (PrecursorConfig.per_head)."),
+    _g("dead_experts", "gradloc_dead_experts", "gradloc.expert.dead", "{expert}", JRL,
+       "Experts of one router that no token of the step was routed to."),
     # Counters over the whole run.
     _c("steps", "gradloc_steps", "gradloc.step.count", "{step}", JR, "Step records received."),
     _c("skipped_steps", "gradloc_skipped_steps", "gradloc.step.skipped", "{step}", JR,
@@ -184,7 +209,9 @@ SPECS: tuple[MetricSpec, ...] = (
        "Records whose series were not exported because a cardinality bound was hit (max_series, max_layers); "
        "monitor_events: event counts a step carried that were invalid (an empty name or one over 64 characters, a "
        "negative count, beyond 64 names), dropped and the step kept; data_groups: data groups a step carried that "
-       "were invalid (an unknown kind, an empty or too long name, a negative count, beyond 64), dropped and the step kept."),
+       "were invalid (an unknown kind, an empty or too long name, a negative count, beyond 64), dropped and the step kept; "
+       "precursors: precursor statistics a step carried that were invalid (an unknown kind, a too long layer name, a "
+       "negative head, a non-finite value, a bad location, beyond 4096), dropped and the step kept."),
     _h("ingest_lag", "gradloc_agent_ingest_lag_seconds", "gradloc.agent.ingest_lag", "s", (),
        "Time from a record's production on the trainer to its ingestion by the agent.", LAG_BUCKETS),
     _g("pending", "gradloc_agent_pending_correlations", "gradloc.agent.pending", "{incident}", (),

@@ -55,6 +55,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
 from gradloc.exporters.metric_specs import AGENT_GAUGES, SPECS, MetricSpec
+from gradloc.exporters.precursor_series import PRECURSOR_KEYS, precursor_points
 from gradloc.exporters.snapshot import (
     RANK_GAUGES,
     CounterPoint,
@@ -221,6 +222,9 @@ class MetricInstruments:
                                  for k, v in p.gauges() if k == spec.key and math.isfinite(v)]
         if spec.key in _LAYER_GAUGES:
             return lambda snap: _layer_observations(snap, _LAYER_GAUGES[spec.key])
+        if spec.key in PRECURSOR_KEYS:
+            return lambda snap: [Observation(v, {**_rank_attrs(p), **extra}) for p in snap.ranks
+                                 for k, extra, v in precursor_points(p) if k == spec.key]
         if spec.key in AGENT_GAUGES:
             return lambda snap: [Observation(getattr(snap, spec.key))]
         log.warning("no OTLP source for gauge %s: it is not exported", spec.otel)

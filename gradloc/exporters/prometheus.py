@@ -35,6 +35,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from gradloc.exporters.metric_specs import AGENT_GAUGES, BY_KEY, SPECS, MetricSpec
+from gradloc.exporters.precursor_series import precursor_points
 from gradloc.exporters.snapshot import (
     CounterPoint,
     Exemplar,
@@ -174,6 +175,9 @@ def _layer_rows(p: RankPoint) -> Iterator[Row]:
 def _point_rows(p: RankPoint) -> Iterator[Row]:
     yield from _rank_rows(p)
     yield from _layer_rows(p)
+    labels = {"job": _label(p.summary.job), "rank": _label(p.rank_label)}
+    for key, extra, value in precursor_points(p):
+        yield key, Sample(BY_KEY[key].prom, {**labels, **{k: _label(v) for k, v in extra.items()}}, value)
 
 
 def _counter_rows(c: CounterPoint, sign: ExemplarSigner | None = None) -> Iterator[Row]:

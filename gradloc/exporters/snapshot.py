@@ -110,6 +110,7 @@ class RankPoint:
     received_unix: float
     layers_exported: int  # the first n layers have series (bounded by max_layers)
     scope: str = "all"
+    precursors_exported: int = 0  # the first n precursor stats have series (bounded by max_layers)
     # (WINDOW_GAUGES key, max) over the steps since the reading exporter's previous collection; empty: the
     # latest step's values (no step since, or a snapshot taken without a reader)
     window_max: tuple[tuple[str, float], ...] = ()

@@ -16,12 +16,9 @@ import dataclasses
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterable
 
-import numpy as np
-
-from gradloc.errors import ConfigError
+from gradloc.exporters.histogram import Hist as _Hist
 from gradloc.exporters.metric_specs import BY_KEY, MetricSpec
 from gradloc.exporters.snapshot import (
     JOB_KEYS,
@@ -38,55 +35,11 @@ from gradloc.exporters.snapshot import (
     widen_window,
 )
 from gradloc.exporters.source_labels import SourceLabels
+from gradloc.exporters.state_config import StateConfig
 from gradloc.records import SampleInfo
 from gradloc.records.events import labelled
 from gradloc.records.groups import NO_SOURCE, GroupKind, GroupTokens
 from gradloc.reports import CorrelatedIncident, StepSummary
-
-
-@dataclass(frozen=True)
-class StateConfig:
-    max_series: int = 4096  # (job, rank) pairs with live gauges
-    max_layers: int = 1024  # layer labels per rank
-    stale_after_s: float = 900.0
-    sources: tuple[str, ...] = ()  # data sources that always get their own ``source`` label (exporters/source_labels.py)
-    max_sources: int = 16  # other sources labelled by name, first seen first; later ones are "other"
-
-    def __post_init__(self) -> None:
-        if self.max_series < 1 or self.max_layers < 1 or self.max_sources < 0:
-            raise ConfigError("max_series and max_layers must be >= 1, max_sources >= 0")
-        if not self.stale_after_s > 0:
-            raise ConfigError("stale_after_s must be > 0")
-
-
-class _Hist:
-    __slots__ = ("bounds", "counts", "sum", "count", "exemplars")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = np.asarray(bounds, dtype=np.float64)
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum, self.count = 0.0, 0
-        self.exemplars: list[Exemplar | None] = [None] * (len(bounds) + 1)
-
-    def observe(self, value: float, exemplar: Exemplar | None = None) -> None:
-        i = int(np.searchsorted(self.bounds, value, side="left"))  # bucket i: bounds[i-1] < v <= bounds[i]
-        self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-        if exemplar is not None:
-            self.exemplars[i] = exemplar
-
-    def add_counts(self, counts: tuple[int, ...], total: float | None) -> None:
-        """Add pre-aggregated bucket counts (same bounds; the last count is above the last bound)."""
-        for i, c in enumerate(counts[: len(self.counts)]):
-            self.counts[i] += c
-        n = sum(counts)
-        self.count += n
-        self.sum += total if total is not None and math.isfinite(total) else math.nan
-
-    def exemplify(self, value: float, exemplar: Exemplar) -> None:
-        """Attach an exemplar to the bucket ``value`` falls in, without counting it again."""
-        self.exemplars[int(np.searchsorted(self.bounds, value, side="left"))] = exemplar
 
 
 def _spec(key: str) -> MetricSpec:
@@ -169,7 +122,10 @@ class TelemetryState:
         n = min(len(s.layers), self.config.max_layers) if scope != "rank" else 0
         if scope != "rank" and n < len(s.layers):
             self._bump("series_dropped", ("max_layers",))
-        self._ranks[key] = RankPoint(s, now, n, scope)
+        pre = min(len(s.precursors), self.config.max_layers) if scope != "job" else 0
+        if pre < len(s.precursors) and scope != "job":
+            self._bump("series_dropped", ("max_layers",))
+        self._ranks[key] = RankPoint(s, now, n, scope, precursors_exported=pre)
         for windows in self._windows.values():
             widen_window(windows.setdefault(key, {}), s)
 
@@ -228,6 +184,12 @@ class TelemetryState:
                 self._set_cumulative("monitor_events", (job, str(rank), label), float(n))
             if dropped:
                 self._bump("series_dropped", ("monitor_events",), n=dropped)
+
+    def observe_dropped(self, reason: str, n: int) -> None:
+        """Entries of a step the wire decoder refused (``series_dropped{reason}``): monitor_events, data_groups,
+        precursors."""
+        with self._lock:
+            self._bump("series_dropped", (reason,), n=n)
 
     def observe_groups(self, job: str, groups: Iterable[GroupTokens], dropped: int = 0) -> None:
         """A step's loss tokens per source (``gradloc_source_tokens_total``); ``dropped``: invalid groups the wire

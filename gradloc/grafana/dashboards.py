@@ -1,4 +1,4 @@
-"""gradloc's five Grafana dashboards, as code (see panels.py). ``DASHBOARDS``: uid -> builder.
+"""gradloc's six Grafana dashboards, as code (see panels.py). ``DASHBOARDS``: uid -> builder.
 
 - **Training overview**: loss, the global gradient norm with a healthy band, incidents as annotations.
 - **Layers**: per-layer norm heatmap, top layers, each layer's share of ‖∇‖² and its z-score, update ratios.
@@ -6,6 +6,8 @@
   of recent incidents linking to the agent's incident page, per-sample outlier findings and the
   distribution of per-sample surprise z-scores.
 - **RL**: the RL distributions (panels show "No data" for a job without RL fields, never an error).
+- **Stability**: the precursor statistics (attention logits and entropy, output logits, residual RMS, update
+  ratios, policy entropy, MoE routers: docs/precursors.md).
 - **Agent health**: ingest, rejections, limits, client drops, queue, export failures, gradloc's overhead.
 
 The overview's band is the detector's own: the healthy EMA mean each step was judged against and
@@ -202,5 +204,47 @@ def agent() -> dict[str, Any]:
                      "Is the agent keeping up, and is gradloc within its overhead budget?")
 
 
+def stability() -> dict[str, Any]:
+    """The precursor statistics (docs/precursors.md): per module, the module's own name in ``layer`` (not a layer
+    group: the $layer variable does not filter them)."""
+    panels = [
+        Panel("Attention: largest logit per module", [q(f"gradloc_attention_max_logit{S}", "{{layer}} r{{rank}}")],
+              "none", description="Largest q·k × scale of each attention module, max over heads (SDPA: over the "
+                                  "sampled query rows). Growing without bound precedes attention collapse "
+                                  "(Wortsman et al.); qk-norm holds it."),
+        Panel("Attention: entropy per module (lowest head)", [
+            q(f"gradloc_attention_entropy_nats{S}", "{{layer}} r{{rank}}")], "none",
+            description="Mean entropy of each attention module's rows, its lowest head's, in nats. A fall toward 0 "
+                        "is entropy collapse (Zhai et al.)."),
+        Panel("Attention per head (PrecursorConfig.per_head)", [
+            q(f"gradloc_attention_head_max_logit{S}", "max logit {{layer}} h{{head}}"),
+            q(f"gradloc_attention_head_entropy_nats{S}", "entropy {{layer}} h{{head}}")], "none",
+            description="Per-head values, only where the monitor measures them per head."),
+        Panel("Output logits: largest |logit| and mean logsumexp²", [
+            q(f"gradloc_output_logit_max_abs{S}", "max |logit| r{{rank}}"),
+            q(f"gradloc_output_logsumexp_squared{S}", "logsumexp² r{{rank}}")], "none",
+            description="At the loss head. A steady drift is output-logit divergence; z-loss penalises the second."),
+        Panel("Residual stream RMS at the final norm", [q(f"gradloc_residual_rms{S}", "{{layer}} r{{rank}}")], "none"),
+        Panel("Update-to-weight ratio, largest layer", [
+            q(f"max by (job, rank) (gradloc_update_ratio{S})", "{{job}} r{{rank}}")], "none",
+            description="‖Δθ‖/‖θ‖ of the layer that moved most in its last measured update."),
+        Panel("Policy entropy (RL)", [q(f"gradloc_rl_entropy{S}", "{{job}} r{{rank}}")], "none",
+              description="Mean entropy of the trained tokens, as the trainer hands it over: a collapse precedes "
+                          "RL instabilities (jobs with RL fields only)."),
+        Panel("MoE routers: routing entropy", [q(f"gradloc_router_entropy_nats{S}", "{{layer}} r{{rank}}")], "none",
+              description="Mean routing entropy per router; a fall is router collapse."),
+        Panel("MoE routers: load of the busiest expert, dead experts", [
+            q(f"gradloc_expert_load_max_ratio{S}", "busiest/mean {{layer}} r{{rank}}"),
+            q(f"gradloc_dead_experts{S}", "dead {{layer}} r{{rank}}")], "none",
+            description="The most loaded expert's token share over the mean (1 = balanced) and experts no token "
+                        "reached this step."),
+        Panel("Load per expert (PrecursorConfig.per_head)", [
+            q(f"gradloc_expert_load_ratio{S}", "{{layer}} e{{expert}}")], "none"),
+    ]
+    return dashboard("gradloc-stability", "gradloc · Stability", panels,
+                     "The slow instabilities before a spike: attention logits and entropy, output logits, the residual "
+                     "stream, update ratios, policy entropy, MoE routers.")
+
+
 DASHBOARDS: dict[str, Callable[[], dict[str, Any]]] = {
-    "overview": overview, "layers": layers, "tokens": tokens, "rl": rl, "agent": agent}
+    "overview": overview, "layers": layers, "tokens": tokens, "rl": rl, "stability": stability, "agent": agent}

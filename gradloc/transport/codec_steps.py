@@ -23,11 +23,10 @@ from gradloc.records import (
     TokenScore,
     TokenStats,
 )
-from gradloc.records.events import MAX_EVENT_NAME, MAX_EVENTS
-from gradloc.records.groups import MAX_GROUPS, STEP_KINDS, GroupTokens, group_problem
 from gradloc.reports import LayerColumns, StepSummary
 from gradloc.transport import validate as v
 from gradloc.transport.codec_findings import decode_samples, encode_samples
+from gradloc.transport.codec_lists import events_of, groups_of, precursors_of
 from gradloc.transport.wire import pb
 
 _NAN = float("nan")
@@ -76,6 +75,10 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
         m.events[name] = n
     for grp in rec.groups:
         m.groups.add(kind=str(grp.kind), name=grp.name, samples=grp.samples, tokens=grp.tokens)
+    for p in rec.precursors:
+        msg = m.precursors.add(kind=str(p.kind), layer=p.layer, value=p.value, at=p.at or ())
+        if p.head is not None:
+            msg.head = p.head
     return m
 
 
@@ -145,8 +148,9 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
     event = nonfinite > 0
     job = v.text(m.job, f"{where}.job", required=True) if m.HasField("job") else job
     rank = v.rank(m.rank, world_size, f"{where}.rank") if m.HasField("rank") else rank
-    events, dropped = _events(m) if m.events else ((), 0)
-    groups, groups_dropped = _groups(m) if m.groups else ((), 0)
+    events, dropped = events_of(m) if m.events else ((), 0)
+    groups, groups_dropped = groups_of(m) if m.groups else ((), 0)
+    precursors, precursors_dropped = precursors_of(m) if m.precursors else ((), 0)
     overhead = {name: v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
                 for name, f in (("overhead_s", "overhead_seconds"), ("step_s", "step_seconds"), ("overhead", "overhead"))}
     norm_mean, norm_threshold = _band(m, where)
@@ -163,24 +167,8 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         norm_mean=norm_mean, norm_threshold=norm_threshold,
         samples=decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples")
         if m.HasField("samples") else None,
-        events=events, events_dropped=dropped, groups=groups, groups_dropped=groups_dropped)
-
-
-def _groups(m: pb.Step) -> tuple[tuple[GroupTokens, ...], int]:
-    """The step's data groups: an entry of an unknown kind, an empty or too long name or a negative count is dropped
-    (not the step), and so is every valid one after the first MAX_GROUPS; returns (groups, entries dropped)."""
-    kept = tuple(GroupTokens(kind=g.kind, name=g.name, samples=g.samples, tokens=g.tokens) for g in m.groups
-                 if g.kind in STEP_KINDS and not group_problem(g.name, g.samples, g.tokens))[:MAX_GROUPS]
-    return kept, len(m.groups) - len(kept)
-
-
-def _events(m: pb.Step) -> tuple[tuple[tuple[str, int], ...], int]:
-    """The monitor's event counts, sorted by name: an entry with an empty name or one longer than
-    MAX_EVENT_NAME, or a negative count, is dropped (not the step: they are counters beside it), and so
-    is every valid one after the first MAX_EVENTS; returns (events, entries dropped)."""
-    valid = sorted((k, n) for k, n in m.events.items() if 0 < len(k) <= MAX_EVENT_NAME and n >= 0)
-    kept = tuple(valid[:MAX_EVENTS])
-    return kept, len(m.events) - len(kept)
+        events=events, events_dropped=dropped, groups=groups, groups_dropped=groups_dropped,
+        precursors=precursors, precursors_dropped=precursors_dropped)
 
 
 def _band(m: pb.Step, where: str) -> tuple[float | None, float | None]:

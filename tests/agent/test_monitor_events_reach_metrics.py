@@ -96,7 +96,7 @@ def test_invalid_data_groups_are_dropped_and_counted_the_step_kept() -> None:
     """A step's groups from the wire: an unknown kind, an empty name or a negative count is dropped (not the step)
     and counted (``series_dropped{reason="data_groups"}``)."""
     from gradloc.transport._generated.gradloc.v1 import gradloc_pb2 as pb
-    from gradloc.transport.codec_steps import _groups
+    from gradloc.transport.codec_lists import groups_of as _groups
 
     m = pb.Step(groups=[pb.GroupTokensMsg(kind="source", name="web", samples=2, tokens=100),
                         pb.GroupTokensMsg(kind="position", name="≤16", samples=1, tokens=1),
@@ -114,3 +114,33 @@ def test_invalid_data_groups_are_dropped_and_counted_the_step_kept() -> None:
     finally:
         core.close()
     assert 'gradloc_agent_series_dropped_total{reason="data_groups"} 3.0' in text
+
+
+def test_invalid_precursor_stats_are_dropped_and_counted_the_step_kept() -> None:
+    """A step's precursor statistics from the wire (the daemon's path, real bytes): an unknown kind, a non-finite
+    value, a negative head or a location that is not three counts is dropped (not the step) and counted
+    (``series_dropped{reason="precursors"}``); the valid ones become gauges."""
+    from gradloc.transport._generated.gradloc.v1 import gradloc_pb2 as pb
+    from gradloc.transport.codec_lists import precursors_of
+
+    m = pb.Step(precursors=[pb.PrecursorMsg(kind="attn_max_logit", layer="blocks.0", value=7.5, at=[0, 1, 2]),
+                            pb.PrecursorMsg(kind="attn_wobble", layer="blocks.0", value=1.0),
+                            pb.PrecursorMsg(kind="attn_entropy", layer="blocks.0", value=float("nan")),
+                            pb.PrecursorMsg(kind="attn_entropy", layer="blocks.0", value=1.0, head=-1),
+                            pb.PrecursorMsg(kind="residual_rms", layer="norm", value=1.0, at=[0, 1])])
+    kept, dropped = precursors_of(m)
+    assert [(str(p.kind), p.layer, p.value, p.at) for p in kept] == [("attn_max_logit", "blocks.0", 7.5, (0, 1, 2))]
+    assert dropped == 4
+    from tests.builders import precursor_stats
+
+    batch = BatchDecoder().decode(to_bytes([step_record(4, precursors=precursor_stats())]))
+    assert batch.steps[0].precursors == precursor_stats()  # every kind, heads and experts, through the wire
+    core = AgentCore().start()
+    try:
+        assert core.submit([replace(batch.steps[0], precursors=kept, precursors_dropped=dropped)])
+        assert core.flush(10.0)
+        text = render(core.state, None)[0].decode()
+    finally:
+        core.close()
+    assert 'gradloc_agent_series_dropped_total{reason="precursors"} 4.0' in text
+    assert 'gradloc_attention_max_logit{job="job-a",layer="blocks.0",rank="1"} 7.5' in text

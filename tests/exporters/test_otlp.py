@@ -33,7 +33,16 @@ from gradloc.exporters.otlp_traces import culprit_span_attributes
 from gradloc.exporters.state import TelemetryState
 from gradloc.records import CulpritSpan, GroupTokens
 from gradloc.reports import CorrelatedIncident, RankSpan
-from tests.builders import NAN, columns, make_incident, nonfinite_incident, rl_stats, sample_stats, summary
+from tests.builders import (
+    NAN,
+    columns,
+    make_incident,
+    nonfinite_incident,
+    precursor_stats,
+    rl_stats,
+    sample_stats,
+    summary,
+)
 from tests.exporters.otlp_receiver import OtlpReceiver, attrs, closed_port
 
 JOB = "llm-7b"
@@ -79,7 +88,7 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
         norms = [0.5, NAN if rank == 1 else 0.3, 0.02 * (rank + 1)]
         s = summary(JOB, rank, 100, columns(norms, LAYERS, update_ratio=[NAN, 1e-3, 2e-3]), time_unix=now - 0.1,
                  grad_scale=65536.0, skipped=rank == 1, shed=("update_ratio",) if rank == 1 else (), rl=rl_stats(),
-                 samples=sample_stats(JOB, rank, 100, now - 0.1))
+                 samples=sample_stats(JOB, rank, 100, now - 0.1), precursors=precursor_stats())
         state.observe_step(s)
         ex.on_step(s)
     inc = fresh_incident()

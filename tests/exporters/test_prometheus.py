@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from prometheus_client.utils import floatToGoString
 
 from gradloc.exporters.metric_specs import BY_KEY, SPECS
+from gradloc.exporters.precursor_series import PRECURSOR_KEYS
 from gradloc.exporters.prometheus import (
     GradlocCollector,
     families,
@@ -28,7 +29,17 @@ from gradloc.exporters.prometheus import (
 from gradloc.exporters.snapshot import RankPoint
 from gradloc.exporters.state import StateConfig, TelemetryState
 from gradloc.records import GroupTokens, Remedy
-from tests.builders import NAN, TRACE_ID, columns, correlated, layer_names, rl_stats, sample_stats, summary
+from tests.builders import (
+    NAN,
+    TRACE_ID,
+    columns,
+    correlated,
+    layer_names,
+    precursor_stats,
+    rl_stats,
+    sample_stats,
+    summary,
+)
 
 OM_ACCEPT = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # what Prometheus 2.42 sends
@@ -52,7 +63,8 @@ def realistic_state() -> TelemetryState:
                                         skipped=(n == 100 and rank == 1),
                                         shed=("update_ratio",) if (j, rank) == (1, 2) else (),
                                         rl=rl_stats() if j == 0 else None,
-                                        samples=sample_stats(job, rank, n, now) if j == 0 else None))
+                                        samples=sample_stats(job, rank, n, now) if j == 0 else None,
+                                        precursors=precursor_stats() if j == 0 else ()))
     state.observe_incident(correlated("llm-7b", 100, global_norm=42.0, ranks=(0, 1), missing=(2,),
                                     kinds=("grad_spike", "loss_spike"),
                                     remedy=Remedy("drop_culprits", True, 42.0, 1.5)))
@@ -405,3 +417,24 @@ def test_global_layer_series_are_exported_once_per_job_with_rank_job():
     for rank in range(world):
         state.observe_step(summary("plain", rank, 7, columns(np.ones(layers)), time_unix=time.time()))
     assert len(samples(text_of(state), "gradloc_grad_norm")) == world * layers
+
+
+def test_precursor_series_per_module_head_and_expert_and_bounded():
+    text = text_of(realistic_state())
+    logits = {(lab["job"], lab["rank"], lab["layer"]): v for lab, v in samples(text, "gradloc_attention_max_logit")}
+    assert logits[(JOBS[0], "0", "blocks.1.attn")] == 5.0 and len(logits) == 2 * RANKS  # job 0's ranks only
+    heads = {(lab["layer"], lab["head"]): v for lab, v in samples(text, "gradloc_attention_head_entropy_nats")
+             if (lab["job"], lab["rank"]) == (JOBS[0], "1")}
+    assert heads == {("blocks.0.attn", "0"): 1.6, ("blocks.0.attn", "1"): 2.6, ("blocks.1.attn", "0"): 1.6,
+                     ("blocks.1.attn", "1"): 2.6}
+    loads = {lab["expert"]: v for lab, v in samples(text, "gradloc_expert_load_ratio")
+             if (lab["job"], lab["rank"]) == (JOBS[0], "0")}
+    assert loads == {"0": 0.5, "1": 0.8, "2": 1.1, "3": pytest.approx(1.4)}
+    assert [v for lab, v in samples(text, "gradloc_output_logsumexp_squared") if lab["rank"] == "2"] == [30.0]
+    # the state's layer bound holds for precursor series too: the rest are dropped and counted
+    state = TelemetryState(StateConfig(max_layers=3))
+    state.observe_step(summary("j", 0, 1, columns([1.0]), time_unix=time.time(), precursors=precursor_stats()))
+    text = text_of(state)
+    exported = sum(len(samples(text, s.prom)) for s in SPECS if s.key in PRECURSOR_KEYS)
+    assert exported == 3
+    assert [v for lab, v in samples(text, "gradloc_agent_series_dropped_total") if lab["reason"] == "max_layers"] == [1.0]

@@ -33,7 +33,7 @@ def _promtool() -> str:
 
 def test_structure_of_every_dashboard() -> None:
     uids = [b()["uid"] for b in DASHBOARDS.values()]
-    assert len(set(uids)) == len(uids) == 5
+    assert len(set(uids)) == len(uids) == 6
     for build in DASHBOARDS.values():
         dash = build()
         names = [v["name"] for v in dash["templating"]["list"]]
@@ -126,7 +126,7 @@ def test_provision_and_export_cli(tmp_path: Path) -> None:
                                     "--agent-url", "http://agent:9917", "--signed-links"], env=NO_AGENT_CONFIG)
     assert res.exit_code == 0, res.output
     dashes = sorted((tmp_path / "dashboards").glob("*.json"))
-    assert len(dashes) == 5
+    assert len(dashes) == 6
     for path in dashes:
         dash = json.loads(path.read_text())
         agent = next(v for v in dash["templating"]["list"] if v["name"] == "agent_url")

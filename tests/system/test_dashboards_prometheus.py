@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from gradloc.records import SampleOutlier, SampleStats
-from tests.builders import incident_record, layer, step_record
+from tests.builders import incident_record, layer, precursor_stats, step_record
 from tests.grafana.promql import queries
 from tests.reliability.daemon import ROOT, serving
 from tests.system.prom import running_prometheus
@@ -37,8 +37,8 @@ def _events(ingest: str) -> None:
     """The events a healthy demo never produces, sent with the trainer's own codec over gRPC: a
     GradScaler-skipped step, a step with non-finite gradients, a step that shed a feature, a client
     reporting drops, a batch with an incident sent twice (a re-send after a lost acknowledgement) whose
-    culprits are over the daemon's --max-culprits, and a step with a per-sample outlier finding (a
-    healthy demo has none).
+    culprits are over the daemon's --max-culprits, a step with a per-sample outlier finding (a
+    healthy demo has none), per-head precursor values and a MoE router's (the demo measures neither).
     The OTLP exporters' failures and drops come from the daemon's --otlp-endpoint, where nothing listens."""
     now = time.time()
     bad = layer("head", float("inf"), nonfinite=2)
@@ -48,7 +48,12 @@ def _events(ingest: str) -> None:
              step_record(1, job=EVENT_JOB, time_unix=now, layers=(layer("embed"), bad), nonfinite=2,
                   global_norm=float("inf")),
              step_record(2, job=EVENT_JOB, time_unix=now, shed=("update_ratio",)),
-             step_record(4, job=EVENT_JOB, time_unix=now, samples=SampleStats(judged=16, flagged=1, outliers=(outlier,)))]
+             step_record(4, job=EVENT_JOB, time_unix=now, samples=SampleStats(judged=16, flagged=1, outliers=(outlier,)),
+                         precursors=tuple(p for p in precursor_stats(layers=1, heads=1) if p.kind == "attn_entropy"
+                                          or p.head is not None)),  # --max-layers 4 keeps the demo's first 4
+             # a MoE model's routers (the demo has none): another rank, so its latest step holds them (--max-layers 4)
+             step_record(5, job=EVENT_JOB, rank=0, time_unix=now,
+                         precursors=tuple(p for p in precursor_stats() if "moe" in p.layer)[:4])]
     two = incident_record(3, job=EVENT_JOB, time_unix=now)  # two culprits: --max-culprits 1 cuts one (limited)
     two = dataclasses.replace(two, localization=dataclasses.replace(
         two.localization, culprits=two.localization.culprits * 2, spans=two.localization.spans * 2))

@@ -49,6 +49,7 @@ from gradloc.records import (
 )
 from gradloc.records.events import MAX_EVENT_NAME, MONITOR_EVENTS
 from gradloc.records.groups import MAX_GROUP_NAME, GroupTokens
+from gradloc.records.precursors import MAX_PRECURSOR_LAYER, PrecursorKind, PrecursorStat
 from gradloc.reports import StepSummary, summarize
 from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
 from gradloc.transport.server import start_ingest_server
@@ -119,6 +120,14 @@ groups = st.lists(st.builds(GroupTokens, kind=st.sampled_from(["source", "tag", 
                             samples=st.integers(0, 2**40), tokens=st.integers(0, 2**50)),
                   max_size=6).map(tuple)
 
+# the step's precursor statistics (StepRecord.precursors): valid kinds, names, heads and locations, finite values
+precursors = st.lists(st.builds(PrecursorStat, kind=st.sampled_from(list(PrecursorKind)),
+                                layer=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)),
+                                              max_size=MAX_PRECURSOR_LAYER),
+                                value=finite, head=st.none() | st.integers(0, 2**20),
+                                at=st.none() | st.tuples(*(st.integers(0, 2**30) for _ in range(3)))),
+                      max_size=6).map(tuple)
+
 # the detector's band: (None, None) during warm-up, else 0 <= mean <= threshold
 bands = st.none().map(lambda _: (None, None)) | st.tuples(nonneg, nonneg).map(lambda p: (p[0], p[0] + p[1])).filter(
     lambda p: p[1] < float("inf"))
@@ -141,7 +150,7 @@ def step_records(draw: st.DrawFn) -> StepRecord:
                       shed=tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2,
                                                unique=True))),
                       rl=draw(opt(rl_stats())), layers_global=draw(st.booleans()), norm_mean=norm_mean,
-                      norm_threshold=norm_threshold, events=draw(events), groups=draw(groups))
+                      norm_threshold=norm_threshold, events=draw(events), groups=draw(groups), precursors=draw(precursors))
 
 
 @st.composite
@@ -246,6 +255,7 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
     assert got.samples == want.samples  # per-sample findings: all finite, compared exactly
     assert got.events == rec.events and got.events_dropped == 0  # the monitor's event counts (a decoded step's)
     assert got.groups == rec.groups and got.groups_dropped == 0  # its data groups
+    assert got.precursors == rec.precursors and got.precursors_dropped == 0  # its precursor statistics
 
 
 class Receiver:

@@ -71,7 +71,7 @@ class LayerTable(_message.Message):
     def __init__(self, id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl", "layers_global", "norm_mean", "norm_threshold", "samples", "events", "groups")
+    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl", "layers_global", "norm_mean", "norm_threshold", "samples", "events", "groups", "precursors")
     class EventsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class Step(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PRECURSORS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
@@ -137,7 +138,22 @@ class Step(_message.Message):
     samples: SampleStatsMsg
     events: _containers.ScalarMap[str, int]
     groups: _containers.RepeatedCompositeFieldContainer[GroupTokensMsg]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ..., norm_mean: _Optional[float] = ..., norm_threshold: _Optional[float] = ..., samples: _Optional[_Union[SampleStatsMsg, _Mapping]] = ..., events: _Optional[_Mapping[str, int]] = ..., groups: _Optional[_Iterable[_Union[GroupTokensMsg, _Mapping]]] = ...) -> None: ...
+    precursors: _containers.RepeatedCompositeFieldContainer[PrecursorMsg]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ..., norm_mean: _Optional[float] = ..., norm_threshold: _Optional[float] = ..., samples: _Optional[_Union[SampleStatsMsg, _Mapping]] = ..., events: _Optional[_Mapping[str, int]] = ..., groups: _Optional[_Iterable[_Union[GroupTokensMsg, _Mapping]]] = ..., precursors: _Optional[_Iterable[_Union[PrecursorMsg, _Mapping]]] = ...) -> None: ...
+
+class PrecursorMsg(_message.Message):
+    __slots__ = ("kind", "layer", "value", "head", "at")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    layer: str
+    value: float
+    head: int
+    at: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., layer: _Optional[str] = ..., value: _Optional[float] = ..., head: _Optional[int] = ..., at: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupTokensMsg(_message.Message):
     __slots__ = ("kind", "name", "samples", "tokens")
