@@ -99,7 +99,8 @@ def rl_stats(tokens: int = 100) -> RLStats:
     lr[RL_LOG_RATIO_BUCKETS.index(0.01)] = tokens
     adv = [0] * (len(RL_ADVANTAGE_BUCKETS) + 1)
     adv[RL_ADVANTAGE_BUCKETS.index(1.0)] = tokens
-    return RLStats(tokens, tuple(lr), 0.005 * tokens, 0.3, 0.0, 0.9, 0.05, tuple(adv), 0.8 * tokens, 0.8, 2.5, 1.7)
+    return RLStats(tokens, tuple(lr), 0.005 * tokens, 0.3, 0.0, 0.9, 0.05, tuple(adv), 0.8 * tokens, 0.8, 2.5, 1.7,
+                   kl_rollout=0.002)
 
 
 

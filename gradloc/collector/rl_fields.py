@@ -82,9 +82,9 @@ _K1, _K2 = len(RL_LOG_RATIO_BUCKETS) + 1, len(RL_ADVANTAGE_BUCKETS) + 1
 _PRESENT = ("rollout_logp", "old_logp", "clipped", "advantages", "entropy")
 # the step's RL distributions, one float64 vector (collector/packs.py): tokens with fields, which fields were
 # given, the mismatch log ratio's histogram + Σ + max|·| + count over the line, max |log π_train − log π_old|, clipped
-# tokens, the advantage's histogram + Σ + max|·| + Σ², Σ entropy
+# tokens, the advantage's histogram + Σ + max|·| + Σ², Σ entropy, Σ (exp(r) − 1 − r) of the mismatch log ratio r (k3 KL)
 RL_PACK = Pack.of(tokens=1, present=len(_PRESENT), lr_counts=_K1, lr_sum=1, lr_max=1, mismatch=1, old_max=1,
-                  clipped=1, adv_counts=_K2, adv_sum=1, adv_max=1, adv_sq=1, entropy=1)
+                  clipped=1, adv_counts=_K2, adv_sum=1, adv_max=1, adv_sq=1, entropy=1, kl=1)
 
 
 def stack(metas: Sequence[MicroBatchMeta], rl: Mapping[int, RLTensors], device: torch.device) -> dict[str, torch.Tensor]:
@@ -120,6 +120,7 @@ def rl_pack(fields_: Mapping[str, torch.Tensor], eligible: torch.Tensor, given: 
     ok = on & torch.isfinite(adv)
     adv_counts, adv_sum, adv_max = _hist(adv, ok, RL_ADVANTAGE_BUCKETS, with_sum=True)
     ent = fields_["entropy"]
+    r = torch.where(on & torch.isfinite(lr), lr, 0.0).double()  # (N,) 0 where not counted: exp(0) − 1 − 0 = 0
     return RL_PACK.build(
         tokens=n.double(), present=torch.tensor(present, dtype=torch.float64, device=dev),
         lr_counts=lr_counts, lr_sum=lr_sum, lr_max=lr_max,
@@ -127,7 +128,8 @@ def rl_pack(fields_: Mapping[str, torch.Tensor], eligible: torch.Tensor, given: 
         old_max=_max_abs(old, on & torch.isfinite(old)), clipped=(fields_["clipped"] & on).sum().double(),
         adv_counts=adv_counts, adv_sum=adv_sum, adv_max=adv_max,
         adv_sq=torch.where(ok, adv, 0.0).double().pow(2).sum(),
-        entropy=torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum())  # (len(RL_PACK),)
+        entropy=torch.where(on & torch.isfinite(ent), ent, 0.0).double().sum(),
+        kl=(torch.expm1(r) - r).sum())  # (len(RL_PACK),)
 
 
 def _max_abs(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ def unpack_rl(host: np.ndarray) -> RLStats:
     lr_counts, lr_sum, lr_max, mismatch = get("lr_counts"), get("lr_sum")[0], get("lr_max")[0], get("mismatch")[0]
     old_max, clipped = get("old_max")[0], get("clipped")[0]
     adv_counts, adv_sum, adv_max, adv_sq = get("adv_counts"), get("adv_sum")[0], get("adv_max")[0], get("adv_sq")[0]
-    ent = get("entropy")[0]
+    ent, kl = get("entropy")[0], get("kl")[0]
     has_lr, has_adv = present["rollout_logp"] and n > 0, present["advantages"] and n > 0
 
     def frac(x: float, ok: bool) -> float | None:
@@ -169,6 +171,7 @@ def unpack_rl(host: np.ndarray) -> RLStats:
         advantage_rms=math.sqrt(adv_sq / n) if has_adv else None,
         max_abs_advantage=float(adv_max) if has_adv else None,
         entropy_mean=frac(ent, present["entropy"]),
+        kl_rollout=frac(kl, has_lr) if math.isfinite(kl) else None,
     )
 
 

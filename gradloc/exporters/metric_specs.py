@@ -109,6 +109,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("rl_clipped", "gradloc_rl_clipped_ratio", "gradloc.rl.clip_fraction", "1", JR,
        "Share of the step's loss tokens whose importance ratio the loss clipped."),
     _g("rl_entropy", "gradloc_rl_entropy", "gradloc.rl.entropy", "1", JR, "Mean policy entropy over the step's loss tokens."),
+    _g("rl_kl_rollout", "gradloc_rl_kl_rollout", "gradloc.rl.kl_rollout", "1", JR,
+       "KL(π_rollout ‖ π_trainer) per loss token, the mean of exp(r) − 1 − r over the sampled tokens (r: the "
+       "mismatch log ratio)."),
     _g("rl_mismatch_baseline", "gradloc_rl_mismatch_baseline_ratio", "gradloc.rl.mismatch_baseline", "1", JR,
        "The run's own healthy mismatch share (median over recent steps that were not flagged); absent before its "
        "warm-up. A share above 2 × this + 0.05 for rl_patience steps is an rl_mismatch finding."),

@@ -31,6 +31,7 @@ RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
     "rl_mismatch": lambda s: None if s.rl is None else s.rl.mismatch_fraction,
     "rl_clipped": lambda s: None if s.rl is None else s.rl.clip_fraction,
     "rl_entropy": lambda s: None if s.rl is None else s.rl.entropy_mean,
+    "rl_kl_rollout": lambda s: None if s.rl is None else s.rl.kl_rollout,
     "rl_mismatch_baseline": lambda s: None if s.samples is None else s.samples.rl_mismatch_baseline,
     "norm_mean": lambda s: s.norm_mean,
     "norm_threshold": lambda s: s.norm_threshold,

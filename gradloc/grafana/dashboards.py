@@ -228,9 +228,11 @@ def stability() -> dict[str, Any]:
         Panel("Update-to-weight ratio, largest layer", [
             q(f"max by (job, rank) (gradloc_update_ratio{S})", "{{job}} r{{rank}}")], "none",
             description="‖Δθ‖/‖θ‖ of the layer that moved most in its last measured update."),
-        Panel("Policy entropy (RL)", [q(f"gradloc_rl_entropy{S}", "{{job}} r{{rank}}")], "none",
-              description="Mean entropy of the trained tokens, as the trainer hands it over: a collapse precedes "
-                          "RL instabilities (jobs with RL fields only)."),
+        Panel("Policy entropy and KL to the rollout policy (RL)", [
+            q(f"gradloc_rl_entropy{S}", "entropy {{job}} r{{rank}}"),
+            q(f"gradloc_rl_kl_rollout{S}", "KL {{job}} r{{rank}}")], "none",
+            description="Mean entropy of the trained tokens, as the trainer hands it over (a collapse precedes RL "
+                        "instabilities), and KL(π_rollout ‖ π_trainer) per token (jobs with RL fields only)."),
         Panel("MoE routers: routing entropy", [q(f"gradloc_router_entropy_nats{S}", "{{layer}} r{{rank}}")], "none",
               description="Mean routing entropy per router; a fall is router collapse."),
         Panel("MoE routers: load of the busiest expert, dead experts", [

@@ -107,6 +107,10 @@ class RLStats:
     advantage_rms: float | None = None
     max_abs_advantage: float | None = None
     entropy_mean: float | None = None
+    # KL(π_rollout ‖ π_trainer) per loss token: the mean over the sampled tokens of exp(r) − 1 − r with r the
+    # mismatch log ratio (log π_old, else log π_train, minus log π_rollout): unbiased for tokens drawn from the
+    # rollout policy and never negative (Schulman's k3). None without rollout log-probs.
+    kl_rollout: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

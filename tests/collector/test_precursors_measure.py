@@ -160,3 +160,16 @@ def test_a_non_finite_value_is_left_out_and_counted() -> None:
 def test_bad_settings_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         PrecursorConfig(**bad)
+
+
+def test_the_head_s_logsumexp_on_sampled_positions_is_their_mean_over_kept_ones() -> None:
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, 10, 7, generator=g) * 3
+    keep = torch.rand(3, 10, generator=g) > 0.3
+    got = measure.head_stats(logits, keep, positions=6)
+    at = measure.query_rows(30, 6, logits.device)  # evenly spaced over the 3·10 positions
+    flat_keep = keep.reshape(-1)[at]
+    lse = torch.logsumexp(logits.reshape(30, 7)[at].double(), -1)
+    assert float(got["n"]) == flat_keep.sum()
+    assert float(got["lse_sq_sum"]) == pytest.approx(float(lse[flat_keep].square().sum()), rel=1e-6)
+    assert float(got["max_abs"]) == pytest.approx(float(logits[keep].abs().max()))  # the maxima: every position

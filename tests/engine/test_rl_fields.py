@@ -115,6 +115,10 @@ def test_every_step_carries_the_distributions():
     assert spike.max_abs_log_ratio == pytest.approx(8.0, abs=0.1)
     assert spike.mismatch_fraction == pytest.approx(1 / spike.tokens)
     assert spike.log_ratio_counts[-1] == 1  # the planted token: above the last bucket bound (4)
+    # KL(π_rollout ‖ π_trainer) per token, k3: engine ≈ trainer gives ~r²/2 with r ~ 0.01; the planted token
+    # (r ≈ +8, the engine scored it 8 nats lower) alone gives exp(8) − 1 − 8 over the step's tokens
+    assert 0 < healthy.kl_rollout < 1e-3
+    assert spike.kl_rollout == pytest.approx((math.exp(8.0) - 9.0) / spike.tokens, rel=0.05)
 
 
 def test_rl_fields_are_validated():

@@ -266,7 +266,8 @@ class PrecursorHooks:
                     self.counters["precursors_unsupported"] += 1
                     return
                 keep = self.keep if self.keep is not None and self.keep.shape == logits.shape[:2] else None
-                s = measure.head_stats(logits.detach(), keep.to(logits.device) if keep is not None else None)
+                s = measure.head_stats(logits.detach(), keep.to(logits.device) if keep is not None else None,
+                                       self.cfg.head_positions)
                 name, mb = self.names.get(module, ""), self.micro_batch
                 self.slots.update(SlotKey("logit_max_abs", name, Reduce.MAX, 1), s["max_abs"], micro_batch=mb,
                                   extreme=s["max_abs"], at=s["max_at"])

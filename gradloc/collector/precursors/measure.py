@@ -19,6 +19,16 @@ def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 _ROWS: dict[tuple[int, int, str], torch.Tensor] = {}
+_AFTER: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _after(rows: torch.Tensor, S: int) -> torch.Tensor:
+    """(Q, S) bool: key j comes after query rows[i] (a causal mask keeps it out); kept per (rows, S)."""
+    key = (id(rows), S)
+    hit = _AFTER.get(key)
+    if hit is None:
+        hit = _AFTER[key] = torch.arange(S, device=rows.device)[None, :] > rows[:, None]  # (Q, S)
+    return hit
 
 
 def query_rows(T: int, queries: int, device: torch.device) -> torch.Tensor:
@@ -46,8 +56,7 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, attn_
     logits = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * s  # (B, H, Q, D) @ (B, H, D, S) -> (B, H, Q, S)
     S = k.shape[2]
     if is_causal:
-        keep = torch.arange(S, device=q.device)[None, :] <= rows[:, None]  # (Q, S)
-        logits = logits.masked_fill(~keep, float("-inf"))
+        logits = logits.masked_fill(_after(rows, S), float("-inf"))
     if attn_mask is not None:
         m = attn_mask.expand(*attn_mask.shape[:-2], q.shape[2], S)[..., rows, :]  # (.., T, S) -> (.., Q, S)
         logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
@@ -61,7 +70,7 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> d
     (a row with every key masked does not), ``min_row`` the lowest entropy of a row over its most possible
 (log of the keys it sees: rows of at least 2 keys) and ``min_at`` (2,) where."""
     B, H, Q, S = logits.shape
-    finite = torch.where(torch.isfinite(logits), logits, torch.full_like(logits, float("-inf")))
+    finite = logits  # −inf where masked; a NaN or +inf logit makes the values non-finite (the host drops them)
     per_head = finite.amax(dim=(0, 2, 3))  # (B, H, Q, S) -> (H,)
     flat = finite.flatten().argmax()  # over (B, H, Q, S)
     b, _, qi, _ = _unravel(flat, (B, H, Q, S))
@@ -71,7 +80,7 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> d
     ent0 = torch.where(counted, ent, torch.zeros_like(ent))
     # the most concentrated row: entropy over its most possible, log(keys it may see) — a causal row with one or two
     # keys is low by construction and names nothing; rows of fewer than 2 keys are not candidates
-    keys = torch.isfinite(finite).sum(-1).to(ent.dtype)  # (B, H, Q)
+    keys = (finite > float("-inf")).sum(-1).to(ent.dtype)  # (B, H, Q)
     norm = torch.where(counted & (keys >= 2), ent / keys.clamp(min=2).log(), torch.full_like(ent, float("inf")))
     lb, _, lq = _unravel(norm.flatten().argmin(), (B, H, Q))
     pos = (lambda i: rows[i]) if rows is not None else (lambda i: i)
@@ -80,19 +89,24 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> d
             "min_row": norm.amin(), "min_at": torch.stack([lb, pos(lq)])}
 
 
-def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions: int = 0) -> dict[str, torch.Tensor]:
     """The loss head's output logits (B, T, V) (``keep`` (B, T) bool: the loss positions, None: all): ``max_abs``
     the largest |logit| over kept positions and ``max_at`` (2,) its (row, position); ``lse_sq_sum`` Σ logsumexp²
-    and ``n`` the positions counted. Non-finite logits make the values non-finite (the host drops them)."""
-    B, T, _ = logits.shape
+    over ``positions`` positions evenly spaced over the B·T (0: all of them; a logsumexp costs an exp per logit, the
+    maxima do not), the kept ones, and ``n`` how many those are. Non-finite logits make the values non-finite (the
+    host drops them)."""
+    B, T, V = logits.shape
     per_pos = torch.maximum(logits.amax(-1), -logits.amin(-1)).float()  # (B, T, V) -> (B, T), no |x| copy
-    lse = torch.logsumexp(logits, dim=-1).float()  # (B, T, V) -> (B, T)
+    flat = logits.reshape(B * T, V)  # (B, T, V) -> (B·T, V)
+    at = query_rows(B * T, positions, logits.device) if 0 < positions < B * T else None
+    lse = torch.logsumexp(flat if at is None else flat[at], dim=-1).float()  # (P,)
     if keep is not None:
+        kept = keep.reshape(-1) if at is None else keep.reshape(-1)[at]  # (P,)
         per_pos = torch.where(keep, per_pos, torch.full_like(per_pos, float("-inf")))
-        lse = torch.where(keep, lse, torch.zeros_like(lse))
-        n = keep.sum().float()
+        lse = torch.where(kept, lse, torch.zeros_like(lse))
+        n = kept.sum().float()
     else:
-        n = float(B * T)
+        n = float(lse.numel())
     r, t = _unravel(per_pos.flatten().argmax(), (B, T))
     return {"max_abs": per_pos.amax(), "max_at": torch.stack([r, t]), "lse_sq_sum": lse.square().sum(), "n": n}
 
