@@ -73,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ov.add_argument("--no-clip", action="store_true",
                     help="--parallel: no gradient clipping (by default every variant clips to 1.0 with torchtitan's "
                          "clip_grad_norm_, whose norm all-reduce over the pipeline's stages a PP job runs anyway)")
+    ov.add_argument("--precursors", action="store_true",
+                    help="add per_layer/per_token_no_precursors: the defaults without the precursor statistics")
     ov.add_argument("--provenance", action="store_true",
                     help="add per_token_provenance: the default monitor with every sample's provenance and a loss mask")
     ov.add_argument("--on-spike", action="store_true",
@@ -261,7 +263,8 @@ def _overhead(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                          "--on-spike")
         models = ("tinygpt",)
     kw = {"models": models, "threads": threads, "peers": args.peers, "rl": args.rl, "device": args.device,
-          "on_spike": args.on_spike, "compile": args.compile, "provenance": args.provenance}
+          "on_spike": args.on_spike, "compile": args.compile, "provenance": args.provenance,
+          "precursors": args.precursors}
     kw.update({k: getattr(args, k) for k in ("rounds", "warmup") if getattr(args, k) is not None})
     try:
         cfg = OverheadConfig.quick_config(**kw) if args.quick else OverheadConfig(**kw)

@@ -50,6 +50,7 @@ class OverheadConfig:
     peers: bool = False  # add the peer tools' variants (TinyGPT only)
     rl: bool = False  # add per_token_rl: the default monitor with per-token RL fields
     provenance: bool = False  # add per_token_provenance: the default monitor with every sample's provenance
+    precursors: bool = False  # add per_layer/per_token_no_precursors: the defaults without the precursor statistics
     on_spike: bool = False  # add on_spike: token_stats="on_spike" (no module hook on healthy steps)
     compile: bool = False  # every variant's step calls torch.compile(model) (inductor); adds on_spike
     device: str = "cpu"
@@ -78,6 +79,7 @@ class OverheadConfig:
     def variants(self) -> tuple[str, ...]:
         return (VARIANTS + (("on_spike",) if self.on_spike or self.compile else ())
                 + (("per_token_rl",) if self.rl else ()) + (("per_token_provenance",) if self.provenance else ())
+                + (("per_layer_no_precursors", "per_token_no_precursors") if self.precursors else ())
                 + (PEER_VARIANTS if self.peers else ()))
 
 

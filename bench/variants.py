@@ -17,6 +17,7 @@ from torch import nn
 import gradloc
 from bench.models import logits
 from bench.variant import Variant, sync  # noqa: F401  (re-exported: the variants' base)
+from gradloc.config import PrecursorConfig
 from gradloc.demo.model import token_losses
 
 # name -> WatchConfig fields; "per_layer" and "per_token" are the two timed by default
@@ -28,6 +29,9 @@ GRADLOC_VARIANTS: dict[str, dict[str, Any]] = {
     "per_token_rl": {},  # the default, plus per-token RL fields every micro-batch (RLVariant)
     "on_spike": {"token_stats": "on_spike"},  # no module hook on healthy steps (engine/on_spike.py)
     "per_token_provenance": {},  # the default, plus each sample's SampleInfo (source, origin, a tag) and a loss mask
+    # the defaults without the precursor statistics: what they cost is the default's time over these
+    "per_layer_no_precursors": {"token_stats": False, "precursors": PrecursorConfig(enabled=False)},
+    "per_token_no_precursors": {"precursors": PrecursorConfig(enabled=False)},
 }
 COMPUTES = {
     "plain": "nothing (baseline)",
@@ -41,6 +45,8 @@ COMPUTES = {
                     "per-step distributions",
     "per_token_provenance": "gradloc default + every sample's provenance (source of 4, origin, a tag) and a loss "
                             "mask: the per-step samples and loss tokens per source, tag and length bucket",
+    "per_layer_no_precursors": "gradloc per-layer without the precursor statistics (PrecursorConfig(enabled=False))",
+    "per_token_no_precursors": "gradloc default without the precursor statistics (PrecursorConfig(enabled=False))",
 }
 
 
