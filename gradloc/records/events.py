@@ -66,6 +66,8 @@ MONITOR_EVENTS: dict[str, str] = {
                            "are not measured inside torch.compile graphs (counted once)",
     "precursors_unsupported": "module calls whose shapes the precursor statistics do not understand (not measured)",
     "precursors_errors": "precursor measurements that failed (that call not measured)",
+    "precursors_swap_missed": "attention modules that bound SDPA before gradloc's swap (measured under the mode "
+                              "from then on; counted once per module)",
     "precursors_mode_errors": "the precursor attention mode could not be left cleanly (another mode was left open)",
     "precursors_tensor_split": "a job that splits heads or logits over ranks (tensor / expert parallelism): precursor "
                                "statistics not measured (counted once at watch)",

@@ -162,3 +162,48 @@ def test_the_hooks_read_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch
         mon.close()
     assert seen[0][0] == seen[1][0]
     assert seen[0][1] == 0 and seen[1][1] >= 4  # measured: attention of both layers, the head, the final norm
+
+
+class _BoundSdpa(torch.nn.Module):
+    """An attention that bound SDPA when it was built (as code that imports the function by name does)."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads
+        self.sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)  # (3, B, H, T, d)
+        return self.out(self.sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D))
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.attn = torch.nn.Embedding(32, 16), _BoundSdpa()
+        self.norm, self.head = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        return self.head(self.norm(x + self.attn(x)))
+
+
+def test_sdpa_sites_are_measured_through_the_swap_and_a_bound_function_falls_back_to_the_mode() -> None:
+    model = build("qwen3")
+    model.set_attn_implementation("sdpa")
+    records, counters = _train(model, 2, PrecursorConfig(attention_queries=T))
+    assert "precursors_swap_missed" not in counters
+    assert torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # restored
+
+    tiny = _Tiny()
+    mon = gradloc.watch(tiny, None, config=WatchConfig(job="bound", embedded=False, token_stats=False))
+    got = []
+    for s in range(3):
+        ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(s))
+        with mon.micro_batch(shape=(2, 12)):
+            tiny(ids).logsumexp(-1).mean().backward()
+        got.append({p.kind for p in mon.end_step().record.precursors if p.layer == "attn"})
+    assert mon.counters["precursors_swap_missed"] == 1  # step 1: the swap saw nothing; the mode from then on
+    assert got[0] == got[2] == {K.ATTN_MAX_LOGIT, K.ATTN_ENTROPY}
+    mon.close()

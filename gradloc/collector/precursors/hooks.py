@@ -8,8 +8,9 @@ an **attention site**; the last module with parameters of its own to run in the 
 the one before it, when its class is a norm, the **final norm**; MoE routers are known by type
 (collector/rules/router.py). Then the discovery hooks go, and from the next micro-batch on only these stay:
 
-- an attention site enters the mode in its pre-hook and leaves it in its post-hook, so only the calls inside it pay
-  for the mode's dispatch; an SDPA call is measured on ``attention_queries`` query rows per sequence
+- an attention site that called SDPA gets the function swapped for a thin wrapper during its own forward
+  (intercept.SdpaSwap: nothing else it calls pays anything); one that computes its softmax itself runs under the
+  mode between its pre- and post-hook. An SDPA call is measured on ``attention_queries`` query rows per sequence
   (measure.attention_logits: its T×T is never built), an eager softmax on its own weights, every row;
 - the head's forward hook measures its output logits, the final norm's pre-hook its input, a router's forward hook
   its logits and choices.
@@ -30,31 +31,16 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from gradloc.collector.precursors import measure
+from gradloc.collector.precursors.intercept import SDPA, AttentionMode, SdpaSwap, Unsupported, attention_call
 from gradloc.collector.precursors.slots import Reduce, SlotKey, StepSlots
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
 
 log = logging.getLogger("gradloc")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
-
-
-class _Mode(TorchFunctionMode):
-    def __init__(self, owner: PrecursorHooks) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention or func in _SOFTMAX:
-            self.owner.on_attention(func, args, kwargs)
-        return out
 
 
 def _compiles_inside(model: nn.Module) -> bool:
@@ -80,7 +66,9 @@ class PrecursorHooks:
         self._stack: list[str] = []  # modules running (discovery), or attention sites running (after it)
         self._order: list[str] = []  # modules with parameters of their own, in forward order (discovery)
         self._handles: list[Any] = []
-        self._mode: _Mode | None = None
+        self._mode: AttentionMode | None = None
+        self._swap = SdpaSwap(self.on_attention)
+        self._swapped: set[str] = set()  # sites that call SDPA: measured through the swap (intercept.py)
         self._entered = 0
         self.micro_batch: int | None = None
         self.keep: torch.Tensor | None = None
@@ -184,11 +172,13 @@ class PrecursorHooks:
     # -- the mode -----------------------------------------------------------------------------
     def _enter(self) -> None:
         if self._mode is None:
-            self._mode = _Mode(self)
+            self._mode = AttentionMode(self.on_attention)
         self._mode.__enter__()
         self._entered += 1
 
     def _leave_all(self) -> None:
+        while self._swap.depth:
+            self._swap.leave()
         while self._entered:
             self._entered -= 1
             try:
@@ -201,15 +191,26 @@ class PrecursorHooks:
         def pre(module: nn.Module, args: tuple) -> None:
             if self.attention_on and self._measuring():
                 self._stack.append(name)
-                self._enter()
+                if name in self._swapped:
+                    self._swap.hit = False
+                    self._swap.enter()
+                else:
+                    self._enter()
         return pre
 
     def _site_out(self, name: str):
         def post(module: nn.Module, args: tuple, out: Any) -> None:
             if torch.compiler.is_compiling():
                 return
-            if self._stack and self._stack[-1] == name and self._entered:
-                self._stack.pop()
+            if not self._stack or self._stack[-1] != name:
+                return
+            self._stack.pop()
+            if name in self._swapped and self._swap.depth:
+                self._swap.leave()
+                if not self._swap.hit:  # the model bound SDPA before the swap: this site goes back to the mode
+                    self._swapped.discard(name)
+                    self.counters["precursors_swap_missed"] += 1
+            elif self._entered:
                 self._entered -= 1
                 try:
                     self._mode.__exit__(None, None, None)
@@ -224,29 +225,19 @@ class PrecursorHooks:
         site = self._stack[-1]
         try:
             with torch.no_grad():
-                if func is F.scaled_dot_product_attention:
-                    q, k = args[0], args[1]
-                    if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
-                        self.counters["precursors_unsupported"] += 1
-                        return
-                    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-                    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
-                    rows = measure.query_rows(q.shape[2], self.cfg.attention_queries, q.device)
-                    scale = args[6] if len(args) > 6 else kwargs.get("scale")
-                    logits = measure.attention_logits(q, k, rows, mask, bool(causal), scale)
-                    stats = measure.attention_stats(logits, rows)
-                else:
-                    x = args[0]
-                    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-                    if not isinstance(x, torch.Tensor) or x.dim() != 4 or dim not in (-1, 3):
-                        return  # not attention weights (a router's, a head's softmax): not this call's business
-                    stats = measure.attention_stats(x.detach())
+                stats = attention_call(func, args, kwargs, self.cfg.attention_queries)
+                if stats is None:
+                    return  # a softmax that is not over attention weights (a router's, a head's)
                 self._fold_attention(site, stats)
+        except Unsupported:
+            self.counters["precursors_unsupported"] += 1
         except Exception:
             self.counters["precursors_errors"] += 1
             log.debug("gradloc: attention precursors failed in %s", site, exc_info=True)
         if not self.discovered and site not in self.sites:
             self.sites.append(site)
+            if func is SDPA:
+                self._swapped.add(site)  # from the next micro-batch on: the swap, not the mode
 
     def _fold_attention(self, site: str, s: dict[str, torch.Tensor]) -> None:
         H, mb = s["max"].numel(), self.micro_batch
