@@ -343,3 +343,17 @@ def test_bad_gradloc_argument_fails_at_construction(world: World, tmp_path: Path
     cfg = GradlocTrainer(model=causal_lm(world), args=args(tmp_path), train_dataset=dataset(world, 1),
                          gradloc=dict(job="j", detector=dict(warmup=3))).gradloc_config
     assert cfg == WatchConfig(job="j", detector=DetectorConfig(warmup=3))
+
+
+def test_the_trainer_s_steps_carry_the_precursor_statistics(world: World, gradloc_run: GradlocTrainer):
+    """The HF Trainer's own loop (HF's sdpa attention, its loss inside the model): every attention layer, the head
+    and the final norm are found by themselves and measured on every step after the first micro-batch."""
+    from gradloc.records import PrecursorKind as K
+
+    n_layers = world.config.num_hidden_layers
+    for rec in list(gradloc_run.gradloc.history)[1:]:
+        got = {(p.kind, p.layer) for p in rec.precursors if p.head is None}
+        assert {layer for kind, layer in got if kind == K.ATTN_MAX_LOGIT} == \
+            {f"model.layers.{i}.self_attn" for i in range(n_layers)}
+        assert {(K.LOGIT_MAX_ABS, "lm_head"), (K.LOGIT_LSE_SQ, "lm_head"), (K.RESIDUAL_RMS, "model.norm")} <= got
+    assert "precursors_swap_missed" not in gradloc_run.gradloc.counters
