@@ -55,8 +55,11 @@ def test_attach_then_detach_leaves_model_and_optimizer_unchanged():
 
     mon = gradloc.watch(model, opt)
     assert mon.attached
-    # sanity: the checks below would see gradloc's hooks
-    assert _n_forward_hooks(model) == len(mon.hooks.watched) > 0
+    # sanity: the checks below would see gradloc's hooks — the token hooks', and the precursor hooks' discovery ones
+    # (a pre- and a post-hook on every module until the first micro-batch has run)
+    n_modules = len(list(model.modules()))
+    assert _n_forward_hooks(model) == len(mon.hooks.watched) + n_modules and mon.hooks.watched
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == n_modules
     assert all(len(getattr(opt, h)) == 1 for h in OPT_HOOKS)
     mon.detach()
 
