@@ -180,12 +180,16 @@ class PrecursorHooks:
         while self._swap.depth:
             self._swap.leave()
         while self._entered:
-            self._entered -= 1
-            try:
-                self._mode.__exit__(None, None, None)
-            except Exception:  # another mode entered inside ours and left open: never raise into training
-                self.counters["precursors_mode_errors"] += 1
-                log.debug("gradloc: leaving the precursor mode failed", exc_info=True)
+            self._leave()
+
+    def _leave(self) -> None:
+        """Leave the mode once (it was entered: ``_entered`` > 0)."""
+        self._entered -= 1
+        try:
+            self._mode.__exit__(None, None, None)
+        except Exception:  # another mode entered inside ours and left open: never raise into training
+            self.counters["precursors_mode_errors"] += 1
+            log.debug("gradloc: leaving the precursor mode failed", exc_info=True)
 
     def _site_in(self, name: str):
         def pre(module: nn.Module, args: tuple) -> None:
@@ -211,11 +215,7 @@ class PrecursorHooks:
                     self._swapped.discard(name)
                     self.counters["precursors_swap_missed"] += 1
             elif self._entered:
-                self._entered -= 1
-                try:
-                    self._mode.__exit__(None, None, None)
-                except Exception:  # another mode entered inside ours and left open: never raise into training
-                    self.counters["precursors_mode_errors"] += 1
+                self._leave()
         return post
 
     # -- measurements -------------------------------------------------------------------------
