@@ -19,11 +19,11 @@ from gradloc.config.options import (
     UpdateRatioMode,
     finite_or_none,
 )
-from gradloc.config.precursors import PrecursorConfig
+from gradloc.config.precursors import DriftConfig, PrecursorConfig
 from gradloc.config.stages import BISECTION_POLICIES, ClassifierConfig, DetectorConfig, LocalizerConfig, SampleConfig
 from gradloc.config.watch import WatchConfig
 
 __all__ = ["BISECTION_POLICIES", "MEMORY_BUDGET_FRACTION", "MEMORY_RESERVE", "MIN_MEMORY_BUDGET", "REMEDIES",
            "UPDATE_RATIO_MODES", "BisectionPolicy", "ClassifierConfig", "DetectorConfig", "DistributedMode",
-           "LayerGrouping", "LocalizerConfig", "PrecursorConfig", "RemedyAction", "SampleConfig", "Sensitivity", "TokenStatsMode",
+           "DriftConfig", "LayerGrouping", "LocalizerConfig", "PrecursorConfig", "RemedyAction", "SampleConfig", "Sensitivity", "TokenStatsMode",
            "UpdateRatioMode", "WatchConfig", "finite_or_none"]

@@ -1,9 +1,62 @@
 """``PrecursorConfig``: the slow instabilities measured every step (records/precursors.py, collector/precursors/)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradloc.config.options import check
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """The drift detector over the precursor series (detector/drift.py, docs/precursors.md).
+
+    Each series (statistic, layer[, head]) is judged on a log scale. After ``warmup`` steps (early training moves
+    every statistic), a step is *drifting* when the median of its last ``window`` steps is ``z_threshold``
+    step-to-step spreads of the ``reference`` window before them away toward the statistic's danger, by at least
+    ``min_change`` (a ratio: 1.5 = 50% up, or down to 1/1.5 for a falling statistic), and the recent window trends
+    that way (Kendall τ ≥ ``tau``); *oscillating* when its step-to-step spread is ``oscillation`` × the reference's
+    without such a trend. ``patience`` such steps in a row open a finding; the series is quiet again after
+    ``max(patience, window)`` steps in a row without its level (or swing) — no trend needed while open. A finding pages
+    once it has lasted ``page_steps`` and, for ``patience`` steps in a row, a quadratic fit over the drift so far has a
+    slope at its end ``page_acceleration`` × its slope at its start (a steady drift on the log scale never pages). ``statistics``: which series are judged (None: every
+    one); ``max_series``: series judged at once (the rest are counted as ``drift_series_dropped``)."""
+
+    enabled: bool = True
+    warmup: int = 1000
+    reference: int = 300
+    window: int = 50
+    z_threshold: float = 6.0
+    min_change: float = 1.5
+    tau: float = 0.3
+    oscillation: float = 4.0
+    patience: int = 20
+    page_steps: int = 200
+    page_acceleration: float = 2.0
+    statistics: tuple[str, ...] | None = None
+    max_series: int = 512
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.enabled, bool), f"drift.enabled must be a bool, got {self.enabled!r}")
+        for name in ("warmup", "reference", "window", "patience", "page_steps", "max_series"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= (0 if name == "warmup" else 1),
+                  f"drift.{name} must be an int >= {0 if name == 'warmup' else 1}, got {v!r}")
+        check(self.window >= 8 and self.reference >= 2 * self.window,
+              f"drift.window must be >= 8 and drift.reference >= 2 × window, got {self.window}, {self.reference}")
+        for name, low in (("z_threshold", 0.0), ("min_change", 1.0), ("oscillation", 1.0),
+                          ("page_acceleration", 1.0)):
+            v = getattr(self, name)
+            check(isinstance(v, (int, float)) and v > low, f"drift.{name} must be a number > {low}, got {v!r}")
+        check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau < 1.0, f"drift.tau must be in [0, 1), got {self.tau!r}")
+        if self.statistics is not None:
+            check(isinstance(self.statistics, tuple) and all(s in STATISTICS for s in self.statistics),
+                  f"drift.statistics must be None or a tuple of {list(STATISTICS)}, got {self.statistics!r}")
+
+
+# the series the drift detector judges (records/precursors.py STATISTICS, which tests/config checks against this:
+# config sits below records)
+STATISTICS = ("attn_max_logit", "attn_entropy", "logit_max_abs", "logit_lse_sq", "residual_rms", "router_entropy",
+              "expert_load_max", "dead_experts", "rl_entropy", "rl_kl_rollout", "update_ratio")
 
 
 @dataclass(frozen=True)
@@ -27,6 +80,7 @@ micro-batch: a logsumexp costs an exp per logit, 10 ms per 4 M logits on one CPU
     residual: bool = True
     router: bool = True
     per_head: bool = False
+    drift: DriftConfig = field(default_factory=DriftConfig)
 
     def __post_init__(self) -> None:
         for name in ("enabled", "attention", "head_logits", "residual", "router", "per_head"):
@@ -37,6 +91,7 @@ micro-batch: a logsumexp costs an exp per logit, 10 ms per 4 M logits on one CPU
               f"head_positions must be an int >= 0 (0: every position), got {self.head_positions!r}")
         check(isinstance(self.attention_every, int) and self.attention_every >= 1,
               f"attention_every must be an int >= 1, got {self.attention_every!r}")
+        check(isinstance(self.drift, DriftConfig), f"drift must be a DriftConfig, got {type(self.drift).__name__}")
 
 
-__all__ = ["PrecursorConfig"]
+__all__ = ["DriftConfig", "PrecursorConfig"]

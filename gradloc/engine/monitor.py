@@ -42,6 +42,7 @@ from gradloc.detector import SpikeDetector, opens_incident
 from gradloc.engine.blocks import StepBlocks
 from gradloc.engine.fanout import Fanout
 from gradloc.engine.lifecycle import Lifecycle
+from gradloc.engine.drift import DriftWatch
 from gradloc.engine.samples import SampleWatch
 from gradloc.engine.spike import SpikeInputs, SpikePath, heads_of, scaler_state
 from gradloc.engine.token_path import TokenPath, check_rules
@@ -117,6 +118,7 @@ class Monitor(Lifecycle):
         self.history = self._fanout.history  # the last ``config.history`` step records sent
         self.samples = SampleWatch(cfg.samples, getattr(decode, "decode", decode), self.counters,
                                    holds_head=job.holds_head, judges=job.judges_samples)  # outlier findings
+        self.drift = DriftWatch(cfg.precursors.drift, self.counters)  # precursor findings (detector/drift.py)
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
@@ -249,6 +251,7 @@ class Monitor(Lifecycle):
         if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
             record, scores = self.tokens.checked(record, scores, assembled.check)
         record = self.samples.judge_step(record, assembled.samples, list(metas))
+        record = self.drift.watch_step(record, metas)
         spike = self.detector.observe(as_judged(record, assembled.job))
         self._fanout.hold(replace(assembled, record=replace(record, **self.detector.band(spike))))
         self.meter.end(t1)

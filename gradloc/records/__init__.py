@@ -36,8 +36,11 @@ from gradloc.records.incidents import (  # noqa: F401
 )
 from gradloc.records.precursors import (  # noqa: F401
     PRECURSOR_MEANINGS,
+    PrecursorDriver,
+    PrecursorFinding,
     PrecursorKind,
     PrecursorStat,
+    Trend,
 )
 from gradloc.records.provenance import (  # noqa: F401
     MAX_ORIGIN,
@@ -67,8 +70,11 @@ from gradloc.records.steps import (  # noqa: F401
 
 __all__ = [
     "PRECURSOR_MEANINGS",
+    "PrecursorDriver",
+    "PrecursorFinding",
     "PrecursorKind",
     "PrecursorStat",
+    "Trend",
     "ClassKind",
     "Classification",
     "Culprit",

@@ -72,6 +72,10 @@ MONITOR_EVENTS: dict[str, str] = {
     "precursors_tensor_split": "a job that splits heads or logits over ranks (tensor / expert parallelism): precursor "
                                "statistics not measured (counted once at watch)",
     "precursors_nonfinite": "precursor values that were not finite (left out of the record)",
+    # the drift detector (gradloc/engine/drift.py, gradloc/detector/drift.py)
+    "precursor_findings": "precursor findings the drift detector made (paging ones included)",
+    "drift_errors": "steps whose drift judgement failed (no precursor findings that step)",
+    "drift_series_dropped": "precursor series beyond DriftConfig.max_series (not judged; counted per step)",
     # delivery (gradloc/engine/fanout.py)
     "sink_errors": "sink calls (on_step, on_incident, flush, shutdown) that raised",
     "undelivered_at_close": "records the agent client could not deliver by close_timeout_s (counted at close: "

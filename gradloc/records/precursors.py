@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gradloc.records.provenance import SampleInfo
+
 MAX_PRECURSORS = 4096  # stats of one step on the wire (layers × kinds, heads only where configured)
 MAX_PRECURSOR_LAYER = 256  # characters of a layer name
 
@@ -80,5 +82,77 @@ def precursor_problem(kind: object, layer: object, head: object, at: object) -> 
     return ""
 
 
-__all__ = ["FALLING", "MAX_PRECURSORS", "MAX_PRECURSOR_LAYER", "PRECURSOR_MEANINGS", "PrecursorKind",
+# -- findings of the drift detector (detector/drift.py) -------------------------------------------------------
+# the series a finding can name: the precursor kinds, plus what other stages already measure — RL policy entropy
+# (RLStats.entropy_mean), the KL to the rollout policy (RLStats.kl_rollout) and each layer's update-to-weight ratio
+RL_ENTROPY, RL_KL, UPDATE_RATIO = "rl_entropy", "rl_kl_rollout", "update_ratio"
+STATISTICS = (*(k.value for k in PrecursorKind), RL_ENTROPY, RL_KL, UPDATE_RATIO)  # = config/precursors.py's
+FALLING_STATISTICS = frozenset({*(k.value for k in FALLING), RL_ENTROPY})
+MAX_DRIVERS = 8  # drivers one finding names
+
+
+class Trend(StrEnum):
+    RISING = "rising"  # moving steadily up, away from its own history
+    FALLING = "falling"  # moving steadily down
+    OSCILLATING = "oscillating"  # swinging without a trend, far wider than its own history
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecursorDriver:
+    """Where the statistic reached one of its most extreme values in the finding's window: the step, the
+    micro-batch, the sample (its index in the micro-batch, id and provenance where the loader gave them) and the
+    position in the sample. For a router: a token routed to the overloaded expert; for attention: the query row
+    with the largest logit or lowest entropy; for the head: the position with the largest |logit|."""
+
+    step: int
+    value: float
+    micro_batch: int
+    sample: int
+    position: int
+    sample_id: str | None = None
+    sample_info: SampleInfo | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecursorFinding:
+    """A statistic moving steadily away from its own history (``trend`` rising / falling toward its danger), or
+    swinging far wider than it used to (``oscillating``). A finding, not an incident: no probe runs; it pages
+    (``pages``) only once it has persisted ``DriftConfig.page_steps`` and its drift accelerates.
+
+    ``value``: the recent window's median; ``baseline``: the reference window's; ``z``: their gap in units of the
+    reference's step-to-step spread (log scale); ``change``: value / baseline; ``since_step``: the first step of the
+    drift (steps drifting = step − since_step); ``rate``: the drift per 100 of the series' values (steps, or measured
+    steps under ``attention_every``) on the log scale over the recent window (positive: toward the danger)."""
+
+    job: str
+    rank: int
+    step: int
+    time_unix: float
+    statistic: str  # STATISTICS
+    layer: str
+    head: int | None = None  # an attention head or an expert
+    trend: Trend
+    value: float
+    baseline: float
+    z: float
+    change: float
+    rate: float
+    since_step: int
+    pages: bool = False
+    drivers: tuple[PrecursorDriver, ...] = ()
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"precursor finding: statistic must be one of {list(STATISTICS)}, got {self.statistic!r}")
+        object.__setattr__(self, "trend", Trend(self.trend))
+        object.__setattr__(self, "drivers", tuple(self.drivers)[:MAX_DRIVERS])
+
+    @property
+    def steps_drifting(self) -> int:
+        return self.step - self.since_step
+
+
+__all__ = ["FALLING", "FALLING_STATISTICS", "MAX_DRIVERS", "RL_ENTROPY", "RL_KL", "STATISTICS", "UPDATE_RATIO",
+           "PrecursorDriver", "PrecursorFinding", "Trend", "MAX_PRECURSORS", "MAX_PRECURSOR_LAYER", "PRECURSOR_MEANINGS", "PrecursorKind",
            "PrecursorStat", "precursor_problem"]

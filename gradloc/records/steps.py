@@ -8,7 +8,7 @@ from typing import Any
 
 from gradloc.records.findings import SampleStats
 from gradloc.records.groups import GroupTokens
-from gradloc.records.precursors import PrecursorStat
+from gradloc.records.precursors import PrecursorFinding, PrecursorStat
 
 INCIDENT_SCHEMA_VERSION = 1
 SHED_FEATURES = ("update_ratio", "layer_breakdown")  # StepRecord.shed values, in shedding order
@@ -154,6 +154,8 @@ class StepFields:
     # the step's precursor statistics (records/precursors.py): attention logits and entropy, output logits, the
     # residual stream, MoE routers; empty when PrecursorConfig turns them off or nothing was found to measure
     precursors: tuple[PrecursorStat, ...] = ()
+    # the drift detector's findings of the step (detector/drift.py): a precursor moving steadily toward its danger
+    precursor_findings: tuple[PrecursorFinding, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

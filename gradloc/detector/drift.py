@@ -1,0 +1,216 @@
+"""The drift detector: a precursor statistic moving steadily away from its own history, or swinging far wider than
+it used to — the slow instabilities that precede a spike (../shared/DESIGN.md §10, docs/precursors.md). Beside the
+spike detector, not instead of it: its findings are not incidents (no probe runs), and one pages only when the
+drift persists and accelerates.
+
+Every series (statistic, layer[, head]) is judged on a log scale (a collapse of entropy toward 0 and a growth of a
+logit by 10× are both large there, and a ratio means the same at every level). Per step, once ``warmup`` steps are
+in and the series has ``reference + window`` values, with d = +1 for a statistic whose danger is rising, −1 for one
+whose danger is falling (entropies):
+
+- level: ``gap = d · (median(recent window) − median(reference))`` and ``z = gap / σ``, σ the reference's
+  step-to-step spread (1.4826 × MAD of its differences / √2: a trend inside the reference does not inflate it,
+  floored at 1% of a step);
+- trend: Kendall's τ of the recent window against time, times d;
+- *drifting* when ``z ≥ z_threshold``, ``gap ≥ log(min_change)`` and ``τ ≥ tau``; *oscillating* when the
+  recent window's step-to-step spread is ``oscillation`` × σ and it is not drifting either way.
+
+``patience`` drifting (or oscillating) steps in a row open a finding; one finding per episode: the series is quiet
+again after ``patience`` steps without. The finding names the series, its trend, the level against the baseline,
+the steps it has been drifting, and its drivers — the steps of the window where the statistic was most extreme,
+with the micro-batch, sample and position the collector located them at (``PrecursorStat.at``). While open it is
+re-issued (``pages=True``) once, when it has lasted ``page_steps`` and, ``patience`` steps in a row, a quadratic fit
+over the drift so far (at most the ring) has a slope at its end ``page_acceleration`` × its slope at its start.
+
+Everything runs on the host on values the step's one transfer already brought; the windows are a (series × values)
+ring of floats, each series at its own pace (a statistic measured every few steps counts its own values).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from gradloc.config import DriftConfig
+from gradloc.records.precursors import FALLING_STATISTICS, MAX_DRIVERS, PrecursorDriver, PrecursorFinding, Trend
+
+_EPS = {"attn_entropy": 1e-3, "router_entropy": 1e-3, "rl_entropy": 1e-3, "dead_experts": 1.0,
+        "rl_kl_rollout": 1e-4, "update_ratio": 1e-8}  # log(x + eps): a value at 0 stays finite
+_SIGMA_FLOOR = 0.01  # on the log scale: 1% of a step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation:
+    """One series' value at a step, with where its extreme was (micro-batch, sample, position, id, provenance)."""
+
+    statistic: str
+    layer: str
+    value: float
+    head: int | None = None
+    driver: PrecursorDriver | None = None
+
+    @property
+    def key(self) -> tuple[str, str, int | None]:
+        return self.statistic, self.layer, self.head
+
+
+@dataclass
+class _Series:
+    row: int  # its row in the ring
+    n: int = 0  # values seen (the next one goes to column n % length)
+    streak: int = 0  # drifting / oscillating steps in a row
+    quiet: int = 0  # steps in a row without, while a finding is open
+    kind: Trend | None = None  # the streak's kind
+    since: int = 0  # the streak's first step
+    since_n: int = 0  # and the series' value count then
+    open: PrecursorFinding | None = None
+    paged: bool = False
+    accel: int = 0  # accelerating steps in a row, while open
+    drivers: deque = field(default_factory=deque)  # (value number, PrecursorDriver) of the recent window
+
+
+class DriftDetector:
+    def __init__(self, cfg: DriftConfig, on_drop: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.length = cfg.reference + cfg.window
+        self.ring = np.full((8, self.length), np.nan)  # (series, values): log values, value i of a series at i % length
+        self.series: dict[tuple[str, str, int | None], _Series] = {}
+        self.on_drop = on_drop
+        self.steps = 0
+
+    def _row(self, key: tuple[str, str, int | None]) -> _Series | None:
+        s = self.series.get(key)
+        if s is None:
+            if len(self.series) >= self.cfg.max_series:
+                if self.on_drop is not None:
+                    self.on_drop("drift_series_dropped")
+                return None
+            if len(self.series) == len(self.ring):  # grow the ring: (2 × series, steps)
+                self.ring = np.vstack([self.ring, np.full_like(self.ring, np.nan)])
+            s = self.series[key] = _Series(row=len(self.series))
+        return s
+
+    def observe(self, step: int, observations: Iterable[Observation], where: dict) -> list[PrecursorFinding]:
+        """Take one step's values; the findings it opens (or escalates to a page). ``where``: job, rank,
+        time_unix of the step. A series measured only every few steps (``attention_every``) counts its own values:
+        its windows are its last ``window`` values."""
+        cfg = self.cfg
+        seen: list[tuple[_Series, Observation]] = []
+        for o in observations:
+            if o.statistic in (cfg.statistics or (o.statistic,)) and math.isfinite(o.value):
+                s = self._row(o.key)
+                if s is None:
+                    continue
+                self.ring[s.row, s.n % self.length] = math.log(max(o.value, 0.0) + _EPS.get(o.statistic, 1e-6))
+                s.n += 1
+                if o.driver is not None:
+                    s.drivers.append((s.n, o.driver))
+                    while s.drivers[0][0] <= s.n - cfg.window:
+                        s.drivers.popleft()
+                seen.append((s, o))
+        self.steps += 1
+        ready = [(s, o) for s, o in seen if s.n >= self.length] if self.steps > cfg.warmup else []
+        if not ready:
+            return []
+        cols = (np.array([s.n for s, _ in ready])[:, None] + np.arange(self.length)) % self.length  # oldest first
+        rows = np.take_along_axis(self.ring[[s.row for s, _ in ready]], cols, axis=1)  # (ready, reference + window)
+        return [f for (s, o), y in zip(ready, rows) if (f := self._judge(step, s, o, y, where)) is not None]
+
+    def _judge(self, step: int, s: _Series, o: Observation, y: np.ndarray, where: dict) -> PrecursorFinding | None:
+        cfg = self.cfg
+        ref, recent = y[:cfg.reference], y[cfg.reference:]
+        ref, recent = ref[np.isfinite(ref)], recent[np.isfinite(recent)]
+        if len(ref) < cfg.reference // 2 or len(recent) < cfg.window // 2:
+            return None
+        d = -1.0 if o.statistic in FALLING_STATISTICS else 1.0
+        sigma = _spread(ref)
+        gap = d * (float(np.median(recent)) - float(np.median(ref)))
+        level = gap / sigma >= cfg.z_threshold and gap >= math.log(cfg.min_change)  # away from its history
+        swings = _spread(recent) >= cfg.oscillation * sigma
+        if s.open is not None:  # an open finding stays open while its level (or its swing) holds: no τ needed
+            held = swings if s.open.trend == Trend.OSCILLATING else level
+            s.quiet = 0 if held else s.quiet + 1
+            if s.quiet >= max(cfg.patience, cfg.window):
+                s.open, s.paged, s.streak, s.accel = None, False, 0, 0
+                return None
+            s.accel = s.accel + 1 if held and self._accelerates(y, d, s.n - s.since_n) else 0
+            if not s.paged and s.accel >= cfg.patience and step - s.open.since_step >= cfg.page_steps:
+                s.paged = True
+                return self._finding(step, s, o, y, where, gap, sigma, pages=True, since=s.open.since_step)
+            return None
+        tau = d * _kendall(recent)
+        kind = None
+        if level and tau >= cfg.tau:
+            kind = Trend.FALLING if d < 0 else Trend.RISING
+        elif swings and abs(tau) < cfg.tau:
+            kind = Trend.OSCILLATING
+        if kind is None or kind != s.kind:
+            s.streak, s.since, s.since_n = 0, step, s.n
+        s.kind = kind
+        if kind is not None:
+            s.streak += 1
+        if s.streak >= cfg.patience:
+            s.open = self._finding(step, s, o, y, where, gap, sigma, pages=False, since=s.since)
+            return s.open
+        return None
+
+    def _accelerates(self, y: np.ndarray, d: float, drifting: int) -> bool:
+        """Over the drift so far (its last ``drifting`` values, at most the ring), a quadratic fit's slope at the end
+        is page_acceleration × its slope at the start, and moves the statistic at least half of min_change per
+        window toward the danger: the drift speeds up (a drift at a steady rate on the log scale does not)."""
+        seg = d * y[-min(drifting, len(y)):]
+        t = np.arange(len(seg), dtype=float)
+        ok = np.isfinite(seg)
+        if ok.sum() < 2 * self.cfg.window:
+            return False
+        c2, c1, _ = np.polyfit(t[ok], seg[ok], 2)
+        start, end = c1, c1 + 2.0 * c2 * t[-1]
+        return bool(end * self.cfg.window >= math.log(self.cfg.min_change) / 2
+                    and end >= self.cfg.page_acceleration * max(start, 0.0))
+
+    def _finding(self, step: int, s: _Series, o: Observation, y: np.ndarray, where: dict, gap: float,
+                 sigma: float, pages: bool, since: int) -> PrecursorFinding:
+        cfg = self.cfg
+        eps = _EPS.get(o.statistic, 1e-6)
+        base = math.exp(float(np.nanmedian(y[:cfg.reference]))) - eps
+        now = math.exp(float(np.nanmedian(y[cfg.reference:]))) - eps
+        w = cfg.window
+        rate = (-1.0 if o.statistic in FALLING_STATISTICS else 1.0) * (
+            float(np.nanmedian(y[-w // 2:]) - np.nanmedian(y[-w:-w // 2]))) * 100.0 / (w / 2)
+        falling = o.statistic in FALLING_STATISTICS
+        drivers = sorted((dr for _, dr in s.drivers), key=lambda dr: dr.value if falling else -dr.value)
+        trend = s.kind or Trend.OSCILLATING
+        where_ = o.layer or "the model"
+        unit = f" head {o.head}" if o.head is not None else ""
+        detail = (f"{o.statistic} of {where_}{unit} {trend.value} for {step - since} steps: median {now:.4g} over the "
+                  f"last {w} steps vs {base:.4g} before (×{now / base if base else math.inf:.2f}, "
+                  f"{gap / sigma:.1f} σ of its step-to-step spread)" + ("; accelerating" if pages else ""))
+        return PrecursorFinding(
+            job=where["job"], rank=where["rank"], step=step, time_unix=where["time_unix"], statistic=o.statistic,
+            layer=o.layer, head=o.head, trend=trend, value=now, baseline=base, z=gap / sigma,
+            change=now / base if base else math.inf, rate=rate, since_step=since, pages=pages,
+            drivers=tuple(drivers[:MAX_DRIVERS]), detail=detail)
+
+
+def _spread(y: np.ndarray) -> float:
+    """Robust step-to-step spread of a log-scale series: 1.4826 × MAD of its differences / √2, floored."""
+    diff = np.diff(y)
+    if not len(diff):
+        return _SIGMA_FLOOR
+    mad = float(np.median(np.abs(diff - np.median(diff))))
+    return max(1.4826 * mad / math.sqrt(2.0), _SIGMA_FLOOR)
+
+
+def _kendall(y: np.ndarray) -> float:
+    """Kendall's τ of ``y`` against its index (ties count 0): +1 strictly rising, −1 strictly falling."""
+    n = len(y)
+    if n < 3:
+        return 0.0
+    sign = np.sign(y[None, :] - y[:, None])  # (n, n): sign(y_j − y_i)
+    return float(np.triu(sign, 1).sum() / (n * (n - 1) / 2))
+
+
+__all__ = ["DriftDetector", "Observation"]
