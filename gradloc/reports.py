@@ -72,6 +72,7 @@ class StepSummary(StepFields):
     events_dropped: int = 0  # decoded from the wire: entries dropped as invalid (the agent counts them)
     groups_dropped: int = 0  # decoded from the wire: data groups dropped as invalid (the agent counts them)
     precursors_dropped: int = 0  # decoded from the wire: precursor stats dropped as invalid (the agent counts them)
+    precursor_findings_dropped: int = 0  # decoded from the wire: drift findings dropped as invalid (counted likewise)
 
 
 def summarize(record: StepRecord) -> StepSummary:

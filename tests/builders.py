@@ -32,6 +32,8 @@ from gradloc.records import (
     LayerShare,
     LayerStats,
     Localization,
+    PrecursorDriver,
+    PrecursorFinding,
     PrecursorKind,
     PrecursorStat,
     Remedy,
@@ -123,7 +125,8 @@ def summary(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: flo
          loss: float | None = 2.5, grad_scale: float | None = None, tokens: bool = True,
          skipped: bool = False, overhead: float | None = 0.03, shed: tuple[str, ...] = (),
          rl: RLStats | None = None, band: tuple[float, float] | None = (1.2, 2.0),
-         samples: SampleStats | None = None, precursors: tuple[PrecursorStat, ...] = ()) -> StepSummary:
+         samples: SampleStats | None = None, precursors: tuple[PrecursorStat, ...] = (),
+         precursor_findings: tuple[PrecursorFinding, ...] = ()) -> StepSummary:
     """One rank's step ``n``; the global norm defaults to the L2 norm of the finite layer norms."""
     if global_norm is None:
         finite = layers.grad_norm[np.isfinite(layers.grad_norm)]
@@ -135,7 +138,7 @@ def summary(job: str, rank: int, n: int, layers: LayerColumns, *, time_unix: flo
                        layers=layers, tokens=stats, nonfinite=nonfinite, grad_scale=grad_scale, skipped=skipped,
                        overhead_s=None if overhead is None else 0.01, step_s=None if overhead is None else 0.34,
                        overhead=overhead, shed=shed, rl=rl, norm_mean=band and band[0], norm_threshold=band and band[1],
-                       samples=samples, precursors=precursors)
+                       samples=samples, precursors=precursors, precursor_findings=precursor_findings)
 
 
 def precursor_stats(layers: int = 2, heads: int = 2) -> tuple[PrecursorStat, ...]:
@@ -157,6 +160,18 @@ def precursor_stats(layers: int = 2, heads: int = 2) -> tuple[PrecursorStat, ...
             PrecursorStat(kind=K.DEAD_EXPERTS, layer="blocks.0.moe.gate", value=0.0)]
     out += [PrecursorStat(kind=K.EXPERT_LOAD_MAX, layer="blocks.0.moe.gate", value=0.5 + 0.3 * e, head=e) for e in range(4)]
     return tuple(out)
+
+
+def precursor_findings(job: str, rank: int, n: int, time_unix: float) -> tuple[PrecursorFinding, ...]:
+    """A step's drift findings: an attention entropy falling (and its paging finding), a router's load rising."""
+    where = dict(job=job, rank=rank, step=n, time_unix=time_unix)
+    driver = PrecursorDriver(step=n - 1, value=0.3, micro_batch=1, sample=2, position=17, sample_id="uid-9")
+    entropy = PrecursorFinding(**where, statistic="attn_entropy", layer="blocks.1.attn", trend="falling", value=0.4,
+                               baseline=1.6, z=-7.5, change=0.25, rate=3.1, since_step=max(0, n - 40), drivers=(driver,),
+                               detail="attn_entropy of blocks.1.attn falling")
+    load = PrecursorFinding(**where, statistic="expert_load_max", layer="blocks.0.moe.gate", trend="rising", value=3.0,
+                            baseline=1.1, z=9.0, change=2.7, rate=1.5, since_step=max(0, n - 20))
+    return entropy, replace(entropy, pages=True), load
 
 
 def sample_stats(job: str, rank: int, n: int, time_unix: float) -> SampleStats:

@@ -13,6 +13,7 @@ from gradloc.agent.grafana_cli import grafana
 from gradloc.agent.incidents_cli import incidents
 from gradloc.agent.outliers_cli import outliers
 from gradloc.agent.patterns_cli import patterns
+from gradloc.agent.precursors_cli import precursors
 from gradloc.agent.quarantine_cli import quarantine
 from gradloc.agent.serve_cli import serve
 from gradloc.errors import ConfigError
@@ -171,6 +172,7 @@ def _plant_detail(cfg) -> str:
 
 
 incidents.add_command(outliers)
+incidents.add_command(precursors)
 main.add_command(incidents)
 main.add_command(patterns)
 main.add_command(quarantine)

@@ -97,6 +97,7 @@ class AgentCore:
                                      new_trace_id or default_trace_id)
         self.recent: deque[CorrelatedIncident] = deque(maxlen=self.config.recent_incidents)
         self.recent_outliers: deque[Any] = deque(maxlen=self.config.recent_incidents)  # SampleOutlier, for the API without a store
+        self.recent_precursors: deque[Any] = deque(maxlen=self.config.recent_incidents)  # PrecursorFinding, likewise
         self._q: queue.Queue[tuple[float, list[Any]] | None] = queue.Queue(self.config.queue_size)
         self._idle = threading.Condition()
         self._unfinished = 0
@@ -234,8 +235,11 @@ class AgentCore:
                 self.state.observe_groups(item.job, item.groups, item.groups_dropped)
             if item.precursors_dropped:
                 self.state.observe_dropped("precursors", item.precursors_dropped)
+            if item.precursor_findings_dropped:
+                self.state.observe_dropped("precursor_findings", item.precursor_findings_dropped)
             if item.samples is not None:
                 self.recent_outliers.extend(item.samples.outliers)
+            self.recent_precursors.extend(item.precursor_findings)
             self.correlator.on_step(item)
             self._steps.append(item)
             for exp in self.exporters:

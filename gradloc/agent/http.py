@@ -1,5 +1,6 @@
-"""The agent's HTTP side: ``/metrics``, ``/healthz``, ``/api/incidents`` and ``/api/incidents/<id>``,
-and the incident pages ``/incidents`` and ``/incidents/<id>`` (HTML, gradloc/agent/incident_page.py);
+"""The agent's HTTP side: ``/metrics``, ``/healthz``, ``/api/incidents`` and ``/api/incidents/<id>``, the findings
+(``/api/outliers``, ``/api/precursors``: gradloc/agent/api_rows.py), and the incident pages ``/incidents`` and
+``/incidents/<id>`` (HTML, gradloc/agent/incident_page.py);
 ``/incidents/trace/<trace id>`` redirects to the page of the incident with that trace id (the
 Grafana datasource's exemplar link: exemplars carry trace ids).
 
@@ -23,21 +24,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 from urllib.parse import parse_qs, urlsplit
 
-from gradloc.agent import links, patterns
+from gradloc.agent import api_rows, links, patterns
 from gradloc.agent.core import AgentCore
 from gradloc.agent.escape import json_text
 from gradloc.agent.incident_page import incident_html, index_html
 from gradloc.agent.links import Denied
+from gradloc.agent.page_precursors import preceding
 from gradloc.agent.patterns import Patterns
 from gradloc.agent.security import Security
-from gradloc.agent.store_context import store_context
+from gradloc.agent.store_context import StoreContext, store_context
 from gradloc.errors import GradlocError
 from gradloc.exporters.prometheus import make_registry, render
 from gradloc.records import to_dict
 from gradloc.reports import CorrelatedIncident
 from gradloc.store.errors import AmbiguousIdError
 from gradloc.store.incident_json import correlated_to_dict
-from gradloc.store.rows import IncidentRow
 
 log = logging.getLogger(__name__)
 PAGE_PATTERNS_S = 7 * 86400.0  # the index page's patterns window without ?since= (the CLI and the API: any window)
@@ -90,7 +91,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, self.server.health())
             if url.path.rstrip("/") == "/incidents":
                 query = parse_qs(url.query)
-                return self._html(200, index_html(self.server.incident_rows(query), outliers=self.server.outlier_rows(query),
+                core = self.server.core
+                return self._html(200, index_html(api_rows.incident_rows(core, query),
+                                                  outliers=api_rows.outlier_rows(core, query),
+                                                  precursors=api_rows.precursor_rows(core, query),
                                                   link=self._page_link if self.server.signer else None,
                                                   patterns=self.server.page_patterns(query)))
             if url.path.startswith("/incidents/trace/"):  # an exemplar's trace id -> its incident's page
@@ -106,7 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
                 inc = self.server.incident(key)
                 if grant == SIGNED and inc is not None and inc.incident_id != key:  # signed for exactly one id
                     raise Denied(403, "invalid")
-                return self._html(200, incident_html(inc, store_context(self.server.core.store, inc))) \
+                return self._html(200, incident_html(inc, self.server.context(inc))) \
                     if inc is not None else \
                     self._html(404, index_html([]).replace("<h1>Incidents</h1>", "<h1>No such incident</h1>"))
             if url.path.rstrip("/") == "/api/incidents":
@@ -115,7 +119,9 @@ class _Handler(BaseHTTPRequestHandler):
                     row["link"] = self._page_link(row["incident_id"])
                 return self._json(200, rows)
             if url.path.rstrip("/") == "/api/outliers":  # per-sample findings (SampleOutlier), newest first
-                return self._json(200, [to_dict(o) for o in self.server.outlier_rows(parse_qs(url.query))])
+                return self._json(200, [to_dict(o) for o in api_rows.outlier_rows(self.server.core, parse_qs(url.query))])
+            if url.path.rstrip("/") == "/api/precursors":  # the drift detector's findings (PrecursorFinding), newest first
+                return self._json(200, [to_dict(f) for f in api_rows.precursor_rows(self.server.core, parse_qs(url.query))])
             if url.path.rstrip("/") == "/api/quarantine":  # the list a resumed run keeps out (QuarantineList.from_agent)
                 if self.server.core.store is None:
                     raise ValueError("the quarantine lives in the incident store (this daemon runs with --db none)")
@@ -216,43 +222,30 @@ class _Server(ThreadingHTTPServer):
                 "jobs": self.core.activity.jobs, "ranks": self.core.activity.ranks,
                 "store": self.core.store is not None}
 
-    def incident_rows(self, query: dict[str, list[str]]) -> list[IncidentRow]:
-        job = query.get("job", [None])[-1]
-        limit = _int(query, "limit", 50)
-        since = _float(query, "since", None)
+    def context(self, inc: CorrelatedIncident) -> StoreContext:
+        """What the store knows around ``inc`` for its page; without a store, the remembered drift findings before it."""
         if self.core.store is not None:
-            return self.core.store.list_incidents(job=job, limit=limit, since_unix=since)
-        recent = [i for i in reversed(self.core.recent)
-                  if (job is None or i.job == job) and (since is None or i.time_unix >= since)]
-        return [IncidentRow.of(i) for i in recent[:limit]]
-
-    def outlier_rows(self, query: dict[str, list[str]]) -> list[Any]:
-        """Per-sample findings (``?job=&kind=&since=&limit=``), newest first."""
-        job, kind = query.get("job", [None])[-1], query.get("kind", [None])[-1]
-        limit, since = _int(query, "limit", 50), _float(query, "since", None)
-        if self.core.store is not None:
-            return self.core.store.list_outliers(job=job, kind=kind, since_unix=since, limit=limit)
-        newest = sorted(self.core.recent_outliers, key=lambda o: (-o.time_unix, -o.step, o.rank))  # the store's order
-        return [o for o in newest if (job is None or o.job == job)
-                and (kind is None or o.kind == kind) and (since is None or o.time_unix >= since)][:limit]
+            return store_context(self.core.store, inc)
+        return StoreContext(preceded=preceding(list(self.core.recent_precursors), inc.job, inc.step))
 
     def patterns(self, query: dict[str, list[str]]) -> Patterns:
         """``?job=&since=&until=``: the store's patterns (gradloc/agent/patterns.py); a daemon without a store has none."""
         if self.core.store is None:
             raise ValueError("patterns need the incident store (this daemon runs with --db none)")
         return patterns.from_store(self.core.store, job=query.get("job", [None])[-1],
-                                   since_unix=_float(query, "since", None), until_unix=_float(query, "until", None))
+                                   since_unix=api_rows.query_float(query, "since", None),
+                                   until_unix=api_rows.query_float(query, "until", None))
 
     def page_patterns(self, query: dict[str, list[str]]) -> Patterns | None:
         """The index page's patterns: the query's job and ``since``, else the last PAGE_PATTERNS_S (None: no store)."""
         if self.core.store is None:
             return None
-        since = _float(query, "since", None)
+        since = api_rows.query_float(query, "since", None)
         return patterns.from_store(self.core.store, job=query.get("job", [None])[-1],
                                    since_unix=since if since is not None else time.time() - PAGE_PATTERNS_S)
 
     def list_incidents(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
-        return [to_dict(r) for r in self.incident_rows(query)]
+        return [to_dict(r) for r in api_rows.incident_rows(self.core, query)]
 
     def incident(self, incident_id: str) -> CorrelatedIncident | None:
         if self.core.store is not None:
@@ -290,23 +283,6 @@ def recent_incident(recent: Iterable[CorrelatedIncident], key: str) -> Correlate
     if len(found) > 1:
         raise AmbiguousIdError(key, tuple(sorted(found)))
     return next(iter(found.values()), None)
-
-
-def _int(query: dict[str, list[str]], key: str, default: int) -> int:
-    try:
-        value = int(query.get(key, [default])[-1])
-    except ValueError as exc:
-        raise ValueError(f"{key} must be an integer") from exc
-    if not 1 <= value <= 10_000:
-        raise ValueError(f"{key} must be in 1..10000")
-    return value
-
-
-def _float(query: dict[str, list[str]], key: str, default: float | None) -> float | None:
-    try:
-        return float(query[key][-1]) if key in query else default
-    except ValueError as exc:
-        raise ValueError(f"{key} must be a number (unix time)") from exc
 
 
 class AgentHttpServer:

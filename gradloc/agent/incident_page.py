@@ -22,6 +22,7 @@ from gradloc.agent.page_chart import esc as _e
 from gradloc.agent.page_chart import history_section
 from gradloc.agent.page_chart import num as _num
 from gradloc.agent.page_patterns import patterns_html
+from gradloc.agent.page_precursors import preceded_html, precursors_html
 from gradloc.agent.page_text import answer_html, collapsed, run_html, token_runs
 from gradloc.agent.patterns import Patterns
 from gradloc.agent.render import group_text, provenance_text
@@ -63,12 +64,13 @@ def _page(title: str, body: str) -> str:
 def incident_html(inc: CorrelatedIncident, context: StoreContext | None = None, base: str = "/incidents/") -> str:
     """The page. ``context``: what the store knows around it (:func:`gradloc.agent.store_context.store_context`):
     the steps around it (the charts then show the follow-up steps; without them the incident's own history), the
-    incident a new-cause incident follows (linked at ``base`` + its id), the samples it quarantined, and the
-    culprits' earlier flags (memory across runs)."""
+    incident a new-cause incident follows (linked at ``base`` + its id), the samples it quarantined, the series
+    drifting before it (linked to the index's precursor findings), and the culprits' earlier flags (memory across
+    runs)."""
     ctx = context or StoreContext()
     parts = [f"<h1>Incident <code>{_e(inc.incident_id[:12])}</code> · job {_e(inc.job)} · step {inc.step}</h1>",
-             answer_html(inc, header_note(inc)), _follows(inc, ctx.opener_id, base), _summary(inc),
-             _memory(ctx), history_section(inc, ctx.steps), _quarantined(ctx.quarantined)]
+             preceded_html(ctx.preceded, base), answer_html(inc, header_note(inc)), _follows(inc, ctx.opener_id, base),
+             _summary(inc), _memory(ctx), history_section(inc, ctx.steps), _quarantined(ctx.quarantined)]
     for f in inc.findings:
         parts.append(_finding(f, ctx.seen))
     return _page(f"gradloc incident {inc.incident_id[:12]}", "".join(parts))
@@ -268,10 +270,11 @@ def _rl(c: Culprit) -> str:
 
 
 def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/", outliers: Sequence[SampleOutlier] = (),
-               link: Callable[[str], str] | None = None, patterns: Patterns | None = None) -> str:
+               link: Callable[[str], str] | None = None, patterns: Patterns | None = None,
+               precursors: Sequence[Any] = ()) -> str:
     """The incidents table; ``link`` (incident id -> a signed page link, when the agent has a token): a column
     of links that open one incident's page without the token, to share; ``patterns``: the data groups that
-    spike (agent/page_patterns.py)."""
+    spike (agent/page_patterns.py); ``precursors``: the drift detector's findings (agent/page_precursors.py)."""
     def share(r: IncidentRow) -> str:
         return f'<td><a href="{html.escape(link(r.incident_id), quote=True)}">signed link</a></td>' if link else ""
 
@@ -281,7 +284,8 @@ def index_html(rows: Sequence[IncidentRow], base: str = "/incidents/", outliers:
     head = ("<tr><th>incident</th><th>job</th><th>step</th><th>status</th><th>kinds</th><th>explained</th><th>probes</th>"
             + ("<th>share (no token needed)</th>" if link else "") + "</tr>")
     return _page("gradloc incidents",
-                 f"<h1>Incidents</h1><table>{head}{body}</table>{patterns_html(patterns)}{_outliers(outliers)}")
+                 f"<h1>Incidents</h1><table>{head}{body}</table>{patterns_html(patterns)}{_outliers(outliers)}"
+                 f"{precursors_html(precursors)}")
 
 
 def _outliers(outliers: Sequence[SampleOutlier]) -> str:

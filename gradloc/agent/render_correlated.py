@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from gradloc.agent.escape import terminal
+from gradloc.agent.page_precursors import series_text
 from gradloc.agent.render import _BOLD, _OFF, _num, _pct, highlight, incident_text, provenance_text
 from gradloc.agent.store_context import StoreContext
 from gradloc.records import CulpritSpan
@@ -67,11 +68,13 @@ def incident_table(rows: Sequence[IncidentRow]) -> str:
 def correlated_text(inc: CorrelatedIncident, color: bool = True, context: StoreContext | None = None) -> str:
     """The whole incident: header, ranks, per-rank and per-micro-batch shares, culprit spans, then
     every rank's own finding as :func:`gradloc.agent.render.incident_text` prints it. ``context``: what the store
-    knows around it (agent/store_context.py: the incident a new-cause incident follows, earlier flags of its
-    culprits and their sources), when read from a store."""
+    knows around it (agent/store_context.py: the incident a new-cause incident follows, the series drifting before
+    it, earlier flags of its culprits and their sources), when read from a store."""
     ctx = context or StoreContext()
     b = (lambda s: f"{_BOLD}{s}{_OFF}") if color else (lambda s: s)
     lines = _header(inc, b, ctx.opener_id)
+    if ctx.preceded:  # the drift findings of series drifting before it (agent/page_precursors.py)
+        lines.append("  preceded by: " + "; ".join(series_text(f) + (" (paged)" if f.pages else "") for f in ctx.preceded))
     lines += ["", b("per-rank shares"), *_rank_table(inc)]
     lines += ["", b("per-micro-batch shares"), *_micro_batch_lines(inc)]
     lines += ["", b("culprit spans, largest share first"), *_span_lines(inc, color, ctx)]

@@ -1,6 +1,7 @@
 """JSONL sink: one incident (and optionally one step record) per line, flushed per write; each
 per-sample finding of a step (``StepRecord.samples.outliers``) as a ``sample_outlier`` line
-(``{"kind": "sample_outlier", "outlier": {...}}``).
+(``{"kind": "sample_outlier", "outlier": {...}}``), and each drift finding (``StepRecord.precursor_findings``) as a
+``precursor_finding`` line (``{"kind": "precursor_finding", "finding": {...}}``).
 
 A :class:`gradloc.sinks.Sink`: it never raises into training (the monitor counts failures).
 """
@@ -34,6 +35,8 @@ class JsonlSink:
             self._write("step", to_dict(record))
         for outlier in record.samples.outliers if record.samples is not None else ():
             self._write("sample_outlier", {"outlier": to_dict(outlier)})  # its own "kind" stays inside
+        for finding in record.precursor_findings:
+            self._write("precursor_finding", {"finding": to_dict(finding)})
 
     def on_incident(self, incident: Incident) -> None:
         self._write("incident", to_dict(incident))

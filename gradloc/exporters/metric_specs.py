@@ -162,6 +162,12 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("sample_outliers", "gradloc_sample_outliers", "gradloc.sample.outliers", "{finding}", ("job", "rank", "kind"),
        "Findings (not incidents: no probe, no page) by kind: surprise (a sample whose surprise stands out against the "
        "run's history), rl_mismatch (a sustained training–inference mismatch)."),
+    _c("precursor_findings", "gradloc_precursor_findings", "gradloc.precursor.findings", "{finding}",
+       ("job", "rank", "statistic", "trend", "pages"),
+       "The drift detector's findings (not incidents: no probe) by statistic (a precursor kind, rl_entropy, "
+       "rl_kl_rollout, update_ratio) and trend (rising, falling, oscillating); pages=true: the second finding of a "
+       "series whose drift persisted and accelerated. The layer, step and samples are in the finding "
+       "(gradloc-agent incidents precursors, /api/precursors), never labels."),
     _c("source_tokens", "gradloc_source_tokens", "gradloc.source.tokens", "{token}", ("job", "source"),
        "Loss tokens trained on per data source (StepRecord.groups, summed over ranks; when the trainer gives "
        "provenance: docs/provenance.md). source: a configured source, one of the first max_sources seen, or other."),
@@ -207,14 +213,16 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("export_dropped", "gradloc_export_dropped", "gradloc.export.dropped", "{item}", ("exporter",),
        "Items an exporter dropped (queue full, retries exhausted)."),
     _c("retention_deleted", "gradloc_agent_retention_deleted", "gradloc.agent.retention_deleted", "{row}", ("rule",),
-       "Store rows the retention limits deleted (incidents_by_age, incidents_by_count, steps_by_age, steps_by_count, spans, inbox, sample_outliers, step_groups)."),
+       "Store rows the retention limits deleted (incidents_by_age, incidents_by_count, steps_by_age, steps_by_count, spans, inbox, sample_outliers, precursor_findings, step_groups)."),
     _c("series_dropped", "gradloc_agent_series_dropped", "gradloc.agent.series_dropped", "{record}", ("reason",),
        "Records whose series were not exported because a cardinality bound was hit (max_series, max_layers); "
        "monitor_events: event counts a step carried that were invalid (an empty name or one over 64 characters, a "
        "negative count, beyond 64 names), dropped and the step kept; data_groups: data groups a step carried that "
        "were invalid (an unknown kind, an empty or too long name, a negative count, beyond 64), dropped and the step kept; "
        "precursors: precursor statistics a step carried that were invalid (an unknown kind, a too long layer name, a "
-       "negative head, a non-finite value, a bad location, beyond 4096), dropped and the step kept."),
+       "negative head, a non-finite value, a bad location, beyond 4096), dropped and the step kept; precursor_findings: "
+       "drift findings a step carried that were invalid (an unknown statistic or trend, a non-finite value, a drift "
+       "starting after its step, a bad driver, beyond 64), dropped and the step kept."),
     _h("ingest_lag", "gradloc_agent_ingest_lag_seconds", "gradloc.agent.ingest_lag", "s", (),
        "Time from a record's production on the trainer to its ingestion by the agent.", LAG_BUCKETS),
     _g("pending", "gradloc_agent_pending_correlations", "gradloc.agent.pending", "{incident}", (),

@@ -82,6 +82,8 @@ class TelemetryState:
                 self._observe_rl(s)
             if s.samples is not None:
                 self._observe_samples(s)
+            for f in s.precursor_findings:  # by closed sets only: never the layer, step or sample (cardinality)
+                self._bump("precursor_findings", (s.job, str(s.rank), f.statistic, str(f.trend), str(f.pages).lower()))
             self._store_rank(s, now)
 
     def _observe_samples(self, s: StepSummary) -> None:
@@ -187,7 +189,7 @@ class TelemetryState:
 
     def observe_dropped(self, reason: str, n: int) -> None:
         """Entries of a step the wire decoder refused (``series_dropped{reason}``): monitor_events, data_groups,
-        precursors."""
+        precursors, precursor_findings."""
         with self._lock:
             self._bump("series_dropped", (reason,), n=n)
 

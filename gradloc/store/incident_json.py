@@ -43,6 +43,12 @@ def correlated_from_dict(data: Mapping[str, Any]) -> CorrelatedIncident:
     return _decode(CorrelatedIncident, data, "$")
 
 
+def record_from_dict(tp: Any, data: Any, path: str = "$") -> Any:
+    """Any record type (or a ``tuple[Record, ...]``) from what :func:`gradloc.records.to_dict` made of it, checked the
+    same way (a precursor finding's drivers in the store, an API row in the CLI); ValueError naming the path."""
+    return _decode(tp, data, path)
+
+
 @functools.cache
 def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
     """(name, resolved type, required) per field; cached because hint resolution is slow."""

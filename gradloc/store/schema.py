@@ -8,7 +8,8 @@ are upgraded in place by the steps in ``_MIGRATIONS`` (1 → 2 adds the inbox, 2
 ``sample_outliers`` table of per-sample findings, gradloc/store/outliers.py, 3 → 4 the
 ``finding_ids`` of each incident's rank findings, gradloc/store/aliases.py, 4 → 5 the outliers' provenance
 columns, 5 → 6 the quarantine, gradloc/store/quarantine.py, 6 → 7 the per-step data groups,
-gradloc/store/groups.py, and the spans' source and origin, gradloc/store/history.py). The DDL and the
+gradloc/store/groups.py, and the spans' source and origin, gradloc/store/history.py, 7 → 8 the drift detector's
+``precursor_findings``, gradloc/store/precursor_findings.py). The DDL and the
 migrations are written in the SQL both databases run (gradloc/store/backends/pg_sql.py translates the rest);
 PostgreSQL support began at version 6, so the steps below it only ever run on SQLite files (4 → 5 reads ``PRAGMA
 table_info``). How a module adds a table or a migration: docs/incident-store.md, "Writing a store module".
@@ -17,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gradloc.store import aliases, groups, history, inbox, outliers, quarantine
+from gradloc.store import aliases, groups, history, inbox, outliers, precursor_findings, quarantine
 from gradloc.store.backends import Backend, Connection
 from gradloc.store.errors import SchemaVersionError, StoreError
 
-SCHEMA_VERSION = 7  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
+SCHEMA_VERSION = 8  # 2: the inbox (gradloc/store/inbox.py); 3: sample_outliers (gradloc/store/outliers.py);
 # 4: finding_ids (gradloc/store/aliases.py); 5: the outliers' provenance (source, origin, info); 6: the quarantine
 # (gradloc/store/quarantine.py); 7: step_groups (gradloc/store/groups.py) and the spans' source and origin
-# (gradloc/store/history.py)
+# (gradloc/store/history.py); 8: precursor_findings (gradloc/store/precursor_findings.py)
 
 # NULL in a REAL column means "unknown or NaN" (SQLite stores NaN as NULL); the ``json`` column keeps
 # the distinction. ``kinds``, ``ranks_missing`` and ``token_ids`` are JSON arrays (usable with json_each).
@@ -85,7 +86,8 @@ _MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: inbox.create, 2: outl
                                                                 3: aliases.create,
                                                                 4: outliers.add_provenance,
                                                                 5: quarantine.create,
-                                                                6: _groups_and_span_provenance}  # v -> v + 1
+                                                                6: _groups_and_span_provenance,
+                                                                7: precursor_findings.create}  # v -> v + 1
 
 
 def ensure_schema(conn: Connection, backend: Backend, create: bool = True) -> None:
@@ -140,3 +142,4 @@ def _create(conn: Connection, backend: Backend) -> None:
     aliases.create(conn)
     quarantine.create(conn)
     _groups_and_span_provenance(conn)
+    precursor_findings.create(conn)

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from gradloc.errors import ConfigError
-from gradloc.records import SampleOutlier
+from gradloc.records import PrecursorFinding, SampleOutlier
 from gradloc.reports import CorrelatedIncident, StepSummary
 from gradloc.store import aliases as _aliases
 from gradloc.store import groups as _groups
 from gradloc.store import history as _history
 from gradloc.store import inbox as _inbox
 from gradloc.store import outliers as _outliers
+from gradloc.store import precursor_findings as _precursor_findings
 from gradloc.store import retention as _retention
 from gradloc.store.backends import Connection, Pool, as_target, open_backend
 from gradloc.store.errors import AmbiguousIdError
@@ -159,6 +160,7 @@ class IncidentStore:
             return 0
         with self._transaction() as conn:
             _outliers.put(conn, steps)  # their per-sample findings, in the same transaction
+            _precursor_findings.put(conn, steps)  # and their drift findings
             _groups.put(conn, steps)  # and their per-group data counts
             return conn.executemany(_INSERT_STEP, step_params(steps)).rowcount
 
@@ -170,6 +172,7 @@ class IncidentStore:
             counts = _retention.apply(conn, self.retention, now)
             counts["inbox"] = _inbox.prune(conn, now)
             counts["sample_outliers"] = _outliers.prune(conn, self.retention.max_age_days, now)
+            counts["precursor_findings"] = _precursor_findings.prune(conn, self.retention.max_age_days, now)
             counts["step_groups"] = _groups.prune(conn, self.retention.max_age_days, now)
             return counts
 
@@ -252,6 +255,16 @@ class IncidentStore:
             raise ValueError(f"limit must be >= 1 or None, got {limit}")
         with self._pool.connection() as conn:
             return _outliers.select(conn, job, kind, since_unix, limit)
+
+    def list_precursor_findings(self, job: str | None = None, statistic: str | None = None, pages: bool | None = None,
+                                since_unix: float | None = None, limit: int | None = 50, *,
+                                steps: tuple[int, int] | None = None) -> list[PrecursorFinding]:
+        """The drift detector's findings (``precursor_findings``), newest first; ``pages=True``: only the paging ones;
+        ``steps``: only those of steps first..last (inclusive); ``limit=None`` for all."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit}")
+        with self._pool.connection() as conn:
+            return _precursor_findings.select(conn, job, statistic, pages, since_unix, limit, steps)
 
     def step_summaries(self, job: str, rank: int | None = None, last: int = 1000) -> list[StepRow]:
         """The ``last`` most recent steps of ``job`` (all ranks, or one), in step then rank order."""

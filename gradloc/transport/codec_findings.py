@@ -1,20 +1,32 @@
-"""Per-sample findings on the wire: ``SampleStats`` ↔ ``pb.SampleStatsMsg`` (inside a ``pb.Step``).
+"""Findings on the wire, inside a ``pb.Step``: per-sample findings (``SampleStats`` ↔ ``pb.SampleStatsMsg``) and the
+drift detector's precursor findings (``PrecursorFinding`` ↔ ``pb.PrecursorFindingMsg``).
 
-An outlier's job, rank, step and time are its step's, so they are not sent again. Validation follows
+A finding's job, rank, step and time are its step's, so they are not sent again. Validation follows
 :mod:`gradloc.transport.validate`: counts >= 0, every float finite (a finding is judged only on
 finite surprises and shares), kinds from :data:`~gradloc.records.OUTLIER_KINDS`, spans with
 0 <= start <= end, a mismatch share in [0, 1], bounded strings and at most :data:`MAX_OUTLIERS`
-outliers per step.
+outliers per step; a bad outlier rejects the batch. A bad precursor finding (an unknown statistic or trend, a
+non-finite value, a drift that starts after its step, a bad driver …) is dropped and counted instead, the step
+kept, like the precursor statistics beside it (codec_lists.py), and so is every valid one after the first
+:data:`MAX_PRECURSOR_FINDINGS`.
 """
 from __future__ import annotations
 
-from gradloc.records import OUTLIER_KINDS, SAMPLE_Z_BUCKETS, SampleOutlier, SampleStats
+import logging
+import math
+from collections.abc import Sequence
+
+from gradloc.records import OUTLIER_KINDS, SAMPLE_Z_BUCKETS, PrecursorDriver, PrecursorFinding, SampleOutlier, SampleStats
+from gradloc.records.precursors import MAX_DRIVERS, STATISTICS, Trend
 from gradloc.transport import validate as v
 from gradloc.transport.codec_incidents import encode_info
 from gradloc.transport.decode_incidents import decode_info
 from gradloc.transport.wire import pb
 
 MAX_OUTLIERS = 256  # per step (the trainer sends at most SampleConfig.max_outliers + 1)
+MAX_PRECURSOR_FINDINGS = 64  # precursor findings of one step kept (the rest are dropped and counted)
+_TRENDS = tuple(t.value for t in Trend)
+log = logging.getLogger(__name__)
 _OPTIONAL_INTS = ("micro_batch", "sample", "start", "end")
 
 
@@ -77,3 +89,61 @@ def _outlier(o: pb.SampleOutlierMsg, job: str, rank: int, step: int, time_unix: 
         text=v.text(o.text, f"{where}.text", v.MAX_TEXT) if o.HasField("text") else None,
         detail=v.text(o.detail, f"{where}.detail", v.MAX_TEXT),
         sample_info=decode_info(o.sample_info, f"{where}.sample_info") if o.HasField("sample_info") else None)
+
+
+# -- precursor findings (the drift detector's, StepRecord.precursor_findings) --------------------------------------
+def encode_precursor_findings(findings: Sequence[PrecursorFinding], out: pb.Step) -> None:
+    for f in findings:
+        m = out.precursor_findings.add(statistic=f.statistic, layer=f.layer, trend=str(f.trend), value=f.value,
+                                       baseline=f.baseline, z=f.z, change=f.change, rate=f.rate,
+                                       since_step=f.since_step, pages=f.pages, detail=f.detail)
+        if f.head is not None:
+            m.head = f.head
+        for d in f.drivers:
+            dm = m.drivers.add(step=d.step, value=d.value, micro_batch=d.micro_batch, sample=d.sample,
+                               position=d.position)
+            if d.sample_id is not None:
+                dm.sample_id = d.sample_id
+            if d.sample_info is not None:
+                dm.sample_info.CopyFrom(encode_info(d.sample_info))
+
+
+def precursor_findings_of(m: pb.Step, job: str, rank: int, step: int,
+                          time_unix: float) -> tuple[tuple[PrecursorFinding, ...], int]:
+    """The step's valid precursor findings (at most MAX_PRECURSOR_FINDINGS) and how many entries were dropped."""
+    kept: list[PrecursorFinding] = []
+    for i, f in enumerate(m.precursor_findings):
+        if len(kept) == MAX_PRECURSOR_FINDINGS:
+            break
+        try:
+            kept.append(_precursor_finding(f, job, rank, step, time_unix, f"precursor_findings[{i}]"))
+        except ValueError as exc:  # RejectedBatch (a ValueError) from the checks, or the record's own: dropped, counted
+            log.debug("gradloc: a precursor finding dropped: %s", exc)
+    return tuple(kept), len(m.precursor_findings) - len(kept)
+
+
+def _precursor_finding(f: pb.PrecursorFindingMsg, job: str, rank: int, step: int, time_unix: float,
+                       where: str) -> PrecursorFinding:
+    if f.statistic not in STATISTICS or f.trend not in _TRENDS:
+        raise v.reject("invalid_value", f"{where}: unknown statistic or trend")
+    if not 0 <= f.since_step <= step:
+        raise v.reject("invalid_value", f"{where}.since_step is {f.since_step}, outside [0, step {step}]")
+    if math.isnan(f.change) or f.change == -math.inf:  # +inf: a drift from a zero baseline
+        raise v.reject("nonfinite", f"{where}.change is {f.change!r}")
+    return PrecursorFinding(
+        job=job, rank=rank, step=step, time_unix=time_unix, statistic=f.statistic,
+        layer=v.text(f.layer, f"{where}.layer"), head=v.count(f.head, f"{where}.head") if f.HasField("head") else None,
+        trend=Trend(f.trend), value=v.finite(f.value, f"{where}.value"), baseline=v.finite(f.baseline, f"{where}.baseline"),
+        z=v.finite(f.z, f"{where}.z"), change=f.change, rate=v.finite(f.rate, f"{where}.rate"), since_step=f.since_step,
+        pages=f.pages, detail=v.text(f.detail, f"{where}.detail", v.MAX_TEXT),
+        drivers=tuple(_driver(d, step, f"{where}.drivers[{j}]") for j, d in enumerate(f.drivers[:MAX_DRIVERS])))
+
+
+def _driver(d: pb.PrecursorDriverMsg, step: int, where: str) -> PrecursorDriver:
+    if not 0 <= d.step <= step:
+        raise v.reject("invalid_value", f"{where}.step is {d.step}, outside [0, step {step}]")
+    return PrecursorDriver(
+        step=d.step, value=v.finite(d.value, f"{where}.value"), micro_batch=v.count(d.micro_batch, f"{where}.micro_batch"),
+        sample=v.count(d.sample, f"{where}.sample"), position=v.count(d.position, f"{where}.position"),
+        sample_id=v.text(d.sample_id, f"{where}.sample_id") if d.HasField("sample_id") else None,
+        sample_info=decode_info(d.sample_info, f"{where}.sample_info") if d.HasField("sample_info") else None)

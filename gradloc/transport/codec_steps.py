@@ -25,7 +25,12 @@ from gradloc.records import (
 )
 from gradloc.reports import LayerColumns, StepSummary
 from gradloc.transport import validate as v
-from gradloc.transport.codec_findings import decode_samples, encode_samples
+from gradloc.transport.codec_findings import (
+    decode_samples,
+    encode_precursor_findings,
+    encode_samples,
+    precursor_findings_of,
+)
 from gradloc.transport.codec_lists import events_of, groups_of, precursors_of
 from gradloc.transport.wire import pb
 
@@ -79,6 +84,7 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
         msg = m.precursors.add(kind=str(p.kind), layer=p.layer, value=p.value, at=p.at or ())
         if p.head is not None:
             msg.head = p.head
+    encode_precursor_findings(rec.precursor_findings, m)
     return m
 
 
@@ -151,6 +157,8 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
     events, dropped = events_of(m) if m.events else ((), 0)
     groups, groups_dropped = groups_of(m) if m.groups else ((), 0)
     precursors, precursors_dropped = precursors_of(m) if m.precursors else ((), 0)
+    findings, findings_dropped = precursor_findings_of(m, job, rank, m.step, m.time_unix) \
+        if m.precursor_findings else ((), 0)
     overhead = {name: v.nonneg(getattr(m, f), f"{where}.{f}") if m.HasField(f) else None
                 for name, f in (("overhead_s", "overhead_seconds"), ("step_s", "step_seconds"), ("overhead", "overhead"))}
     norm_mean, norm_threshold = _band(m, where)
@@ -168,7 +176,8 @@ def decode_step(m: pb.Step, names: tuple[str, ...], job: str, rank: int, world_s
         samples=decode_samples(m.samples, job, rank, m.step, m.time_unix, f"{where}.samples")
         if m.HasField("samples") else None,
         events=events, events_dropped=dropped, groups=groups, groups_dropped=groups_dropped,
-        precursors=precursors, precursors_dropped=precursors_dropped)
+        precursors=precursors, precursors_dropped=precursors_dropped,
+        precursor_findings=findings, precursor_findings_dropped=findings_dropped)
 
 
 def _band(m: pb.Step, where: str) -> tuple[float | None, float | None]:

@@ -38,6 +38,7 @@ from tests.builders import (
     columns,
     make_incident,
     nonfinite_incident,
+    precursor_findings,
     precursor_stats,
     rl_stats,
     sample_stats,
@@ -88,7 +89,8 @@ def populate(state: TelemetryState, ex: OtlpExporter) -> CorrelatedIncident:
         norms = [0.5, NAN if rank == 1 else 0.3, 0.02 * (rank + 1)]
         s = summary(JOB, rank, 100, columns(norms, LAYERS, update_ratio=[NAN, 1e-3, 2e-3]), time_unix=now - 0.1,
                  grad_scale=65536.0, skipped=rank == 1, shed=("update_ratio",) if rank == 1 else (), rl=rl_stats(),
-                 samples=sample_stats(JOB, rank, 100, now - 0.1), precursors=precursor_stats())
+                 samples=sample_stats(JOB, rank, 100, now - 0.1), precursors=precursor_stats(),
+                 precursor_findings=precursor_findings(JOB, rank, 100, now - 0.1))
         state.observe_step(s)
         ex.on_step(s)
     inc = fresh_incident()
@@ -233,6 +235,15 @@ def test_per_layer_gauges_match_the_state(exported):
     assert nonfinite == {"0": 0, "1": 1}  # ... but the NaN is visible here
     labels = set(dict(next(iter(_points(exported.metrics["gradloc.grad.norm"])))))
     assert labels == {"job", "rank", "layer"}
+
+
+def test_precursor_findings_count_by_closed_attributes_only(exported):
+    points = {(d["rank"], d["statistic"], d["trend"], d["pages"]): p.as_double
+              for d, p in ((dict(k), p) for k, p in _points(exported.metrics["gradloc.precursor.findings"]).items())}
+    assert points == {(r, s, t, pages): 1.0 for r in ("0", "1") for s, t, pages in (
+        ("attn_entropy", "falling", "false"), ("attn_entropy", "falling", "true"), ("expert_load_max", "rising", "false"))}
+    labels = set(dict(next(iter(_points(exported.metrics["gradloc.precursor.findings"])))))
+    assert labels == {"job", "rank", "statistic", "trend", "pages"}  # never the layer, step or sample
 
 
 def test_counters_come_from_the_state_and_incidents_are_not_double_counted(exported):

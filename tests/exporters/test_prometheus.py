@@ -35,6 +35,7 @@ from tests.builders import (
     columns,
     correlated,
     layer_names,
+    precursor_findings,
     precursor_stats,
     rl_stats,
     sample_stats,
@@ -64,7 +65,8 @@ def realistic_state() -> TelemetryState:
                                         shed=("update_ratio",) if (j, rank) == (1, 2) else (),
                                         rl=rl_stats() if j == 0 else None,
                                         samples=sample_stats(job, rank, n, now) if j == 0 else None,
-                                        precursors=precursor_stats() if j == 0 else ()))
+                                        precursors=precursor_stats() if j == 0 else (),
+                                        precursor_findings=precursor_findings(job, rank, n, now) if j == 0 else ()))
     state.observe_incident(correlated("llm-7b", 100, global_norm=42.0, ranks=(0, 1), missing=(2,),
                                     kinds=("grad_spike", "loss_spike"),
                                     remedy=Remedy("drop_culprits", True, 42.0, 1.5)))

@@ -152,7 +152,7 @@ def test_every_alert_has_a_case_that_fires_and_one_that_does_not() -> None:
     cases = [c for t in yaml.safe_load((HERE / "rules_test.yml").read_text())["tests"] for c in t["alert_rule_test"]]
     fires = {c["alertname"] for c in cases if c["exp_alerts"]}
     quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
-    assert len(alerts) == 10 and alerts <= fires and alerts <= quiet, (alerts - fires, alerts - quiet)
+    assert len(alerts) == 12 and alerts <= fires and alerts <= quiet, (alerts - fires, alerts - quiet)
 
 
 def test_https_agents_get_https_links(tmp_path: Path) -> None:

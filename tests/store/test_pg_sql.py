@@ -77,12 +77,18 @@ def test_every_statement_the_store_modules_run_is_portable(tmp_path) -> None:
             from dataclasses import replace
 
             from gradloc.records import GroupTokens
-            store.put_steps([replace(step_summary("j", 0, 1, 1.0),
+            from gradloc.records import PrecursorFinding
+            found = PrecursorFinding(job="j", rank=0, step=1, time_unix=1.0, statistic="attn_entropy", layer="l",
+                                     trend="falling", value=0.5, baseline=1.0, z=-6.0, change=0.5, rate=1.0,
+                                     since_step=0)
+            store.put_steps([replace(step_summary("j", 0, 1, 1.0), precursor_findings=(found,),
                                      groups=(GroupTokens(kind="source", name="web", samples=1, tokens=5),))])
             store.apply_retention()
             store.get_incident("0")
             store.list_incidents(limit=None)
             store.list_outliers(limit=None)
+            store.list_precursor_findings(job="j", statistic="attn_entropy", pages=True, since_unix=0.0, limit=None,
+                                          steps=(0, 2))
             store.step_summaries("j", rank=0)
             store.step_summaries("j")
             store.quarantine.list(kind="sample")

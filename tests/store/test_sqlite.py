@@ -311,7 +311,8 @@ def test_retention_by_age_deletes_old_incidents_spans_and_steps(target: Path | s
         s.put_steps([step_summary("j", 0, 1, T0 - 31 * DAY), step_summary("j", 0, 2, T0 - DAY)])
         counts = s.apply_retention(now=T0)
         assert counts == {"incidents_by_age": 1, "incidents_by_count": 0, "spans": 2, "steps_by_age": 1,
-                          "steps_by_count": 0, "inbox": 0, "sample_outliers": 0, "step_groups": 0}
+                          "steps_by_count": 0, "inbox": 0, "sample_outliers": 0, "precursor_findings": 0,
+                          "step_groups": 0}
         assert [r.incident_id for r in s.list_incidents()] == ["02" * 16, "01" * 16]
         assert [r.step for r in s.step_summaries("j")] == [2]
         assert _spans(target, "00" * 16) == [] and len(_spans(target, "01" * 16)) == 2
@@ -325,7 +326,8 @@ def test_retention_by_count_keeps_the_newest(target: Path | str) -> None:
         s.put_steps([step_summary("a", 0, n, T0) for n in range(10)] + [step_summary("b", 1, n, T0) for n in range(3)])
         counts = s.apply_retention(now=T0 + 1e9)  # age is off: nothing expires however late it is
         assert counts == {"incidents_by_age": 0, "incidents_by_count": 3, "spans": 6, "steps_by_age": 0,
-                          "steps_by_count": 5, "inbox": 0, "sample_outliers": 0, "step_groups": 0}
+                          "steps_by_count": 5, "inbox": 0, "sample_outliers": 0, "precursor_findings": 0,
+                          "step_groups": 0}
         assert [r.incident_id for r in s.list_incidents()] == [series[4].incident_id, series[3].incident_id]
         assert [r.step for r in s.step_summaries("a")] == [5, 6, 7, 8, 9]
         assert [r.step for r in s.step_summaries("b")] == [0, 1, 2]

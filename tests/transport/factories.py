@@ -49,7 +49,16 @@ from gradloc.records import (
 )
 from gradloc.records.events import MAX_EVENT_NAME, MONITOR_EVENTS
 from gradloc.records.groups import MAX_GROUP_NAME, GroupTokens
-from gradloc.records.precursors import MAX_PRECURSOR_LAYER, PrecursorKind, PrecursorStat
+from gradloc.records.precursors import (
+    MAX_DRIVERS,
+    MAX_PRECURSOR_LAYER,
+    STATISTICS,
+    PrecursorDriver,
+    PrecursorFinding,
+    PrecursorKind,
+    PrecursorStat,
+    Trend,
+)
 from gradloc.reports import StepSummary, summarize
 from gradloc.transport.codec import BatchDecoder, DecodedBatch, LayerTables, encode_incident, encode_step
 from gradloc.transport.server import start_ingest_server
@@ -129,6 +138,25 @@ precursors = st.lists(st.builds(PrecursorStat, kind=st.sampled_from(list(Precurs
                                 at=st.none() | st.tuples(*(st.integers(0, 2**30) for _ in range(3)))),
                       max_size=6).map(tuple)
 
+
+
+@st.composite
+def precursor_findings(draw: st.DrawFn, job: str, rank: int, step: int, time_unix: float) -> tuple[PrecursorFinding, ...]:
+    """The drift detector's findings of one step (StepRecord.precursor_findings): the step's job, rank, step and time,
+    valid statistics and trends, finite numbers (a change of +inf: a zero baseline), drifts starting at or before the
+    step, drivers inside it, some with provenance."""
+    driver = st.builds(PrecursorDriver, step=st.integers(0, step), value=finite, micro_batch=small_int, sample=small_int,
+                       position=small_int, sample_id=opt_text, sample_info=opt(infos))
+    finding = st.builds(PrecursorFinding, job=st.just(job), rank=st.just(rank), step=st.just(step),
+                        time_unix=st.just(time_unix), statistic=st.sampled_from(STATISTICS),
+                        layer=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40),
+                        head=opt(st.integers(0, 2**20)), trend=st.sampled_from(list(Trend)), value=finite,
+                        baseline=finite, z=finite, change=finite | st.just(INF), rate=finite,
+                        since_step=st.integers(0, step), pages=st.booleans(),
+                        drivers=st.lists(driver, max_size=MAX_DRIVERS).map(tuple), detail=st.text(max_size=40))
+    return tuple(draw(st.lists(finding, max_size=3)))
+
+
 # the detector's band: (None, None) during warm-up, else 0 <= mean <= threshold
 bands = st.none().map(lambda _: (None, None)) | st.tuples(nonneg, nonneg).map(lambda p: (p[0], p[0] + p[1])).filter(
     lambda p: p[1] < float("inf"))
@@ -143,15 +171,17 @@ def step_records(draw: st.DrawFn) -> StepRecord:
     tokens = draw(st.none() | token_stats(names, event))
     norm_mean, norm_threshold = draw(bands)
     overhead_s, step_s, overhead = (draw(opt(nonneg)) for _ in range(3))
-    return StepRecord(job=draw(st.sampled_from([JOB, "other-job"])), rank=draw(st.integers(0, WORLD - 1)),
-                      step=draw(small_int), time_unix=draw(finite), global_norm=draw(anyfloat if event else finite),
+    job, rank, step, time_unix = draw(st.sampled_from([JOB, "other-job"])), draw(st.integers(0, WORLD - 1)), \
+        draw(small_int), draw(finite)
+    return StepRecord(job=job, rank=rank, step=step, time_unix=time_unix, global_norm=draw(anyfloat if event else finite),
                       loss=draw(st.none() | anyfloat), micro_batches=draw(st.integers(0, 64)), layers=layers,
                       tokens=tokens, nonfinite=nonfinite, grad_scale=draw(st.none() | finite),
                       skipped=draw(st.booleans()), overhead_s=overhead_s, step_s=step_s, overhead=overhead,
                       shed=tuple(draw(st.lists(st.sampled_from(["update_ratio", "layer_breakdown"]), max_size=2,
                                                unique=True))),
                       rl=draw(opt(rl_stats())), layers_global=draw(st.booleans()), norm_mean=norm_mean,
-                      norm_threshold=norm_threshold, events=draw(events), groups=draw(groups), precursors=draw(precursors))
+                      norm_threshold=norm_threshold, events=draw(events), groups=draw(groups), precursors=draw(precursors),
+                      precursor_findings=draw(precursor_findings(job, rank, step, time_unix)))
 
 
 @st.composite
@@ -257,6 +287,7 @@ def assert_summary_equal(got: StepSummary, rec: StepRecord) -> None:
     assert got.events == rec.events and got.events_dropped == 0  # the monitor's event counts (a decoded step's)
     assert got.groups == rec.groups and got.groups_dropped == 0  # its data groups
     assert got.precursors == rec.precursors and got.precursors_dropped == 0  # its precursor statistics
+    assert got.precursor_findings == rec.precursor_findings and got.precursor_findings_dropped == 0  # drift findings
 
 
 class Receiver:

@@ -71,7 +71,7 @@ class LayerTable(_message.Message):
     def __init__(self, id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl", "layers_global", "norm_mean", "norm_threshold", "samples", "events", "groups", "precursors")
+    __slots__ = ("job", "rank", "step", "time_unix", "global_norm", "loss", "micro_batches", "nonfinite", "grad_scale", "skipped", "tokens", "layer_table_id", "grad_norm", "grad_max_abs", "layer_nonfinite", "param_norm", "numel", "update_ratio", "overhead_seconds", "step_seconds", "overhead", "shed", "rl", "layers_global", "norm_mean", "norm_threshold", "samples", "events", "groups", "precursors", "precursor_findings")
     class EventsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class Step(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     PRECURSORS_FIELD_NUMBER: _ClassVar[int]
+    PRECURSOR_FINDINGS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
@@ -139,7 +140,56 @@ class Step(_message.Message):
     events: _containers.ScalarMap[str, int]
     groups: _containers.RepeatedCompositeFieldContainer[GroupTokensMsg]
     precursors: _containers.RepeatedCompositeFieldContainer[PrecursorMsg]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ..., norm_mean: _Optional[float] = ..., norm_threshold: _Optional[float] = ..., samples: _Optional[_Union[SampleStatsMsg, _Mapping]] = ..., events: _Optional[_Mapping[str, int]] = ..., groups: _Optional[_Iterable[_Union[GroupTokensMsg, _Mapping]]] = ..., precursors: _Optional[_Iterable[_Union[PrecursorMsg, _Mapping]]] = ...) -> None: ...
+    precursor_findings: _containers.RepeatedCompositeFieldContainer[PrecursorFindingMsg]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., time_unix: _Optional[float] = ..., global_norm: _Optional[float] = ..., loss: _Optional[float] = ..., micro_batches: _Optional[int] = ..., nonfinite: _Optional[int] = ..., grad_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., tokens: _Optional[_Union[TokenStatsMsg, _Mapping]] = ..., layer_table_id: _Optional[int] = ..., grad_norm: _Optional[_Iterable[float]] = ..., grad_max_abs: _Optional[_Iterable[float]] = ..., layer_nonfinite: _Optional[_Iterable[int]] = ..., param_norm: _Optional[_Iterable[float]] = ..., numel: _Optional[_Iterable[int]] = ..., update_ratio: _Optional[_Iterable[float]] = ..., overhead_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overhead: _Optional[float] = ..., shed: _Optional[_Iterable[str]] = ..., rl: _Optional[_Union[RLStatsMsg, _Mapping]] = ..., layers_global: _Optional[bool] = ..., norm_mean: _Optional[float] = ..., norm_threshold: _Optional[float] = ..., samples: _Optional[_Union[SampleStatsMsg, _Mapping]] = ..., events: _Optional[_Mapping[str, int]] = ..., groups: _Optional[_Iterable[_Union[GroupTokensMsg, _Mapping]]] = ..., precursors: _Optional[_Iterable[_Union[PrecursorMsg, _Mapping]]] = ..., precursor_findings: _Optional[_Iterable[_Union[PrecursorFindingMsg, _Mapping]]] = ...) -> None: ...
+
+class PrecursorFindingMsg(_message.Message):
+    __slots__ = ("statistic", "layer", "head", "trend", "value", "baseline", "z", "change", "rate", "since_step", "pages", "drivers", "detail")
+    STATISTIC_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    TREND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    DRIVERS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    statistic: str
+    layer: str
+    head: int
+    trend: str
+    value: float
+    baseline: float
+    z: float
+    change: float
+    rate: float
+    since_step: int
+    pages: bool
+    drivers: _containers.RepeatedCompositeFieldContainer[PrecursorDriverMsg]
+    detail: str
+    def __init__(self, statistic: _Optional[str] = ..., layer: _Optional[str] = ..., head: _Optional[int] = ..., trend: _Optional[str] = ..., value: _Optional[float] = ..., baseline: _Optional[float] = ..., z: _Optional[float] = ..., change: _Optional[float] = ..., rate: _Optional[float] = ..., since_step: _Optional[int] = ..., pages: _Optional[bool] = ..., drivers: _Optional[_Iterable[_Union[PrecursorDriverMsg, _Mapping]]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PrecursorDriverMsg(_message.Message):
+    __slots__ = ("step", "value", "micro_batch", "sample", "position", "sample_id", "sample_info")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INFO_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    value: float
+    micro_batch: int
+    sample: int
+    position: int
+    sample_id: str
+    sample_info: SampleInfoMsg
+    def __init__(self, step: _Optional[int] = ..., value: _Optional[float] = ..., micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
 
 class PrecursorMsg(_message.Message):
     __slots__ = ("kind", "layer", "value", "head", "at")
