@@ -2,8 +2,8 @@
 
 ``overhead``, ``localization``, ``agent``, ``soak`` and ``healthy`` are parsed here (``overhead`` runs TinyGPT and an
 HF Llama side by side, ``--model``; ``--memory``, ``--peers`` and ``--profile`` are its other modes); ``samples``,
-``faults``, ``patterns``, ``compare``, ``compile-guards`` and ``deepspeed-grads`` hand their arguments to their own module's
-``main`` (``--help`` there).
+``faults``, ``patterns``, ``precursors``, ``compare``, ``compile-guards`` and ``deepspeed-grads`` hand their
+arguments to their own module's ``main`` (``--help`` there).
 
 With ``--json`` exactly one JSON object is printed on stdout (progress goes to stderr with
 ``--verbose``); without it, a human-readable table.
@@ -31,7 +31,7 @@ def _progress(enabled: bool):
 # benchmarks whose own module parses their arguments: name -> module
 DELEGATED = {"samples": "bench.samples", "faults": "bench.faults", "compare": "bench.compare",
              "compile-guards": "bench.compile_guards", "deepspeed-grads": "bench.deepspeed_grads",
-             "patterns": "bench.patterns"}
+             "patterns": "bench.patterns", "precursors": "bench.precursors"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

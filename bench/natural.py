@@ -8,7 +8,7 @@ The reusable setup of the healthy-run benchmark (``bench/healthy.py``) and of fa
   ``/usr/share/common-licenses``; tokenized with a byte-level BPE (``tokenizers``) trained on that
   text at run time (deterministic; ~1 s). Documents are joined with an end-of-text token into
   one stream; a sample is a random window of ``seq + 1`` ids.
-- :func:`build_model`: a model family (:data:`FAMILIES`: Qwen2, GPT-NeoX, Llama, GPT-2) built from a
+- :func:`build_model`: a model family (:data:`FAMILIES`: Qwen2, GPT-NeoX, Llama, GPT-2, Qwen3, Qwen3-MoE) built from a
   small transformers config, random initialisation, no dropout; its ``forward(ids)`` returns logits.
 - :class:`Run`: AdamW (β = 0.9, 0.95, weight decay 0.1), a linear LR warm-up then cosine decay to
   10%, clipping at 1.0, gradloc watching (``end_step`` before clipping, with the probe closure). The
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FAMILIES = ("qwen2", "gptneox", "llama", "gpt2")
+FAMILIES = ("qwen2", "gptneox", "llama", "gpt2", "qwen3", "qwen3moe")
 LICENSES = Path("/usr/share/common-licenses")
 EOS = "<|endoftext|>"
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
@@ -130,7 +130,9 @@ class CausalLM(nn.Module):
         self.hf, self.family = hf, family
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=ids).logits
+        out = self.hf(input_ids=ids)
+        self.aux_loss = getattr(out, "aux_loss", None)  # a MoE's load-balancing loss (output_router_logits)
+        return out.logits
 
 
 def build_model(family: str, vocab: int, seq: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
@@ -152,6 +154,16 @@ def build_model(family: str, vocab: int, seq: int, d_model: int = 64, n_layers: 
         cfg = tf.LlamaConfig(**common, intermediate_size=3 * d_model, num_key_value_heads=max(1, n_heads // 2),
                              tie_word_embeddings=True)
         cls = tf.LlamaForCausalLM
+    elif family == "qwen3":  # Llama-like with qk-norm (RMSNorm on q and k per head): the attention-logit control
+        cfg = tf.Qwen3Config(**common, intermediate_size=3 * d_model, num_key_value_heads=max(1, n_heads // 2),
+                             head_dim=d_model // n_heads, tie_word_embeddings=True)
+        cls = tf.Qwen3ForCausalLM
+    elif family == "qwen3moe":  # 8 experts, top-2, every layer sparse; the load-balancing loss is the caller's to add
+        cfg = tf.Qwen3MoeConfig(**common, num_key_value_heads=max(1, n_heads // 2), head_dim=d_model // n_heads,
+                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=d_model,
+                                decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True,
+                                tie_word_embeddings=True)
+        cls = tf.Qwen3MoeForCausalLM
     elif family == "gpt2":
         cfg = tf.GPT2Config(vocab_size=vocab, n_embd=d_model, n_layer=n_layers, n_head=n_heads, n_positions=seq,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)

@@ -35,4 +35,5 @@ def test_it_runs_as_python_m_bench_compare(tmp_path):
     q = tmp_path / "b.json"
     q.write_text(json.dumps({"x": 2}))
     assert entry.main(["compare", str(p), str(p)]) == 0 and entry.main(["compare", str(p), str(q)]) == 1
-    assert set(entry.DELEGATED) == {"samples", "faults", "compare", "compile-guards", "deepspeed-grads", "patterns"}
+    assert set(entry.DELEGATED) == {"samples", "faults", "compare", "compile-guards", "deepspeed-grads", "patterns",
+                                   "precursors"}

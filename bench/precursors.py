@@ -1,0 +1,190 @@
+"""``python -m bench precursors``: lead time of the drift detector's precursor findings (gradloc/detector/drift.py)
+on instabilities that reproduce on this machine, and its false findings on their stable controls.
+
+Each scenario (:func:`bench.precursors_runs.scenarios`) trains a small model with gradloc attached, the drift
+detector on at its defaults, and keeps every step's loss, incidents and ``StepRecord.precursor_findings`` — the
+findings come from the monitor itself, not from a replay. Scoring:
+
+- *failure* of a run: the first grad-spike, divergence or non-finite incident after the drift detector's warm-up,
+  or the step where the 100-step mean loss first exceeds 1.1 × its lowest value after the warm-up, whichever comes
+  first (None: the run did not fail);
+- *failing layer*: of the attention layers (the routers, for a router collapse), the one whose entropy fell most
+  (log ratio) between the end of the warm-up and the failure;
+- per instability run: for each statistic, its first finding before the failure, the lead time (failure − its
+  step), the layer it named and whether that is the failing layer; the first paging finding likewise;
+- per control run: findings and pages per 1,000 judged steps (after the warm-up), per statistic.
+
+The target (issue 36): every instability announced ≥ 100 steps (or ≥ 20% of its healthy prefix) ahead, naming
+the failing layer; ≤ 1 finding per 1,000 steps and no page on the controls. A statistic that misses the control
+bound is listed in ``off_by_default``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter, defaultdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from bench.precursors_runs import Scenario, record_run, scenarios
+from gradloc.config import DriftConfig
+
+FAIL_KINDS = {"grad_spike", "divergence", "nonfinite_grad", "nonfinite_loss"}
+LOSS_WINDOW, LOSS_RATIO = 100, 1.1
+
+
+def failure(out: dict[str, Any], warmup: int) -> tuple[int | None, str]:
+    """The run's failure step and what it was (see the module's docstring)."""
+    inc = next((s for s, kinds in out["incidents"] if s >= warmup and FAIL_KINDS & set(kinds)), None)
+    loss, best, blow = out["loss"], math.inf, None
+    for s in range(warmup + LOSS_WINDOW, len(loss) + 1):
+        m = float(np.mean(loss[s - LOSS_WINDOW:s]))
+        if not math.isfinite(m) or m > LOSS_RATIO * best:
+            blow = s - 1
+            break
+        best = min(best, m)
+    if inc is None and blow is None:
+        return None, ""
+    if blow is None or (inc is not None and inc <= blow):
+        return inc, "incident"
+    return blow, "loss"
+
+
+COLLAPSING = {"attention_logit_growth": "attn_entropy", "router_collapse": "router_entropy"}
+
+
+def failing_layer(out: dict[str, Any], warmup: int, fail: int) -> str | None:
+    """The module whose entropy (attention; a router's for a router collapse) fell most (log ratio) from the
+    warm-up's end to the failure."""
+    best, name = 0.0, None
+    for key, v in out["series"].items():
+        kind, layer, _ = key.split("|")
+        if kind != COLLAPSING.get(out["instability"], "attn_entropy"):
+            continue
+        a, b = np.nanmedian(v[max(0, warmup - 50):warmup]), np.nanmedian(v[max(0, fail - 50):fail])
+        drop = math.log(max(a, 1e-6) / max(b, 1e-6))
+        if drop > best:
+            best, name = drop, layer
+    return name
+
+
+def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
+    """One run's row: failure, findings per statistic, lead times (instability) or rates (control)."""
+    steps = len(out["loss"])
+    fail, how = failure(out, cfg.warmup)
+    findings = [f for f in out["findings"] if fail is None or f.step < fail]
+    row: dict[str, Any] = dict(scenario=out["scenario"], role=out["role"], instability=out["instability"],
+                               detail=out["detail"], steps=steps, seconds=round(out["seconds"], 1),
+                               failure=fail, failure_by=how,
+                               findings=[dict(step=f.step, statistic=f.statistic, layer=f.layer, head=f.head,
+                                              trend=str(f.trend), pages=f.pages, since=f.since_step,
+                                              change=round(f.change, 3), z=round(f.z, 1),
+                                              drivers=[(d.step, d.sample_id, d.position) for d in f.drivers[:3]])
+                                         for f in out["findings"]])
+    if out["role"] == "control":
+        judged = max(1, (fail if fail is not None else steps) - cfg.warmup)
+        per_stat = Counter(f.statistic for f in findings)
+        row.update(judged_steps=judged, findings_per_1000=round(1000 * len(findings) / judged, 2),
+                   pages=sum(f.pages for f in findings),
+                   per_statistic={k: dict(findings=n, per_1000=round(1000 * n / judged, 2),
+                                          pages=sum(f.pages for f in findings if f.statistic == k))
+                                  for k, n in per_stat.items()})
+        return row
+    layer = failing_layer(out, cfg.warmup, fail) if fail is not None else None
+    first: dict[str, Any] = {}
+    for f in findings:
+        key = f.statistic + (" (page)" if f.pages else "")
+        if key not in first:
+            first[key] = dict(step=f.step, lead=fail - f.step if fail is not None else None, layer=f.layer,
+                              head=f.head, trend=str(f.trend), names_failing_layer=bool(layer) and f.layer == layer)
+    healthy = (fail if fail is not None else steps) - cfg.warmup
+    leads = [v["lead"] for v in first.values() if v["lead"] is not None]
+    row.update(failing_layer=layer, first_by_statistic=first, lead=max(leads) if leads else None,
+               healthy_prefix=healthy,
+               announced=bool(leads) and max(leads) >= min(100, 0.2 * healthy),
+               announced_naming_layer=any(v["lead"] is not None and v["lead"] >= min(100, 0.2 * healthy)
+                                          and v["names_failing_layer"] for v in first.values()))
+    return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per statistic: lead times over the instabilities, findings per 1,000 steps over the controls; which
+    statistics miss the control bound (ship off by default)."""
+    stats: dict[str, dict[str, Any]] = defaultdict(lambda: dict(leads={}, control_per_1000={}, control_pages=0))
+    for r in rows:
+        if r["role"] == "control":
+            for k, v in r["per_statistic"].items():
+                stats[k]["control_per_1000"][r["scenario"]] = v["per_1000"]
+                stats[k]["control_pages"] += v["pages"]
+        else:
+            for k, v in r["first_by_statistic"].items():
+                if not k.endswith("(page)"):
+                    stats[k]["leads"][r["scenario"]] = dict(lead=v["lead"], layer_ok=v["names_failing_layer"])
+    off = sorted(k for k, v in stats.items()
+                 if v["control_pages"] or any(x > 1.0 for x in v["control_per_1000"].values()))
+    controls = [r for r in rows if r["role"] == "control"]
+    return dict(per_statistic=dict(stats), off_by_default=off,
+                instabilities_announced=sum(r["announced"] for r in rows if r["role"] != "control"),
+                instabilities=sum(r["role"] != "control" for r in rows),
+                control_findings_per_1000_max=max((r["findings_per_1000"] for r in controls), default=None),
+                control_pages=sum(r["pages"] for r in controls))
+
+
+def run(selected: Sequence[Scenario], progress: bool = False) -> dict[str, Any]:
+    cfg = DriftConfig()
+    rows, t0 = [], time.perf_counter()
+    for i, sc in enumerate(selected):
+        if progress:
+            print(f"[{i + 1}/{len(selected)}] {sc.name}: {sc.detail}", file=sys.stderr, flush=True)
+        rows.append(score(record_run(sc), cfg))
+    return dict(date=time.strftime("%Y-%m-%d"), drift=dict(warmup=cfg.warmup, reference=cfg.reference,
+                                                            window=cfg.window, z_threshold=cfg.z_threshold,
+                                                            min_change=cfg.min_change, patience=cfg.patience),
+                runs=rows, summary=summarize(rows), seconds=round(time.perf_counter() - t0, 1))
+
+
+def format_table(res: dict[str, Any]) -> str:
+    lines = [f"precursors ({res['date']}, {res['seconds']:.0f} s)"]
+    for r in res["runs"]:
+        fail = f"fails at {r['failure']} ({r['failure_by']})" if r["failure"] is not None else "does not fail"
+        lines.append(f"\n{r['scenario']} [{r['role']}] {r['detail']}: {fail}")
+        if r["role"] == "control":
+            lines.append(f"  {r['findings_per_1000']} findings / 1,000 judged steps, {r['pages']} pages: "
+                         + ", ".join(f"{k} {v['findings']}" for k, v in r["per_statistic"].items()))
+        else:
+            lines.append(f"  failing layer {r['failing_layer']}; announced {r['announced']} "
+                         f"(naming it: {r['announced_naming_layer']})")
+            for k, v in r["first_by_statistic"].items():
+                lines.append(f"  {k:<24} step {v['step']:>5}  lead {v['lead']}  {v['layer']} {v['trend']}"
+                             f"{'  (failing layer)' if v['names_failing_layer'] else ''}")
+    s = res["summary"]
+    lines.append(f"\nannounced {s['instabilities_announced']}/{s['instabilities']}; controls: max "
+                 f"{s['control_findings_per_1000_max']} findings / 1,000 steps, {s['control_pages']} pages; "
+                 f"off by default: {s['off_by_default'] or 'none'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench precursors", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3000, help="steps per run (default 3000)")
+    ap.add_argument("--only", nargs="*", default=None, help="scenario names (default: all)")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--verbose", action="store_true", help="progress on stderr")
+    a = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    chosen = [s for s in scenarios(a.steps) if a.only is None or s.name in a.only]
+    if not chosen:
+        ap.error(f"no scenario among {[s.name for s in scenarios(a.steps)]}")
+    res = run(chosen, progress=a.verbose)
+    print(json.dumps(res, default=str) if a.json else format_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""The runs of ``python -m bench precursors``: small models trained until they fail (or, the controls, do not), with
+gradloc attached and every step's precursor statistics, loss, global norm and incidents recorded.
+
+A run's data is :mod:`bench.natural`'s (BPE over the standard library's docstrings and the licence texts). Its LR
+either follows a ramp (exponential from ``lr`` to ``lr_end`` over the run: Wortsman et al.'s way to find where a
+model stops being trainable) or :class:`bench.natural.RunConfig`'s warm-up and cosine. The scenarios
+(:data:`SCENARIOS`) pair each instability with its control (../shared/DESIGN.md §10).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.natural import Run, RunConfig, token_losses
+
+
+@dataclass(frozen=True)
+class RampConfig(RunConfig):
+    """``lr`` at step 0 rising exponentially to ``lr_end`` at the last step (no warm-up, no decay); ``z_loss``: the
+    coefficient of Wortsman et al.'s mean logsumexp² term added to the loss (0: none); ``balance``: a MoE's
+    load-balancing loss coefficient (Switch Transformer's, as transformers computes it; 0: none)."""
+
+    lr_end: float | None = None  # None: RunConfig's warm-up and cosine
+    z_loss: float = 0.0
+    balance: float = 0.0  # a MoE's load-balancing loss coefficient (0: none)
+
+    def lr_at(self, step: int) -> float:
+        if self.lr_end is None:
+            return super().lr_at(step)
+        return self.lr * (self.lr_end / self.lr) ** (step / max(1, self.steps - 1))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    role: str  # "instability" (it should fail) or "control" (it should not)
+    run: RampConfig
+    instability: str  # which instability the pair is about ("attention_logit_growth", ...)
+    detail: str = ""
+
+
+def _ramp(family: str, steps: int, lr_end: float, **kw: Any) -> RampConfig:
+    return RampConfig(family=family, steps=steps, lr=1e-4, lr_end=lr_end, micro_batches=2, batch=4, seq=64,
+                      weight_decay=0.0, **kw)
+
+
+def scenarios(steps: int = 3000) -> tuple[Scenario, ...]:
+    """The pairs: each instability beside its control(s), ``steps`` steps each."""
+    return (
+        Scenario("llama_ramp", "instability", _ramp("llama", steps, 0.1), "attention_logit_growth",
+                 "HF Llama without qk-norm, LR 1e-4 -> 0.1 (exponential ramp)"),
+        Scenario("qwen3_ramp", "control", _ramp("qwen3", steps, 0.03), "attention_logit_growth",
+                 "HF Qwen3 (qk-norm), LR 1e-4 -> 0.03"),
+        Scenario("moe_ramp", "instability", _ramp("qwen3moe", steps, 0.03), "router_collapse",
+                 "HF Qwen3-MoE (8 experts, top-2) without a load-balancing loss, LR 1e-4 -> 0.03"),
+        Scenario("moe_balanced", "control", _ramp("qwen3moe", steps, 0.03, balance=0.01), "router_collapse",
+                 "the same with the load-balancing loss (0.01)"),
+        Scenario("llama_cosine", "control",
+                 RampConfig(family="llama", steps=steps, lr=3e-3, micro_batches=2, batch=4, seq=64),
+                 "attention_logit_growth", "the same Llama at LR 3e-3 (warm-up, cosine), weight decay 0.1"),
+    )
+
+
+class RampRun(Run):
+    """:class:`bench.natural.Run` with the z-loss and load-balancing terms when configured."""
+
+    def closure(self, batch):  # noqa: ANN001 - the base class's signature
+        z, balance = self.cfg.z_loss, self.cfg.balance
+        if not (z or balance):
+            return super().closure(batch)
+        n, M = batch.weights.numel(), batch.windows.shape[0]
+
+        def loss_for(i: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+            w = batch.weights[i] if mask is None else batch.weights[i] * mask
+            logits = self.model(batch.inputs(i))  # (B, T, V)
+            per_token = token_losses(logits, batch.targets(i))  # (B, T)
+            if z:
+                per_token = per_token + z * torch.logsumexp(logits.float(), dim=-1).square()  # (B, T)
+            loss = (per_token * w).sum() / n
+            aux = self.model.aux_loss
+            return loss + balance * aux / M if balance and aux is not None else loss
+
+        return loss_for
+
+
+def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
+    """Train ``sc`` with gradloc watching; every step's statistics as arrays (``series``: key -> (steps,) values,
+    NaN where a step had none; key = "kind|layer|head")."""
+    torch.manual_seed(sc.run.seed)
+    run = RampRun(sc.run, **watch)
+    loss, norm, lr, spikes, incidents, findings = [], [], [], [], [], []
+    series: dict[str, list[float]] = {}
+    at: dict[str, list[tuple[int, int, int] | None]] = {}
+    t0 = time.perf_counter()
+    try:
+        for s in range(sc.run.steps):
+            rep = run.step()
+            rec = rep.record
+            loss.append(float(rec.loss) if rec.loss is not None else math.nan)
+            norm.append(rec.global_norm)
+            lr.append(sc.run.lr_at(s))
+            if rep.spike is not None and rep.spike.kinds:
+                spikes.append((s, sorted(str(k) for k in rep.spike.kinds)))
+            if rep.incident is not None:
+                incidents.append((s, sorted(str(k) for k in rep.incident.spike.kinds)))
+            findings.extend(getattr(rec, "precursor_findings", ()))
+            for p in rec.precursors:
+                key = f"{p.kind}|{p.layer}|{'' if p.head is None else p.head}"
+                col = series.setdefault(key, [math.nan] * s)
+                col.append(p.value)
+                at.setdefault(key, [None] * s).append(p.at)
+            for key, col in series.items():  # a series without a value this step
+                if len(col) < s + 1:
+                    col.append(math.nan)
+                    at[key].append(None)
+    finally:
+        run.close()
+    return dict(scenario=sc.name, role=sc.role, instability=sc.instability, detail=sc.detail,
+                loss=np.asarray(loss), norm=np.asarray(norm), lr=np.asarray(lr), spikes=spikes, incidents=incidents,
+                findings=findings, series={k: np.asarray(v) for k, v in series.items()}, at=at,
+                seconds=time.perf_counter() - t0, params=run.params)
+
+
+def blow_up(loss: np.ndarray, window: int = 25, ratio: float = 1.3, after: int = 200) -> int | None:
+    """The first step whose trailing ``window``-step mean loss exceeds ``ratio`` × the lowest such mean so far
+    (after ``after`` steps: the first steps' loss falls fast); a non-finite loss counts. None: never."""
+    best = math.inf
+    for s in range(window, len(loss) + 1):
+        chunk = loss[s - window:s]
+        if not np.all(np.isfinite(chunk)):
+            return s - 1
+        m = float(chunk.mean())
+        if s > after and m > ratio * best:
+            return s - 1
+        best = min(best, m)
+    return None

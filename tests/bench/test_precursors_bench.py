@@ -1,0 +1,74 @@
+"""``python -m bench precursors`` (bench/precursors.py): its scoring on constructed runs (failure, failing layer,
+lead time, control rates, which statistics ship off), and one short real run through the monitor."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench.precursors import failure, failing_layer, main, score, summarize
+from gradloc.config import DriftConfig
+from gradloc.records import PrecursorFinding
+
+CFG = DriftConfig(warmup=100)
+
+
+def _finding(step: int, statistic: str, layer: str, pages: bool = False) -> PrecursorFinding:
+    return PrecursorFinding(job="j", rank=0, step=step, time_unix=0.0, statistic=statistic, layer=layer,
+                            trend="falling" if statistic == "attn_entropy" else "rising", value=1.0, baseline=2.0,
+                            z=8.0, change=0.5, rate=1.0, since_step=step - 20, pages=pages)
+
+
+def _run(role: str, findings: list, loss: np.ndarray, incidents=()) -> dict:
+    n = len(loss)
+    ent = {"attn_entropy|l0|": np.full(n, 2.0), "attn_entropy|l1|": np.linspace(2.0, 0.1, n)}
+    return dict(scenario=f"{role}-run", role=role, instability="attention_logit_growth", detail="", loss=loss,
+                incidents=list(incidents), findings=findings, series=ent, seconds=1.0)
+
+
+def test_failure_is_the_first_late_incident_or_the_loss_blow_up():
+    flat = np.full(1000, 3.0)
+    assert failure(_run("instability", [], flat), 100) == (None, "")
+    early = _run("instability", [], flat, incidents=[(50, ["grad_spike"]), (700, ["loss_spike"]), (800, ["divergence"])])
+    assert failure(early, 100) == (800, "incident")  # before the warm-up and loss-only kinds do not count
+    rising = flat.copy()
+    rising[600:] = 3.0 * 1.5
+    assert failure(_run("instability", [], rising), 100) == (620, "loss")  # 21 steps at 4.5: the mean passes 3.3
+    nan = flat.copy()
+    nan[400] = math.nan
+    assert failure(_run("instability", [], nan), 100)[0] == 400
+
+
+def test_scores_lead_time_layer_and_control_rates():
+    loss = np.full(1000, 3.0)
+    bad = _run("instability", [_finding(300, "residual_rms", "norm"), _finding(500, "attn_entropy", "l1"),
+                               _finding(650, "attn_entropy", "l1", pages=True), _finding(900, "attn_max_logit", "l1")],
+               loss, incidents=[(800, ["grad_spike"])])
+    row = score(bad, CFG)
+    assert row["failure"] == 800 and failing_layer(bad, 100, 800) == "l1" and row["failing_layer"] == "l1"
+    first = row["first_by_statistic"]
+    assert first["attn_entropy"]["lead"] == 300 and first["attn_entropy"]["names_failing_layer"]
+    assert first["attn_entropy (page)"]["lead"] == 150 and "attn_max_logit" not in first  # after the failure
+    assert not first["residual_rms"]["names_failing_layer"]
+    assert row["announced"] and row["announced_naming_layer"]
+    ctl = score(_run("control", [_finding(400, "residual_rms", "norm"), _finding(500, "residual_rms", "norm"),
+                                 _finding(600, "attn_max_logit", "l0", pages=True)], loss), CFG)
+    assert ctl["judged_steps"] == 900 and ctl["findings_per_1000"] == pytest.approx(3.33, abs=0.01)
+    assert ctl["per_statistic"]["residual_rms"]["findings"] == 2 and ctl["pages"] == 1
+    s = summarize([row, ctl])
+    assert s["off_by_default"] == ["attn_max_logit", "residual_rms"]  # a page; 2.2 > 1 per 1,000 steps
+    assert s["instabilities_announced"] == 1 and s["control_pages"] == 1
+
+
+@pytest.mark.slow
+def test_a_short_real_run_goes_through_the_monitor(capsys: pytest.CaptureFixture[str]):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    assert main(["--steps", "40", "--only", "llama_cosine", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    (row,) = res["runs"]
+    assert row["scenario"] == "llama_cosine" and row["role"] == "control" and row["steps"] == 40
+    assert row["findings"] == [] and row["findings_per_1000"] == 0.0  # 40 steps: all inside the warm-up
+    assert res["drift"]["warmup"] == DriftConfig().warmup
