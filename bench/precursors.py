@@ -9,7 +9,8 @@ findings come from the monitor itself, not from a replay. Scoring:
   or the step where the 100-step mean loss first exceeds 1.1 × its lowest value after the warm-up, whichever comes
   first (None: the run did not fail);
 - *failing layer*: of the attention layers (the routers, for a router collapse), the one whose entropy fell most
-  (log ratio) between the end of the warm-up and the failure;
+  (log ratio) between the end of the warm-up and the failure, when it at least halved; an instability run where
+  none did is *not reproduced* (it may still fail otherwise) and is left out of the announced count;
 - per instability run: for each statistic, its first finding before the failure, the lead time (failure − its
   step), the layer it named and whether that is the failing layer; the first paging finding likewise;
 - per control run: findings and pages per 1,000 judged steps (after the warm-up), per statistic.
@@ -57,19 +58,36 @@ def failure(out: dict[str, Any], warmup: int) -> tuple[int | None, str]:
 COLLAPSING = {"attention_logit_growth": "attn_entropy", "router_collapse": "router_entropy"}
 
 
+COLLAPSED = math.log(2.0)  # an instability is reproduced when its failing module's entropy at least halved
+
+
 def failing_layer(out: dict[str, Any], warmup: int, fail: int) -> str | None:
     """The module whose entropy (attention; a router's for a router collapse) fell most (log ratio) from the
-    warm-up's end to the failure."""
-    best, name = 0.0, None
+    warm-up's end to the failure, when it at least halved (None: nothing collapsed — the instability did not
+    reproduce, whatever else failed)."""
+    best, name = COLLAPSED, None
     for key, v in out["series"].items():
         kind, layer, _ = key.split("|")
         if kind != COLLAPSING.get(out["instability"], "attn_entropy"):
             continue
         a, b = np.nanmedian(v[max(0, warmup - 50):warmup]), np.nanmedian(v[max(0, fail - 50):fail])
         drop = math.log(max(a, 1e-6) / max(b, 1e-6))
-        if drop > best:
+        if drop >= best:
             best, name = drop, layer
     return name
+
+
+def levels(out: dict[str, Any], warmup: int, fail: int | None) -> dict[str, list[float]]:
+    """Each series' median over the 50 steps before the warm-up's end and before the failure (or the run's end):
+    what moved, whether or not a finding said so."""
+    end = fail if fail is not None else len(out["loss"])
+
+    def median(x: np.ndarray) -> float | None:
+        x = x[np.isfinite(x)]
+        return round(float(np.median(x)), 4) if len(x) else None
+
+    return {key: [median(v[max(0, warmup - 50):warmup]), median(v[max(0, end - 50):end])]
+            for key, v in out["series"].items()}
 
 
 def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
@@ -84,7 +102,8 @@ def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
                                               trend=str(f.trend), pages=f.pages, since=f.since_step,
                                               change=round(f.change, 3), z=round(f.z, 1),
                                               drivers=[(d.step, d.sample_id, d.position) for d in f.drivers[:3]])
-                                         for f in out["findings"]])
+                                         for f in out["findings"]],
+                               levels=levels(out, cfg.warmup, fail))
     if out["role"] == "control":
         judged = max(1, (fail if fail is not None else steps) - cfg.warmup)
         per_stat = Counter(f.statistic for f in findings)
@@ -103,8 +122,8 @@ def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
                               head=f.head, trend=str(f.trend), names_failing_layer=bool(layer) and f.layer == layer)
     healthy = (fail if fail is not None else steps) - cfg.warmup
     leads = [v["lead"] for v in first.values() if v["lead"] is not None]
-    row.update(failing_layer=layer, first_by_statistic=first, lead=max(leads) if leads else None,
-               healthy_prefix=healthy,
+    row.update(failing_layer=layer, reproduced=layer is not None, first_by_statistic=first,
+               lead=max(leads) if leads else None, healthy_prefix=healthy,
                announced=bool(leads) and max(leads) >= min(100, 0.2 * healthy),
                announced_naming_layer=any(v["lead"] is not None and v["lead"] >= min(100, 0.2 * healthy)
                                           and v["names_failing_layer"] for v in first.values()))
@@ -128,8 +147,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                  if v["control_pages"] or any(x > 1.0 for x in v["control_per_1000"].values()))
     controls = [r for r in rows if r["role"] == "control"]
     return dict(per_statistic=dict(stats), off_by_default=off,
-                instabilities_announced=sum(r["announced"] for r in rows if r["role"] != "control"),
-                instabilities=sum(r["role"] != "control" for r in rows),
+                instabilities_announced=sum(r["announced"] for r in rows if r["role"] != "control" and r["reproduced"]),
+                instabilities=sum(r["role"] != "control" and r["reproduced"] for r in rows),
+                not_reproduced=[r["scenario"] for r in rows if r["role"] != "control" and not r["reproduced"]],
                 control_findings_per_1000_max=max((r["findings_per_1000"] for r in controls), default=None),
                 control_pages=sum(r["pages"] for r in controls))
 
@@ -156,13 +176,16 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"  {r['findings_per_1000']} findings / 1,000 judged steps, {r['pages']} pages: "
                          + ", ".join(f"{k} {v['findings']}" for k, v in r["per_statistic"].items()))
         else:
+            if not r["reproduced"]:
+                lines.append("  NOT REPRODUCED: no module's entropy halved before the failure")
             lines.append(f"  failing layer {r['failing_layer']}; announced {r['announced']} "
                          f"(naming it: {r['announced_naming_layer']})")
             for k, v in r["first_by_statistic"].items():
                 lines.append(f"  {k:<24} step {v['step']:>5}  lead {v['lead']}  {v['layer']} {v['trend']}"
                              f"{'  (failing layer)' if v['names_failing_layer'] else ''}")
     s = res["summary"]
-    lines.append(f"\nannounced {s['instabilities_announced']}/{s['instabilities']}; controls: max "
+    lines.append(f"\nannounced {s['instabilities_announced']}/{s['instabilities']} reproduced instabilities "
+                 f"(not reproduced: {', '.join(s['not_reproduced']) or 'none'}); controls: max "
                  f"{s['control_findings_per_1000_max']} findings / 1,000 steps, {s['control_pages']} pages; "
                  f"off by default: {s['off_by_default'] or 'none'}")
     return "\n".join(lines)

@@ -48,6 +48,7 @@ def test_scores_lead_time_layer_and_control_rates():
                loss, incidents=[(800, ["grad_spike"])])
     row = score(bad, CFG)
     assert row["failure"] == 800 and failing_layer(bad, 100, 800) == "l1" and row["failing_layer"] == "l1"
+    assert row["reproduced"] and failing_layer(bad, 100, 150) is None  # by step 150 l1 had not halved yet
     first = row["first_by_statistic"]
     assert first["attn_entropy"]["lead"] == 300 and first["attn_entropy"]["names_failing_layer"]
     assert first["attn_entropy (page)"]["lead"] == 150 and "attn_max_logit" not in first  # after the failure
@@ -57,7 +58,12 @@ def test_scores_lead_time_layer_and_control_rates():
                                  _finding(600, "attn_max_logit", "l0", pages=True)], loss), CFG)
     assert ctl["judged_steps"] == 900 and ctl["findings_per_1000"] == pytest.approx(3.33, abs=0.01)
     assert ctl["per_statistic"]["residual_rms"]["findings"] == 2 and ctl["pages"] == 1
-    s = summarize([row, ctl])
+    spiky = _run("instability", [], loss, incidents=[(800, ["grad_spike"])])
+    spiky["series"] = {"attn_entropy|l0|": np.full(1000, 2.0)}  # it fails, but nothing collapsed
+    other = score(spiky, CFG)
+    assert other["failure"] == 800 and not other["reproduced"] and not other["announced"]
+    s = summarize([row, ctl, other])
+    assert s["not_reproduced"] == ["instability-run"] and s["instabilities"] == 1
     assert s["off_by_default"] == ["attn_max_logit", "residual_rms"]  # a page; 2.2 > 1 per 1,000 steps
     assert s["instabilities_announced"] == 1 and s["control_pages"] == 1
 
