@@ -66,8 +66,9 @@ class PrecursorConfig:
     ``attention``: each attention module's max logit and entropy — from its own weights where it materialises them
     (eager), else from ``attention_queries`` query rows per sequence of scaled-dot-product attention (its T×T is
     never built: memory B·H·queries·S floats per call), every ``attention_every`` steps. ``head_logits``: the loss
-    head's max |logit| (every position) and mean logsumexp² (over ``head_positions`` positions evenly spaced over the
-micro-batch: a logsumexp costs an exp per logit, 10 ms per 4 M logits on one CPU thread). ``residual``: the residual stream's RMS at the final norm's input.
+    head's max |logit| and mean logsumexp² over ``head_positions`` positions evenly spaced over the micro-batch (every
+    pass over all the logits costs a read of B·T·V floats; a logsumexp an exp per logit, 10 ms per 4 M logits on one
+    CPU thread). ``residual``: the residual stream's RMS at the final norm's input.
     ``router``: MoE routers' entropy, expert load and dead experts. ``per_head``: per-head (per-expert) values on
     the record and the metrics too — a label of bounded size (heads × layers), off by default."""
 
@@ -76,7 +77,7 @@ micro-batch: a logsumexp costs an exp per logit, 10 ms per 4 M logits on one CPU
     attention_queries: int = 16
     attention_every: int = 1
     head_logits: bool = True
-    head_positions: int = 64  # positions per micro-batch whose logsumexp² is averaged (0: every position)
+    head_positions: int = 64  # positions per micro-batch the head's statistics read (0: every position)
     residual: bool = True
     router: bool = True
     per_head: bool = False

@@ -7,8 +7,8 @@ collector (gradloc/collector/precursors/) measures them in the forward pass at n
   heads; ``attn_entropy``: its attention rows' mean entropy (nats), min over heads — for an attention that
   materialises its weights, over every row; for scaled-dot-product attention (SDPA, flash) over
   ``PrecursorConfig.attention_queries`` query rows per sequence, evenly spaced (its T×T is never built);
-- ``logit_max_abs``: the loss head's largest |output logit|; ``logit_lse_sq``: its mean logsumexp² over positions
-  (the z-loss term, Wortsman et al.);
+- ``logit_max_abs``: the loss head's largest |output logit|; ``logit_lse_sq``: its mean logsumexp² (the z-loss
+  term, Wortsman et al.) — both over ``PrecursorConfig.head_positions`` positions per micro-batch, evenly spaced;
 - ``residual_rms``: the root mean square of the residual stream at the final norm's input (mean over positions);
 - ``router_entropy``: a MoE router's mean routing entropy (nats); ``expert_load_max``: its most loaded expert's
   share of the routed tokens over the mean share (1 = balanced); ``dead_experts``: experts no token reached.
@@ -44,7 +44,7 @@ class PrecursorKind(StrEnum):
 PRECURSOR_MEANINGS = {
     PrecursorKind.ATTN_MAX_LOGIT: "largest attention logit of the layer, max over heads (sampled queries on SDPA)",
     PrecursorKind.ATTN_ENTROPY: "mean attention-row entropy of the layer in nats, min over heads",
-    PrecursorKind.LOGIT_MAX_ABS: "largest |output logit| at the loss head",
+    PrecursorKind.LOGIT_MAX_ABS: "largest |output logit| at the loss head (head_positions sampled positions)",
     PrecursorKind.LOGIT_LSE_SQ: "mean logsumexp² of the output logits (the z-loss term)",
     PrecursorKind.RESIDUAL_RMS: "root mean square of the residual stream at the final norm's input",
     PrecursorKind.ROUTER_ENTROPY: "mean routing entropy of a MoE router in nats",

@@ -172,4 +172,8 @@ def test_the_head_s_logsumexp_on_sampled_positions_is_their_mean_over_kept_ones(
     lse = torch.logsumexp(logits.reshape(30, 7)[at].double(), -1)
     assert float(got["n"]) == flat_keep.sum()
     assert float(got["lse_sq_sum"]) == pytest.approx(float(lse[flat_keep].square().sum()), rel=1e-6)
-    assert float(got["max_abs"]) == pytest.approx(float(logits[keep].abs().max()))  # the maxima: every position
+    sampled = logits.reshape(30, 7)[at][flat_keep]  # the maxima: the same sampled, kept positions
+    assert float(got["max_abs"]) == pytest.approx(float(sampled.abs().max()))
+    r, t = got["max_at"].tolist()
+    assert r * 10 + t in at.tolist() and keep[r, t]
+    assert float(logits[r, t].abs().max()) == pytest.approx(float(got["max_abs"]))
