@@ -13,7 +13,7 @@ from typing import Any
 from gradloc.records import SampleInfo, SampleOutlier, to_dict
 from gradloc.reports import StepSummary
 from gradloc.store.backends import Connection
-from gradloc.store.rows import replace_step_rows, where
+from gradloc.store.rows import newest_first, replace_step_rows, where
 
 MAX_ROWS = 100_000
 COLUMNS = ("job, rank, step, time_unix, kind, score, z, baseline, micro_batch, sample, sample_id, start, "
@@ -87,11 +87,8 @@ def _params(steps: Sequence[StepSummary]) -> Iterator[tuple[Any, ...]]:
 def select(conn: Connection, job: str | None, kind: str | None, since_unix: float | None,
            limit: int | None) -> list[SampleOutlier]:
     """Newest first."""
-    cond, args = where(("job = ?", job), ("kind = ?", kind), ("time_unix >= ?", since_unix))
-    sql = f"SELECT {COLUMNS} FROM sample_outliers{cond} ORDER BY time_unix DESC, step DESC, rank, rowid"
-    if limit is not None:
-        sql, args = sql + " LIMIT ?", [*args, limit]
-    return [_row(r) for r in conn.execute(sql, args)]
+    filters = where(("job = ?", job), ("kind = ?", kind), ("time_unix >= ?", since_unix))
+    return [_row(r) for r in newest_first(conn, "sample_outliers", COLUMNS, filters, limit)]
 
 
 def _row(r: Sequence[Any]) -> SampleOutlier:

@@ -19,7 +19,7 @@ from gradloc.records import PrecursorDriver, PrecursorFinding, to_dict
 from gradloc.reports import StepSummary
 from gradloc.store.backends import Connection
 from gradloc.store.incident_json import record_from_dict
-from gradloc.store.rows import replace_step_rows, where
+from gradloc.store.rows import newest_first, replace_step_rows, where
 
 MAX_ROWS = 100_000
 COLUMNS = ("job, rank, step, time_unix, statistic, layer, head, trend, value, baseline, z, change, rate, since_step, "
@@ -78,12 +78,9 @@ def select(conn: Connection, job: str | None, statistic: str | None, pages: bool
            limit: int | None, steps: tuple[int, int] | None = None) -> list[PrecursorFinding]:
     """Newest first; ``steps``: only findings of steps first..last (inclusive)."""
     first, last = steps if steps is not None else (None, None)
-    cond, args = where(("job = ?", job), ("statistic = ?", statistic), ("pages = ?", None if pages is None else int(pages)),
-                       ("time_unix >= ?", since_unix), ("step >= ?", first), ("step <= ?", last))
-    sql = f"SELECT {COLUMNS} FROM precursor_findings{cond} ORDER BY time_unix DESC, step DESC, rank, rowid"
-    if limit is not None:
-        sql, args = sql + " LIMIT ?", [*args, limit]
-    return [_row(r) for r in conn.execute(sql, args)]
+    filters = where(("job = ?", job), ("statistic = ?", statistic), ("pages = ?", None if pages is None else int(pages)),
+                    ("time_unix >= ?", since_unix), ("step >= ?", first), ("step <= ?", last))
+    return [_row(r) for r in newest_first(conn, "precursor_findings", COLUMNS, filters, limit)]
 
 
 def _row(r: Sequence[Any]) -> PrecursorFinding:

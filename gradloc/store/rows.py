@@ -109,6 +109,16 @@ def where(*filters: tuple[str, Any]) -> tuple[str, list[Any]]:
     return (" WHERE " + " AND ".join(c for c, _ in kept)) if kept else "", [v for _, v in kept]
 
 
+def newest_first(conn: Any, table: str, columns: str, filters: tuple[str, list[Any]], limit: int | None) -> list[Any]:
+    """The rows of a findings table (``columns`` of ``table``) that pass ``filters`` (:func:`where`'s), newest first
+    (time, step, then rank and insertion order), at most ``limit`` (None: all)."""
+    cond, args = filters
+    sql = f"SELECT {columns} FROM {table}{cond} ORDER BY time_unix DESC, step DESC, rank, rowid"
+    if limit is not None:
+        sql, args = sql + " LIMIT ?", [*args, limit]
+    return list(conn.execute(sql, args))
+
+
 def replace_step_rows(conn: Any, table: str, steps: Sequence[StepSummary], insert: str,
                       params: Iterable[tuple[Any, ...]]) -> int:
     """Delete ``table``'s rows of these (job, step, rank)s, then insert ``params``: a re-sent step (delivery is at
