@@ -24,10 +24,11 @@ B, T = 2, 16
 FAST = DriftConfig(warmup=0, reference=16, window=8, patience=3, z_threshold=3.0, min_change=1.2)
 
 
-def test_a_layer_whose_attention_logits_grow_is_named_with_its_samples() -> None:
+def test_a_layer_whose_attention_logits_grow_is_named_with_its_samples(tmp_path) -> None:
     model = build("gpt2")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the numbers move only where the test moves them
-    mon = gradloc.watch(model, opt, config=WatchConfig(job="drift", embedded=False, token_stats=False,
+    db = tmp_path / "drift.db"  # embedded mode: the findings reach the store the way a run's records do
+    mon = gradloc.watch(model, opt, config=WatchConfig(job="drift", store_path=str(db), token_stats=False,
                                                        precursors=PrecursorConfig(drift=FAST)))
     g = torch.Generator().manual_seed(0)
     q = model.transformer.h[1].attn.c_attn.weight  # Conv1D (64, 3 × 64): q is the first 64 output columns
@@ -58,6 +59,12 @@ def test_a_layer_whose_attention_logits_grow_is_named_with_its_samples() -> None
     assert all(0 <= d.position < T - 1 for d in f.drivers)
     assert all(x.layer == "transformer.h.1.attn" for x in found if x.statistic.startswith("attn_"))
     assert counters["precursor_findings"] == len(found) and not counters.get("drift_errors")
+    from gradloc.store.sqlite import IncidentStore
+
+    with IncidentStore(db, create=False) as store:
+        stored = store.list_precursor_findings(job="drift", limit=None)
+    assert sorted((x.step, x.statistic, x.layer) for x in stored) == sorted((x.step, x.statistic, x.layer) for x in found)
+    assert {d.sample_id for x in stored for d in x.drivers} == {d.sample_id for x in found for d in x.drivers}
 
 
 def test_drivers_resolve_packed_and_unpacked_samples() -> None:
