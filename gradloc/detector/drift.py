@@ -23,7 +23,10 @@ re-issued (``pages=True``) once, when it has lasted ``page_steps`` and, ``patien
 over the drift so far (at most the ring) has a slope at its end ``page_acceleration`` × its slope at its start.
 
 Everything runs on the host on values the step's one transfer already brought; the windows are a (series × values)
-ring of floats, each series at its own pace (a statistic measured every few steps counts its own values).
+ring of floats, each series at its own pace (a statistic measured every few steps counts its own values). The
+recent windows' medians and spreads are one numpy call each per step over every series; the reference's are
+refreshed every ``REFRESH`` values of a series (it moves by 10 of its 300 values in between); τ, the acceleration
+fit and the Python state of a series run only where a level, a swing or an open finding asks for them.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from gradloc.records.precursors import FALLING_STATISTICS, MAX_DRIVERS, Precurso
 _EPS = {"attn_entropy": 1e-3, "router_entropy": 1e-3, "rl_entropy": 1e-3, "dead_experts": 1.0,
         "rl_kl_rollout": 1e-4, "update_ratio": 1e-8}  # log(x + eps): a value at 0 stays finite
 _SIGMA_FLOOR = 0.01  # on the log scale: 1% of a step
+REFRESH = 10  # a series' reference median and spread are recomputed every REFRESH of its values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +81,10 @@ class DriftDetector:
         self.cfg = cfg
         self.length = cfg.reference + cfg.window
         self.ring = np.full((8, self.length), np.nan)  # (series, values): log values, value i of a series at i % length
+        # each series' reference median and spread, and its value count when they were computed (REFRESH values
+        # later they are again: the reference window moves by REFRESH of its values in between)
+        self.ref = np.zeros((8, 3))  # (series, [median, spread, count])
+        self.ref[:, 2] = -np.inf
         self.series: dict[tuple[str, str, int | None], _Series] = {}
         self.on_drop = on_drop
         self.steps = 0
@@ -90,6 +98,9 @@ class DriftDetector:
                 return None
             if len(self.series) == len(self.ring):  # grow the ring: (2 × series, steps)
                 self.ring = np.vstack([self.ring, np.full_like(self.ring, np.nan)])
+                grown = np.zeros_like(self.ref)
+                grown[:, 2] = -np.inf
+                self.ref = np.vstack([self.ref, grown])
             s = self.series[key] = _Series(row=len(self.series))
         return s
 
@@ -115,33 +126,49 @@ class DriftDetector:
         ready = [(s, o) for s, o in seen if s.n >= self.length] if self.steps > cfg.warmup else []
         if not ready:
             return []
-        cols = (np.array([s.n for s, _ in ready])[:, None] + np.arange(self.length)) % self.length  # oldest first
-        rows = np.take_along_axis(self.ring[[s.row for s, _ in ready]], cols, axis=1)  # (ready, reference + window)
-        return [f for (s, o), y in zip(ready, rows) if (f := self._judge(step, s, o, y, where)) is not None]
+        idx, n = np.array([s.row for s, _ in ready]), np.array([s.n for s, _ in ready])  # (ready,) each
+        recent = self._values(idx, n, cfg.window)  # (ready, W), oldest first
+        stale = n - self.ref[idx, 2] >= REFRESH  # (ready,)
+        if stale.any():
+            ref = self._values(idx[stale], n[stale], self.length)[:, :cfg.reference]  # (stale, R)
+            self.ref[idx[stale]] = np.stack([np.median(ref, axis=1), _spreads(ref), n[stale]], axis=1)
+        med_ref, sigma = self.ref[idx, 0], self.ref[idx, 1]  # (ready,) each
+        d = np.array([-1.0 if o.statistic in FALLING_STATISTICS else 1.0 for _, o in ready])  # (ready,)
+        gap = d * (np.median(recent, axis=1) - med_ref)  # (ready,): toward the danger
+        level = (gap / sigma >= cfg.z_threshold) & (gap >= math.log(cfg.min_change))  # away from its history
+        swings = _spreads(recent) >= cfg.oscillation * sigma
+        found = []
+        for i, (s, o) in enumerate(ready):
+            if s.open is None and not s.streak and not (level[i] or swings[i]):
+                continue  # nothing to decide: the healthy path, no Python per series beyond this
+            y = self._values(idx[i:i + 1], n[i:i + 1], self.length)[0]  # (R + W,): its whole ring, oldest first
+            f = self._judge(step, s, o, y, where, float(d[i]), float(gap[i]), float(sigma[i]),
+                            bool(level[i]), bool(swings[i]))
+            if f is not None:
+                found.append(f)
+        return found
 
-    def _judge(self, step: int, s: _Series, o: Observation, y: np.ndarray, where: dict) -> PrecursorFinding | None:
+    def _values(self, rows: np.ndarray, n: np.ndarray, last: int) -> np.ndarray:
+        """The last ``last`` values of ring ``rows`` whose series have ``n`` values each: (rows, last), oldest first."""
+        cols = (n[:, None] - last + np.arange(last)) % self.length  # (rows, last)
+        return self.ring[rows[:, None], cols]
+
+    def _judge(self, step: int, s: _Series, o: Observation, y: np.ndarray, where: dict, d: float, gap: float,
+               sigma: float, level: bool, swings: bool) -> PrecursorFinding | None:
         cfg = self.cfg
-        ref, recent = y[:cfg.reference], y[cfg.reference:]
-        ref, recent = ref[np.isfinite(ref)], recent[np.isfinite(recent)]
-        if len(ref) < cfg.reference // 2 or len(recent) < cfg.window // 2:
-            return None
-        d = -1.0 if o.statistic in FALLING_STATISTICS else 1.0
-        sigma = _spread(ref)
-        gap = d * (float(np.median(recent)) - float(np.median(ref)))
-        level = gap / sigma >= cfg.z_threshold and gap >= math.log(cfg.min_change)  # away from its history
-        swings = _spread(recent) >= cfg.oscillation * sigma
+        recent = y[cfg.reference:]
         if s.open is not None:  # an open finding stays open while its level (or its swing) holds: no τ needed
             held = swings if s.open.trend == Trend.OSCILLATING else level
             s.quiet = 0 if held else s.quiet + 1
             if s.quiet >= max(cfg.patience, cfg.window):
-                s.open, s.paged, s.streak, s.accel = None, False, 0, 0
+                s.open, s.paged, s.streak, s.accel, s.kind = None, False, 0, 0, None
                 return None
             s.accel = s.accel + 1 if held and self._accelerates(y, d, s.n - s.since_n) else 0
             if not s.paged and s.accel >= cfg.patience and step - s.open.since_step >= cfg.page_steps:
                 s.paged = True
                 return self._finding(step, s, o, y, where, gap, sigma, pages=True, since=s.open.since_step)
             return None
-        tau = d * _kendall(recent)
+        tau = d * _kendall(recent) if level or swings else 0.0  # O(window²): only where it can decide
         kind = None
         if level and tau >= cfg.tau:
             kind = Trend.FALLING if d < 0 else Trend.RISING
@@ -195,13 +222,17 @@ class DriftDetector:
             drivers=tuple(drivers[:MAX_DRIVERS]), detail=detail)
 
 
+def _spreads(rows: np.ndarray) -> np.ndarray:
+    """Each row's robust step-to-step spread, (series, values) -> (series,): 1.4826 × MAD of its differences / √2
+    (a trend does not inflate it), floored at _SIGMA_FLOOR."""
+    diff = np.diff(rows, axis=1)  # (series, values − 1)
+    mad = np.median(np.abs(diff - np.median(diff, axis=1, keepdims=True)), axis=1)
+    return np.maximum(1.4826 * mad / math.sqrt(2.0), _SIGMA_FLOOR)
+
+
 def _spread(y: np.ndarray) -> float:
     """Robust step-to-step spread of a log-scale series: 1.4826 × MAD of its differences / √2, floored."""
-    diff = np.diff(y)
-    if not len(diff):
-        return _SIGMA_FLOOR
-    mad = float(np.median(np.abs(diff - np.median(diff))))
-    return max(1.4826 * mad / math.sqrt(2.0), _SIGMA_FLOOR)
+    return float(_spreads(y[None, :])[0]) if len(y) > 1 else _SIGMA_FLOOR
 
 
 def _kendall(y: np.ndarray) -> float:
