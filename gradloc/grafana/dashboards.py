@@ -208,6 +208,12 @@ def stability() -> dict[str, Any]:
     """The precursor statistics (docs/precursors.md): per module, the module's own name in ``layer`` (not a layer
     group: the $layer variable does not filter them)."""
     panels = [
+        Panel("Precursor findings (drift detector)", [
+            q(f"sum by (job, statistic, trend, pages) (gradloc_precursor_findings_total{S})",
+              "{{job}} {{statistic}} {{trend}} pages={{pages}}")], "none",
+            description="Findings so far: a statistic moving steadily away from its own history (or swinging far "
+                        "wider). Which module, since when and the samples behind it: gradloc-agent incidents "
+                        "precursors, /api/precursors. pages=true: persisted and accelerating."),
         Panel("Attention: largest logit per module", [q(f"gradloc_attention_max_logit{S}", "{{layer}} r{{rank}}")],
               "none", description="Largest q·k × scale of each attention module, max over heads (SDPA: over the "
                                   "sampled query rows). Growing without bound precedes attention collapse "

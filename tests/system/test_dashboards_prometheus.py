@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gradloc.records import SampleOutlier, SampleStats
+from gradloc.records import PrecursorFinding, SampleOutlier, SampleStats
 from tests.builders import incident_record, layer, precursor_stats, step_record
 from tests.grafana.promql import queries
 from tests.reliability.daemon import ROOT, serving
@@ -38,17 +38,22 @@ def _events(ingest: str) -> None:
     GradScaler-skipped step, a step with non-finite gradients, a step that shed a feature, a client
     reporting drops, a batch with an incident sent twice (a re-send after a lost acknowledgement) whose
     culprits are over the daemon's --max-culprits, a step with a per-sample outlier finding (a
-    healthy demo has none), per-head precursor values and a MoE router's (the demo measures neither).
+    healthy demo has none), per-head precursor values and a MoE router's (the demo measures neither), a precursor
+    finding (the demo is shorter than the drift detector's warm-up).
     The OTLP exporters' failures and drops come from the daemon's --otlp-endpoint, where nothing listens."""
     now = time.time()
     bad = layer("head", float("inf"), nonfinite=2)
     outlier = SampleOutlier(kind="surprise", job=EVENT_JOB, rank=1, step=4, time_unix=now, score=8.9, z=11.0,
                             baseline=3.5, micro_batch=0, sample=1, sample_id="uid-7", start=0, end=64, tokens=64)
+    drifting = PrecursorFinding(job=EVENT_JOB, rank=1, step=4, time_unix=now, statistic="attn_entropy",
+                                layer="layers.1.attn", trend="falling", value=0.4, baseline=1.2, z=9.0, change=0.33,
+                                rate=2.0, since_step=1)  # a drift finding (the demo runs too short for one)
     steps = [step_record(0, job=EVENT_JOB, time_unix=now, skipped=True),
              step_record(1, job=EVENT_JOB, time_unix=now, layers=(layer("embed"), bad), nonfinite=2,
                   global_norm=float("inf")),
              step_record(2, job=EVENT_JOB, time_unix=now, shed=("update_ratio",)),
              step_record(4, job=EVENT_JOB, time_unix=now, samples=SampleStats(judged=16, flagged=1, outliers=(outlier,)),
+                         precursor_findings=(drifting,),
                          precursors=tuple(p for p in precursor_stats(layers=1, heads=1) if p.kind == "attn_entropy"
                                           or p.head is not None)),  # --max-layers 4 keeps the demo's first 4
              # a MoE model's routers (the demo has none): another rank, so its latest step holds them (--max-layers 4)
