@@ -146,3 +146,30 @@ def train_random_lm(model: nn.Module, vocab: int, steps: int = 3, plant: tuple |
     covered = mon.hooks.covered_modules
     mon.close()
     return reports, covered
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """GET ``url``: (status, body text)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, resp.read().decode()
+
+
+@contextlib.contextmanager
+def served_core(kind: str, db: str, items: list):
+    """An AgentCore (with an SQLite store at ``db`` when ``kind`` is "store", none for "memory") and its HTTP
+    server, ``items`` submitted and flushed: (base url, core)."""
+    from gradloc.agent.core import AgentCore
+    from gradloc.agent.http import AgentHttpServer
+    from gradloc.store.sqlite import IncidentStore
+
+    core = AgentCore(store=IncidentStore(db) if kind == "store" else None).start()
+    http = AgentHttpServer(core, "127.0.0.1:0").start()
+    try:
+        core.submit(items)
+        assert core.flush(10)
+        yield "http://%s:%d" % http.address, core
+    finally:
+        http.stop()
+        core.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import urllib.request
+import urllib.error
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,12 +11,12 @@ import pytest
 from click.testing import CliRunner
 
 from gradloc.agent.cli import main
-from gradloc.agent.core import AgentCore, Declare
-from gradloc.agent.http import AgentHttpServer
+from gradloc.agent.core import Declare
 from gradloc.exporters.jsonl import JsonlSink
 from gradloc.records import SampleOutlier, SampleStats, StepRecord
 from gradloc.store.sqlite import IncidentStore
 from tests.builders import rank_summary
+from tests.helpers import http_get, served_core
 
 EVIL = "<script>window.pwned=1</script>\x1b[2J"
 
@@ -37,46 +37,35 @@ def _summary(job: str, step: int, *outs: SampleOutlier):
         z_counts=(8, 4, 2, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0), z_sum=20.0, max_z=12.3, rl_mismatch_baseline=0.0))
 
 
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.status, resp.read().decode()
-
-
 @pytest.fixture(params=["memory", "store"])
 def served(request, tmp_path: Path):
-    store = IncidentStore(tmp_path / "a.db") if request.param == "store" else None
-    core = AgentCore(store=store).start()
-    http = AgentHttpServer(core, "127.0.0.1:0").start()
-    core.submit([Declare("j", 0, 1), _summary("j", 1, _outlier("j", 1)), _summary("j", 2),
-                 _summary("k", 3, _outlier("k", 3), _outlier("k", 3, "rl_mismatch"))])
-    assert core.flush(10)
-    yield "http://%s:%d" % http.address
-    http.stop()
-    core.close()
+    with served_core(request.param, str(tmp_path / "a.db"), [Declare("j", 0, 1), _summary("j", 1, _outlier("j", 1)), _summary("j", 2),
+             _summary("k", 3, _outlier("k", 3), _outlier("k", 3, "rl_mismatch"))]) as (url, core):
+        yield url
 
 
 def test_the_api_lists_findings_newest_first_with_filters(served) -> None:
-    code, body = _get(served + "/api/outliers")
+    code, body = http_get(served + "/api/outliers")
     rows = json.loads(body)
     assert code == 200 and [(r["job"], r["step"], r["kind"]) for r in rows] == [
         ("k", 3, "surprise"), ("k", 3, "rl_mismatch"), ("j", 1, "surprise")]
     assert rows[-1]["sample_id"] == "uid-1" and rows[-1]["text"] == EVIL  # JSON keeps the text (escaped by json_text)
-    assert [r["step"] for r in json.loads(_get(served + "/api/outliers?job=j")[1])] == [1]
-    assert [r["kind"] for r in json.loads(_get(served + "/api/outliers?kind=rl_mismatch")[1])] == ["rl_mismatch"]
-    assert len(json.loads(_get(served + "/api/outliers?limit=1")[1])) == 1
+    assert [r["step"] for r in json.loads(http_get(served + "/api/outliers?job=j")[1])] == [1]
+    assert [r["kind"] for r in json.loads(http_get(served + "/api/outliers?kind=rl_mismatch")[1])] == ["rl_mismatch"]
+    assert len(json.loads(http_get(served + "/api/outliers?limit=1")[1])) == 1
     with pytest.raises(urllib.error.HTTPError) as err:
-        _get(served + "/api/outliers?limit=zero")
+        http_get(served + "/api/outliers?limit=zero")
     assert err.value.code == 400
 
 
 def test_the_index_page_lists_findings_with_their_text_escaped(served) -> None:
-    code, page = _get(served + "/incidents")
+    code, page = http_get(served + "/incidents")
     assert code == 200 and "<h2>Sample outliers</h2>" in page and "uid-1" in page and "the step" in page
     assert "<script>" not in page and "&lt;script&gt;" in page and "\x1b" not in page
 
 
 def test_metrics_count_findings_by_kind_and_export_the_z_distribution(served) -> None:
-    _, text = _get(served + "/metrics")
+    _, text = http_get(served + "/metrics")
     assert 'gradloc_sample_outliers_total{job="k",kind="surprise",rank="0"} 1.0' in text
     assert 'gradloc_sample_outliers_total{job="k",kind="rl_mismatch",rank="0"} 1.0' in text
     assert 'gradloc_sample_surprise_z_bucket{job="j",le="+Inf"} 32.0' in text  # two judged steps of job j

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import urllib.error
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,13 +14,13 @@ from click.testing import CliRunner
 
 from gradloc.agent.cli import main
 from gradloc.agent.core import AgentCore, Declare
-from gradloc.agent.http import AgentHttpServer
 from gradloc.agent.page_precursors import preceding
 from gradloc.exporters.jsonl import JsonlSink
 from gradloc.exporters.prometheus import render
 from gradloc.records import PrecursorDriver, PrecursorFinding, SampleInfo, StepRecord
 from gradloc.store.sqlite import IncidentStore
 from tests.builders import correlated, rank_summary
+from tests.helpers import http_get, served_core
 
 EVIL = "<script>window.pwned=1</script>\x1b[2J"
 
@@ -44,48 +43,37 @@ def _summary(job: str, step: int, *found: PrecursorFinding, dropped: int = 0):
     return replace(rank_summary(job, 0, step), precursor_findings=found, precursor_findings_dropped=dropped)
 
 
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.status, resp.read().decode()
-
-
 @pytest.fixture(params=["memory", "store"])
 def served(request, tmp_path: Path):
-    store = IncidentStore(tmp_path / "a.db") if request.param == "store" else None
-    core = AgentCore(store=store).start()
-    http = AgentHttpServer(core, "127.0.0.1:0").start()
-    core.submit([Declare("j", 0, 1), _summary("j", 1000, FOUND["j"][0]), _summary("j", 1050, dropped=2),
-                 _summary("j", 1100, FOUND["j"][1]), _summary("k", 1200, *FOUND["k"])])
-    assert core.flush(10)
-    yield "http://%s:%d" % http.address, core
-    http.stop()
-    core.close()
+    with served_core(request.param, str(tmp_path / "a.db"), [Declare("j", 0, 1), _summary("j", 1000, FOUND["j"][0]), _summary("j", 1050, dropped=2),
+             _summary("j", 1100, FOUND["j"][1]), _summary("k", 1200, *FOUND["k"])]) as (url, core):
+        yield (url, core)
 
 
 def test_the_api_lists_findings_newest_first_with_filters(served) -> None:
     url, _ = served
-    code, body = _get(url + "/api/precursors")
+    code, body = http_get(url + "/api/precursors")
     rows = json.loads(body)
     assert code == 200 and [(r["job"], r["step"], r["statistic"], r["pages"]) for r in rows] == [
         ("k", 1200, "expert_load_max", False), ("j", 1100, "attn_entropy", True), ("j", 1000, "attn_entropy", False)]
     assert rows[-1]["detail"] == EVIL and rows[-1]["drivers"][0]["sample_info"]["origin"] == "web.jsonl:9"
-    assert [r["step"] for r in json.loads(_get(url + "/api/precursors?job=j")[1])] == [1100, 1000]
-    assert [r["job"] for r in json.loads(_get(url + "/api/precursors?statistic=expert_load_max")[1])] == ["k"]
-    assert [r["step"] for r in json.loads(_get(url + "/api/precursors?pages=true")[1])] == [1100]
-    assert [r["step"] for r in json.loads(_get(url + "/api/precursors?since=2150&limit=1")[1])] == [1200]
+    assert [r["step"] for r in json.loads(http_get(url + "/api/precursors?job=j")[1])] == [1100, 1000]
+    assert [r["job"] for r in json.loads(http_get(url + "/api/precursors?statistic=expert_load_max")[1])] == ["k"]
+    assert [r["step"] for r in json.loads(http_get(url + "/api/precursors?pages=true")[1])] == [1100]
+    assert [r["step"] for r in json.loads(http_get(url + "/api/precursors?since=2150&limit=1")[1])] == [1200]
     for bad in ("limit=zero", "pages=maybe", "since=yesterday"):
         with pytest.raises(urllib.error.HTTPError) as err:
-            _get(url + "/api/precursors?" + bad)
+            http_get(url + "/api/precursors?" + bad)
         assert err.value.code == 400
 
 
 def test_the_index_page_lists_findings_escaped(served) -> None:
     url, _ = served
-    code, page = _get(url + "/incidents")
+    code, page = http_get(url + "/incidents")
     assert code == 200 and '<h2 id="precursor-findings">Precursor findings</h2>' in page
     assert "expert_load_max" in page and "moe.gate" in page and "uid-5" in page and "web.jsonl:9" in page
     assert "<script>" not in page and "&lt;script&gt;" in page and "\x1b" not in page
-    _, only_k = _get(url + "/incidents?job=k")
+    _, only_k = http_get(url + "/incidents?job=k")
     assert "moe.gate" in only_k and "model.layers.1" not in only_k
 
 
@@ -96,7 +84,7 @@ def test_the_incident_page_names_the_series_drifting_before_it(served) -> None:
         core.store.put_incident(inc)
     else:
         core.recent.append(inc)
-    _, page = _get(url + "/incidents/" + inc.incident_id)
+    _, page = http_get(url + "/incidents/" + inc.incident_id)
     assert ('<p class="preceded">preceded by: <a href="/incidents?job=j&amp;statistic=attn_entropy#precursor-findings">'
             "attn_entropy of model.layers.1 falling since step 700</a> <span class=\"flag\">(paged)</span></p>") in page
     assert "expert_load_max" not in page
@@ -113,7 +101,7 @@ def test_preceding_keeps_one_finding_per_series_within_the_window() -> None:
 
 def test_metrics_count_findings_by_closed_labels_and_the_dropped_ones(served) -> None:
     url, _ = served
-    _, text = _get(url + "/metrics")
+    _, text = http_get(url + "/metrics")
     assert ('gradloc_precursor_findings_total{job="j",pages="false",rank="0",statistic="attn_entropy",'
             'trend="falling"} 1.0') in text
     assert 'gradloc_precursor_findings_total{job="j",pages="true",rank="0",statistic="attn_entropy",trend="falling"} 1.0' in text
