@@ -78,3 +78,11 @@ def test_a_short_real_run_goes_through_the_monitor(capsys: pytest.CaptureFixture
     assert row["scenario"] == "llama_cosine" and row["role"] == "control" and row["steps"] == 40
     assert row["findings"] == [] and row["findings_per_1000"] == 0.0  # 40 steps: all inside the warm-up
     assert res["drift"]["warmup"] == DriftConfig().warmup
+
+
+def test_the_drift_cost_bench_times_the_detector(capsys: pytest.CaptureFixture[str]):
+    from bench.drift_cost import main as cost
+
+    assert cost(["--series", "4", "--steps", "400"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"4"} and out["4"] > 0

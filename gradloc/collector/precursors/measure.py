@@ -93,9 +93,8 @@ def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions
     """The loss head's output logits (B, T, V) (``keep`` (B, T) bool: the loss positions, None: all), over
     ``positions`` positions evenly spaced over the B·T (0: all of them) that are kept: ``max_abs`` the largest
     |logit| and ``max_at`` (2,) its (row, position); ``lse_sq_sum`` Σ logsumexp² and ``n`` how many positions that
-    is. A pass over every logit costs a read of the micro-batch's B·T·V logits per statistic (on TinyGPT's 4,096
-    words, the maxima over every position were most of the precursors' cost): the sampled positions see the same
-    drift. Non-finite logits make the values non-finite (the host drops them)."""
+    is. A pass over every logit costs a read of the micro-batch's B·T·V logits per statistic; the sampled
+    positions see the same drift. Non-finite logits make the values non-finite (the host drops them)."""
     B, T, V = logits.shape
     flat = logits.reshape(B * T, V)  # (B, T, V) -> (B·T, V)
     at = query_rows(B * T, positions, logits.device) if 0 < positions < B * T else None
