@@ -66,6 +66,22 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The vLLM and verl tiers' own environments (.venv-vllm ~3.4 GB, .venv-verl ~1.9 GB; no-ops when up to date; see
+# scripts/setup_vllm.sh, setup_verl.sh) install side by side with the rest of this script — downloads and unpacking
+# more than CPU: one after the other, a fresh machine's set-up took 12.5 min (5 for .venv, 3.6 verl, ~4 vLLM). They
+# start after the last build of this checkout into .venv (the tiers' own builds of it take turns: flock). Each one's
+# output is printed when it ends; a failed tier fails the set-up. GRADLOC_SKIP_VERL=1 / GRADLOC_SKIP_VLLM=1 leave one
+# out (its tests then skip).
+tier_logs=$(mktemp -d)
+tier_jobs=()
+trap 'for j in "${tier_jobs[@]}"; do kill "${j#*:}" 2>/dev/null || true; done; rm -rf "$tier_logs"' EXIT
+start_tier() {  # $1: the tier's name, $2: its set-up script
+  bash "$2" > "$tier_logs/$1.log" 2>&1 &
+  tier_jobs+=("$1:$!")
+}
+if [ "${GRADLOC_SKIP_VERL:-0}" != 1 ]; then start_tier verl scripts/setup_verl.sh; fi
+if [ "${GRADLOC_SKIP_VLLM:-0}" != 1 ]; then start_tier vllm scripts/setup_vllm.sh; fi
+
 # DeepSpeed JIT-builds a CPU shm comm op the first time an engine starts (1.5-3 min on 2 cores). Build
 # it once here, inside the workspace (TORCH_EXTENSIONS_DIR=.torch_extensions, gitignored), where the
 # tests look for it (tests/distributed/ds_common.py), so no test's deadline pays for the build.
@@ -91,15 +107,16 @@ site_packages=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths
 if [ -f "$site_packages/tests/__init__.py" ]; then
   rm -rf "$site_packages/tests"
 fi
-# verl 0.9.1 for the real-verl tier (tests/verl_tier): it needs transformers < 5.11, tensordict <= 0.10
-# and ray, so it gets its own environment, .venv-verl (~1.9 GB; a no-op when up to date; see the reasons
-# in scripts/setup_verl.sh). GRADLOC_SKIP_VERL=1 leaves it out (tests/verl_tier/test_verl_tier.py then skips).
-if [ "${GRADLOC_SKIP_VERL:-0}" != 1 ]; then
-  bash scripts/setup_verl.sh
-fi
-
-# The real-vLLM test tier's own environment (.venv-vllm, ~3.4 GB, ~3 min on a fresh machine; a no-op
-# when up to date). GRADLOC_SKIP_VLLM=1 leaves it out (tests/vllm_tier/test_tier.py then skips).
-if [ "${GRADLOC_SKIP_VLLM:-0}" != 1 ]; then
-  bash scripts/setup_vllm.sh
-fi
+# the tiers started above
+failed=0
+for j in "${tier_jobs[@]}"; do
+  if wait "${j#*:}"; then
+    cat "$tier_logs/${j%%:*}.log"
+  else
+    echo "setup: the ${j%%:*} tier's set-up failed:" >&2
+    cat "$tier_logs/${j%%:*}.log" >&2
+    failed=1
+  fi
+done
+tier_jobs=()
+exit $failed

@@ -25,7 +25,7 @@ source scripts/tier_venv.sh
 tier_begin scripts/setup_verl.sh
 
 say "installing $VERL_SPEC, gradloc (editable) and ${EXTRA_TOOLS[*]}, torch pinned by constraints.txt"
-pip install --quiet -c constraints.txt "$VERL_SPEC" -e . "${EXTRA_TOOLS[@]}" \
+pip_building_gradloc install --quiet --no-compile -c constraints.txt "$VERL_SPEC" -e . "${EXTRA_TOOLS[@]}" \
   || fail "pip install failed (see pip's output above); $VENV is left as is, re-run to retry"
 
 # verl's wheel also installs a top-level `tests` package (its own unit tests) into site-packages. A regular

