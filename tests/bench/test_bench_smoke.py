@@ -55,6 +55,7 @@ def test_overhead_quick_json():
         assert m["identical_to_plain"] == {"per_layer": True, "per_token": True}
     llama = res["models"]["llama"]
     assert llama["model"] == "llama" and llama["kv_heads"] < llama["n_heads"] and llama["tied_embeddings"]
+    assert_human_table("overhead", res)
 
 
 @needs("opacus", "backpack", "wandb")
@@ -154,16 +155,25 @@ def test_localization_quick_json():
     # the baseline needs a micro-batch scan plus 2 probes per split
     assert res["bisection_probes_median"] > res["probes_median"]
     assert res["bisection_all_recall"] >= res["bisection_recall"]
+    assert_human_table("localization", res)
 
 
-@needs("transformers")
-@pytest.mark.parametrize("name", ["overhead", "localization"])
-def test_human_table(name):
-    args = [name, "--quick"] + (["--threads", "1"] if name == "overhead" else [])
-    proc = subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True,
-                          check=False, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "gradloc" in proc.stdout or "per_token" in proc.stdout
+def assert_human_table(name: str, res: dict) -> None:
+    """The human table (what ``python -m bench <name>`` prints without ``--json``) rendered from the JSON a quick
+    run printed: the two outputs are one ``print(json.dumps(res) if args.json else format_table(res))`` apart,
+    so the table is checked on the same run instead of a second identical one."""
+    if name == "overhead":
+        from bench.overhead import format_table
+    else:
+        from bench.localization_summary import format_table
+    table = format_table(res)
+    if name == "overhead":  # a header per model, a row per variant
+        for model in res["models"]:
+            assert f"{model}: d_model" in table, table
+        assert table.count("\nper_token ") == len(res["models"]), table
+    else:  # a row per scenario, then the three methods' summaries
+        assert table.count("\n") >= len(res["scenarios"]) + 4, table
+        assert "gradloc:" in table and "bisection (worst mb):" in table and "bisection (all hot mbs):" in table
 
 
 @pytest.mark.parametrize("encode", ["replay", "client"])
