@@ -61,12 +61,13 @@ def _comm(v: Any) -> Any:
 
 def run_ddp_overhead(cfg: OverheadConfig, world: int, timeout_s: float = 3000.0) -> dict[str, Any]:
     """The DDP overhead run (``cfg.models`` must name one model); rank 0's summary plus every rank's."""
-    from gradloc.demo.spawn import run_ranks
+    from gradloc.demo.spawn import TRAINING_PRELOAD, run_ranks
 
     if len(cfg.models) != 1:
         cfg = replace(cfg, models=(cfg.models[0],))
     load_start, start = os.getloadavg()[0], time.perf_counter()
-    ranks = run_ranks(_rank, world, cfg, timeout_s=timeout_s, paths=(os.getcwd(),))
+    ranks = run_ranks(_rank, world, cfg, timeout_s=timeout_s, paths=(os.getcwd(),),
+                      preload=TRAINING_PRELOAD)
     import torch
 
     return {"ddp": {"world_size": world, "backend": "gloo", **ranks[0],

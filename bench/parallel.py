@@ -189,7 +189,7 @@ def _rank(rank: int, world: int, mode: str, cfg: OverheadConfig, clip: float | N
 def run_parallel_overhead(cfg: OverheadConfig, mode: str, timeout_s: float = 3000.0,
                           clip: float | None = CLIP) -> dict[str, Any]:
     """``clip``: every variant clips as torchtitan's trainer does (None: no clipping, the runs before clipping)."""
-    from gradloc.demo.spawn import run_ranks
+    from gradloc.demo.spawn import TRAINING_PRELOAD, run_ranks
 
     if mode not in MODES:
         raise ValueError(f"--parallel must be one of {MODES}")
@@ -201,7 +201,8 @@ def run_parallel_overhead(cfg: OverheadConfig, mode: str, timeout_s: float = 300
                              "(scripts/setup.sh), or pass --no-clip") from e
     cfg = replace(cfg, models=(cfg.models[0],))
     load_start, start = os.getloadavg()[0], time.perf_counter()
-    ranks = run_ranks(_rank, WORLD, mode, cfg, clip, timeout_s=timeout_s, paths=(os.getcwd(),))
+    ranks = run_ranks(_rank, WORLD, mode, cfg, clip, timeout_s=timeout_s, paths=(os.getcwd(),),
+                      preload=TRAINING_PRELOAD)
     return {"parallel": {"mode": mode, "world_size": WORLD, "clip": clip, **ranks[0], "ranks": [r["ratios"] for r in ranks],
                          "rank_phases_ms": [r["phases_ms"] for r in ranks],
                          "updates_identical": all(all(r["updates_identical"].values()) for r in ranks)},

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from gradloc.demo.run import DemoConfig, DemoResult, run_demo
-from gradloc.demo.spawn import progress, run_ranks
+from gradloc.demo.spawn import TRAINING_PRELOAD, progress, run_ranks
 from gradloc.errors import ConfigError
 from gradloc.records import StepRecord
 
@@ -45,7 +45,7 @@ def run_distributed_demo(cfg: DemoConfig, on_step: Callable[[int, StepRecord | N
 
     setup = 120.0 + (DEEPSPEED_SETUP_S if cfg.backend == "deepspeed" else 0.0)
     deadline = timeout_s if timeout_s is not None else setup + SECONDS_PER_STEP * cfg.steps
-    results = run_ranks(_rank_main, cfg.world_size, cfg, timeout_s=deadline,
+    results = run_ranks(_rank_main, cfg.world_size, cfg, timeout_s=deadline, preload=TRAINING_PRELOAD,
                         on_progress=(lambda _, step: on_step(step, None)) if on_step else None)
     planted = [p for r in results for p in r["planted"]]
     return DemoResult(planted, results[0]["incidents"], [], cl100k_corpus().to_text, results[0]["store_path"])

@@ -1,7 +1,8 @@
 """Run a function as the W ranks of one gloo job, under a deadline that can never hang the caller.
 
 ``run_ranks(fn, world_size, *args, timeout_s=...)`` spawns W fresh interpreters (``spawn`` start
-method: no forked torch state; with ``preload``, forks of a server that imported only those modules), each with the environment a launcher sets (RANK, WORLD_SIZE,
+method: no forked torch state; with ``preload``, forks of a server that imported only those modules), each
+with the environment a launcher sets (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT — what DeepSpeed needs to skip mpi4py), a gloo process group
 on a free local port and one torch thread, then calls ``fn(rank, world_size, *args)``; results come
 back by value. A rank that raises fails the run with its traceback, a rank that dies fails it with
@@ -27,6 +28,16 @@ from typing import Any, Callable
 from gradloc.errors import GradlocError
 
 _OUT: Any = None  # the child's queue to the parent (set in the child only)
+
+# What every training rank imports before its first step, for ``preload``: torch, its distributed package and
+# torch._dynamo — which the first ``optimizer.step()`` imports anyway (torch's optimizers are wrapped in
+# ``torch._disable_dynamo``, imported on first call): ~13 s of a rank's start on a 2-core box, 8 s of it dynamo.
+# None of these reads a variable a launcher sets (RANK, MASTER_PORT, ...) at import, starts a thread or touches CUDA.
+# For ranks that do not compile: inductor compiled slower in forks of a server that had imported dynamo
+# (tests/defaults/test_ddp.py's torch.compile(DDP(model)) ranks: 29 s -> 46 s), so the test suite's launcher
+# preloads torch and transformers without it. The demo's 4 tp ranks: 72 s -> 60 s with this list (one A/B).
+TRAINING_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo", "numpy",
+                    "gradloc")
 
 
 class SpawnError(GradlocError, RuntimeError):
@@ -82,9 +93,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     is None). ``init=False``: no process group (the function makes its own).
 
     ``preload``: modules imported once by a fork server (``forkserver`` start method) whose forks become
-    the ranks, instead of fresh interpreters that each import them again — for callers that launch many
-    jobs (the test suite: torch and transformers cost a rank ~10 s of imports on a loaded 2-core box). The
-    server imports nothing else and starts no thread; ``env`` is applied in each rank, so a variable read
+    the ranks, instead of fresh interpreters that each import them again (the demo and the benchmarks pass
+    :data:`TRAINING_PRELOAD`, the test suite its own list: torch and dynamo cost a rank ~13 s of imports on a
+    2-core box, paid once by the server instead of W times). The server imports nothing else and starts no thread; ``env`` is applied in each rank, so a variable read
     at import time must belong to a module not preloaded. The first preload list of a process is the one
     its fork server keeps."""
     if world_size < 1:
