@@ -15,12 +15,12 @@ probe's forward the way the loop wraps its own (autocast).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import fields
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from gradloc.config import DetectorConfig, LocalizerConfig, WatchConfig
+from gradloc.config import WatchConfig
 from gradloc.engine.monitor import Monitor, StepReport
 from gradloc.errors import BatchMetadataError, ConfigError
 from gradloc.integrations.held import HeldBlocks
@@ -87,10 +87,13 @@ class LoopDriver:
         self.blocks.guard(self.mon.close, "close", setup_raises=False)
 
     def _args(self, batch: Any, infos: list[SampleInfo] | None) -> Mapping[str, Any]:
-        if self.mon.hooks is None:  # per-layer only: the block just counts the micro-batch
+        tokens = self.mon.hooks is not None
+        if not tokens and self.mon.precursors is None:  # per-layer only: the block just counts the micro-batch
             return {"shape": (1, 1)}
-        args = self.view(batch)
+        args = self.view(batch)  # per-layer with the precursors: their drivers' rows get the batch's sample ids
         if args is None:
+            if not tokens:  # no token ids wanted: the drivers name micro-batch, row and position only
+                return {"shape": (1, 1)}
             raise BatchMetadataError("no token ids for this batch (gradloc_batch / view returned None)")
         if infos is not None and args.get("sample_infos") is None:
             args = {**args, "sample_infos": infos}
@@ -117,7 +120,8 @@ def hf_view(batch: Any) -> dict[str, Any] | None:
 
 def as_config(value: WatchConfig | Mapping[str, Any] | bool | None) -> WatchConfig | None:
     """A WatchConfig from what a user passes an integration (``gradloc=``): a WatchConfig, a dict of its fields
-    (``detector``/``localizer`` may be dicts), None or True (the defaults), False (None: no gradloc)."""
+    (a nested config — ``detector``, ``localizer``, ``precursors`` and its ``drift``, … — may be a dict too), None or
+    True (the defaults), False (None: no gradloc)."""
     if value is False:
         return None
     if value is None or value is True:
@@ -127,12 +131,20 @@ def as_config(value: WatchConfig | Mapping[str, Any] | bool | None) -> WatchConf
     if not isinstance(value, Mapping):
         raise ConfigError("gradloc= takes a WatchConfig, a dict of its fields, None or False; "
                           f"got {type(value).__name__}")
-    known = {f.name for f in fields(WatchConfig)}
-    unknown = sorted(set(value) - known)
+    return _from_mapping(WatchConfig, value, "gradloc")
+
+
+def _from_mapping(cls: type, value: Mapping[str, Any], where: str) -> Any:
+    """``cls(**value)``, each field whose default is itself a config dataclass built from a dict in turn."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(value) - set(known))
     if unknown:
-        raise ConfigError(f"unknown WatchConfig field(s) {unknown}; known: {sorted(known)}")
+        raise ConfigError(f"{where}: unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
     kw = dict(value)
-    for key, cls in (("detector", DetectorConfig), ("localizer", LocalizerConfig)):
-        if isinstance(kw.get(key), Mapping):
-            kw[key] = cls(**kw[key])
-    return WatchConfig(**kw)
+    for name, v in value.items():
+        f = known[name]
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else None)
+        if isinstance(v, Mapping) and is_dataclass(default):
+            kw[name] = _from_mapping(type(default), v, f"{where}.{name}")
+    return cls(**kw)

@@ -80,8 +80,8 @@ class _Block:
 class GradlocTrainerMixin:
     """Attach gradloc to any ``transformers.Trainer`` subclass: list it first among the bases.
 
-    ``gradloc``: a :class:`WatchConfig`, a dict of its fields (``detector``/``localizer`` may be dicts
-    too), ``None`` for the defaults, or ``False`` to train without gradloc.
+    ``gradloc``: a :class:`WatchConfig`, a dict of its fields (a nested config — ``detector``, ``localizer``,
+    ``precursors`` and its ``drift`` — may be a dict too), ``None`` for the defaults, or ``False`` to train without gradloc.
     ``gradloc_sample_ids``: the batch column holding sample ids. Named here, it survives the
     Trainer's ``remove_unused_columns``; it must collate to a tensor or a list. Without it, a
     ``uid`` or ``id`` key present in the batch is used, else ``"<step>:<micro-batch>:<row>"``.

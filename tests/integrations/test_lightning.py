@@ -149,3 +149,44 @@ def test_deepspeed_strategy_is_said_at_fit_start_and_gradloc_stays_off(world, ca
     assert "DeepSpeedStrategy" in caplog.text and "gradloc is off for this fit" in cb.degraded
     cb.on_train_batch_start(trainer, None, {}, 0)  # nothing attaches, nothing raises
     assert cb.driver is None and cb.monitor is None
+
+
+class _FrozenLlama(LitLlama):
+    """The LitLlama at learning rate 0: its statistics move only where the test moves them."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.0)
+
+
+def test_a_drift_finding_through_lightning_names_the_layer_and_its_samples(world):
+    """From optimizer step ``start`` on, layer 1's query projection grows ×1.1 a step (its attention logits grow, as
+    in a run without qk-norm): the drift detector (short warm-up, configured as a dict) names that layer, and its
+    drivers are the loader's own uids."""
+    import lightning.pytorch as pl
+
+    steps, start = 40, 24
+
+    class GrowQuery(pl.Callback):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if trainer.global_step > self.seen:  # an optimizer step was taken
+                self.seen = trainer.global_step
+                if self.seen >= start:
+                    with torch.no_grad():
+                        pl_module.model.model.layers[1].self_attn.q_proj.weight.mul_(1.1)
+
+    drift = dict(warmup=0, reference=16, window=8, patience=3, z_threshold=3.0, min_change=1.2)
+    cb = GradlocCallback(config(token_stats=False, precursors=dict(drift=drift)))
+    module = _FrozenLlama(world)
+    fit(module, rows(world, steps * GA * B, uid0=UID0), B, [cb, GrowQuery()], max_steps=steps,
+        accumulate_grad_batches=GA)
+    found = [f for rec in cb.monitor.history for f in rec.precursor_findings]
+    rising = [f for f in found if f.statistic == "attn_max_logit"]
+    layer = "model.model.layers.1.self_attn"  # the LightningModule's names: its HF model is its ``model``
+    assert rising and {f.layer for f in rising} == {layer}, found
+    first = rising[0]
+    assert start < first.step <= start + 12 and first.since_step >= start - 1, first
+    assert first.drivers and {d.sample_id for d in first.drivers} <= {str(UID0 + i) for i in range(steps * GA * B)}
+    assert all(x.layer == layer for x in found if x.statistic.startswith("attn_")), found

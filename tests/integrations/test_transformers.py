@@ -332,7 +332,7 @@ def test_bad_sample_ids_raise_at_setup_and_are_counted_later(world: World, tmp_p
 
 
 def test_bad_gradloc_argument_fails_at_construction(world: World, tmp_path: Path):
-    for bad in (dict(jobb="x"), "sft", dict(detector=dict(warmup=1))):
+    for bad in (dict(jobb="x"), "sft", dict(detector=dict(warmup=1)), dict(precursors=dict(drift=dict(window=2)))):
         with pytest.raises(ConfigError):
             GradlocTrainer(model=causal_lm(world), args=args(tmp_path), train_dataset=dataset(world, 1),
                            gradloc=bad)
@@ -343,6 +343,9 @@ def test_bad_gradloc_argument_fails_at_construction(world: World, tmp_path: Path
     cfg = GradlocTrainer(model=causal_lm(world), args=args(tmp_path), train_dataset=dataset(world, 1),
                          gradloc=dict(job="j", detector=dict(warmup=3))).gradloc_config
     assert cfg == WatchConfig(job="j", detector=DetectorConfig(warmup=3))
+    with pytest.raises(ConfigError, match=r"gradloc\.precursors\.drift: unknown DriftConfig field\(s\) \['windw'\]"):
+        GradlocTrainer(model=causal_lm(world), args=args(tmp_path), train_dataset=dataset(world, 1),
+                       gradloc=dict(precursors=dict(drift=dict(windw=8))))
 
 
 def test_the_trainer_s_steps_carry_the_precursor_statistics(world: World, gradloc_run: GradlocTrainer):
@@ -357,3 +360,37 @@ def test_the_trainer_s_steps_carry_the_precursor_statistics(world: World, gradlo
             {f"model.layers.{i}.self_attn" for i in range(n_layers)}
         assert {(K.LOGIT_MAX_ABS, "lm_head"), (K.LOGIT_LSE_SQ, "lm_head"), (K.RESIDUAL_RMS, "model.norm")} <= got
     assert "precursors_swap_missed" not in gradloc_run.gradloc.counters
+
+
+class _GrowQuery(TrainerCallback):
+    """From optimizer step ``start`` on, layer 1's query projection grows ×1.1 after every step: its attention
+    logits grow the way a run without qk-norm drifts before it fails, through the Trainer's own loop."""
+
+    def __init__(self, model: LlamaForCausalLM, start: int) -> None:
+        self.q, self.start = model.model.layers[1].self_attn.q_proj.weight, start
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - Trainer's callback signature
+        if state.global_step >= self.start:
+            with torch.no_grad():
+                self.q.mul_(1.1)
+
+
+def test_a_drift_finding_through_the_trainer_names_the_layer_and_its_samples(world: World, tmp_path: Path):
+    """The drift detector at a short warm-up (its defaults wait 1,000 steps), configured as a plain dict the way an
+    HF config passes it: the finding names layer 1's attention and the dataset's own sample ids as its drivers."""
+    steps, start = 40, 24
+    model = causal_lm(world)
+    drift = dict(warmup=0, reference=16, window=8, patience=3, z_threshold=3.0, min_change=1.2)
+    trainer = GradlocTrainer(model=model, args=args(tmp_path, steps=steps, learning_rate=0.0),
+                             train_dataset=dataset(world, steps, plant=False), processing_class=world.tok,
+                             gradloc=dict(GRADLOC, token_stats=False, precursors=dict(drift=drift)),
+                             gradloc_sample_ids="uid", callbacks=[_GrowQuery(model, start)])
+    trainer.train()
+    found = [f for rec in trainer.gradloc.history for f in rec.precursor_findings]
+    rising = [f for f in found if f.statistic == "attn_max_logit"]
+    assert rising and {f.layer for f in rising} == {"model.layers.1.self_attn"}, found
+    first = rising[0]
+    assert start < first.step <= start + 12 and first.since_step >= start - 1, first
+    uids = {str(UID0 + i) for i in range(steps * B * GA)}
+    assert first.drivers and {d.sample_id for d in first.drivers} <= uids, first.drivers
+    assert all(x.layer == "model.layers.1.self_attn" for x in found if x.statistic.startswith("attn_")), found
