@@ -1,14 +1,14 @@
 """Run a function as the W ranks of one gloo job, under a deadline that can never hang the caller.
 
 ``run_ranks(fn, world_size, *args, timeout_s=...)`` spawns W fresh interpreters (``spawn`` start
-method: no forked torch state; with ``preload``, forks of a server that imported only those modules), each
-with the environment a launcher sets (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT — what DeepSpeed needs to skip mpi4py), a gloo process group
-on a free local port and one torch thread, then calls ``fn(rank, world_size, *args)``; results come
-back by value. A rank that raises fails the run with its traceback, a rank that dies fails it with
-its exit code, and when the deadline passes (ranks stuck in different collectives) every process is
-killed and the run fails naming the ranks that had not finished. The demo's ``--world-size N
---backend …`` and ``bench overhead --ddp N`` run on it, and so do the distributed tests.
+method: no forked torch state; with ``preload``, forks of a server that imported only those modules),
+each with the environment a launcher sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT —
+what DeepSpeed needs to skip mpi4py), a gloo process group on a free local port and one torch thread,
+then calls ``fn(rank, world_size, *args)``; results come back by value. A rank that raises fails the
+run with its traceback, a rank that dies fails it with its exit code, and when the deadline passes
+(ranks stuck in different collectives) every process is killed and the run fails naming the ranks
+that had not finished. The demo's ``--world-size N --backend …`` and ``bench overhead --ddp N`` run on
+it, and so do the distributed tests.
 
 ``progress(value)`` inside a rank sends ``value`` to the parent's ``on_progress(rank, value)``.
 """
@@ -95,8 +95,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     ``preload``: modules imported once by a fork server (``forkserver`` start method) whose forks become
     the ranks, instead of fresh interpreters that each import them again (the demo and the benchmarks pass
     :data:`TRAINING_PRELOAD`, the test suite its own list: torch and dynamo cost a rank ~13 s of imports on a
-    2-core box, paid once by the server instead of W times). The server imports nothing else and starts no thread; ``env`` is applied in each rank, so a variable read
-    at import time must belong to a module not preloaded. The first preload list of a process is the one
+    2-core box, paid once by the server instead of W times). The server imports nothing else and starts no
+    thread; ``env`` is applied in each rank, so a variable read at import time must belong to a module not
+    preloaded. The first preload list of a process is the one
     its fork server keeps."""
     if world_size < 1:
         raise SpawnError(f"world_size must be >= 1, got {world_size}")

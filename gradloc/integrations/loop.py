@@ -120,8 +120,8 @@ def hf_view(batch: Any) -> dict[str, Any] | None:
 
 def as_config(value: WatchConfig | Mapping[str, Any] | bool | None) -> WatchConfig | None:
     """A WatchConfig from what a user passes an integration (``gradloc=``): a WatchConfig, a dict of its fields
-    (a nested config — ``detector``, ``localizer``, ``precursors`` and its ``drift``, … — may be a dict too), None or
-    True (the defaults), False (None: no gradloc)."""
+    (a nested config — ``detector``, ``localizer``, ``precursors`` and its ``drift``, … — may be a dict too),
+    None or True (the defaults), False (None: no gradloc)."""
     if value is False:
         return None
     if value is None or value is True:

@@ -37,7 +37,7 @@ from tests.reliability.daemon import start_daemon
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 # 12 SQLite cycles: each restart replays a growing backlog of acknowledged incidents (1.3 s -> 4 s per start on a
-# 2-core machine), and the replay path is asserted below; the PostgreSQL run repeats the SQLite one with fewer
+# 2-core machine), and the replay path is asserted below; the PostgreSQL run repeats the SQLite one with fewer.
 CYCLES = {"sqlite": 12, "postgresql": 6}
 UNLIMITED = ("--max-incidents-per-minute", "100000000")  # the stream is far above the default per-job rate limit
 
@@ -126,9 +126,10 @@ def test_acknowledged_incidents_survive_kill_9_of_the_daemon(db: Path | str, tmp
     assert not lost, f"{len(lost)} of {len(acked)} acknowledged incidents lost, e.g. {sorted(lost)[:3]}"
     assert len(stored) == len(set(stored)), "an incident was stored twice"
     _integrity(db)
-    # the kills landed while acknowledged incidents were still waiting in the inbox: a restart replayed them
+    # some kill landed while acknowledged incidents were still waiting in the inbox (500 offered a second: a few
+    # always are), and the next daemon replayed them
     replayed = [i for i in range(1, cycles + 1) if "correlated again" in (tmp_path / f"agent-{i}.log").read_text()]
-    assert replayed, "no restart found acknowledged incidents left in the inbox: the kills tested nothing"
+    assert replayed, "no restart found acknowledged incidents waiting in the inbox: the replay path went untested"
     print(f"{cycles} kill -9 cycles: {len(offered)} incidents offered, {len(acked)} acknowledged, "
           f"{len(stored)} stored, {client.counters}")
 
