@@ -42,6 +42,14 @@ def _profile_targets() -> list[tuple[Any, str, str]]:
         (layer_norm, "layer_norm_hat", "rules.layer_norm.layer_norm_hat"),
     ]
     out.append((rms_norm, "rms_hat", "rules.rms_norm.rms_hat"))
+    # the precursor statistics (forward hooks and the attention call's interception; the hooks' own dispatch is
+    # not timed, only what they call)
+    from gradloc.collector.precursors import measure, slots
+
+    for fn in ("attention_logits", "attention_stats", "head_stats", "rms_stats", "router_stats"):
+        out.append((measure, fn, f"precursors.measure.{fn} (forward)"))
+    out.append((slots.StepSlots, "update", "precursors.StepSlots.update (forward)"))
+    out.append((slots.StepSlots, "take", "precursors.StepSlots.take (end_step)"))
     for mod, cls in ((linear, "LinearRule"), (layer_norm, "LayerNormRule"), (embedding, "EmbeddingRule"),
                      (rms_norm, "HFRMSNormRule")):  # Llama's LlamaRMSNorm
         out.append((getattr(mod, cls), "score", f"{cls}.score (backward hook)"))

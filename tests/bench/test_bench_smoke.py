@@ -135,6 +135,8 @@ def test_overhead_profile_quick_json():
     assert "Monitor.end_step (all of it)" in fns["per_layer"]
     assert any(k.startswith("LinearRule.score") for k in fns["per_token"])
     assert not any(k.startswith("LinearRule") for k in fns["per_layer"])  # no token hooks per-layer
+    for name in ("attention_stats", "head_stats", "rms_stats"):  # the precursors, on by default, in both
+        assert all(f"precursors.measure.{name} (forward)" in fns[v] for v in fns), (name, list(fns["per_layer"]))
 
 
 def test_localization_quick_json():

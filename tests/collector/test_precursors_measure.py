@@ -70,6 +70,12 @@ def test_sampled_attention_matches_the_whole_matrix_read_at_its_rows(case: str) 
     assert got["rows"].tolist() == (~torch.isnan(e)).sum(dim=(0, 2)).tolist()
     b, t = got["max_at"].tolist()
     assert float(finite[b, :, rows.tolist().index(t)].max()) == pytest.approx(float(finite.max()), rel=1e-6)
+    # the most concentrated row: entropy / log(keys it sees), over rows that see at least 2 keys
+    keys = (~torch.isinf(at)).sum(-1).double()  # (B, H, Q)
+    norm = torch.where(~torch.isnan(e) & (keys >= 2), e / keys.clamp(min=2).log(), torch.full_like(e, math.inf))
+    assert float(got["min_row"]) == pytest.approx(float(norm.min()), rel=1e-5)
+    lb, lt = got["min_at"].tolist()
+    assert float(norm[lb, :, rows.tolist().index(lt)].min()) == pytest.approx(float(norm.min()), rel=1e-5)
 
 
 def test_eager_weights_are_read_on_every_row() -> None:

@@ -70,17 +70,19 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> d
     (a row with every key masked does not), ``min_row`` the lowest entropy of a row over its most possible
 (log of the keys it sees: rows of at least 2 keys) and ``min_at`` (2,) where."""
     B, H, Q, S = logits.shape
-    finite = logits  # −inf where masked; a NaN or +inf logit makes the values non-finite (the host drops them)
-    per_head = finite.amax(dim=(0, 2, 3))  # (B, H, Q, S) -> (H,)
-    flat = finite.flatten().argmax()  # over (B, H, Q, S)
-    b, _, qi, _ = _unravel(flat, (B, H, Q, S))
-    p = torch.softmax(finite, dim=-1)  # (B, H, Q, S); NaN on a row with every key masked
-    ent = torch.special.entr(p).sum(-1)  # (B, H, Q)
+    # Few full passes over the logits, each a vectorized kernel: on a CPU the elementwise exp, entr and a flat argmax
+    # ran scalar and took ~70% of this function (B=4, H=8, Q=16, S=256: 1.15 ms -> see docs/precursors.md)
+    row_max = logits.amax(dim=-1)  # (B, H, Q, S) -> (B, H, Q); −inf on a row with every key masked
+    per_head = row_max.amax(dim=(0, 2))  # (B, H, Q) -> (H,)
+    b, _, qi = _unravel(row_max.flatten().argmax(), (B, H, Q))  # the row holding the largest logit
+    logp = torch.log_softmax(logits, dim=-1)  # (B, H, Q, S); −inf where masked, NaN on a row with every key masked
+    p = torch.softmax(logits, dim=-1)  # (B, H, Q, S): its own kernel (exp of logp ran scalar on a CPU)
+    ent = -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)  # (B, H, Q); a masked key: 0 · finite = 0
     counted = torch.isfinite(ent)
     ent0 = torch.where(counted, ent, torch.zeros_like(ent))
     # the most concentrated row: entropy over its most possible, log(keys it may see) — a causal row with one or two
     # keys is low by construction and names nothing; rows of fewer than 2 keys are not candidates
-    keys = (finite > float("-inf")).sum(-1).to(ent.dtype)  # (B, H, Q)
+    keys = (S - logits.isneginf().sum(-1)).to(ent.dtype)  # (B, H, Q)
     norm = torch.where(counted & (keys >= 2), ent / keys.clamp(min=2).log(), torch.full_like(ent, float("inf")))
     lb, _, lq = _unravel(norm.flatten().argmin(), (B, H, Q))
     pos = (lambda i: rows[i]) if rows is not None else (lambda i: i)
