@@ -68,10 +68,10 @@ fi
 
 # The vLLM and verl tiers' own environments (.venv-vllm ~3.4 GB, .venv-verl ~1.9 GB; no-ops when up to date; see
 # scripts/setup_vllm.sh, setup_verl.sh) install side by side with the rest of this script — downloads and unpacking
-# more than CPU: one after the other, a fresh machine's set-up took 12.5 min (5 for .venv, 3.6 verl, ~4 vLLM). They
-# start after the last build of this checkout into .venv (the tiers' own builds of it take turns: flock). Each one's
-# output is printed when it ends; a failed tier fails the set-up. GRADLOC_SKIP_VERL=1 / GRADLOC_SKIP_VLLM=1 leave one
-# out (its tests then skip).
+# more than CPU: one after the other, a fresh machine's set-up took 716 s (5 min .venv, 3.6 verl, 3.4 vLLM), side by
+# side 325 s. They start after the last build of this checkout into .venv (the tiers' own builds of it take turns:
+# flock). Each one's output is printed when it ends; a failed tier fails the set-up. GRADLOC_SKIP_VERL=1 /
+# GRADLOC_SKIP_VLLM=1 leave one out (its tests then skip).
 tier_logs=$(mktemp -d)
 tier_jobs=()
 trap 'for j in "${tier_jobs[@]}"; do kill "${j#*:}" 2>/dev/null || true; done; rm -rf "$tier_logs"' EXIT
