@@ -70,8 +70,8 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> d
     (a row with every key masked does not), ``min_row`` the lowest entropy of a row over its most possible
 (log of the keys it sees: rows of at least 2 keys) and ``min_at`` (2,) where."""
     B, H, Q, S = logits.shape
-    # Few full passes over the logits, each a vectorized kernel: on a CPU the elementwise exp, entr and a flat argmax
-    # ran scalar and took ~70% of this function (B=4, H=8, Q=16, S=256: 1.15 ms -> see docs/precursors.md)
+    # Few full passes over the logits, each a vectorized kernel: on a CPU the elementwise exp and entr and a flat
+    # argmax over the whole tensor ran scalar (in-step cost: `python -m bench overhead --profile`, BENCHMARKS §1)
     row_max = logits.amax(dim=-1)  # (B, H, Q, S) -> (B, H, Q); −inf on a row with every key masked
     per_head = row_max.amax(dim=(0, 2))  # (B, H, Q) -> (H,)
     b, _, qi = _unravel(row_max.flatten().argmax(), (B, H, Q))  # the row holding the largest logit
