@@ -136,33 +136,35 @@ class CausalLM(nn.Module):
 
 
 def build_model(family: str, vocab: int, seq: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                seed: int = 0) -> CausalLM:
-    """A small ``family`` model (random initialisation seeded with ``seed``; no dropout)."""
+                seed: int = 0, experts: int = 8, top_k: int = 2, tied: bool | None = None) -> CausalLM:
+    """A small ``family`` model (random initialisation seeded with ``seed``; no dropout). ``experts``/``top_k``: a
+    Qwen3-MoE's experts per layer and per token; ``tied``: whether the output head shares the input embedding (None:
+    the family's own choice below)."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
                   max_position_embeddings=seq, bos_token_id=0, eos_token_id=0)
     if family == "qwen2":
         cfg = tf.Qwen2Config(**common, intermediate_size=3 * d_model, num_key_value_heads=max(1, n_heads // 2),
-                             tie_word_embeddings=True)
+                             tie_word_embeddings=True if tied is None else tied)
         cls = tf.Qwen2ForCausalLM
     elif family == "gptneox":  # Pythia-style: parallel residual, partial rotary, untied head
         cfg = tf.GPTNeoXConfig(**common, intermediate_size=4 * d_model, rotary_pct=0.25, use_parallel_residual=True,
-                               tie_word_embeddings=False)
+                               tie_word_embeddings=bool(tied))
         cls = tf.GPTNeoXForCausalLM
     elif family == "llama":
         cfg = tf.LlamaConfig(**common, intermediate_size=3 * d_model, num_key_value_heads=max(1, n_heads // 2),
-                             tie_word_embeddings=True)
+                             tie_word_embeddings=True if tied is None else tied)
         cls = tf.LlamaForCausalLM
     elif family == "qwen3":  # Llama-like with qk-norm (RMSNorm on q and k per head): the attention-logit control
         cfg = tf.Qwen3Config(**common, intermediate_size=3 * d_model, num_key_value_heads=max(1, n_heads // 2),
-                             head_dim=d_model // n_heads, tie_word_embeddings=True)
+                             head_dim=d_model // n_heads, tie_word_embeddings=True if tied is None else tied)
         cls = tf.Qwen3ForCausalLM
-    elif family == "qwen3moe":  # 8 experts, top-2, every layer sparse; the load-balancing loss is the caller's to add
+    elif family == "qwen3moe":  # every layer sparse; the load-balancing loss is the caller's to add
         cfg = tf.Qwen3MoeConfig(**common, num_key_value_heads=max(1, n_heads // 2), head_dim=d_model // n_heads,
-                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=d_model,
+                                num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=d_model,
                                 decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True,
-                                tie_word_embeddings=True)
+                                tie_word_embeddings=True if tied is None else tied)
         cls = tf.Qwen3MoeForCausalLM
     elif family == "gpt2":
         cfg = tf.GPT2Config(vocab_size=vocab, n_embd=d_model, n_layer=n_layers, n_head=n_heads, n_positions=seq,
@@ -224,12 +226,17 @@ class RunConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     clip: float = 1.0
+    experts: int = 8  # qwen3moe: experts per layer
+    top_k: int = 2  # qwen3moe: experts per token
+    tied: bool | None = None  # the output head shares the input embedding (None: the family's choice)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if min(self.steps, self.micro_batches, self.batch, self.seq) < 1:
             raise ValueError("steps, micro_batches, batch and seq must be >= 1")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be in [1, experts={self.experts}], got {self.top_k}")
 
     def lr_at(self, step: int) -> float:
         if step < self.lr_warmup:
@@ -247,7 +254,7 @@ class Run:
         self.cfg = cfg
         self.corpus = natural_corpus(cfg.vocab)
         self.model = build_model(cfg.family, self.corpus.vocab, cfg.seq, cfg.d_model, cfg.n_layers, cfg.n_heads,
-                                 seed=cfg.seed)
+                                 seed=cfg.seed, experts=cfg.experts, top_k=cfg.top_k, tied=cfg.tied)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

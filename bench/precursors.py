@@ -8,9 +8,11 @@ findings come from the monitor itself, not from a replay. Scoring:
 - *failure* of a run: the first grad-spike, divergence or non-finite incident after the drift detector's warm-up,
   or the step where the 100-step mean loss first exceeds 1.1 × its lowest value after the warm-up, whichever comes
   first (None: the run did not fail);
-- *failing layer*: of the attention layers (the routers, for a router collapse), the one whose entropy fell most
-  (log ratio) between the end of the warm-up and the failure, when it at least halved; an instability run where
-  none did is *not reproduced* (it may still fail otherwise) and is left out of the announced count;
+- *failing layer*: the module whose statistic of the instability moved most toward its danger between the end of
+  the warm-up and the failure, when it moved by ×2 at least (:data:`REPRODUCED_BY`: attention entropy halving for
+  attention-logit growth, a router's entropy for a router collapse, the head's mean logsumexp² doubling for an
+  output-logit divergence); an instability run where none did is *not reproduced* (it may still fail otherwise) and
+  is left out of the announced count;
 - per instability run: for each statistic, its first finding before the failure, the lead time (failure − its
   step), the layer it named and whether that is the failing layer; the first paging finding likewise;
 - per control run: findings and pages per 1,000 judged steps (after the warm-up), per statistic.
@@ -22,6 +24,7 @@ bound is listed in ``off_by_default``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -33,6 +36,7 @@ import numpy as np
 
 from bench.precursors_runs import Scenario, record_run, scenarios
 from gradloc.config import DriftConfig
+from gradloc.records.precursors import FALLING_STATISTICS
 
 FAIL_KINDS = {"grad_spike", "divergence", "nonfinite_grad", "nonfinite_loss"}
 LOSS_WINDOW, LOSS_RATIO = 100, 1.1
@@ -55,25 +59,28 @@ def failure(out: dict[str, Any], warmup: int) -> tuple[int | None, str]:
     return blow, "loss"
 
 
-COLLAPSING = {"attention_logit_growth": "attn_entropy", "router_collapse": "router_entropy"}
-
-
-COLLAPSED = math.log(2.0)  # an instability is reproduced when its failing module's entropy at least halved
+# what "it reproduced" means per instability: the statistic that must have moved by at least ×2 (its log ratio
+# ≥ ln 2) toward its danger from the warm-up's end to the failure, on some module — that module is the failing one
+REPRODUCED_BY = {"attention_logit_growth": "attn_entropy", "router_collapse": "router_entropy",
+                 "output_logit_divergence": "logit_lse_sq"}
+MOVED = math.log(2.0)
 
 
 def failing_layer(out: dict[str, Any], warmup: int, fail: int) -> str | None:
-    """The module whose entropy (attention; a router's for a router collapse) fell most (log ratio) from the
-    warm-up's end to the failure, when it at least halved (None: nothing collapsed — the instability did not
-    reproduce, whatever else failed)."""
-    best, name = COLLAPSED, None
+    """The module whose statistic of the instability (:data:`REPRODUCED_BY`: attention entropy, a router's entropy,
+    the head's mean logsumexp²) moved most toward its danger (log ratio) from the warm-up's end to the failure, when
+    it moved by at least ×2 (None: nothing did — the instability did not reproduce, whatever else failed)."""
+    statistic = REPRODUCED_BY.get(out["instability"], "attn_entropy")
+    sign = -1.0 if statistic in FALLING_STATISTICS else 1.0
+    best, name = MOVED, None
     for key, v in out["series"].items():
         kind, layer, _ = key.split("|")
-        if kind != COLLAPSING.get(out["instability"], "attn_entropy"):
+        if kind != statistic:
             continue
         a, b = np.nanmedian(v[max(0, warmup - 50):warmup]), np.nanmedian(v[max(0, fail - 50):fail])
-        drop = math.log(max(a, 1e-6) / max(b, 1e-6))
-        if drop >= best:
-            best, name = drop, layer
+        moved = sign * math.log(max(b, 1e-6) / max(a, 1e-6))
+        if moved >= best:
+            best, name = moved, layer
     return name
 
 
@@ -154,6 +161,31 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 control_pages=sum(r["pages"] for r in controls))
 
 
+def with_overrides(sc: Scenario, pairs: Sequence[str]) -> Scenario:
+    """``sc`` with its run's fields set from ``KEY=VALUE`` pairs (``--set``), each value read as the field's type
+    (``tied``: true, false or none); the detail says what was changed."""
+    if not pairs:
+        return sc
+    fields = {f.name: f for f in dataclasses.fields(sc.run)}
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, text = pair.partition("=")
+        if not eq or key not in fields or key == "family":
+            raise ValueError(f"--set takes KEY=VALUE with KEY a run field other than family ({sorted(fields)}), "
+                             f"got {pair!r}")
+        now = getattr(sc.run, key)
+        if key == "tied" or now is None:
+            value: Any = {"true": True, "false": False, "none": None}.get(text.lower(), text)
+            value = float(value) if isinstance(value, str) else value
+        elif isinstance(now, bool):
+            value = {"true": True, "false": False}[text.lower()]
+        else:
+            value = type(now)(text)
+        changes[key] = value
+    return dataclasses.replace(sc, run=dataclasses.replace(sc.run, **changes),
+                               detail=f"{sc.detail}; set {', '.join(pairs)}")
+
+
 def run(selected: Sequence[Scenario], progress: bool = False) -> dict[str, Any]:
     cfg = DriftConfig()
     rows, t0 = [], time.perf_counter()
@@ -177,7 +209,8 @@ def format_table(res: dict[str, Any]) -> str:
                          + ", ".join(f"{k} {v['findings']}" for k, v in r["per_statistic"].items()))
         else:
             if not r["reproduced"]:
-                lines.append("  NOT REPRODUCED: no module's entropy halved before the failure")
+                lines.append(f"  NOT REPRODUCED: no module's {REPRODUCED_BY.get(r['instability'], 'attn_entropy')} moved "
+                             "×2 toward its danger before the failure")
             lines.append(f"  failing layer {r['failing_layer']}; announced {r['announced']} "
                          f"(naming it: {r['announced_naming_layer']})")
             for k, v in r["first_by_statistic"].items():
@@ -197,6 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="scenario names (default: all)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--verbose", action="store_true", help="progress on stderr")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="change every chosen run's settings (bench/precursors_runs.RampConfig fields: lr_end, "
+                         "experts, top_k, tied, z_loss, balance, ...), to try a reproduction")
     a = ap.parse_args(argv)
     import torch
 
@@ -204,6 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [s for s in scenarios(a.steps) if a.only is None or s.name in a.only]
     if not chosen:
         ap.error(f"no scenario among {[s.name for s in scenarios(a.steps)]}")
+    try:
+        chosen = [with_overrides(s, a.set) for s in chosen]
+    except (ValueError, KeyError) as e:
+        ap.error(str(e))
     res = run(chosen, progress=a.verbose)
     print(json.dumps(res, default=str) if a.json else format_table(res))
     return 0

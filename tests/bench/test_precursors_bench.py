@@ -86,3 +86,27 @@ def test_the_drift_cost_bench_times_the_detector(capsys: pytest.CaptureFixture[s
     assert cost(["--series", "4", "--steps", "400"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"4"} and out["4"] > 0
+
+
+def test_an_output_logit_divergence_reproduces_by_the_heads_logsumexp():
+    n = 1000
+    run = _run("instability", [_finding(500, "logit_lse_sq", "head")], np.full(n, 3.0), incidents=[(800, ["grad_spike"])])
+    run["instability"] = "output_logit_divergence"
+    run["series"] = {"logit_lse_sq|head|": np.linspace(50.0, 60.0, n)}  # ×1.2: the head's logits did not diverge
+    assert failing_layer(run, 100, 800) is None and not score(run, CFG)["reproduced"]
+    run["series"] = {"logit_lse_sq|head|": np.geomspace(50.0, 500.0, n), "attn_entropy|l1|": np.linspace(2, 0.1, n)}
+    row = score(run, CFG)  # the attention collapse is not this instability's: the head is the failing module
+    assert row["failing_layer"] == "head" and row["first_by_statistic"]["logit_lse_sq"]["names_failing_layer"]
+
+
+def test_runs_can_be_changed_from_the_command_line():
+    from bench.precursors import with_overrides
+    from bench.precursors_runs import scenarios
+
+    moe = next(s for s in scenarios(100) if s.name == "moe_ramp")
+    top1 = with_overrides(moe, ["experts=16", "top_k=1", "lr_end=0.1", "tied=false"])
+    assert (top1.run.experts, top1.run.top_k, top1.run.lr_end, top1.run.tied) == (16, 1, 0.1, False)
+    assert top1.name == "moe_ramp" and "set experts=16" in top1.detail and moe.run.experts == 8
+    for bad in (["experts"], ["family=llama"], ["nope=1"], ["top_k=9"], ["experts=x"]):
+        with pytest.raises(ValueError):
+            with_overrides(moe, bad)
