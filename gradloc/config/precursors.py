@@ -65,7 +65,9 @@ class PrecursorConfig:
 
     ``attention``: each attention module's max logit and entropy — from its own weights where it materialises them
     (eager), else from ``attention_queries`` query rows per sequence of scaled-dot-product attention (its T×T is
-    never built: memory B·H·queries·S floats per call), every ``attention_every`` steps. ``head_logits``: the loss
+    never built: memory B·H·queries·S floats per call), in the first ``attention_micro_batches`` micro-batches of a
+    step (0: every one; one is a sample of the step's sequences, as the query rows are of a sequence's, and keeps the
+    cost from growing with gradient accumulation), every ``attention_every`` steps. ``head_logits``: the loss
     head's max |logit| and mean logsumexp² over ``head_positions`` positions evenly spaced over the micro-batch (every
     pass over all the logits costs a read of B·T·V floats; a logsumexp an exp per logit, 10 ms per 4 M logits on one
     CPU thread). ``residual``: the residual stream's RMS at the final norm's input.
@@ -75,6 +77,7 @@ class PrecursorConfig:
     enabled: bool = True
     attention: bool = True
     attention_queries: int = 16
+    attention_micro_batches: int = 1
     attention_every: int = 1
     head_logits: bool = True
     head_positions: int = 64  # positions per micro-batch the head's statistics read (0: every position)
@@ -90,6 +93,9 @@ class PrecursorConfig:
               f"attention_queries must be an int in [1, 4096], got {self.attention_queries!r}")
         check(isinstance(self.head_positions, int) and self.head_positions >= 0,
               f"head_positions must be an int >= 0 (0: every position), got {self.head_positions!r}")
+        check(isinstance(self.attention_micro_batches, int) and not isinstance(self.attention_micro_batches, bool)
+              and self.attention_micro_batches >= 0,
+              f"attention_micro_batches must be an int >= 0 (0: every micro-batch), got {self.attention_micro_batches!r}")
         check(isinstance(self.attention_every, int) and self.attention_every >= 1,
               f"attention_every must be an int >= 1, got {self.attention_every!r}")
         check(isinstance(self.drift, DriftConfig), f"drift must be a DriftConfig, got {type(self.drift).__name__}")

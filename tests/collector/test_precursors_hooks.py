@@ -207,3 +207,36 @@ def test_sdpa_sites_are_measured_through_the_swap_and_a_bound_function_falls_bac
     assert mon.counters["precursors_swap_missed"] == 1  # step 1: the swap saw nothing; the mode from then on
     assert got[0] == got[2] == {K.ATTN_MAX_LOGIT, K.ATTN_ENTROPY}
     mon.close()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 0])
+def test_attention_is_measured_in_the_first_micro_batches_of_a_step(micro_batches: int) -> None:
+    """Per head, the entropy is the mean row entropy of the measured micro-batches' own attention weights (the
+    model's, eager): the first only by default, every one with ``attention_micro_batches=0``."""
+    model = build("qwen3")
+    model.set_attn_implementation("eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = PrecursorConfig(per_head=True, attention_micro_batches=micro_batches)
+    mon = gradloc.watch(model, opt, config=WatchConfig(job="mb", embedded=False, precursors=cfg, token_stats=False))
+    data = _batches(6, seed=3)
+    for s in range(3):
+        weights = []
+        for m in range(2):
+            ids = data[2 * s + m]
+            with mon.micro_batch(shape=(B, T)):
+                out = model(ids, output_attentions=True)
+                weights.append([a.detach().double() for a in out.attentions])  # per layer (B, H, T, T)
+                loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+                loss.backward()
+        rec = _by_key(mon.end_step(loss).record)
+        opt.step()
+        opt.zero_grad()
+        measured = weights[:1] if micro_batches == 1 else weights
+        for layer in range(2):
+            site = f"model.layers.{layer}.self_attn"
+            p = torch.cat([w[layer] for w in measured])  # (M·B, H, T, T)
+            ent = -(p * p.clamp_min(1e-300).log()).sum(-1).mean(dim=(0, 2))  # (M·B, H, T) -> (H,)
+            for h in range(ent.numel()):
+                assert rec[(K.ATTN_ENTROPY, site, h)].value == pytest.approx(float(ent[h]), rel=1e-4, abs=1e-5)
+            assert rec[(K.ATTN_MAX_LOGIT, site, None)].at[0] in ((0,) if micro_batches == 1 else (0, 1))
+    mon.close()

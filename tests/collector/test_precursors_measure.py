@@ -162,6 +162,7 @@ def test_a_non_finite_value_is_left_out_and_counted() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(attention_queries=0), dict(attention_every=0), dict(per_head=1),
+                                 dict(attention_micro_batches=-1), dict(attention_micro_batches=True),
                                  dict(attention_queries=2.5)])
 def test_bad_settings_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):

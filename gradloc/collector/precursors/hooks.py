@@ -10,8 +10,10 @@ the one before it, when its class is a norm, the **final norm**; MoE routers are
 
 - an attention site that called SDPA gets the function swapped for a thin wrapper during its own forward
   (intercept.SdpaSwap: nothing else it calls pays anything); one that computes its softmax itself runs under the
-  mode between its pre- and post-hook. An SDPA call is measured on ``attention_queries`` query rows per sequence
-  (measure.attention_logits: its T×T is never built), an eager softmax on its own weights, every row;
+  mode between its pre- and post-hook, in the first ``attention_micro_batches`` micro-batches of a step (one by
+  default: the cost does not grow with gradient accumulation). An SDPA call is measured on ``attention_queries``
+  query rows per sequence (measure.attention_logits: its T×T is never built), an eager softmax on its own weights,
+  every row;
 - the head's forward hook measures its output logits, the final norm's pre-hook its input, a router's forward hook
   its logits and choices.
 
@@ -191,9 +193,14 @@ class PrecursorHooks(ModuleStats):
             self.counters["precursors_mode_errors"] += 1
             log.debug("gradloc: leaving the precursor mode failed", exc_info=True)
 
+    def _attends(self) -> bool:
+        """Attention is measured in this block: an attention step, one of its first ``attention_micro_batches``."""
+        n = self.cfg.attention_micro_batches
+        return self.attention_on and (n == 0 or (self.micro_batch is not None and self.micro_batch < n))
+
     def _site_in(self, name: str):
         def pre(module: nn.Module, args: tuple) -> None:
-            if self.attention_on and self._measuring():
+            if self._attends() and self._measuring():
                 self._stack.append(name)
                 if name in self._swapped:
                     self._swap.hit = False
