@@ -12,6 +12,9 @@ so every element is covered exactly once per sweep of about ⌈parameter bytes /
   √(Σ ‖Δ chunk‖² / Σ ‖θ chunk‖²) over the chunks of one sweep, each chunk measured at its own step,
   and is published at the step its last chunk was measured.
 - With ``window_bytes=None`` the window is everything (``update_ratio="full"``): every layer, every step.
+  ``"lean"`` takes at most 1/``LEAN_SWEEP_STEPS`` (4) of the parameters a step, however much memory it may use:
+  a small model's copy, subtraction and reductions of every parameter every step were the largest item of the
+  per-layer monitor's time (docs/BENCHMARKS.md §1).
 
 Copies live in one preallocated byte buffer per device (each piece aligned to 64 bytes), so the
 persistent memory is the window, not the model. All reductions stay on the device: ``after_step``
@@ -232,8 +235,9 @@ class UpdateRatioTracker:
 
 def window_bytes(config: "WatchConfig", layer_stats: "LayerStatsCollector") -> int | None:
     """Bytes of the update-ratio window: None (everything) for "full", else the memory budget less
-    gradloc's other persistent device tensors and a reserve for its other state."""
-    from gradloc.config import MEMORY_BUDGET_FRACTION, MEMORY_RESERVE, MIN_MEMORY_BUDGET
+    gradloc's other persistent device tensors and a reserve for its other state, and at most
+    1/``LEAN_SWEEP_STEPS`` of the parameters (a sweep of at least that many steps)."""
+    from gradloc.config import LEAN_SWEEP_STEPS, MEMORY_BUDGET_FRACTION, MEMORY_RESERVE, MIN_MEMORY_BUDGET
 
     mode = config.update_ratio
     if mode == "full":
@@ -245,4 +249,5 @@ def window_bytes(config: "WatchConfig", layer_stats: "LayerStatsCollector") -> i
         budget = max(int(MEMORY_BUDGET_FRACTION * layer_stats.param_bytes()), MIN_MEMORY_BUDGET)
     reserve = min(MEMORY_RESERVE, budget // 4)
     n_params = len(layer_stats.params)
-    return max(budget - reserve - layer_stats.persistent_bytes() - 64 * n_params, 0)  # 64: alignment per piece
+    fits = max(budget - reserve - layer_stats.persistent_bytes() - 64 * n_params, 0)  # 64: alignment per piece
+    return min(fits, -(-layer_stats.param_bytes() // LEAN_SWEEP_STEPS))

@@ -5,6 +5,7 @@ classifier's, the localizer's and the per-sample judge's configs; ``watch.py``: 
 measures and where it sends it. Everything is imported from here (``from gradloc.config import WatchConfig``).
 """
 from gradloc.config.options import (
+    LEAN_SWEEP_STEPS,
     MEMORY_BUDGET_FRACTION,
     MEMORY_RESERVE,
     MIN_MEMORY_BUDGET,
@@ -23,7 +24,7 @@ from gradloc.config.precursors import DriftConfig, PrecursorConfig
 from gradloc.config.stages import BISECTION_POLICIES, ClassifierConfig, DetectorConfig, LocalizerConfig, SampleConfig
 from gradloc.config.watch import WatchConfig
 
-__all__ = ["BISECTION_POLICIES", "MEMORY_BUDGET_FRACTION", "MEMORY_RESERVE", "MIN_MEMORY_BUDGET", "REMEDIES",
+__all__ = ["BISECTION_POLICIES", "LEAN_SWEEP_STEPS", "MEMORY_BUDGET_FRACTION", "MEMORY_RESERVE", "MIN_MEMORY_BUDGET", "REMEDIES",
            "UPDATE_RATIO_MODES", "BisectionPolicy", "ClassifierConfig", "DetectorConfig", "DistributedMode",
            "DriftConfig", "LayerGrouping", "LocalizerConfig", "PrecursorConfig", "RemedyAction", "SampleConfig", "Sensitivity", "TokenStatsMode",
            "UpdateRatioMode", "WatchConfig", "finite_or_none"]

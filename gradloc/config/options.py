@@ -72,6 +72,10 @@ REMEDIES = values(RemedyAction)  # ("drop_culprits", "skip_step")
 MIN_MEMORY_BUDGET = 64 * 2**20  # bytes: the persistent-memory floor for small models
 MEMORY_BUDGET_FRACTION = 0.02  # of the trainable parameters' bytes
 MEMORY_RESERVE = 16 * 2**20  # bytes of the budget kept for gradloc's other state (history, token buffers, agent)
+# "lean" copies at most 1/LEAN_SWEEP_STEPS of the parameters a step, whatever the budget allows: each layer's ratio
+# every >= 4 steps. A small model under the 64 MiB floor would otherwise copy, subtract and reduce every parameter
+# every step: the largest item of the per-layer monitor's time on TinyGPT (docs/BENCHMARKS.md §1)
+LEAN_SWEEP_STEPS = 4
 
 
 def is_address(addr: object) -> bool:

@@ -26,8 +26,9 @@ class WatchConfig:
     max(2% of the trainable parameters' bytes, 64 MiB)). The update-to-weight ratios need a copy of
     the parameters from before ``optimizer.step()``: ``update_ratio="lean"`` (default) copies a
     rotating window of them that fits the budget less gradloc's other persistent tensors and a
-    16 MiB reserve for its other state, so every layer gets a ratio at least every
-    ⌈parameter bytes / window⌉ steps; ``"full"`` copies all of them every step (1× parameter bytes);
+    16 MiB reserve for its other state, and at most a quarter of them (``LEAN_SWEEP_STEPS``), so
+    every layer gets a ratio every ⌈parameter bytes / window⌉ ≥ 4 steps; ``"full"`` copies all of
+    them every step (1× parameter bytes);
     ``"off"`` measures none. ``True``/``False`` mean ``"lean"``/``"off"``.
 
     Cost: gradloc times its own work every step (``StepRecord.overhead``). When its smoothed cost

@@ -101,9 +101,12 @@ def test_a_tiny_budget_sheds_update_ratios_then_the_breakdown_but_never_detectio
     assert 19 <= shed_at[0] <= 21 and 39 <= shed_at[1] <= 41
     late = reports[-1].record
     assert late.shed == ("update_ratio", "layer_breakdown")
-    # update ratios stop once shed (the ratio of step k arrives with step k+1's record)
-    assert all(s.update_ratio is not None for s in hist[5].layers)
-    assert all(s.update_ratio is None for s in hist[shed_at[0] + 2].layers)
+    # update ratios stop once shed: before, every layer had one within a sweep (lean: a quarter of the parameters a
+    # step); after, none (the ratio of step k arrives with step k+1's record)
+    sweep = mon.update_ratios.sweep_steps
+    assert {s.layer for k in range(4, 4 + sweep) for s in hist[k].layers if s.update_ratio is not None} == \
+        {s.layer for s in hist[4].layers}
+    assert all(s.update_ratio is None for k in range(shed_at[0] + 2, shed_at[0] + 2 + sweep) for s in hist[k].layers)
     # the per-layer breakdown of the top tokens is gone, the tokens themselves are not
     assert reports[5].record.tokens.top[0].layers
     assert late.tokens.top and not late.tokens.top[0].layers

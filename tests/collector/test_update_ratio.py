@@ -10,6 +10,7 @@ from torch import nn
 
 import gradloc
 from gradloc.collector.update_ratio import UpdateRatioTracker
+from gradloc.config import LEAN_SWEEP_STEPS
 from tests.helpers import backward_step, make_data, single_thread, tiny_gpt  # noqa: F401
 
 CPU = torch.device("cpu")
@@ -110,11 +111,18 @@ def _train_ratios(mode, budget=None, steps=6):
     return mon, list(mon.history), held
 
 
-def test_small_models_get_every_ratio_every_step_by_default():
-    mon, hist, _ = _train_ratios("lean")
+def test_small_models_get_every_layers_ratio_every_sweep_of_four_steps_by_default():
+    mon, hist, held = _train_ratios("lean", steps=10)
     assert mon.hooks_before_close == 2  # the pre- and post-step hooks that measure the update
-    assert mon.update_ratios.sweep_steps == 1  # the 64 MiB floor is larger than this model
-    assert all(s.update_ratio is not None for r in hist for s in r.layers)
+    sweep = mon.update_ratios.sweep_steps  # the 64 MiB floor holds this model: the quarter cap decides
+    assert LEAN_SWEEP_STEPS <= sweep <= LEAN_SWEEP_STEPS + 1
+    assert 0 < held <= mon.layer_stats.param_bytes() // LEAN_SWEEP_STEPS + 64 * len(mon.layer_stats.params)
+    names = {s.layer for s in hist[0].layers}
+    for start in range(0, len(hist) - sweep + 1, sweep):  # every layer once in each sweep's steps
+        got = [s.layer for r in hist[start:start + sweep] for s in r.layers if s.update_ratio is not None]
+        assert sorted(got) == sorted(names), start
+    full, full_hist, _ = _train_ratios("full", steps=3)
+    assert full.update_ratios.sweep_steps == 1 and all(s.update_ratio is not None for r in full_hist for s in r.layers)
 
 
 def test_a_lean_budget_gives_every_layer_a_ratio_each_sweep_and_the_same_values_as_full():

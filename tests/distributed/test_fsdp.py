@@ -12,7 +12,9 @@ PLANT = (1, SPIKE, 1, 2, 5)
 
 
 def _job(rank, world, kind, monitor):
-    out = train(rank, world, kind, STEPS, PLANT, monitor)
+    # "full": every layer's ratio every step in both jobs, to compare them step by step (lean's windows tile each
+    # rank's own shards under FSDP2 and whole parameters under DDP: the layers complete at different steps)
+    out = train(rank, world, kind, STEPS, PLANT, monitor, update_ratio="full")
     reps = out["reports"]
     return {"kind": out["kind"], "collectives": out["collectives"], "params": out["params"],
             "norms": [r.record.global_norm for r in reps], "layers": [{s.layer: s.grad_norm for s in r.record.layers}

@@ -216,7 +216,7 @@ def test_grad_scaler_unscale_before_end_step():
 # -- torch.compile ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_compiled_training_per_layer_stats_match_eager():
-    steps = 3
+    steps = 4  # one sweep of the update ratios (lean: a quarter of the parameters a step)
     runs = []
     for compiled in (False, True):
         model = tiny_gpt(0)
@@ -250,7 +250,11 @@ def test_compiled_training_per_layer_stats_match_eager():
             assert sc.grad_norm == pytest.approx(se.grad_norm, rel=1e-3, abs=1e-7)
             assert sc.param_norm == pytest.approx(se.param_norm, rel=1e-4)
             assert sc.numel == se.numel
-    for he, hc in zip(eager_hist, comp_hist):  # update ratios arrive through the optimizer hooks
-        for se, sc in zip(he.layers, hc.layers):
-            assert sc.update_ratio is not None
-            assert sc.update_ratio == pytest.approx(se.update_ratio, rel=1e-2)
+    measured = set()
+    for he, hc in zip(eager_hist, comp_hist):  # update ratios arrive through the optimizer hooks (lean: a quarter
+        for se, sc in zip(he.layers, hc.layers):  # of the parameters a step, the same in both runs)
+            assert (sc.update_ratio is None) == (se.update_ratio is None), sc.layer
+            if sc.update_ratio is not None:
+                measured.add(sc.layer)
+                assert sc.update_ratio == pytest.approx(se.update_ratio, rel=1e-2)
+    assert measured == {s.layer for s in eager_hist[0].layers}  # every layer within the run's steps
