@@ -15,7 +15,8 @@ findings come from the monitor itself, not from a replay. Scoring:
   is left out of the announced count;
 - per instability run: for each statistic, its first finding before the failure, the lead time (failure − its
   step), the layer it named and whether that is the failing layer; the first paging finding likewise;
-- per control run: findings and pages per 1,000 judged steps (after the warm-up), per statistic.
+- per control run: findings and pages per 1,000 judged steps (after the warm-up, before its own failure), per
+  statistic; a control that fails itself is not a stable run: its row says so and the bound leaves it out.
 
 The target (issue 36): every instability announced ≥ 100 steps (or ≥ 20% of its healthy prefix) ahead, naming
 the failing layer; ≤ 1 finding per 1,000 steps and no page on the controls. A statistic that misses the control
@@ -138,10 +139,13 @@ def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per statistic: lead times over the instabilities, findings per 1,000 steps over the controls; which
-    statistics miss the control bound (ship off by default)."""
+    """Per statistic: lead times over the instabilities, findings per 1,000 steps over the stable controls (a
+    control that fails itself is listed in ``unstable_controls`` and left out of the bound); which statistics miss
+    the control bound (ship off by default)."""
     stats: dict[str, dict[str, Any]] = defaultdict(lambda: dict(leads={}, control_per_1000={}, control_pages=0))
     for r in rows:
+        if r["role"] == "control" and r["failure"] is not None:
+            continue  # not a stable run: it failed itself (its findings are in its row, not in the bound)
         if r["role"] == "control":
             for k, v in r["per_statistic"].items():
                 stats[k]["control_per_1000"][r["scenario"]] = v["per_1000"]
@@ -152,11 +156,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     stats[k]["leads"][r["scenario"]] = dict(lead=v["lead"], layer_ok=v["names_failing_layer"])
     off = sorted(k for k, v in stats.items()
                  if v["control_pages"] or any(x > 1.0 for x in v["control_per_1000"].values()))
-    controls = [r for r in rows if r["role"] == "control"]
+    controls = [r for r in rows if r["role"] == "control" and r["failure"] is None]
     return dict(per_statistic=dict(stats), off_by_default=off,
                 instabilities_announced=sum(r["announced"] for r in rows if r["role"] != "control" and r["reproduced"]),
                 instabilities=sum(r["role"] != "control" and r["reproduced"] for r in rows),
                 not_reproduced=[r["scenario"] for r in rows if r["role"] != "control" and not r["reproduced"]],
+                unstable_controls=[r["scenario"] for r in rows if r["role"] == "control" and r["failure"] is not None],
                 control_findings_per_1000_max=max((r["findings_per_1000"] for r in controls), default=None),
                 control_pages=sum(r["pages"] for r in controls))
 
@@ -218,9 +223,10 @@ def format_table(res: dict[str, Any]) -> str:
                              f"{'  (failing layer)' if v['names_failing_layer'] else ''}")
     s = res["summary"]
     lines.append(f"\nannounced {s['instabilities_announced']}/{s['instabilities']} reproduced instabilities "
-                 f"(not reproduced: {', '.join(s['not_reproduced']) or 'none'}); controls: max "
+                 f"(not reproduced: {', '.join(s['not_reproduced']) or 'none'}); stable controls: max "
                  f"{s['control_findings_per_1000_max']} findings / 1,000 steps, {s['control_pages']} pages; "
-                 f"off by default: {s['off_by_default'] or 'none'}")
+                 f"off by default: {s['off_by_default'] or 'none'}; controls that failed themselves (not counted): "
+                 f"{', '.join(s['unstable_controls']) or 'none'}")
     return "\n".join(lines)
 
 

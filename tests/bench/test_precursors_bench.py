@@ -62,7 +62,11 @@ def test_scores_lead_time_layer_and_control_rates():
     spiky["series"] = {"attn_entropy|l0|": np.full(1000, 2.0)}  # it fails, but nothing collapsed
     other = score(spiky, CFG)
     assert other["failure"] == 800 and not other["reproduced"] and not other["announced"]
-    s = summarize([row, ctl, other])
+    failed = score(_run("control", [_finding(300, "attn_entropy", "l0")] * 3, loss, incidents=[(500, ["grad_spike"])]),
+                   CFG)  # a control that fails itself: 3 findings in 400 judged steps, not a stable run
+    assert failed["failure"] == 500 and failed["findings_per_1000"] == 7.5
+    s = summarize([row, ctl, other, failed])
+    assert s["unstable_controls"] == ["control-run"] and "attn_entropy" not in s["off_by_default"]
     assert s["not_reproduced"] == ["instability-run"] and s["instabilities"] == 1
     assert s["off_by_default"] == ["attn_max_logit", "residual_rms"]  # a page; 2.2 > 1 per 1,000 steps
     assert s["instabilities_announced"] == 1 and s["control_pages"] == 1
