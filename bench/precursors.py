@@ -214,8 +214,8 @@ def format_table(res: dict[str, Any]) -> str:
                          + ", ".join(f"{k} {v['findings']}" for k, v in r["per_statistic"].items()))
         else:
             if not r["reproduced"]:
-                lines.append(f"  NOT REPRODUCED: no module's {REPRODUCED_BY.get(r['instability'], 'attn_entropy')} moved "
-                             "×2 toward its danger before the failure")
+                moved = REPRODUCED_BY.get(r["instability"], "attn_entropy")
+                lines.append(f"  NOT REPRODUCED: no module's {moved} moved ×2 toward its danger before the failure")
             lines.append(f"  failing layer {r['failing_layer']}; announced {r['announced']} "
                          f"(naming it: {r['announced_naming_layer']})")
             for k, v in r["first_by_statistic"].items():

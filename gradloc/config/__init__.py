@@ -24,7 +24,7 @@ from gradloc.config.precursors import DriftConfig, PrecursorConfig
 from gradloc.config.stages import BISECTION_POLICIES, ClassifierConfig, DetectorConfig, LocalizerConfig, SampleConfig
 from gradloc.config.watch import WatchConfig
 
-__all__ = ["BISECTION_POLICIES", "LEAN_SWEEP_STEPS", "MEMORY_BUDGET_FRACTION", "MEMORY_RESERVE", "MIN_MEMORY_BUDGET", "REMEDIES",
-           "UPDATE_RATIO_MODES", "BisectionPolicy", "ClassifierConfig", "DetectorConfig", "DistributedMode",
-           "DriftConfig", "LayerGrouping", "LocalizerConfig", "PrecursorConfig", "RemedyAction", "SampleConfig", "Sensitivity", "TokenStatsMode",
-           "UpdateRatioMode", "WatchConfig", "finite_or_none"]
+__all__ = ["BISECTION_POLICIES", "LEAN_SWEEP_STEPS", "MEMORY_BUDGET_FRACTION", "MEMORY_RESERVE", "MIN_MEMORY_BUDGET",
+           "REMEDIES", "UPDATE_RATIO_MODES", "BisectionPolicy", "ClassifierConfig", "DetectorConfig", "DistributedMode",
+           "DriftConfig", "LayerGrouping", "LocalizerConfig", "PrecursorConfig", "RemedyAction", "SampleConfig",
+           "Sensitivity", "TokenStatsMode", "UpdateRatioMode", "WatchConfig", "finite_or_none"]

@@ -95,7 +95,8 @@ class PrecursorConfig:
               f"head_positions must be an int >= 0 (0: every position), got {self.head_positions!r}")
         check(isinstance(self.attention_micro_batches, int) and not isinstance(self.attention_micro_batches, bool)
               and self.attention_micro_batches >= 0,
-              f"attention_micro_batches must be an int >= 0 (0: every micro-batch), got {self.attention_micro_batches!r}")
+              "attention_micro_batches must be an int >= 0 (0: every micro-batch), "
+              f"got {self.attention_micro_batches!r}")
         check(isinstance(self.attention_every, int) and self.attention_every >= 1,
               f"attention_every must be an int >= 1, got {self.attention_every!r}")
         check(isinstance(self.drift, DriftConfig), f"drift must be a DriftConfig, got {type(self.drift).__name__}")

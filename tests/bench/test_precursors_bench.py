@@ -94,7 +94,8 @@ def test_the_drift_cost_bench_times_the_detector(capsys: pytest.CaptureFixture[s
 
 def test_an_output_logit_divergence_reproduces_by_the_heads_logsumexp():
     n = 1000
-    run = _run("instability", [_finding(500, "logit_lse_sq", "head")], np.full(n, 3.0), incidents=[(800, ["grad_spike"])])
+    run = _run("instability", [_finding(500, "logit_lse_sq", "head")], np.full(n, 3.0),
+               incidents=[(800, ["grad_spike"])])
     run["instability"] = "output_logit_divergence"
     run["series"] = {"logit_lse_sq|head|": np.linspace(50.0, 60.0, n)}  # ×1.2: the head's logits did not diverge
     assert failing_layer(run, 100, 800) is None and not score(run, CFG)["reproduced"]
