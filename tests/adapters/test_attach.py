@@ -116,7 +116,7 @@ def test_attaching_twice_raises_and_reattach_after_detach_works():
     opt.step()
     second.close()
     _assert_no_hooks(model, opt)
-    assert len(second.history) == 1 and second.history[0].layers[0].update_ratio is not None
+    assert len(second.history) == 1 and second.history[0].layers[0].update_ratio is not None  # the first window's
     assert first.step == 1 and len(first.history) == 0  # detach() alone keeps the last record pending
     first.close()  # close() after detach() emits it and does not touch the model again
     assert [r.step for r in first.history] == [0]
@@ -132,7 +132,8 @@ def test_context_manager_closes_and_detaches():
         train(model, opt, data, mon, steps=2)
         assert len(mon.history) == 1  # the last record waits for its update ratio
     assert not mon.attached
-    assert len(mon.history) == 2 and all(x.update_ratio is not None for x in mon.history[-1].layers
+    # close() flushed the last record with the ratios of the layers its step's window covered (lean: a quarter)
+    assert len(mon.history) == 2 and any(x.update_ratio is not None for x in mon.history[-1].layers
                                          if x.param_norm > 0)
     _assert_no_hooks(model, opt)
     # an exception inside the block detaches as well

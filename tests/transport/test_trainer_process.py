@@ -64,4 +64,7 @@ def test_a_trainer_process_streams_its_steps_to_the_server():
         assert s.loss is not None and np.isfinite(s.loss)
         assert s.tokens is not None and s.tokens.tokens == 2 * 4 * 16 and s.tokens.top
     ratios = np.stack([s.layers.update_ratio for s in steps])  # (steps, layers)
-    assert np.isfinite(ratios).all() and (ratios > 0).all()  # every step's own update, update_ratio=True
+    # update_ratio=True ("lean"): a quarter of the parameters a step, so each step carries the layers its window
+    # covered and every layer arrives within a sweep of 4 steps; none unknown is sent as a value
+    measured = np.isfinite(ratios)
+    assert measured.any(axis=1).all() and measured[:4].any(axis=0).all() and (ratios[measured] > 0).all()
