@@ -7,12 +7,13 @@ findings come from the monitor itself, not from a replay. Scoring:
 
 - *failure* of a run: the first grad-spike, divergence or non-finite incident after the drift detector's warm-up,
   or the step where the 100-step mean loss first exceeds 1.1 × its lowest value after the warm-up, whichever comes
-  first (None: the run did not fail);
+  first (None: the run did not fail); a GRPO run's loss is not judged (a policy-gradient loss is no health measure);
 - *failing layer*: the module whose statistic of the instability moved most toward its danger between the end of
   the warm-up and the failure, when it moved by ×2 at least (:data:`REPRODUCED_BY`: attention entropy halving for
   attention-logit growth, a router's entropy for a router collapse, the head's mean logsumexp² doubling for an
-  output-logit divergence); an instability run where none did is *not reproduced* (it may still fail otherwise) and
-  is left out of the announced count;
+  output-logit divergence, the policy's mean token entropy — no module, named "" — for a GRPO entropy collapse); an
+  instability run where none did is *not reproduced* (it may still fail otherwise) and is left out of the announced
+  count;
 - per instability run: for each statistic, its first finding before the failure, the lead time (failure − its
   step), the layer it named and whether that is the failing layer; the first paging finding likewise;
 - per control run: findings and pages per 1,000 judged steps (after the warm-up, before its own failure), per
@@ -47,7 +48,8 @@ def failure(out: dict[str, Any], warmup: int) -> tuple[int | None, str]:
     """The run's failure step and what it was (see the module's docstring)."""
     inc = next((s for s, kinds in out["incidents"] if s >= warmup and FAIL_KINDS & set(kinds)), None)
     loss, best, blow = out["loss"], math.inf, None
-    for s in range(warmup + LOSS_WINDOW, len(loss) + 1):
+    judged = range(warmup + LOSS_WINDOW, len(loss) + 1) if out.get("judge_loss", True) else ()  # RL: incidents only
+    for s in judged:
         m = float(np.mean(loss[s - LOSS_WINDOW:s]))
         if not math.isfinite(m) or m > LOSS_RATIO * best:
             blow = s - 1
@@ -63,7 +65,7 @@ def failure(out: dict[str, Any], warmup: int) -> tuple[int | None, str]:
 # what "it reproduced" means per instability: the statistic that must have moved by at least ×2 (its log ratio
 # ≥ ln 2) toward its danger from the warm-up's end to the failure, on some module — that module is the failing one
 REPRODUCED_BY = {"attention_logit_growth": "attn_entropy", "router_collapse": "router_entropy",
-                 "output_logit_divergence": "logit_lse_sq"}
+                 "output_logit_divergence": "logit_lse_sq", "policy_entropy_collapse": "rl_entropy"}
 MOVED = math.log(2.0)
 
 
@@ -83,6 +85,14 @@ def failing_layer(out: dict[str, Any], warmup: int, fail: int) -> str | None:
         if moved >= best:
             best, name = moved, layer
     return name
+
+
+def _names(f: Any, layer: str | None, out: dict[str, Any]) -> bool:
+    """Whether finding ``f`` names the failing module: its own, or — for an instability of the whole policy (no
+    module: ``layer`` "") — the instability's own statistic."""
+    if layer is None or f.layer != layer:
+        return False
+    return bool(layer) or f.statistic == REPRODUCED_BY.get(out["instability"])
 
 
 def levels(out: dict[str, Any], warmup: int, fail: int | None) -> dict[str, list[float]]:
@@ -127,7 +137,7 @@ def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
         key = f.statistic + (" (page)" if f.pages else "")
         if key not in first:
             first[key] = dict(step=f.step, lead=fail - f.step if fail is not None else None, layer=f.layer,
-                              head=f.head, trend=str(f.trend), names_failing_layer=bool(layer) and f.layer == layer)
+                              head=f.head, trend=str(f.trend), names_failing_layer=_names(f, layer, out))
     healthy = (fail if fail is not None else steps) - cfg.warmup
     leads = [v["lead"] for v in first.values() if v["lead"] is not None]
     row.update(failing_layer=layer, reproduced=layer is not None, first_by_statistic=first,
@@ -216,7 +226,8 @@ def format_table(res: dict[str, Any]) -> str:
             if not r["reproduced"]:
                 moved = REPRODUCED_BY.get(r["instability"], "attn_entropy")
                 lines.append(f"  NOT REPRODUCED: no module's {moved} moved ×2 toward its danger before the failure")
-            lines.append(f"  failing layer {r['failing_layer']}; announced {r['announced']} "
+            named = "the policy (no module)" if r["failing_layer"] == "" else r["failing_layer"]
+            lines.append(f"  failing layer {named}; announced {r['announced']} "
                          f"(naming it: {r['announced_naming_layer']})")
             for k, v in r["first_by_statistic"].items():
                 lines.append(f"  {k:<24} step {v['step']:>5}  lead {v['lead']}  {v['layer']} {v['trend']}"

@@ -3,8 +3,9 @@ gradloc attached and every step's precursor statistics, loss, global norm and in
 
 A run's data is :mod:`bench.natural`'s (BPE over the standard library's docstrings and the licence texts). Its LR
 either follows a ramp (exponential from ``lr`` to ``lr_end`` over the run: Wortsman et al.'s way to find where a
-model stops being trainable) or :class:`bench.natural.RunConfig`'s warm-up and cosine. The scenarios
-(:data:`SCENARIOS`) pair each instability with its control (../shared/DESIGN.md §10).
+model stops being trainable) or :class:`bench.natural.RunConfig`'s warm-up and cosine; a GRPO run
+(:mod:`bench.precursors_rl`) samples its own data. :func:`scenarios` pairs each instability with its control
+(../shared/DESIGN.md §10).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from bench.natural import Run, RunConfig, token_losses
+from bench.precursors_rl import GrpoConfig, GrpoRun
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class RampConfig(RunConfig):
 class Scenario:
     name: str
     role: str  # "instability" (it should fail) or "control" (it should not)
-    run: RampConfig
+    run: RampConfig | GrpoConfig
     instability: str  # which instability the pair is about ("attention_logit_growth", ...)
     detail: str = ""
 
@@ -64,6 +66,10 @@ def scenarios(steps: int = 3000) -> tuple[Scenario, ...]:
                  "HF Qwen3 (qk-norm) with its own output head, no z-loss, LR 1e-4 -> 0.3"),
         Scenario("qwen3_untied_zloss", "control", _ramp("qwen3", steps, 0.3, tied=False, z_loss=1e-4),
                  "output_logit_divergence", "the same with z-loss 1e-4 × logsumexp²"),
+        Scenario("grpo_ramp", "instability", GrpoConfig(steps=steps, lr=1e-5, lr_end=1e-2), "policy_entropy_collapse",
+                 "GRPO (groups of 8, word-start reward) on a Qwen3 from initialization, LR 1e-5 -> 1e-2"),
+        Scenario("grpo_low", "control", GrpoConfig(steps=steps, lr=1e-5, lr_end=1e-3), "policy_entropy_collapse",
+                 "the same, LR 1e-5 -> 1e-3"),
         Scenario("llama_cosine", "control",
                  RampConfig(family="llama", steps=steps, lr=3e-3, micro_batches=2, batch=4, seq=64),
                  "attention_logit_growth", "the same Llama at LR 3e-3 (warm-up, cosine), weight decay 0.1"),
@@ -96,7 +102,7 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
     """Train ``sc`` with gradloc watching; every step's statistics as arrays (``series``: key -> (steps,) values,
     NaN where a step had none; key = "kind|layer|head")."""
     torch.manual_seed(sc.run.seed)
-    run = RampRun(sc.run, **watch)
+    run = GrpoRun(sc.run, **watch) if isinstance(sc.run, GrpoConfig) else RampRun(sc.run, **watch)
     loss, norm, lr, spikes, incidents, findings = [], [], [], [], [], []
     series: dict[str, list[float]] = {}
     at: dict[str, list[tuple[int, int, int] | None]] = {}
@@ -113,11 +119,14 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
             if rep.incident is not None:
                 incidents.append((s, sorted(str(k) for k in rep.incident.spike.kinds)))
             findings.extend(getattr(rec, "precursor_findings", ()))
-            for p in rec.precursors:
-                key = f"{p.kind}|{p.layer}|{'' if p.head is None else p.head}"
+            values = [(f"{p.kind}|{p.layer}|{'' if p.head is None else p.head}", p.value, p.at) for p in rec.precursors]
+            if rec.rl is not None:  # the RL statistics the drift detector judges (no layer)
+                values += [(f"{k}||", v, None) for k, v in (("rl_entropy", rec.rl.entropy_mean),
+                                                            ("rl_kl_rollout", rec.rl.kl_rollout)) if v is not None]
+            for key, value, where in values:
                 col = series.setdefault(key, [math.nan] * s)
-                col.append(p.value)
-                at.setdefault(key, [None] * s).append(p.at)
+                col.append(value)
+                at.setdefault(key, [None] * s).append(where)
             for key, col in series.items():  # a series without a value this step
                 if len(col) < s + 1:
                     col.append(math.nan)
@@ -127,7 +136,8 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
     return dict(scenario=sc.name, role=sc.role, instability=sc.instability, detail=sc.detail,
                 loss=np.asarray(loss), norm=np.asarray(norm), lr=np.asarray(lr), spikes=spikes, incidents=incidents,
                 findings=findings, series={k: np.asarray(v) for k, v in series.items()}, at=at,
-                seconds=time.perf_counter() - t0, params=run.params)
+                seconds=time.perf_counter() - t0, params=run.params, judge_loss=getattr(run, "judge_loss", True),
+                rewards=np.asarray(getattr(run, "rewards", [])))
 
 
 def blow_up(loss: np.ndarray, window: int = 25, ratio: float = 1.3, after: int = 200) -> int | None:

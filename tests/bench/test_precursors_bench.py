@@ -115,3 +115,57 @@ def test_runs_can_be_changed_from_the_command_line():
     for bad in (["experts"], ["family=llama"], ["nope=1"], ["top_k=9"], ["experts=x"]):
         with pytest.raises(ValueError):
             with_overrides(moe, bad)
+
+
+def test_a_grpo_run_s_loss_is_not_judged_its_incidents_are():
+    rising = np.concatenate([np.full(500, 0.1), np.full(500, -3.0)])  # a policy-gradient loss moves either way
+    run = _run("instability", [], rising)
+    assert failure(run, 100)[0] is not None  # as a language model's loss, this would be a failure
+    run["judge_loss"] = False
+    assert failure(run, 100) == (None, "")
+    run["incidents"] = [(700, ["grad_spike"])]
+    assert failure(run, 100) == (700, "incident")
+
+
+@pytest.mark.slow
+def test_grpo_steps_hand_the_monitor_the_policy_s_own_entropy_and_rewards():
+    """The rewards and the entropy the monitor records are what the sampled responses and the policy give, computed
+    here from the same samples (the sampling is seeded by the step: it can be replayed before the step runs)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import torch
+
+    from bench.precursors_rl import GrpoConfig, GrpoRun
+
+    cfg = GrpoConfig(steps=3, prompts=2, group=4, prompt=4, response=4, lr=1e-2)
+    run = GrpoRun(cfg)
+    try:
+        for step in range(3):
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            seq, rollout = run.sample(gen)
+            with torch.no_grad():
+                logp = torch.log_softmax(run.model(seq[:, :-1]).float(), dim=-1)[:, cfg.prompt - 1:]  # (N, R, V)
+            entropy = float(-(logp.exp() * logp).sum(-1).mean())
+            chosen = logp.gather(-1, seq[:, cfg.prompt:, None])[..., 0]  # (N, R)
+            assert torch.allclose(chosen, rollout, atol=1e-5)  # the sampling log-probs are the policy's
+            rec = run.step().record
+            assert run.rewards[-1] == pytest.approx(float(run.word_start[seq[:, cfg.prompt:]].float().mean()))
+            assert rec.rl is not None and rec.rl.entropy_mean == pytest.approx(entropy, rel=1e-4)
+            assert 0.0 < rec.rl.entropy_mean <= math.log(run.corpus.vocab) + 1e-6
+            assert rec.rl.kl_rollout == pytest.approx(0.0, abs=1e-6)
+    finally:
+        run.close()
+
+
+def test_a_policy_entropy_collapse_is_the_policy_s_and_only_its_entropy_names_it():
+    n = 1000
+    run = _run("instability", [_finding(400, "rl_kl_rollout", ""), _finding(500, "rl_entropy", "")],
+               np.full(n, 0.0), incidents=[(800, ["grad_spike"])])
+    run.update(instability="policy_entropy_collapse", judge_loss=False,
+               series={"rl_entropy||": np.geomspace(7.6, 1.0, n), "rl_kl_rollout||": np.zeros(n)})
+    row = score(run, CFG)
+    assert row["failing_layer"] == "" and row["reproduced"] and row["announced_naming_layer"]
+    first = row["first_by_statistic"]
+    assert first["rl_entropy"]["names_failing_layer"] and not first["rl_kl_rollout"]["names_failing_layer"]
+    run["series"] = {"rl_entropy||": np.linspace(7.6, 5.0, n)}  # ×0.66: no collapse
+    assert not score(run, CFG)["reproduced"]
