@@ -245,7 +245,33 @@ class RunConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-class Run:
+class Watched:
+    """What a watched bench run shares (``mon``, ``model``, ``opt``, ``cfg.clip``, ``step_no``): the end of a step —
+    gradloc's ``end_step`` with the probe, clipping, the update — and closing."""
+
+    mon: Any
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    step_no: int
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def finish(self, total: torch.Tensor, probe: Callable[..., torch.Tensor]) -> Any:
+        """``end_step`` (the StepReport it returns), clipping at ``cfg.clip``, the optimizer step."""
+        report = self.mon.end_step(total, probe=probe)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)  # type: ignore[attr-defined]
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_no += 1
+        return report
+
+    def close(self) -> None:
+        self.mon.close()
+
+
+class Run(Watched):
     """One model trained on the natural corpus with gradloc attached (``watch``: WatchConfig fields)."""
 
     def __init__(self, cfg: RunConfig, **watch: Any) -> None:
@@ -263,10 +289,6 @@ class Run:
               "max_overhead": None, **watch}  # no shedding: what the detector sees must not depend on timing
         self.mon = gradloc.watch(self.model, self.opt, **kw)
         self.step_no = 0
-
-    @property
-    def params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
     def batch(self, step: int) -> StepBatch:
         """Step ``step``'s data: the same for every run of this seed, whatever happened before."""
@@ -298,12 +320,4 @@ class Run:
                 loss = loss_for(i)
                 loss.backward()
             total += loss.detach()
-        report = self.mon.end_step(total, probe=loss_for)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.step_no += 1
-        return report
-
-    def close(self) -> None:
-        self.mon.close()
+        return self.finish(total, loss_for)

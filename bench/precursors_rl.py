@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bench.natural import build_model, natural_corpus
+from bench.natural import Watched, build_model, natural_corpus
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class GrpoConfig:
         return self.lr * (self.lr_end / self.lr) ** (step / max(1, self.steps - 1))
 
 
-class GrpoRun:
+class GrpoRun(Watched):
     """One GRPO run with gradloc watching (``watch``: WatchConfig fields); ``step()`` returns the StepReport."""
 
     judge_loss = False  # a policy-gradient loss says nothing of health: the failure is the incidents'
@@ -80,10 +80,6 @@ class GrpoRun:
         self.mon = gradloc.watch(self.model, self.opt, **kw)
         self.step_no = 0
         self.rewards: list[float] = []
-
-    @property
-    def params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
     @torch.no_grad()
     def sample(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,15 +140,7 @@ class GrpoRun:
                 loss = loss_for(i, fields=True)
                 loss.backward()
             total += loss.detach()
-        report = self.mon.end_step(total, probe=loss_for)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.step_no += 1
-        return report
-
-    def close(self) -> None:
-        self.mon.close()
+        return self.finish(total, loss_for)
 
 
 __all__ = ["GrpoConfig", "GrpoRun"]
