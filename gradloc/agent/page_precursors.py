@@ -72,4 +72,5 @@ def precursors_html(findings: Sequence[PrecursorFinding]) -> str:
 def _driver(d: PrecursorDriver) -> str:
     sample = f"sample {d.sample}" + (f" (id {d.sample_id})" if d.sample_id else "")
     origin = f" · from {d.sample_info.origin}" if d.sample_info is not None and d.sample_info.origin else ""
-    return _e(f"step {d.step} · micro-batch {d.micro_batch} · {sample} · position {d.position}{origin}")
+    rank = f"rank {d.rank} · " if d.rank is not None else ""
+    return _e(f"step {d.step} · {rank}micro-batch {d.micro_batch} · {sample} · position {d.position}{origin}")

@@ -61,15 +61,16 @@ class PrecursorStat:
     value: float
     head: int | None = None  # an attention head or an expert, where configured (PrecursorConfig.per_head)
     at: tuple[int, int, int] | None = None  # (micro-batch, row, position) of the max / min
+    rank: int | None = None  # a job-wide value (collector/precursors/job.py): the rank whose micro-batch ``at`` is in
 
     def __post_init__(self) -> None:
-        problem = precursor_problem(self.kind, self.layer, self.head, self.at)
+        problem = precursor_problem(self.kind, self.layer, self.head, self.at, self.rank)
         if problem:
             raise ValueError(f"precursor stat: {problem}")
         object.__setattr__(self, "kind", PrecursorKind(self.kind))
 
 
-def precursor_problem(kind: object, layer: object, head: object, at: object) -> str:
+def precursor_problem(kind: object, layer: object, head: object, at: object, rank: object = None) -> str:
     """Why these fields are not a valid stat ('' when they are): a decoder's and the constructor's check."""
     if kind not in tuple(PrecursorKind):
         return f"kind must be one of {[k.value for k in PrecursorKind]}, got {kind!r}"
@@ -79,6 +80,8 @@ def precursor_problem(kind: object, layer: object, head: object, at: object) -> 
         return f"head must be None or an int >= 0, got {head!r}"
     if at is not None and (len(at) != 3 or any(not isinstance(v, int) or v < 0 for v in at)):
         return f"at must be None or three ints >= 0, got {at!r}"
+    if rank is not None and (not isinstance(rank, int) or rank < 0):
+        return f"rank must be None or an int >= 0, got {rank!r}"
     return ""
 
 
@@ -102,7 +105,9 @@ class PrecursorDriver:
     """Where the statistic reached one of its most extreme values in the finding's window: the step, the
     micro-batch, the sample (its index in the micro-batch, id and provenance where the loader gave them) and the
     position in the sample. For a router: a token routed to the overloaded expert; for attention: the query row
-    with the largest logit or lowest entropy; for the head: the position with the largest |logit|."""
+    with the largest logit or lowest entropy; for the head: the position with the largest |logit|. ``rank``: the
+    rank whose micro-batch it is, for a job-wide value (DDP, FSDP2, ZeRO); its sample id and provenance are known
+    only to that rank, so a driver on another rank than the finding's names rank, micro-batch, row and position."""
 
     step: int
     value: float
@@ -111,6 +116,7 @@ class PrecursorDriver:
     position: int
     sample_id: str | None = None
     sample_info: SampleInfo | None = None
+    rank: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -106,6 +106,8 @@ def encode_precursor_findings(findings: Sequence[PrecursorFinding], out: pb.Step
                 dm.sample_id = d.sample_id
             if d.sample_info is not None:
                 dm.sample_info.CopyFrom(encode_info(d.sample_info))
+            if d.rank is not None:
+                dm.rank = d.rank
 
 
 def precursor_findings_of(m: pb.Step, job: str, rank: int, step: int,
@@ -146,4 +148,5 @@ def _driver(d: pb.PrecursorDriverMsg, step: int, where: str) -> PrecursorDriver:
         step=d.step, value=v.finite(d.value, f"{where}.value"), micro_batch=v.count(d.micro_batch, f"{where}.micro_batch"),
         sample=v.count(d.sample, f"{where}.sample"), position=v.count(d.position, f"{where}.position"),
         sample_id=v.text(d.sample_id, f"{where}.sample_id") if d.HasField("sample_id") else None,
-        sample_info=decode_info(d.sample_info, f"{where}.sample_info") if d.HasField("sample_info") else None)
+        sample_info=decode_info(d.sample_info, f"{where}.sample_info") if d.HasField("sample_info") else None,
+        rank=v.count(d.rank, f"{where}.rank") if d.HasField("rank") else None)

@@ -18,8 +18,10 @@ def precursors_of(m: pb.Step) -> tuple[tuple[PrecursorStat, ...], int]:
     for p in m.precursors:
         head = p.head if p.HasField("head") else None
         at = tuple(p.at) if p.at else None
-        if len(kept) < MAX_PRECURSORS and math.isfinite(p.value) and not precursor_problem(p.kind, p.layer, head, at):
-            kept.append(PrecursorStat(kind=p.kind, layer=p.layer, value=p.value, head=head, at=at))
+        rank = p.rank if p.HasField("rank") else None
+        if len(kept) < MAX_PRECURSORS and math.isfinite(p.value) and \
+                not precursor_problem(p.kind, p.layer, head, at, rank):
+            kept.append(PrecursorStat(kind=p.kind, layer=p.layer, value=p.value, head=head, at=at, rank=rank))
     return tuple(kept), len(m.precursors) - len(kept)
 
 

@@ -84,6 +84,8 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
         msg = m.precursors.add(kind=str(p.kind), layer=p.layer, value=p.value, at=p.at or ())
         if p.head is not None:
             msg.head = p.head
+        if p.rank is not None:
+            msg.rank = p.rank
     encode_precursor_findings(rec.precursor_findings, m)
     return m
 

@@ -174,7 +174,7 @@ class PrecursorFindingMsg(_message.Message):
     def __init__(self, statistic: _Optional[str] = ..., layer: _Optional[str] = ..., head: _Optional[int] = ..., trend: _Optional[str] = ..., value: _Optional[float] = ..., baseline: _Optional[float] = ..., z: _Optional[float] = ..., change: _Optional[float] = ..., rate: _Optional[float] = ..., since_step: _Optional[int] = ..., pages: _Optional[bool] = ..., drivers: _Optional[_Iterable[_Union[PrecursorDriverMsg, _Mapping]]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PrecursorDriverMsg(_message.Message):
-    __slots__ = ("step", "value", "micro_batch", "sample", "position", "sample_id", "sample_info")
+    __slots__ = ("step", "value", "micro_batch", "sample", "position", "sample_id", "sample_info", "rank")
     STEP_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class PrecursorDriverMsg(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INFO_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     step: int
     value: float
     micro_batch: int
@@ -189,21 +190,24 @@ class PrecursorDriverMsg(_message.Message):
     position: int
     sample_id: str
     sample_info: SampleInfoMsg
-    def __init__(self, step: _Optional[int] = ..., value: _Optional[float] = ..., micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
+    rank: int
+    def __init__(self, step: _Optional[int] = ..., value: _Optional[float] = ..., micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., position: _Optional[int] = ..., sample_id: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class PrecursorMsg(_message.Message):
-    __slots__ = ("kind", "layer", "value", "head", "at")
+    __slots__ = ("kind", "layer", "value", "head", "at", "rank")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     kind: str
     layer: str
     value: float
     head: int
     at: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[str] = ..., layer: _Optional[str] = ..., value: _Optional[float] = ..., head: _Optional[int] = ..., at: _Optional[_Iterable[int]] = ...) -> None: ...
+    rank: int
+    def __init__(self, kind: _Optional[str] = ..., layer: _Optional[str] = ..., value: _Optional[float] = ..., head: _Optional[int] = ..., at: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GroupTokensMsg(_message.Message):
     __slots__ = ("kind", "name", "samples", "tokens")
