@@ -50,28 +50,42 @@ def job_vector(loss: torch.Tensor | float | None, top: torch.Tensor | float, tot
     return JOB_ROW.build(loss=t(loss), top=t(top), total=t(total))
 
 
-def step_row(n_layers: int, summed: bool) -> Pack:
+def step_row(n_layers: int, summed: bool, precursors: int = 0) -> Pack:
     """A rank's row of the step gather: its job row and, when the job sums its ranks' packs, its layer pack and
-    update sums — always there, zeros where this rank measured none this step, and a 1/0 saying which."""
-    if not summed:
-        return JOB_ROW
-    return JOB_ROW + Pack.of(layers=len(layer_pack(n_layers)), update=len(update_pack(n_layers)), has_update=1)
+    update sums — always there, zeros where this rank measured none this step, and a 1/0 saying which — then its
+    precursor slots (``precursors`` values, in a layout every rank agreed on: collector/precursors/job.py)."""
+    row = JOB_ROW
+    if summed:
+        row = row + Pack.of(layers=len(layer_pack(n_layers)), update=len(update_pack(n_layers)), has_update=1)
+    return row + Pack.of(precursors=precursors) if precursors else row
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """The step gather's results: the job's layer pack and update sums (when the job sums its ranks'), the (W, 3)
+    job rows and the (W, n) precursor rows (when a precursor row was sent)."""
+
+    layers: torch.Tensor | None
+    update: torch.Tensor | None
+    jobs: torch.Tensor
+    precursors: torch.Tensor | None
 
 
 def gather_step(comm: Gather, n_layers: int, layers: torch.Tensor | None, update: torch.Tensor | None,
-                job: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """All-gather this rank's :func:`step_row` in one collective. Returns the job's layer pack, the job's update
-    sums and the (W, 3) job rows.
+                job: torch.Tensor, precursors: torch.Tensor | None = None) -> Gathered:
+    """All-gather this rank's :func:`step_row` in one collective.
 
     The row's layout is the same on every rank whatever each rank's optional state (its meter may have shed the
-    update ratios); the returned (3L + 1,) update sums end with the number of ranks that had one
-    (collector/step.py uses them only when that is every rank)."""
-    row = step_row(n_layers, layers is not None)
+    update ratios; the precursor row's length is agreed); the returned (3L + 1,) update sums end with the number of
+    ranks that had one (collector/step.py uses them only when that is every rank)."""
+    row = step_row(n_layers, layers is not None, len(precursors) if precursors is not None else 0)
     f64 = dict(dtype=torch.float64, device=job.device)
     parts = {"loss": JOB_ROW.get(job, "loss"), "top": JOB_ROW.get(job, "top"), "total": JOB_ROW.get(job, "total")}
     if layers is not None:
         parts.update(layers=layers.to(**f64), has_update=torch.tensor([float(update is not None)], **f64),
                      update=update.to(**f64) if update is not None else torch.zeros(len(update_pack(n_layers)), **f64))
+    if precursors is not None and len(precursors):
+        parts["precursors"] = precursors.to(**f64)
     rows = comm.all_gather(row.build(**parts), "gradloc step gather")  # (W, len(row))
     out_pack = out_update = None
     if layers is not None:
@@ -79,7 +93,8 @@ def gather_step(comm: Gather, n_layers: int, layers: torch.Tensor | None, update
         summed = row.get(rows, "update").sum(0)  # (W, 3L) -> (3L,)
         out_update = summed_update_pack(n_layers).build(**update_pack(n_layers).split(summed),
                                                         ranks=row.get(rows, "has_update").sum(0))  # (3L + 1,)
-    return out_pack, out_update, rows[:, :len(JOB_ROW)]  # (W, 3): the JOB_ROW fields lead the row
+    pre = row.get(rows, "precursors") if "precursors" in dict(row.fields) else None  # (W, n)
+    return Gathered(out_pack, out_update, rows[:, :len(JOB_ROW)], pre)  # (W, 3): the JOB_ROW fields lead the row
 
 
 def job_view(rows: np.ndarray) -> JobView:

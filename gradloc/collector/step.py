@@ -44,6 +44,7 @@ class StepInputs:
     group_tokens: torch.Tensor | None = None  # (S,) loss tokens per sample, when the step has groups (collector/groups.py)
     # the step's precursor slots and their pack (collector/precursors/slots.py: StepSlots.take), when measured
     precursors: tuple[tuple, torch.Tensor | None] | None = None
+    precursor_row: torch.Tensor | None = None  # this rank's part of the step gather (collector/precursors/job.py)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Assembled:
     check: list[float] | None = None  # host copy of the token group's check (parallel/tokens.py)
     group_tokens: np.ndarray | None = None  # host copy of StepInputs.group_tokens
     precursors: np.ndarray | None = None  # host copy of StepInputs.precursors' pack
+    precursor_rows: np.ndarray | None = None  # (W, n) host copy of every rank's StepInputs.precursor_row
 
 
 def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
@@ -68,21 +70,22 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     pack, update = layers.grad_pack(inv, x.unattributed), x.previous_update  # layer_pack, update_pack?
     loss_t = x.loss if isinstance(x.loss, torch.Tensor) else None
     summary = summary_pack(x.scores, x.top_k) if x.scores is not None else None
-    rows = None
+    rows = pre_rows = None
     if x.comm is not None:
         top, total = (0.0, 0.0)
         if summary is not None:
             tl = summary_layout(x.scores, x.top_k, len(x.token_layers))
             top, total = tl.get(summary, "top_vals")[:1].sum(), tl.get(summary, "total")[0]  # (none: 0)
         job = job_vector(loss_t if loss_t is not None else x.loss, top, total * x.score_weight, dev)
-        shared_pack, shared_update, rows = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None,
-                                                       update, job)
-        pack = shared_pack if shared_pack is not None else pack
-        update = shared_update if shared_update is not None else update  # summed: (3L + 1,), ends with a count
+        got = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None, update, job, x.precursor_row)
+        pack = got.layers if got.layers is not None else pack
+        update = got.update if got.update is not None else update  # summed: (3L + 1,), ends with a count
+        rows, pre_rows = got.jobs, got.precursors
     fields = {"layers": pack, "scale": scale, "loss": loss_t, "tokens": summary, "rl": x.rl, "samples": x.samples,
               "check": x.scores.check if x.scores is not None else None, "update": update,
               "job": rows.flatten() if rows is not None else None,  # (W, 3) -> (3W,)
-              "groups": x.group_tokens, "precursors": x.precursors[1] if x.precursors is not None else None}
+              "groups": x.group_tokens, "precursors": x.precursors[1] if x.precursors is not None else None,
+              "precursor_rows": pre_rows.flatten() if pre_rows is not None else None}  # (W, n) -> (W·n,)
     fields = {k: v.detach().to(dev, torch.float64).reshape(-1) for k, v in fields.items() if v is not None}
     layout = Pack.of(**{k: v.numel() for k, v in fields.items()})
     host = layout.build(**fields).cpu().numpy()  # the step's one host transfer
@@ -125,7 +128,12 @@ def _parse(host: np.ndarray, layout: Pack, layers: LayerStatsCollector, x: StepI
     check = [float(v) for v in layout.get(host, "check")] if "check" in present else None
     groups = layout.get(host, "groups").copy() if "groups" in present else None
     precursors = layout.get(host, "precursors").copy() if "precursors" in present else None
-    return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check, groups, precursors)
+    pre_rows = None
+    if "precursor_rows" in present:
+        W = len(layout.get(host, "job")) // 3  # the job rows: (3W,)
+        pre_rows = layout.get(host, "precursor_rows").reshape(W, -1)  # (W·n,) -> (W, n)
+    return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check, groups, precursors,
+                     pre_rows)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

@@ -32,6 +32,7 @@ from gradloc.collector.job import as_judged
 from gradloc.collector.layer_stats import module_layer_map
 from gradloc.collector.overhead import OverheadMeter
 from gradloc.collector.precursors.hooks import make_precursors
+from gradloc.collector.precursors.job import job_slots
 from gradloc.collector.precursors.stats import precursor_stats
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.step import StepInputs, assemble
@@ -100,7 +101,7 @@ class Monitor(Lifecycle):
                                                 self.layer_stats.device, self.job.weights,
                                                 self.layer_stats.numel if self.job.weights is not None else None)
         self.counters: Counter[str] = Counter()
-        self.precursors = make_precursors(watched, cfg.precursors, self.counters, job.layout, job.holds_head,
+        self.precursors = make_precursors(watched, cfg.precursors, self.counters, job.holds_head,
                                           compiled=type(given).__name__ == "OptimizedModule",
                                           on_spike=cfg.token_stats == "on_spike")
         self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job,
@@ -119,6 +120,7 @@ class Monitor(Lifecycle):
         self.samples = SampleWatch(cfg.samples, getattr(decode, "decode", decode), self.counters,
                                    holds_head=job.holds_head, judges=job.judges_samples)  # outlier findings
         self.drift = DriftWatch(cfg.precursors.drift, self.counters)  # precursor findings (detector/drift.py)
+        self.job_slots = job_slots(self.comm, job.layout, self.counters)  # the job's precursor values
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
@@ -233,6 +235,8 @@ class Monitor(Lifecycle):
                        group_tokens=groups.step_tokens(metas, self.layer_stats.device, self.counters)
                        if self.job.judges_samples else None,  # once per data index (tp, pp: one rank counts)
                        precursors=self.precursors.take() if self.precursors is not None else None)
+        if self.job_slots is not None:  # this rank's precursor slots in the job's layout, in the step gather
+            x = replace(x, precursor_row=self.job_slots.row(*(x.precursors or ((), None)), self.layer_stats.device))
         try:
             assembled = assemble(self.layer_stats, x)
         except CollectiveTimeout:  # the step gather failed: this rank goes on alone, training never waits
@@ -242,16 +246,17 @@ class Monitor(Lifecycle):
         own, step_s, ratio = self.meter.finish_step()
         t1 = self.meter.begin()
         ratios = self.update_ratios.ratios(assembled.previous_update) if assembled.previous_update is not None else None
+        precursors, job_wide = precursor_stats(x.precursors, assembled.precursors, self.config.precursors,
+                                               self.counters, self.job_slots, assembled.precursor_rows)
         self._fanout.release(ratios, self.layer_stats.layers)
         record = replace(assembled.record, overhead_s=own, step_s=step_s, overhead=ratio, shed=self.meter.shed,
                          layers_global=self.comm is not None,
                          groups=groups.step_groups(metas, assembled.group_tokens, self.counters),
-                         precursors=precursor_stats(x.precursors, assembled.precursors, self.config.precursors,
-                                                    self.counters))
+                         precursors=precursors)
         if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
             record, scores = self.tokens.checked(record, scores, assembled.check)
         record = self.samples.judge_step(record, assembled.samples, list(metas))
-        record = self.drift.watch_step(record, metas)
+        record = self.drift.watch_step(record, metas, self.comm.rank if job_wide and self.comm is not None else None)
         spike = self.detector.observe(as_judged(record, assembled.job))
         self._fanout.hold(replace(assembled, record=replace(record, **self.detector.band(spike))))
         self.meter.end(t1)
@@ -291,7 +296,7 @@ class Monitor(Lifecycle):
         log.error("gradloc: collectives are off for the rest of the run, each rank is watched on its own: %s",
                   self.comm.broken if self.comm else "")
         self.counters["left_job"] += 1
-        self.comm = None
+        self.comm = self.job_slots = None
         self.detector.agree = None
         self.spikes.alone = True
         self.tokens.alone = True

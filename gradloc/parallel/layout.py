@@ -32,6 +32,7 @@ class Layout:
     sizes: dict[str, int]  # "dp" and each model dim present: its size
     coord: dict[str, int]  # this rank's coordinate along each of ``sizes``
     groups: dict[str, JobComm] = field(default_factory=dict)  # one communicator per model dim of size > 1
+    every: tuple[dict[str, int], ...] = ()  # each world rank's ``coord`` (empty: data parallelism alone)
 
     @property
     def dp(self) -> int:
@@ -73,7 +74,8 @@ class Layout:
             groups[k] = _subgroup(world, [lists[key] for key in sorted(lists)], k)
         coord = {k: c for k, c, _ in mine}
         coord["dp"] = index[world.rank]
-        return Layout(world, data, token, {"dp": dp, **dims}, coord, groups)
+        every_coord = tuple({**{k: c for k, c, _ in e}, "dp": index[r]} for r, e in enumerate(every))
+        return Layout(world, data, token, {"dp": dp, **dims}, coord, groups, every_coord)
 
     @staticmethod
     def flat(world: JobComm) -> "Layout":

@@ -69,13 +69,17 @@ MONITOR_EVENTS: dict[str, str] = {
     "precursors_swap_missed": "attention modules that bound SDPA before gradloc's swap (measured under the mode "
                               "from then on; counted once per module)",
     "precursors_mode_errors": "the precursor attention mode could not be left cleanly (another mode was left open)",
-    "precursors_tensor_split": "a job that splits heads or logits over ranks (tensor / expert parallelism): precursor "
-                               "statistics not measured (counted once at watch)",
+    "precursors_vocab_split": "a tensor-parallel job whose head splits its logits over the vocabulary: the head's "
+                              "logsumexp² is not measured, its largest |logit| is (counted once)",
     "precursors_nonfinite": "precursor values that were not finite (left out of the record)",
+    "precursors_own_values": "steps of a multi-rank job whose precursor values were this rank's own, not the job's "
+                             "(the ranks had not agreed on their slots yet, or hook different modules: a pipeline)",
     # the drift detector (gradloc/engine/drift.py, gradloc/detector/drift.py)
     "precursor_findings": "precursor findings the drift detector made (paging ones included)",
     "drift_errors": "steps whose drift judgement failed (no precursor findings that step)",
     "drift_series_dropped": "precursor series beyond DriftConfig.max_series (not judged; counted per step)",
+    "precursor_findings_elsewhere": "findings on a job's precursor values that another rank reports (the one "
+                                    "holding the finding's most extreme driver; every rank finds the same)",
     # delivery (gradloc/engine/fanout.py)
     "sink_errors": "sink calls (on_step, on_incident, flush, shutdown) that raised",
     "undelivered_at_close": "records the agent client could not deliver by close_timeout_s (counted at close: "

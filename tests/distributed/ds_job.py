@@ -84,9 +84,10 @@ def train(rank: int, stage: int, steps: int, plant: tuple | None, monitor: bool,
                 collectives.append(mon.comm.collectives - before)
             engine.step()  # every micro-batch: DeepSpeed steps the optimizer at the boundary only
         ds_norms.append(engine.get_global_grad_norm())
+    counters = dict(mon.counters) if mon is not None else {}
     if mon is not None:
         mon.close()
     params = engine_params(engine, stage)
     return {"reports": reports, "params": params, "ds_norms": [None if n is None else float(n) for n in ds_norms],
-            "collectives": collectives,
+            "collectives": collectives, "counters": counters,
             "kind": mon.job.kind if mon is not None else None}

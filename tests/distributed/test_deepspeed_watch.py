@@ -34,6 +34,9 @@ def _rank_main(rank: int, world: int, stages: tuple[int, ...], plant: tuple, bf1
         same = all(torch.equal(p, watched["params"][n]) for n, p in plain["params"].items())
         out[stage] = {"kind": watched["kind"], "same_params": same, "ds_norms": watched["ds_norms"],
                       "collectives": watched["collectives"],
+                      "precursors": [{(str(p.kind), p.layer, p.head): (p.value, p.rank) for p in r.record.precursors}
+                                     for r in watched["reports"]],
+                      "own_values": watched["counters"].get("precursors_own_values", 0),
                       "reports": [(r.record.global_norm, r.record.layers_global, r.spike.kinds,
                                    r.incident.localization if r.incident else None,
                                    r.incident.scope if r.incident else None) for r in watched["reports"]]}
@@ -66,6 +69,17 @@ def test_a_culprit_on_rank_1_is_one_located_job_incident(ds_shm_op, stage):
     for s in range(SPIKE):  # healthy steps: no incident, the same verdict on every rank
         assert all(r["reports"][s][3] is None for r in res)
         assert len({r["reports"][s][0] for r in res}) == 1
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_rank_judges_the_job_s_precursor_values(ds_shm_op, stage):
+    """ZeRO 0-3: the ranks' precursor slots combined in the step gather (collector/precursors/job.py; the values
+    themselves are checked against one process over every rank's micro-batches in test_precursors_job.py)."""
+    res = [r[stage] for r in _launch(2)]
+    assert all(r["own_values"] == 1 for r in res)  # the first step agrees on the layout
+    for s in range(1, SPIKE):
+        assert res[0]["precursors"][s] == res[1]["precursors"][s] and len(res[0]["precursors"][s]) > 5
+    assert any(rank == 1 for s in range(1, SPIKE) for _, rank in res[0]["precursors"][s].values())
 
 
 @pytest.mark.parametrize("stage", STAGES)

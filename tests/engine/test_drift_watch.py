@@ -102,3 +102,42 @@ def test_a_failing_detector_is_counted_and_the_record_kept(monkeypatch: pytest.M
     rec = step_record()
     assert watch.watch_step(rec, []) is rec and counters["drift_errors"] == 1
     assert DriftWatch(DriftConfig(enabled=False), counters).watch_step(rec, []) is rec
+
+
+def test_a_job_wide_finding_is_kept_by_the_rank_holding_its_driver_with_that_rank_s_sample_ids() -> None:
+    """Under DDP/FSDP2 every rank judges the job's values (collector/precursors/job.py) and finds the same; the rank
+    whose micro-batch holds the finding's most extreme driver keeps it (it alone knows the sample ids), the others
+    count it; a rank's own series (RL entropy) stay each rank's."""
+    def run(rank: int) -> tuple[list, Counter]:
+        counters: Counter[str] = Counter()
+        watch = DriftWatch(FAST, counters)
+        found = []
+        for s in range(48):
+            grow = 1.0 if s < 28 else 1.1 ** (s - 27)
+            rec = replace(step_record(step=s, rank=rank), precursors=(
+                PrecursorStat(kind="attn_max_logit", layer="h.1.attn", value=5.0 * grow + 0.01 * (s % 3),
+                              at=(1, 0, s % 8), rank=1),),
+                rl=RLStats(tokens=10, entropy_mean=2.0 if rank == 0 or s < 28 else 2.0 / grow))
+            metas = [make_meta(m, torch.zeros(2, 8, dtype=torch.long), None,
+                               [f"r{rank}-s{s}-{m}-{b}" for b in range(2)], None) for m in range(2)]
+            found += watch.watch_step(rec, metas, job_rank=rank).precursor_findings
+        return found, counters
+
+    (found0, counters0), (found1, counters1) = run(0), run(1)
+    assert [f.statistic for f in found1 if f.statistic != "rl_entropy"] == ["attn_max_logit"]
+    f = next(f for f in found1 if f.statistic == "attn_max_logit")
+    assert f.drivers and all(d.rank == 1 and d.sample_id == f"r1-s{d.step}-1-0" for d in f.drivers)
+    assert not [f for f in found0 if f.statistic == "attn_max_logit"]
+    assert counters0["precursor_findings_elsewhere"] >= 1 and not counters1["precursor_findings_elsewhere"]
+    assert [f.statistic for f in found1 if f.statistic == "rl_entropy"] == ["rl_entropy"]  # rank 1's own fall
+    assert not [f for f in found0 if f.statistic == "rl_entropy"]
+
+
+def test_a_driver_on_another_rank_names_the_rank_and_no_sample_id() -> None:
+    metas = {0: make_meta(0, torch.zeros(2, 8, dtype=torch.long), None, ["a", "b"], None)}
+    rec = replace(step_record(), precursors=(
+        PrecursorStat(kind="attn_max_logit", layer="x", value=3.0, at=(0, 1, 2), rank=1),
+        PrecursorStat(kind="attn_max_logit", layer="y", value=3.0, at=(0, 1, 2), rank=0)))
+    got = {o.layer: o.driver for o in observations(rec, list(metas.values()), job_rank=0)}
+    assert (got["x"].rank, got["x"].sample, got["x"].sample_id) == (1, 1, None)
+    assert (got["y"].rank, got["y"].sample, got["y"].sample_id) == (0, 1, "b")

@@ -255,22 +255,16 @@ class PrecursorHooks(ModuleStats):
                           at=s["min_at"])
 
 
-def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], layout: Any,
+def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[str],
                     holds_head: bool = True, compiled: bool = False, on_spike: bool = False) -> PrecursorHooks | None:
-    """The monitor's precursor hooks (None: off). A job that splits heads or the vocabulary over ranks (tensor or
-    expert parallelism: ``layout`` says) is not measured: a rank's shard of the attention heads or of the logits
-    would be reported as the layer's, and combining them exactly is not built yet — said once, never guessed. A
-    pipeline stage without the loss head (``holds_head``) measures its attention only: its last module is not a head.
+    """The monitor's precursor hooks (None: off). Under tensor parallelism a rank measures its block of the heads
+    and its shard of the logits: the job's values combine them (collector/precursors/job.py). A pipeline stage
+    without the loss head (``holds_head``) measures its attention only: its last module is not a head.
     ``token_stats="on_spike"`` (``on_spike``) promises no module hook on a healthy step: no precursors there."""
     if not cfg.enabled:
         return None
     if on_spike:
         log.info("gradloc: token_stats='on_spike' runs no module hook on a healthy step: precursor statistics are off")
-        return None
-    if layout is not None and (layout.size("tp") > 1 or layout.size("ep") > 1):
-        log.info("gradloc: precursor statistics are not measured under tensor or expert parallelism yet (a rank holds "
-                 "a shard of the heads and the logits)")
-        counters["precursors_tensor_split"] += 1
         return None
     if not holds_head:
         cfg = replace(cfg, head_logits=False, residual=False)

@@ -115,6 +115,24 @@ def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions
     return {"max_abs": per_pos.amax(), "max_at": torch.stack([r, t]), "lse_sq_sum": lse.square().sum(), "n": n}
 
 
+def local_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A DTensor's local shard (under a tensor-parallel plan: a sequence shard of a norm's input with sequence
+    parallelism, a vocabulary shard of a column-parallel head's logits) and where its positions (dim 1) start in the
+    whole; a plain tensor as it is, from 0. Only metadata is read: no collective, no copy."""
+    to_local = getattr(x, "to_local", None)
+    if to_local is None:
+        return x, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    return to_local(), int(offset[1]) if len(offset) > 1 else 0
+
+
+def shifted(at: torch.Tensor, offset: int) -> torch.Tensor:
+    """(row, position) with the position moved by ``offset`` (a shard's start), on the device."""
+    return at if not offset else torch.stack([at[0], at[1] + offset])
+
+
 def rms_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """The residual stream (B, T, d) at the final norm's input: ``sum`` Σ over positions of each position's RMS,
     ``n`` the positions, ``max`` the largest and ``max_at`` (2,) its (row, position)."""

@@ -27,12 +27,13 @@ class ModuleStats:
                 if logits.dim() != 3:
                     self.counters["precursors_unsupported"] += 1
                     return
+                logits, offset = measure.local_view(logits.detach())  # a DTensor: this rank's shard
                 keep = self.keep if self.keep is not None and self.keep.shape == logits.shape[:2] else None
-                s = measure.head_stats(logits.detach(), keep.to(logits.device) if keep is not None else None,
+                s = measure.head_stats(logits, keep.to(logits.device) if keep is not None else None,
                                        self.cfg.head_positions)
                 name, mb = self.names.get(module, ""), self.micro_batch
                 self.slots.update(SlotKey("logit_max_abs", name, Reduce.MAX, 1), s["max_abs"], micro_batch=mb,
-                                  extreme=s["max_abs"], at=s["max_at"])
+                                  extreme=s["max_abs"], at=measure.shifted(s["max_at"], offset))
                 self.slots.update(SlotKey("logit_lse_sq", name, Reduce.SUM, 1), s["lse_sq_sum"], micro_batch=mb,
                                   count=s["n"])
         except Exception:
@@ -48,9 +49,11 @@ class ModuleStats:
                 if x.dim() != 3:
                     self.counters["precursors_unsupported"] += 1
                     return
+                x, offset = measure.local_view(x)  # sequence parallelism: this rank's positions of every row
                 s = measure.rms_stats(x)
                 self.slots.update(SlotKey("residual_rms", self.names.get(module, ""), Reduce.SUM, 1), s["sum"],
-                                  micro_batch=self.micro_batch, count=s["n"], extreme=s["max"], at=s["max_at"])
+                                  micro_batch=self.micro_batch, count=s["n"], extreme=s["max"],
+                                  at=measure.shifted(s["max_at"], offset))
         except Exception:
             self.counters["precursors_errors"] += 1
             log.debug("gradloc: residual precursors failed", exc_info=True)

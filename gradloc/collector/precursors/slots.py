@@ -28,9 +28,21 @@ class SlotKey:
     lowest: bool = False  # the kept extreme is the smallest one (an entropy's lowest row), else the largest
 
 
+def packed_size(key: SlotKey) -> int:
+    """A slot's values in a pack: ``[value (size) | count | extreme | at (3)]``."""
+    return key.size + 5
+
+
+def identity(key: SlotKey) -> list[float]:
+    """A slot's pack before anything was folded into it (a MAX slot's value at −inf, a SUM's at 0, no count, the
+    extreme at ∓inf, no location): what it contributes when combined with others (collector/precursors/job.py)."""
+    big = float("inf")
+    return [-big if key.reduce is Reduce.MAX else 0.0] * key.size + [0.0, big if key.lowest else -big, -1.0, -1.0, -1.0]
+
+
 class _Slot:
     def __init__(self, key: SlotKey, device: torch.device) -> None:
-        big = float("inf")
+        big = float("inf")  # identity(key), made on the device (no host copy on the hot path)
         self.value = torch.full((key.size,), -big if key.reduce is Reduce.MAX else 0.0, dtype=torch.float64,
                                 device=device)
         self.count = torch.zeros((), dtype=torch.float64, device=device)
@@ -83,14 +95,15 @@ class SlotValues:
     count: float
     extreme: float
     at: tuple[int, int, int] | None
+    rank: int | None = None  # a job's value: the rank whose micro-batch ``at`` is in (collector/precursors/job.py)
 
 
 def unpack(keys: tuple[SlotKey, ...], host: np.ndarray) -> dict[SlotKey, SlotValues]:
     """The host copy of ``take``'s pack, by key."""
     out, pos = {}, 0
     for k in keys:
-        part = host[pos:pos + k.size + 5]
-        pos += k.size + 5
+        part = host[pos:pos + packed_size(k)]
+        pos += packed_size(k)
         at = part[k.size + 2:]
         ok = np.isfinite(part[k.size + 1]) and bool((at >= 0).all())
         out[k] = SlotValues(part[:k.size].copy(), float(part[k.size]), float(part[k.size + 1]),
@@ -100,4 +113,4 @@ def unpack(keys: tuple[SlotKey, ...], host: np.ndarray) -> dict[SlotKey, SlotVal
     return out
 
 
-__all__ = ["Reduce", "SlotKey", "SlotValues", "StepSlots", "unpack"]
+__all__ = ["Reduce", "SlotKey", "SlotValues", "StepSlots", "identity", "packed_size", "unpack"]

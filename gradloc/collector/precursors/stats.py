@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 
+from gradloc.collector.precursors.job import JobSlots
 from gradloc.collector.precursors.slots import SlotKey, SlotValues, unpack
 from gradloc.config import PrecursorConfig
 from gradloc.records.precursors import PrecursorKind as K
@@ -20,14 +21,18 @@ def to_stats(values: dict[SlotKey, SlotValues], per_head: bool, counters: Counte
     then one per module and kind (in forward order), then the per-head and per-expert values."""
     out: list[PrecursorStat] = []
 
+    rank: int | None = None  # the slot's: where its extreme (``at``) was, in a job's values
+
     def add(kind: K, layer: str, value: float, head: int | None = None,
             at: tuple[int, int, int] | None = None) -> None:
         if np.isfinite(value):
-            out.append(PrecursorStat(kind=kind, layer=layer, value=float(value), head=head, at=at))
+            out.append(PrecursorStat(kind=kind, layer=layer, value=float(value), head=head, at=at,
+                                     rank=rank if at is not None else None))
         else:
             counters["precursors_nonfinite"] += 1
 
     for key, v in values.items():
+        rank = v.rank
         if key.stat == "attn_max_logit":
             add(K.ATTN_MAX_LOGIT, key.layer, v.extreme, at=v.at)
             for h, x in enumerate(v.value if per_head else ()):
@@ -62,11 +67,17 @@ def to_stats(values: dict[SlotKey, SlotValues], per_head: bool, counters: Counte
 
 
 def precursor_stats(taken: tuple[tuple[SlotKey, ...], object] | None, host: np.ndarray | None, cfg: PrecursorConfig,
-                    counters: Counter[str]) -> tuple[PrecursorStat, ...]:
-    """The step's records from ``StepSlots.take``'s keys and the host copy of its pack (none: nothing measured)."""
-    if taken is None or host is None or not taken[0]:
-        return ()
-    return to_stats(unpack(taken[0], host), cfg.per_head, counters)
+                    counters: Counter[str], job: JobSlots | None = None,
+                    rows: np.ndarray | None = None) -> tuple[tuple[PrecursorStat, ...], bool]:
+    """The step's records from ``StepSlots.take``'s keys and the host copy of its pack (none: nothing measured), and
+    whether they are the job's: in a multi-rank job (``job``, with the step gather's precursor ``rows``) every rank's
+    slots combined, once the ranks agreed on their layout (collector/precursors/job.py)."""
+    keys = taken[0] if taken is not None else ()
+    if job is not None:
+        values, job_wide = job.values(keys, host, rows)
+    else:
+        values, job_wide = (unpack(keys, host) if keys and host is not None else {}), False
+    return (to_stats(values, cfg.per_head, counters) if values else ()), job_wide
 
 
 __all__ = ["precursor_stats", "to_stats"]

@@ -1,0 +1,138 @@
+"""Job-wide precursor values under DDP and FSDP2 on gloo (collector/precursors/job.py): from the second step every rank
+judges the same values, and they equal one process's over every rank's micro-batches (the brute-force reference,
+weights held still by a zero learning rate so both see the same model), with the rank of each extreme; the values
+ride the step's one gather (no collective added)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed.launch import run
+
+STEPS, AGREEING = 4, 1  # the first step agrees on the layout (the head, found in its first micro-batch, measured in
+# its second), the next ones are the job's
+
+
+def _precursors(reports) -> list[dict]:
+    return [{(str(p.kind), p.layer, p.head): (p.value, p.at, p.rank) for p in r.record.precursors} for r in reports]
+
+
+def _job(rank: int, world: int, kind: str) -> dict:
+    import gradloc
+    from gradloc.config import PrecursorConfig
+    from gradloc.demo.model import token_losses
+    from tests.distributed.ddp_job import build, data
+    from tests.distributed.loop import run_steps
+
+    model = build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = gradloc.watch(model, opt, store=False, precursors=PrecursorConfig(attention_micro_batches=0, per_head=True))
+    reports, collectives = run_steps(model, opt, mon, data(rank, STEPS), STEPS, token_losses=token_losses)
+    counters = dict(mon.counters)
+    mon.close()
+    return {"precursors": _precursors(reports), "collectives": collectives, "counters": counters}
+
+
+def _reference(world: int) -> list[dict]:
+    """One process, every rank's micro-batches of a step in one step (rank r's micro-batch m is number r·M + m)."""
+    import gradloc
+    from gradloc.config import PrecursorConfig
+    from gradloc.demo.model import token_losses
+    from tests.distributed.ddp_job import build, data
+    from tests.distributed.loop import run_steps
+
+    parts = [data(r, STEPS) for r in range(world)]
+    batches = tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # (steps, W·M, B, T)
+    model = build("plain")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = gradloc.watch(model, opt, store=False, precursors=PrecursorConfig(attention_micro_batches=0, per_head=True))
+    reports, _ = run_steps(model, opt, mon, batches, STEPS, token_losses=token_losses)
+    mon.close()
+    return _precursors(reports)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_every_rank_judges_the_job_s_precursor_values_equal_to_one_process_over_all_the_micro_batches(kind):
+    from tests.distributed.ddp_job import M
+
+    world = 2
+    res = run(_job, world, kind, timeout_s=300)
+    ref = _reference(world)
+    for r in res:
+        assert r["collectives"] == [1] * STEPS  # the values ride the step gather
+        assert r["counters"].get("precursors_own_values") == AGREEING
+        assert not r["counters"].get("precursors_nonfinite")
+    for s in range(AGREEING, STEPS):
+        job = res[0]["precursors"][s]
+        assert res[1]["precursors"][s] == job  # every rank the same values, extremes and ranks
+        assert set(job) == set(ref[s]) and len(job) > 10, sorted(job)
+        for key, (value, at, rank) in job.items():
+            ref_value, ref_at, ref_rank = ref[s][key]
+            assert math.isclose(value, ref_value, rel_tol=1e-9, abs_tol=1e-12), (s, key, value, ref_value)
+            assert ref_rank is None
+            if ref_at is None:
+                assert at is None and rank is None
+            else:
+                assert (rank * M + at[0], *at[1:]) == ref_at, (key, at, rank, ref_at)
+        kinds = {k[0] for k in job}
+        assert {"attn_max_logit", "attn_entropy", "logit_max_abs", "logit_lse_sq", "residual_rms"} <= kinds
+        assert {rank for _, _, rank in job.values() if rank is not None} == {0, 1}  # extremes on both ranks
+    own = res[0]["precursors"][AGREEING - 1]  # a step judged on one rank's own values differs from the job's
+    assert any(not math.isclose(own[k][0], ref[AGREEING - 1][k][0], rel_tol=1e-6) for k in own)
+
+
+def _tp_job(rank: int, world: int, tp: int, sp: bool) -> dict:
+    import gradloc
+    from gradloc.config import PrecursorConfig
+    from tests.distributed.loop import run_steps
+    from tests.distributed.tp_job import build, data, token_losses
+
+    model, _ = build(world, tp, sp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = gradloc.watch(model, opt, store=False, precursors=PrecursorConfig(attention_micro_batches=0, per_head=True))
+    reports, collectives = run_steps(model, opt, mon, data(rank // tp, STEPS), STEPS, token_losses=token_losses)
+    counters = dict(mon.counters)
+    mon.close()
+    return {"precursors": _precursors(reports), "counters": counters}
+
+
+def _tp_reference(dp: int) -> list[dict]:
+    """The whole toy in one process over every data rank's micro-batches of a step (data rank d's micro-batch m is
+    number d·M + m)."""
+    import gradloc
+    from gradloc.config import PrecursorConfig
+    from tests.distributed.loop import run_steps
+    from tests.distributed.tp_job import Toy, data, token_losses
+
+    parts = [data(d, STEPS) for d in range(dp)]
+    batches = tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # (steps, dp·M, B, T)
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = gradloc.watch(model, opt, store=False, precursors=PrecursorConfig(attention_micro_batches=0, per_head=True))
+    reports, _ = run_steps(model, opt, mon, batches, STEPS, token_losses=token_losses)
+    mon.close()
+    return _precursors(reports)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sp"])
+def test_tensor_parallel_heads_are_combined_exactly(sp):
+    """tp = 2: each rank holds two of the four heads of every layer; the job's per-head values are the whole model's
+    four, in order, and every other statistic the whole model's."""
+    from tests.distributed.tp_job import M
+
+    res = run(_tp_job, 2, 2, sp, timeout_s=300)
+    ref = _tp_reference(1)
+    for s in range(AGREEING, STEPS):
+        job = res[0]["precursors"][s]
+        assert res[1]["precursors"][s] == job
+        assert set(job) == set(ref[s]), sorted(set(job) ^ set(ref[s]))
+        for key, (value, at, rank) in job.items():
+            ref_value, ref_at, _ = ref[s][key]
+            assert math.isclose(value, ref_value, rel_tol=1e-5, abs_tol=1e-9), (s, key, value, ref_value)
+            if ref_at is not None:
+                assert at[0] == ref_at[0] % M and at[1:] == ref_at[1:], (key, at, ref_at)
+        assert {k[2] for k in job if k[0] == "attn_max_logit"} == {None, 0, 1, 2, 3}
+    for r in res:
+        assert not r["counters"].get("precursors_vocab_split") and not r["counters"].get("precursors_errors")
