@@ -178,7 +178,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def with_overrides(sc: Scenario, pairs: Sequence[str]) -> Scenario:
     """``sc`` with its run's fields set from ``KEY=VALUE`` pairs (``--set``), each value read as the field's type
-    (``tied``: true, false or none); the detail says what was changed."""
+    (``tied``: true, false or none; ``none`` for any field that may be None, e.g. ``lr_end=none``: a constant LR); the
+    detail says what was changed."""
     if not pairs:
         return sc
     fields = {f.name: f for f in dataclasses.fields(sc.run)}
@@ -189,8 +190,10 @@ def with_overrides(sc: Scenario, pairs: Sequence[str]) -> Scenario:
             raise ValueError(f"--set takes KEY=VALUE with KEY a run field other than family ({sorted(fields)}), "
                              f"got {pair!r}")
         now = getattr(sc.run, key)
-        if key == "tied" or now is None:
-            value: Any = {"true": True, "false": False, "none": None}.get(text.lower(), text)
+        if text.lower() == "none" and "None" in str(fields[key].type):
+            value: Any = None
+        elif key == "tied" or now is None:
+            value = {"true": True, "false": False, "none": None}.get(text.lower(), text)
             value = float(value) if isinstance(value, str) else value
         elif isinstance(now, bool):
             value = {"true": True, "false": False}[text.lower()]
