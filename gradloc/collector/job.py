@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -50,42 +50,45 @@ def job_vector(loss: torch.Tensor | float | None, top: torch.Tensor | float, tot
     return JOB_ROW.build(loss=t(loss), top=t(top), total=t(total))
 
 
-def step_row(n_layers: int, summed: bool, precursors: int = 0) -> Pack:
+def step_row(n_layers: int, summed: bool, shared: Mapping[str, int] | None = None) -> Pack:
     """A rank's row of the step gather: its job row and, when the job sums its ranks' packs, its layer pack and
-    update sums — always there, zeros where this rank measured none this step, and a 1/0 saying which — then its
-    precursor slots (``precursors`` values, in a layout every rank agreed on: collector/precursors/job.py)."""
+    update sums — always there, zeros where this rank measured none this step, and a 1/0 saying which — then the
+    ``shared`` segments every rank sends at the same length (their names and lengths: the RL entropy and KL sums,
+    collector/rl_fields.py's JOB_RL; the precursor slots in a layout the ranks agreed on,
+    collector/precursors/job.py)."""
     row = JOB_ROW
     if summed:
         row = row + Pack.of(layers=len(layer_pack(n_layers)), update=len(update_pack(n_layers)), has_update=1)
-    return row + Pack.of(precursors=precursors) if precursors else row
+    shared = {k: n for k, n in (shared or {}).items() if n}
+    return row + Pack.of(**shared) if shared else row
 
 
 @dataclass(frozen=True)
 class Gathered:
     """The step gather's results: the job's layer pack and update sums (when the job sums its ranks'), the (W, 3)
-    job rows and the (W, n) precursor rows (when a precursor row was sent)."""
+    job rows and each shared segment's (W, n) rows, by name."""
 
     layers: torch.Tensor | None
     update: torch.Tensor | None
     jobs: torch.Tensor
-    precursors: torch.Tensor | None
+    shared: dict[str, torch.Tensor]
 
 
 def gather_step(comm: Gather, n_layers: int, layers: torch.Tensor | None, update: torch.Tensor | None,
-                job: torch.Tensor, precursors: torch.Tensor | None = None) -> Gathered:
+                job: torch.Tensor, shared: Mapping[str, torch.Tensor] | None = None) -> Gathered:
     """All-gather this rank's :func:`step_row` in one collective.
 
     The row's layout is the same on every rank whatever each rank's optional state (its meter may have shed the
-    update ratios; the precursor row's length is agreed); the returned (3L + 1,) update sums end with the number of
-    ranks that had one (collector/step.py uses them only when that is every rank)."""
-    row = step_row(n_layers, layers is not None, len(precursors) if precursors is not None else 0)
+    update ratios; a shared segment's length is the same on every rank); the returned (3L + 1,) update sums end with
+    the number of ranks that had one (collector/step.py uses them only when that is every rank)."""
+    shared = {k: v for k, v in (shared or {}).items() if v is not None and len(v)}
+    row = step_row(n_layers, layers is not None, {k: len(v) for k, v in shared.items()})
     f64 = dict(dtype=torch.float64, device=job.device)
     parts = {"loss": JOB_ROW.get(job, "loss"), "top": JOB_ROW.get(job, "top"), "total": JOB_ROW.get(job, "total")}
     if layers is not None:
         parts.update(layers=layers.to(**f64), has_update=torch.tensor([float(update is not None)], **f64),
                      update=update.to(**f64) if update is not None else torch.zeros(len(update_pack(n_layers)), **f64))
-    if precursors is not None and len(precursors):
-        parts["precursors"] = precursors.to(**f64)
+    parts.update({k: v.to(**f64) for k, v in shared.items()})
     rows = comm.all_gather(row.build(**parts), "gradloc step gather")  # (W, len(row))
     out_pack = out_update = None
     if layers is not None:
@@ -93,8 +96,8 @@ def gather_step(comm: Gather, n_layers: int, layers: torch.Tensor | None, update
         summed = row.get(rows, "update").sum(0)  # (W, 3L) -> (3L,)
         out_update = summed_update_pack(n_layers).build(**update_pack(n_layers).split(summed),
                                                         ranks=row.get(rows, "has_update").sum(0))  # (3L + 1,)
-    pre = row.get(rows, "precursors") if "precursors" in dict(row.fields) else None  # (W, n)
-    return Gathered(out_pack, out_update, rows[:, :len(JOB_ROW)], pre)  # (W, 3): the JOB_ROW fields lead the row
+    return Gathered(out_pack, out_update, rows[:, :len(JOB_ROW)],  # (W, 3): the JOB_ROW fields lead the row
+                    {k: row.get(rows, k) for k in shared})  # each (W, n)
 
 
 def job_view(rows: np.ndarray) -> JobView:

@@ -175,6 +175,32 @@ def unpack_rl(host: np.ndarray) -> RLStats:
     )
 
 
+# a rank's share of the job's policy entropy and KL to the rollout policy (collector/job.py's step gather): the sums
+# and the tokens they are over (0 where the rank handed none); the drift detector judges the job's (engine/drift.py)
+JOB_RL = Pack.of(entropy=1, entropy_tokens=1, kl=1, kl_tokens=1)
+
+
+def job_rl_row(pack: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """(4,) :data:`JOB_RL` of this rank's :data:`RL_PACK` (zeros without one)."""
+    if pack is None:
+        return torch.zeros(len(JOB_RL), dtype=torch.float64, device=device)
+    present = RL_PACK.get(pack, "present")
+    n = RL_PACK.get(pack, "tokens")
+    ent_on, kl_on = present[_PRESENT.index("entropy")] > 0, present[_PRESENT.index("rollout_logp")] > 0
+    zero = torch.zeros_like(n)
+    return JOB_RL.build(entropy=torch.where(ent_on, RL_PACK.get(pack, "entropy"), zero),
+                        entropy_tokens=torch.where(ent_on, n, zero),
+                        kl=torch.where(kl_on, RL_PACK.get(pack, "kl"), zero), kl_tokens=torch.where(kl_on, n, zero))
+
+
+def job_rl(rows: np.ndarray) -> tuple[float | None, float | None]:
+    """The job's mean token entropy and KL to the rollout policy from every rank's (W, 4) :data:`JOB_RL` rows
+    (None where no rank had them): each rank's ``entropy_mean`` / ``kl_rollout`` over the job's tokens."""
+    total = rows.sum(0)  # (W, 4) -> (4,)
+    ent, n_ent, kl, n_kl = (float(JOB_RL.get(total, f)[0]) for f in ("entropy", "entropy_tokens", "kl", "kl_tokens"))
+    return (ent / n_ent if n_ent > 0 else None), (kl / n_kl if n_kl > 0 and math.isfinite(kl) else None)
+
+
 def step_fields(metas: Sequence[MicroBatchMeta], given_rl: Mapping[int, RLTensors], scores: "StepScores | None",
                 device: torch.device) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
     """The step's RL fields over its positions (device) and their distributions pack (None, None

@@ -2,8 +2,9 @@
 
 Packed layout (float64): a ``packs.Pack`` of the fields present this step, in this order: the layer pack, the
 GradScaler scale, the loss (a tensor), the token summary, the RL pack, the per-sample surprise pack, the token
-group's check, the previous step's update sums, every rank's job row, the groups' tokens, the precursor slots. In a multi-rank job
-one collective precedes the transfer (collector/job.py); on one rank there is none.
+group's check, the previous step's update sums, every rank's job row, the groups' tokens, the precursor slots and,
+in a multi-rank job, every rank's RL entropy / KL sums (rl_fields.JOB_RL) and precursor row. In a multi-rank job one
+collective precedes the transfer (collector/job.py); on one rank there is none.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from gradloc.collector.job import Gather, JobView, gather_step, job_vector, job_view
 from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.collector.packs import Pack, layer_pack, summed_update_pack
-from gradloc.collector.rl_fields import unpack_rl
+from gradloc.collector.rl_fields import job_rl, job_rl_row, unpack_rl
 from gradloc.collector.token_summary import StepScores, summary_layout, summary_pack, unpack_summary
 from gradloc.records import StepRecord
 
@@ -58,6 +59,7 @@ class Assembled:
     group_tokens: np.ndarray | None = None  # host copy of StepInputs.group_tokens
     precursors: np.ndarray | None = None  # host copy of StepInputs.precursors' pack
     precursor_rows: np.ndarray | None = None  # (W, n) host copy of every rank's StepInputs.precursor_row
+    rl_job: tuple[float | None, float | None] | None = None  # a job's policy entropy and KL (rl_fields.job_rl)
 
 
 def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
@@ -70,22 +72,23 @@ def assemble(layers: LayerStatsCollector, x: StepInputs) -> Assembled:
     pack, update = layers.grad_pack(inv, x.unattributed), x.previous_update  # layer_pack, update_pack?
     loss_t = x.loss if isinstance(x.loss, torch.Tensor) else None
     summary = summary_pack(x.scores, x.top_k) if x.scores is not None else None
-    rows = pre_rows = None
+    rows, shared = None, {}
     if x.comm is not None:
         top, total = (0.0, 0.0)
         if summary is not None:
             tl = summary_layout(x.scores, x.top_k, len(x.token_layers))
             top, total = tl.get(summary, "top_vals")[:1].sum(), tl.get(summary, "total")[0]  # (none: 0)
         job = job_vector(loss_t if loss_t is not None else x.loss, top, total * x.score_weight, dev)
-        got = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None, update, job, x.precursor_row)
+        got = gather_step(x.comm, layers.n_layers, pack if layers.sharded else None, update, job,
+                          {"rl_job": job_rl_row(x.rl, dev), "precursor_rows": x.precursor_row})
         pack = got.layers if got.layers is not None else pack
         update = got.update if got.update is not None else update  # summed: (3L + 1,), ends with a count
-        rows, pre_rows = got.jobs, got.precursors
+        rows, shared = got.jobs, got.shared
     fields = {"layers": pack, "scale": scale, "loss": loss_t, "tokens": summary, "rl": x.rl, "samples": x.samples,
               "check": x.scores.check if x.scores is not None else None, "update": update,
               "job": rows.flatten() if rows is not None else None,  # (W, 3) -> (3W,)
               "groups": x.group_tokens, "precursors": x.precursors[1] if x.precursors is not None else None,
-              "precursor_rows": pre_rows.flatten() if pre_rows is not None else None}  # (W, n) -> (W·n,)
+              **{k: v.flatten() for k, v in shared.items()}}  # the shared segments' rows: (W, n) -> (W·n,)
     fields = {k: v.detach().to(dev, torch.float64).reshape(-1) for k, v in fields.items() if v is not None}
     layout = Pack.of(**{k: v.numel() for k, v in fields.items()})
     host = layout.build(**fields).cpu().numpy()  # the step's one host transfer
@@ -128,12 +131,11 @@ def _parse(host: np.ndarray, layout: Pack, layers: LayerStatsCollector, x: StepI
     check = [float(v) for v in layout.get(host, "check")] if "check" in present else None
     groups = layout.get(host, "groups").copy() if "groups" in present else None
     precursors = layout.get(host, "precursors").copy() if "precursors" in present else None
-    pre_rows = None
-    if "precursor_rows" in present:
-        W = len(layout.get(host, "job")) // 3  # the job rows: (3W,)
-        pre_rows = layout.get(host, "precursor_rows").reshape(W, -1)  # (W·n,) -> (W, n)
+    W = len(layout.get(host, "job")) // 3 if "job" in present else 0  # the job rows: (3W,)
+    pre_rows, rl_rows = ((layout.get(host, k).reshape(W, -1) if k in present else None)  # (W·n,) -> (W, n)
+                         for k in ("precursor_rows", "rl_job"))
     return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check, groups, precursors,
-                     pre_rows)
+                     pre_rows, job_rl(rl_rows) if rl_rows is not None else None)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from gradloc.collector.batch import MicroBatchMeta
@@ -21,6 +21,30 @@ from gradloc.records.precursors import RL_ENTROPY, RL_KL, UPDATE_RATIO, Precurso
 log = logging.getLogger("gradloc")
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobShare:
+    """Which of a multi-rank step's series are the job's — the same values on every rank, so every rank finds the
+    same, and one rank reports each finding (the others count it: ``precursor_findings_elsewhere``)."""
+
+    rank: int  # this rank's number in the job
+    precursors: bool = False  # the precursor values (collector/precursors/job.py): the rank of the top driver reports
+    rl: tuple[float | None, float | None] | None = None  # the job's policy entropy and KL (rl_fields.job_rl): rank 0
+    ratios: bool = False  # the update ratios are the same on every rank (data parallelism alone): rank 0
+
+    def reports(self, f: PrecursorFinding) -> bool:
+        if f.statistic in _PRECURSOR_STATISTICS and self.precursors:
+            owner = f.drivers[0].rank if f.drivers and f.drivers[0].rank is not None else 0
+        elif (f.statistic in (RL_ENTROPY, RL_KL) and self.rl is not None) or (f.statistic == UPDATE_RATIO
+                                                                               and self.ratios):
+            owner = 0
+        else:
+            return True  # this rank's own series
+        return owner == self.rank
+
+
+_PRECURSOR_STATISTICS = frozenset(k.value for k in PrecursorKind)
+
+
 class DriftWatch:
     def __init__(self, cfg: DriftConfig, counters: Counter[str]) -> None:
         self.cfg, self.counters = cfg, counters
@@ -29,19 +53,16 @@ class DriftWatch:
     def _count(self, name: str) -> None:
         self.counters[name] += 1
 
-    def watch_step(self, record: StepRecord, metas: Sequence[MicroBatchMeta], job_rank: int | None = None) -> StepRecord:
-        """The record with ``precursor_findings`` filled in (unchanged when nothing was found or it failed).
-
-        ``job_rank``: this rank's number when the record's precursor values are the job's (identical on every rank,
-        collector/precursors/job.py): every rank then finds the same, and a finding on them is kept by one rank only
-        — the one holding its most extreme driver (its sample id is known there), rank 0 when none has a driver."""
+    def watch_step(self, record: StepRecord, metas: Sequence[MicroBatchMeta], job: JobShare | None = None) -> StepRecord:
+        """The record with ``precursor_findings`` filled in (unchanged when nothing was found or it failed);
+        ``job``: what of it is the job's, in a multi-rank job."""
         if self.detector is None:
             return record
         try:
             where = dict(job=record.job, rank=record.rank, time_unix=record.time_unix)
-            found = self.detector.observe(record.step, observations(record, metas, job_rank), where)
-            if job_rank is not None:
-                mine = [f for f in found if f.statistic not in _JOB_STATISTICS or _owner(f) == job_rank]
+            found = self.detector.observe(record.step, observations(record, metas, job), where)
+            if job is not None:
+                mine = [f for f in found if job.reports(f)]
                 if len(mine) < len(found):
                     self.counters["precursor_findings_elsewhere"] += len(found) - len(mine)
                 found = mine
@@ -55,28 +76,24 @@ class DriftWatch:
         return record
 
 
-_JOB_STATISTICS = frozenset(k.value for k in PrecursorKind)  # the series a job's precursor values feed
-
-
-def _owner(f: PrecursorFinding) -> int:
-    return f.drivers[0].rank if f.drivers and f.drivers[0].rank is not None else 0
-
-
 def observations(record: StepRecord, metas: Sequence[MicroBatchMeta],
-                 job_rank: int | None = None) -> Iterator[Observation]:
+                 job: JobShare | None = None) -> Iterator[Observation]:
     """The step's series values: each precursor statistic (with its driver: resolved to a sample where this rank
-    holds it), the RL policy entropy and KL to the rollout policy, and each layer's update-to-weight ratio."""
+    holds it), the RL policy entropy and KL to the rollout policy (the job's, when ``job`` has them), and each
+    layer's update-to-weight ratio."""
     by_index = {m.index: m for m in metas}
     for p in record.precursors:
-        here = p.rank is None or p.rank == job_rank
+        here = p.rank is None or (job is not None and p.rank == job.rank)
         yield Observation(statistic=p.kind.value, layer=p.layer, head=p.head, value=p.value,
                           driver=driver(record.step, p.value, p.at, by_index if here else {}, p.rank))
-    rl = record.rl
-    if rl is not None:
-        if rl.entropy_mean is not None:
-            yield Observation(statistic=RL_ENTROPY, layer="", value=rl.entropy_mean)
-        if rl.kl_rollout is not None:
-            yield Observation(statistic=RL_KL, layer="", value=rl.kl_rollout)
+    if job is not None and job.rl is not None:
+        entropy, kl = job.rl
+    else:
+        entropy, kl = (record.rl.entropy_mean, record.rl.kl_rollout) if record.rl is not None else (None, None)
+    if entropy is not None:
+        yield Observation(statistic=RL_ENTROPY, layer="", value=entropy)
+    if kl is not None:
+        yield Observation(statistic=RL_KL, layer="", value=kl)
     for layer in record.layers:
         if layer.update_ratio is not None:
             yield Observation(statistic=UPDATE_RATIO, layer=layer.layer, value=layer.update_ratio)
@@ -99,4 +116,4 @@ def driver(step: int, value: float, at: tuple[int, int, int] | None, metas: dict
                            sample_id=meta.sample_id(sample), sample_info=meta.sample_info(sample), rank=rank)
 
 
-__all__ = ["DriftWatch", "observations"]
+__all__ = ["DriftWatch", "JobShare", "observations"]

@@ -43,7 +43,7 @@ from gradloc.detector import SpikeDetector, opens_incident
 from gradloc.engine.blocks import StepBlocks
 from gradloc.engine.fanout import Fanout
 from gradloc.engine.lifecycle import Lifecycle
-from gradloc.engine.drift import DriftWatch
+from gradloc.engine.drift import DriftWatch, JobShare
 from gradloc.engine.samples import SampleWatch
 from gradloc.engine.spike import SpikeInputs, SpikePath, heads_of, scaler_state
 from gradloc.engine.token_path import TokenPath, check_rules
@@ -121,6 +121,7 @@ class Monitor(Lifecycle):
                                    holds_head=job.holds_head, judges=job.judges_samples)  # outlier findings
         self.drift = DriftWatch(cfg.precursors.drift, self.counters)  # precursor findings (detector/drift.py)
         self.job_slots = job_slots(self.comm, job.layout, self.counters)  # the job's precursor values
+        self._replicas = job.layout is None or set(job.layout.sizes) == {"dp"}  # every rank the whole model
         self.incidents: list[Incident] = []
         self.step = 0  # the next step's number
         self._ended = 0  # end_step calls so far
@@ -256,7 +257,9 @@ class Monitor(Lifecycle):
         if assembled.check is not None:  # a token group's scores (parallel/tokens.py)
             record, scores = self.tokens.checked(record, scores, assembled.check)
         record = self.samples.judge_step(record, assembled.samples, list(metas))
-        record = self.drift.watch_step(record, metas, self.comm.rank if job_wide and self.comm is not None else None)
+        record = self.drift.watch_step(record, metas, JobShare(
+            rank=self.comm.rank, precursors=job_wide, rl=assembled.rl_job,
+            ratios=record.layers_global and self._replicas) if self.comm is not None else None)
         spike = self.detector.observe(as_judged(record, assembled.job))
         self._fanout.hold(replace(assembled, record=replace(record, **self.detector.band(spike))))
         self.meter.end(t1)

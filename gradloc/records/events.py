@@ -72,8 +72,8 @@ MONITOR_EVENTS: dict[str, str] = {
     "precursors_vocab_split": "a tensor-parallel job whose head splits its logits over the vocabulary: the head's "
                               "logsumexp² is not measured, its largest |logit| is (counted once)",
     "precursors_nonfinite": "precursor values that were not finite (left out of the record)",
-    "precursors_own_values": "steps of a multi-rank job whose precursor values were this rank's own, not the job's "
-                             "(the ranks had not agreed on their slots yet, or hook different modules: a pipeline)",
+    "precursors_own_values": "steps of a multi-rank job whose precursor values were this rank's own, not the job's: "
+                             "the ranks measured different slots (a pipeline's stages; a slot new on one rank)",
     # the drift detector (gradloc/engine/drift.py, gradloc/detector/drift.py)
     "precursor_findings": "precursor findings the drift detector made (paging ones included)",
     "drift_errors": "steps whose drift judgement failed (no precursor findings that step)",

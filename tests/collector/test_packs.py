@@ -48,3 +48,29 @@ def test_the_surprise_and_rl_layouts():
     host[RL_PACK.span("entropy")] = 2.0
     st = unpack_rl(host)
     assert st.tokens == 4 and st.entropy_mean == 0.5 and st.advantage_rms is None
+
+
+def test_the_job_s_rl_entropy_and_kl_are_one_process_s_over_every_rank_s_tokens() -> None:
+    """rl_fields.job_rl over the ranks' JOB_RL rows (the step gather's) against the RL pack of their tokens in one."""
+    from gradloc.collector.rl_fields import job_rl, job_rl_row, rl_pack
+
+    g = torch.Generator().manual_seed(0)
+    given = {"logp", "rollout_logp", "advantages", "entropy"}
+
+    def fields(n: int) -> dict:
+        return {"has": torch.ones(n, dtype=torch.bool), "old_logp": torch.full((n,), float("nan")),
+                "logp": -torch.rand(n, generator=g), "rollout_logp": -torch.rand(n, generator=g),
+                "advantages": torch.randn(n, generator=g), "clipped": torch.zeros(n, dtype=torch.bool),
+                "entropy": torch.rand(n, generator=g) * 3}
+
+    ranks = [fields(7), fields(12)]
+    eligible = [torch.rand(len(f["has"]), generator=g) > 0.3 for f in ranks]
+    rows = torch.stack([job_rl_row(rl_pack(f, e, given), torch.device("cpu")) for f, e in zip(ranks, eligible)])
+    union = {k: torch.cat([f[k] for f in ranks]) for k in ranks[0]}
+    whole = unpack_rl(rl_pack(union, torch.cat(eligible), given).numpy())
+    entropy, kl = job_rl(rows.numpy())
+    assert entropy == pytest.approx(whole.entropy_mean, rel=1e-12) and kl == pytest.approx(whole.kl_rollout, rel=1e-12)
+    alone = job_rl(torch.stack([rows[0], job_rl_row(None, torch.device("cpu"))]).numpy())  # a rank without RL
+    one = unpack_rl(rl_pack(ranks[0], eligible[0], given).numpy())
+    assert alone == pytest.approx((one.entropy_mean, one.kl_rollout), rel=1e-12)
+    assert job_rl(np.zeros((2, 4))) == (None, None)

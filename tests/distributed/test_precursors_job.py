@@ -62,7 +62,7 @@ def test_every_rank_judges_the_job_s_precursor_values_equal_to_one_process_over_
     ref = _reference(world)
     for r in res:
         assert r["collectives"] == [1] * STEPS  # the values ride the step gather
-        assert r["counters"].get("precursors_own_values") == AGREEING
+        assert not r["counters"].get("precursors_own_values")  # agreeing on the layout is not an event
         assert not r["counters"].get("precursors_nonfinite")
     for s in range(AGREEING, STEPS):
         job = res[0]["precursors"][s]

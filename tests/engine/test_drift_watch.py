@@ -13,7 +13,7 @@ import torch
 import gradloc
 from gradloc.collector.batch import make_meta
 from gradloc.config import DriftConfig, PrecursorConfig, WatchConfig
-from gradloc.engine.drift import DriftWatch, driver, observations
+from gradloc.engine.drift import DriftWatch, JobShare, driver, observations
 from gradloc.records import PrecursorStat, RLStats, Trend
 from tests.builders import step_record
 
@@ -120,7 +120,7 @@ def test_a_job_wide_finding_is_kept_by_the_rank_holding_its_driver_with_that_ran
                 rl=RLStats(tokens=10, entropy_mean=2.0 if rank == 0 or s < 28 else 2.0 / grow))
             metas = [make_meta(m, torch.zeros(2, 8, dtype=torch.long), None,
                                [f"r{rank}-s{s}-{m}-{b}" for b in range(2)], None) for m in range(2)]
-            found += watch.watch_step(rec, metas, job_rank=rank).precursor_findings
+            found += watch.watch_step(rec, metas, JobShare(rank=rank, precursors=True)).precursor_findings
         return found, counters
 
     (found0, counters0), (found1, counters1) = run(0), run(1)
@@ -138,6 +138,28 @@ def test_a_driver_on_another_rank_names_the_rank_and_no_sample_id() -> None:
     rec = replace(step_record(), precursors=(
         PrecursorStat(kind="attn_max_logit", layer="x", value=3.0, at=(0, 1, 2), rank=1),
         PrecursorStat(kind="attn_max_logit", layer="y", value=3.0, at=(0, 1, 2), rank=0)))
-    got = {o.layer: o.driver for o in observations(rec, list(metas.values()), job_rank=0)}
+    got = {o.layer: o.driver for o in observations(rec, list(metas.values()), JobShare(rank=0, precursors=True))}
     assert (got["x"].rank, got["x"].sample, got["x"].sample_id) == (1, 1, None)
     assert (got["y"].rank, got["y"].sample, got["y"].sample_id) == (0, 1, "b")
+
+
+def test_the_job_s_rl_entropy_and_replicated_update_ratios_are_reported_by_rank_0_only() -> None:
+    """Every rank judges the job's policy entropy (rl_fields.job_rl, from the step gather) and, under data
+    parallelism alone, the same update ratios: rank 0 reports, the others count; the record's own RL stats are not
+    what is judged."""
+    def run(rank: int) -> tuple[list, Counter]:
+        counters: Counter[str] = Counter()
+        watch = DriftWatch(FAST, counters)
+        found = []
+        for s in range(48):
+            fall = 1.0 if s < 28 else 1.1 ** (s - 27)
+            rec = step_record(step=s, rank=rank)
+            rec = replace(rec, rl=RLStats(tokens=10, entropy_mean=5.0),  # this rank's own: flat
+                          layers=tuple(replace(x, update_ratio=1e-3 * fall * (1 + 0.01 * (s % 3))) for x in rec.layers))
+            job = JobShare(rank=rank, rl=(2.0 / fall + 0.001 * (s % 3), None), ratios=True)
+            found += watch.watch_step(rec, [], job).precursor_findings
+        return found, counters
+
+    (found0, counters0), (found1, counters1) = run(0), run(1)
+    assert {f.statistic for f in found0} == {"rl_entropy", "update_ratio"} and not found1
+    assert counters1["precursor_findings_elsewhere"] == len(found0) and not counters0["precursor_findings_elsewhere"]

@@ -13,9 +13,9 @@ The slots ride the step's one gather (collector/job.py), whose rows must have on
   descriptor — slots it did not fill this step at their identity (``slots.identity``: they change nothing);
 - on the host every rank sees the same rows, so every rank decides the same: when every descriptor is the agreed
   one, the job's values (a slot that no rank filled this step is left out); otherwise the rank's own values for this
-  step (counted ``precursors_own_values``) and, when the descriptors are all equal again, a new agreement from the
-  next step. The first step or two of a run (the head is found at the end of the first micro-batch) are judged on
-  a rank's own values.
+  step and, when the descriptors are all equal, a new agreement from the next step. The first step or two of a run
+  (the head is found at the end of the first micro-batch) are judged on a rank's own values; steps whose
+  descriptors differ are counted (``precursors_own_values``).
 
 Under tensor parallelism a rank measures its block of each layer's heads (laid side by side in tp order: exact) and,
 with a vocabulary-parallel head, its shard's logsumexp (left out: see ``JobSlots._tensor_parallel``). A pipeline's
@@ -185,7 +185,7 @@ class JobSlots:
             known = tuple(self.known)
             self.agreed, self._agreed_descriptor = _layout(known), describe(known)
             self._start, self._routes = None, {}
-        if self.known:
+        if not same:  # an agreement being made is not counted: the ranks hook different modules, or a rank failed
             self.counters["precursors_own_values"] += 1
         if self.tp is not None:  # a rank's own share of split heads or a vocabulary shard is not the layer's
             mine = {k: v for k, v in mine.items() if k.stat not in _SPLIT and k.stat != _LSE}
