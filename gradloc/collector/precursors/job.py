@@ -111,10 +111,6 @@ class JobSlots:
         self._start: torch.Tensor | None = None  # the agreed layout's identity, on the device
         self._routes: dict[tuple[SlotKey, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @property
-    def job_wide(self) -> bool:
-        return bool(self.agreed.keys)
-
     def row(self, keys: tuple[SlotKey, ...], pack: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """This rank's part of the step gather, (DESCRIPTOR + agreed length,) float64 on ``device``: the descriptor
         of its known slots, then this step's slots in the agreed layout. Host copies happen only when the known set
