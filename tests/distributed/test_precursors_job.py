@@ -1,7 +1,7 @@
 """Job-wide precursor values under DDP and FSDP2 on gloo (collector/precursors/job.py): from the second step every rank
 judges the same values, and they equal one process's over every rank's micro-batches (the brute-force reference,
 weights held still by a zero learning rate so both see the same model), with the rank of each extreme; the values
-ride the step's one gather (no collective added)."""
+ride the step's one gather (no collective added), and so do the ranks' RL entropy and KL sums."""
 from __future__ import annotations
 
 import math
@@ -136,3 +136,48 @@ def test_tensor_parallel_heads_are_combined_exactly(sp):
         assert {k[2] for k in job if k[0] == "attn_max_logit"} == {None, 0, 1, 2, 3}
     for r in res:
         assert not r["counters"].get("precursors_vocab_split") and not r["counters"].get("precursors_errors")
+
+
+def _rl_job(rank: int, world: int) -> list:
+    """DDP with RL fields: rank r's tokens all have entropy r + 1 and log-probs 0.1 (r + 1) below the rollout's; the
+    JobShare each step's drift watch gets is recorded."""
+    import gradloc
+    from gradloc.demo.model import token_losses
+    from gradloc.engine import drift
+    from tests.distributed.ddp_job import B, M, SEQ, build, data
+
+    model = build("ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = gradloc.watch(model, opt, store=False)
+    seen = []
+    original = drift.DriftWatch.watch_step
+
+    def spy(self, record, metas, job=None):
+        seen.append(job)
+        return original(self, record, metas, job)
+
+    drift.DriftWatch.watch_step = spy
+    x, y, _ = data(rank, 2)
+    for s in range(2):
+        for i in range(M):
+            with mon.micro_batch(y[s, i]):
+                loss = token_losses(model(x[s, i]), y[s, i]).mean() / M
+                mon.rl_fields(logp=torch.full((B, SEQ), -1.0),
+                              rollout_logp=torch.full((B, SEQ), -1.0 + 0.1 * (rank + 1)),
+                              entropy=torch.full((B, SEQ), float(rank + 1)))
+                loss.backward()
+        mon.end_step(loss)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    return [(j.rank, j.rl) for j in seen]
+
+
+def test_the_job_s_rl_entropy_and_kl_are_over_every_rank_s_tokens():
+    res = run(_rl_job, 2, timeout_s=240)
+    r = -0.1 * torch.tensor([1.0, 2.0], dtype=torch.float64)  # each rank's log ratio, trainer − rollout
+    kl = float((torch.expm1(r) - r).mean())  # k3 per token, every rank with the same number of tokens
+    for rank, seen in enumerate(res):
+        assert len(seen) == 2 and all(got == rank for got, _ in seen)
+        for _, (entropy, kl_job) in seen:
+            assert entropy == pytest.approx(1.5, rel=1e-9) and kl_job == pytest.approx(kl, rel=1e-5)  # float32 logp
