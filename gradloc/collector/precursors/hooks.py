@@ -20,10 +20,14 @@ the one before it, when its class is a norm, the **final norm**; MoE routers are
 Discovery's mode is not entered for a model handed over compiled (a ``torch.compile`` wrapper) or with a module
 compiled in place (``module.compile()``): an active mode is part of dynamo's guards, its graphs would be traced
 again with it, and again without it. A model compiled after ``watch`` and first called inside the first block is
-traced once with the mode (one extra compilation, once). Nothing runs outside a micro-batch block, with gradients off (a probe, evaluation), in a re-run forward (activation
-checkpointing) or while torch.compile traces (a compiled region is not measured: counted once in
-``precursors_compiled`` once, when no module ran eagerly in a block before any was found). A call whose shapes are not understood is counted (``precursors_unsupported``), never
-guessed; no exception leaves a hook.
+traced once with the mode (one extra compilation, once). Nothing runs outside a micro-batch block, with gradients
+off (a probe, evaluation) or in a re-run forward (activation checkpointing).
+
+Inside a compiled graph the head, the final norm and the routers are measured into persistent accumulators
+(compiled.py: ``Folds``); a model handed over compiled has its head and final norm found by structure
+(``_discover_by_structure``); attention is not measured there (counted once in ``precursors_compiled``, also when
+no module ran eagerly in the first block of a model compiled some other way). A call whose shapes are not
+understood is counted (``precursors_unsupported``), never guessed; no exception leaves a hook.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import torch
 from torch import nn
 
 from gradloc.collector.precursors.intercept import SDPA, AttentionMode, SdpaSwap, Unsupported, attention_call
-from gradloc.collector.precursors.module_stats import ModuleStats
+from gradloc.collector.precursors.compiled import Folds
+from gradloc.collector.precursors.module_stats import ModuleStats, head_keys, norm_key, router_key
 from gradloc.collector.precursors.slots import Reduce, SlotKey, StepSlots
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
@@ -77,9 +82,14 @@ class PrecursorHooks(ModuleStats):
         self.attention_on = cfg.attention
         self._steps = 0
         self._said_none = False
+        compiles = compiled or _compiles_inside(model)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.folds = Folds(device) if compiles else None  # what compiled graphs measure (compiled.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> None:
+        if self.compiled and not self.discovered:  # a compiled model runs no module eagerly: found by structure
+            self._discover_by_structure()
         if not self.discovered:
             modules = dict(self.model.named_modules())
             for name in self.routers:
@@ -100,6 +110,8 @@ class PrecursorHooks(ModuleStats):
         """A micro-batch block opens (``keep``: its loss positions, (B, T) bool, or None)."""
         self.micro_batch, self.keep = micro_batch, keep
         self._stack.clear()
+        if self.folds is not None:
+            self.folds.begin(micro_batch)
         if not self.discovered and self.attention_on and not self.compiled and not _compiles_inside(self.model):
             self._enter()  # a mode on the stack is part of dynamo's guards: a compiled model's graphs would retrace
 
@@ -107,6 +119,8 @@ class PrecursorHooks(ModuleStats):
         """The block closed (its backward ran, or it failed)."""
         self._leave_all()
         self.micro_batch, self.keep = None, None
+        if self.folds is not None:
+            self.folds.end()
         if not self.discovered and self._order:
             self._finish_discovery()
         elif not self.discovered and not self._said_none:  # no module ran eagerly in the block: a compiled forward
@@ -119,13 +133,41 @@ class PrecursorHooks(ModuleStats):
         """The step's slots (collector/precursors/slots.py); the next step starts empty."""
         self._steps += 1
         self.attention_on = self.cfg.attention and self._steps % self.cfg.attention_every == 0
-        return self.slots.take()
+        keys, pack = self.slots.take()
+        if self.folds is None:
+            return keys, pack
+        fkeys, fpack = self.folds.take()  # what the compiled graphs folded (unfilled ones: left out on the host)
+        if fpack is None:
+            return keys, pack
+        return keys + fkeys, fpack if pack is None else torch.cat([pack, fpack])
+
+    def _discover_by_structure(self) -> None:
+        """The head and the final norm of a model handed over compiled: the last module with parameters of its own
+        in registration order (HF's ``lm_head``, registered after the model) and, when a norm, the one before it;
+        no attention site (found only from an eager forward: not measured, said once)."""
+        order = [n for n, m in self.model.named_modules()
+                 if any(p.requires_grad for p in m.parameters(recurse=False))]
+        if order:
+            self.head = order[-1]
+            before = dict(self.model.named_modules()).get(order[-2]) if len(order) > 1 else None
+            self.final_norm = order[-2] if before is not None and _is_norm(before) else None
+        self.discovered = True
+        self.counters["precursors_compiled"] += 1
+        log.info("gradloc: precursors: a compiled model: loss head %s, final norm %s, %d router(s) measured inside "
+                 "its graphs; attention is not", self.head, self.final_norm or "none found", len(self.routers))
 
     # -- discovery ----------------------------------------------------------------------------
     def _measuring(self) -> bool:
         if torch.compiler.is_compiling():  # first: a traced hook folds to nothing (no graph break, no side effect)
             return False
         return self.micro_batch is not None and torch.is_grad_enabled() and _graph_task_id() == -1
+
+    def _live(self) -> bool:
+        """Whether a head, norm or router call is measured: eagerly inside a block (``_measuring``); traced into a
+        compiled graph with gradients on, into the accumulators (gated on the device by an open block)."""
+        if torch.compiler.is_compiling():
+            return self.folds is not None and torch.is_grad_enabled()
+        return self._measuring()
 
     def _push(self, name: str):
         def pre(module: nn.Module, args: tuple) -> None:
@@ -162,14 +204,21 @@ class PrecursorHooks(ModuleStats):
         modules = dict(self.model.named_modules())
         for name in self.routers:
             self._handles.append(modules[name].register_forward_hook(self._router_hook(name)))
+            if self.folds is not None:
+                self.folds.prepare(router_key(name, modules[name].weight.shape[0]))  # is_router: weight (E, d)
         for name in self.sites:
             self._handles.append(modules[name].register_forward_pre_hook(self._site_in(name)))
             self._handles.append(modules[name].register_forward_hook(self._site_out(name)))
-        if self.head is not None and self.cfg.head_logits:
-            self._handles.append(modules[self.head].register_forward_hook(
-                lambda m, a, out: self._on_head(m, out) if self._measuring() else None))
-        if self.final_norm is not None and self.cfg.residual:
-            self._handles.append(modules[self.final_norm].register_forward_pre_hook(self._on_norm))
+        head, norm = self.head, self.final_norm
+        if head is not None and self.cfg.head_logits:
+            self._handles.append(modules[head].register_forward_hook(
+                lambda m, a, out: self._on_head(head, out) if self._live() else None))
+            for key in head_keys(head) if self.folds is not None else ():
+                self.folds.prepare(key)
+        if norm is not None and self.cfg.residual:
+            self._handles.append(modules[norm].register_forward_pre_hook(lambda m, a: self._on_norm(norm, a)))
+            if self.folds is not None:
+                self.folds.prepare(norm_key(norm))
 
     # -- the mode -----------------------------------------------------------------------------
     def _enter(self) -> None:

@@ -111,7 +111,8 @@ def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions
     else:
         n = float(lse.numel())
     i = per_pos.argmax()
-    r, t = _unravel(i if at is None else at[i], (B, T))
+    r, t = _unravel(i if at is None else at.index_select(0, i.reshape(1)).reshape(()), (B, T))  # (no .item():
+    # a 0-d tensor index would read it back under torch.compile)
     return {"max_abs": per_pos.amax(), "max_at": torch.stack([r, t]), "lse_sq_sum": lse.square().sum(), "n": n}
 
 

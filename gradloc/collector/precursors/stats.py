@@ -32,6 +32,8 @@ def to_stats(values: dict[SlotKey, SlotValues], per_head: bool, counters: Counte
             counters["precursors_nonfinite"] += 1
 
     for key, v in values.items():
+        if v.count <= 0 and not np.isfinite(v.extreme):  # nothing folded into it (a compiled graph's accumulator)
+            continue
         rank = v.rank
         if key.stat == "attn_max_logit":
             add(K.ATTN_MAX_LOGIT, key.layer, v.extreme, at=v.at)
