@@ -1,7 +1,8 @@
-"""Precursor statistics of a model handed over compiled (collector/precursors/compiled.py): the loss head's, the final
-norm's and the MoE routers' values, folded inside the compiled graph, equal the same model's eager values (the
-brute-force reference: the eager hooks) from the second step on; no graph break, no graph traced again per step;
-attention is not measured under compile and the monitor says so once."""
+"""Precursor statistics of a compiled model (collector/precursors/compiled.py, traced_sdpa.py): the attention sites', the
+loss head's, the final norm's and the MoE routers' values, folded inside the compiled graph, equal the same model's
+eager values (the brute-force reference: the eager hooks) from the second step on; no graph break, no graph traced
+again per step (an attention site's graph is traced once more after its head count is known, in step 0); the
+monitor says once that the model is compiled."""
 from __future__ import annotations
 
 import math
@@ -17,14 +18,19 @@ from gradloc.demo.model import GPTConfig, TinyGPT, token_losses
 STEPS, M = 4, 2
 
 
-def _run(make, compiled: bool, vocab: int, logits=lambda out: out) -> tuple[list[dict], dict, list[int]]:
+def _run(make, compiled: bool | str, vocab: int, logits=lambda out: out, fullgraph: bool = False,
+         **cfg) -> tuple[list[dict], dict, list[int]]:
     """``STEPS`` steps of ``M`` micro-batches at LR 0 (both runs see the same weights); each step's precursor values
-    by (kind, layer, head), the monitor's counters and the compiled graphs traced after each step."""
+    by (kind, layer, head), the monitor's counters and the compiled graphs traced after each step. ``compiled``:
+    True hands the model over compiled; ``"blocks"`` compiles its blocks in place (torchtitan's recipe)."""
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    run = torch.compile(model) if compiled else model
-    mon = gradloc.watch(run, opt, store=False, precursors=PrecursorConfig(head_positions=0))
+    if compiled == "blocks":
+        for block in model.blocks:
+            block.compile()
+    run = torch.compile(model, fullgraph=fullgraph) if compiled is True else model
+    mon = gradloc.watch(run, opt, store=False, precursors=PrecursorConfig(head_positions=0, **cfg))
     g = torch.Generator().manual_seed(1)
     steps, graphs = [], []
     try:
@@ -43,7 +49,7 @@ def _run(make, compiled: bool, vocab: int, logits=lambda out: out) -> tuple[list
 
 
 def _same(eager: dict, compiled: dict) -> None:
-    assert compiled and set(compiled) == {k for k in eager if not k[0].startswith("attn_")}, (eager, compiled)
+    assert compiled and set(compiled) == set(eager), (eager, compiled)
     for key, (value, at) in compiled.items():
         assert math.isclose(value, eager[key][0], rel_tol=1e-5), (key, value, eager[key][0])
         assert at == eager[key][1], key
@@ -61,7 +67,8 @@ def test_a_compiled_model_s_head_and_final_norm_equal_the_eager_model_s() -> Non
     for s in range(1, STEPS):  # the eager model finds its head in step 0's first micro-batch: compare from step 1
         _same(eager[s], compiled[s])
     assert {k[:2] for k in compiled[1]} == {("logit_max_abs", "head"), ("logit_lse_sq", "head"),
-                                           ("residual_rms", "ln_f")}
+                                           ("residual_rms", "ln_f")} | {
+        (kind, f"blocks.{i}") for kind in ("attn_max_logit", "attn_entropy") for i in range(2)}
     assert counters == {"precursors_compiled": 1} and not eager_counters
     assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
     assert graphs[-1] == graphs[1], graphs  # traced once: nothing that changes per step reaches the graph
@@ -79,11 +86,125 @@ def test_a_compiled_moe_s_routers_equal_the_eager_model_s() -> None:
     for s in range(1, STEPS):
         _same(eager[s], compiled[s])
     kinds = {k[0] for k in compiled[1]}
-    assert {"router_entropy", "expert_load_max", "dead_experts", "logit_max_abs"} <= kinds, kinds
+    assert {"router_entropy", "expert_load_max", "dead_experts", "logit_max_abs", "attn_max_logit",
+            "attn_entropy"} <= kinds, kinds
+    assert {k[1] for k in compiled[1] if k[0] == "attn_entropy"} == {"model.layers.0.self_attn",
+                                                                      "model.layers.1.self_attn"}
     assert counters["precursors_compiled"] == 1 and not {k for k in counters if k.startswith("precursors_")} - {
         "precursors_compiled"}, counters  # (the token path says its experts' rule cannot run compiled)
     assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
     assert graphs[-1] == graphs[1], graphs
+
+
+def _tiny():
+    return TinyGPT(GPTConfig(vocab=64, seq=16, d_model=32, n_layers=2, n_heads=4, dropout=0.0))
+
+
+def test_attention_every_other_step_and_in_every_micro_batch_under_compile_equal_the_eager_model_s() -> None:
+    """The step and micro-batch gates of attention (``attention_every``, ``attention_micro_batches``) hold inside a
+    compiled graph too: it computes the statistics every call, the device gate decides what is folded."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    for cfg in ({"attention_every": 2}, {"attention_micro_batches": 0}):
+        eager, _, _ = _run(_tiny, False, 64, **cfg)
+        compiled, _, graphs = _run(_tiny, True, 64, **cfg)
+        for s in range(1, STEPS):
+            _same(eager[s], compiled[s])
+        attends = [any(k[0] == "attn_entropy" for k in step) for step in compiled]
+        assert attends[1:] == ([False, True, False] if "attention_every" in cfg else [True] * 3), (cfg, attends)
+        assert graphs[-1] == graphs[1], graphs
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
+
+
+def test_blocks_compiled_in_place_have_their_attention_measured_inside_their_graphs() -> None:
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    eager, _, _ = _run(_tiny, False, 64)
+    compiled, counters, graphs = _run(_tiny, "blocks", 64)
+    for s in range(1, STEPS):
+        _same(eager[s], compiled[s])
+    assert {k[1] for k in compiled[1] if k[0] == "attn_max_logit"} == {"blocks.0", "blocks.1"}
+    assert not counters, counters  # the outer model ran eagerly: its head and norm were found by discovery
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
+    assert graphs[-1] == graphs[1], graphs
+
+
+def test_attention_inside_checkpointed_blocks_of_a_fullgraph_compiled_model_equals_the_eager_model_s() -> None:
+    """A checkpointed region refuses Python side effects that outlive it (and fullgraph=True any graph break): the
+    traced site name is set and undone inside the site, the accumulators are tensors; counted once, not again when
+    the backward recomputes the block."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    def make():
+        model = _tiny()
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        return model
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    eager, _, _ = _run(make, False, 64)
+    compiled, counters, graphs = _run(make, True, 64, fullgraph=True)
+    for s in range(1, STEPS):
+        _same(eager[s], compiled[s])
+    assert {k[1] for k in compiled[1] if k[0] == "attn_entropy"} == {"blocks.0", "blocks.1"}
+    assert counters == {"precursors_compiled": 1}, counters
+    assert graphs[-1] == graphs[1], graphs
+
+
+def _forward_as(block, heads: int, x: torch.Tensor) -> torch.Tensor:
+    """The block's forward with ``heads`` heads whatever its cfg says (a head-sharded attention's stand-in)."""
+    from gradloc.demo.model import Block
+
+    block.cfg, saved = GPTConfig(vocab=64, seq=16, d_model=32, n_layers=2, n_heads=heads, dropout=0.0), block.cfg
+    try:
+        return Block.forward(block, x)
+    finally:
+        block.cfg = saved
+
+
+def test_a_compiled_site_whose_calls_have_other_heads_than_its_attributes_say_is_counted_not_measured() -> None:
+    import functools
+
+    from gradloc.collector.precursors.structure import site_heads
+
+    def make():
+        model = _tiny()
+        model.blocks[0].cfg = GPTConfig(vocab=64, seq=16, d_model=32, n_layers=2, n_heads=2, dropout=0.0)
+        model.blocks[0].forward = functools.partial(_forward_as, model.blocks[0], 4)  # calls with 4 heads, says 2
+        return model
+
+    assert site_heads(_tiny().blocks[0]) == 4 and site_heads(torch.nn.Linear(2, 2)) is None
+    torch._dynamo.reset()
+    compiled, counters, _ = _run(make, True, 64)
+    assert {k[1] for k in compiled[2] if k[0] == "attn_entropy"} == {"blocks.1"}
+    assert counters["precursors_unsupported"] == STEPS, counters  # blocks.0: its one measured call a step
+
+
+def test_attention_sites_by_structure_are_the_modules_whose_forward_calls_attention() -> None:
+    from gradloc.collector.precursors.structure import attention_sites
+
+    assert attention_sites(_tiny()) == ["blocks.0", "blocks.1"]
+
+    class Inner(torch.nn.Module):
+        def forward(self, q, k, v):
+            return [torch.nn.functional.scaled_dot_product_attention(a, b, c) for a, b, c in [(q, k, v)]][0]
+
+    class Outer(torch.nn.Module):  # calls its inner module, not SDPA: not a site (the innermost one is)
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.proj = Inner(), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(self.inner(x, x, x))
+
+    assert attention_sites(Outer()) == ["inner"]  # found inside a comprehension's code too
+    pytest.importorskip("transformers")
+    from tests.collector.rules.hf_zoo import build
+
+    assert attention_sites(build("qwen3moe")) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
 def test_an_accumulator_nothing_was_folded_into_is_left_out_and_a_call_outside_a_block_folds_nothing() -> None:

@@ -13,8 +13,7 @@ per step reaches the traced code. ``take`` (eager, at the end of the step) hands
 and resets them in place; an accumulator nothing was folded into stays at its identity and is left out on the host
 (stats.to_stats).
 
-Attention is not measured inside compiled graphs: its sites are found by watching SDPA and softmax calls from an
-eager forward (hooks.py), which a compiled model never runs; said once (``precursors_compiled``).
+Attention inside compiled graphs is found and measured by traced_sdpa.py into these accumulators.
 """
 from __future__ import annotations
 
@@ -32,27 +31,30 @@ class Folds:
         self._start: dict[SlotKey, torch.Tensor] = {}  # each accumulator's identity, on the device (resets copy it)
         self.on = torch.zeros((), dtype=torch.float64, device=device)  # 1 while a micro-batch block is open
         self.micro_batch = torch.zeros((), dtype=torch.float64, device=device)  # its index in the step
+        self.attend = torch.zeros((), dtype=torch.float64, device=device)  # 1 while attention is measured
 
     def prepare(self, key: SlotKey) -> None:
         if key not in self.acc:
             self._start[key] = torch.tensor(identity(key), dtype=torch.float64, device=self.device)  # (size + 5,)
             self.acc[key] = self._start[key].clone()
 
-    def begin(self, micro_batch: int) -> None:
+    def begin(self, micro_batch: int, attend: bool = False) -> None:
         self.micro_batch.fill_(float(micro_batch))
         self.on.fill_(1.0)
+        self.attend.fill_(1.0 if attend else 0.0)
 
     def end(self) -> None:
         self.on.fill_(0.0)
+        self.attend.fill_(0.0)
 
     def fold(self, key: SlotKey, value: torch.Tensor, count: torch.Tensor | float = 1.0,
-             extreme: torch.Tensor | None = None, at: torch.Tensor | None = None) -> None:
+             extreme: torch.Tensor | None = None, at: torch.Tensor | None = None, attention: bool = False) -> None:
         """Fold one call into ``key``'s accumulator, in place (traced into the compiled graph); a key not prepared
-        is not measured."""
+        is not measured. ``attention``: gated by ``attend``, not only by an open block."""
         acc = self.acc.get(key)
         if acc is None:
             return
-        n, on = key.size, self.on
+        n, on = key.size, self.attend if attention else self.on
         v = value.detach().reshape(-1).to(torch.float64)  # (size,)
         cur = acc[:n]
         new = torch.where(on > 0, torch.maximum(cur, v), cur) if key.reduce is Reduce.MAX else cur + v * on

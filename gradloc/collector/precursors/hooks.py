@@ -23,10 +23,11 @@ again with it, and again without it. A model compiled after ``watch`` and first 
 traced once with the mode (one extra compilation, once). Nothing runs outside a micro-batch block, with gradients
 off (a probe, evaluation) or in a re-run forward (activation checkpointing).
 
-Inside a compiled graph the head, the final norm and the routers are measured into persistent accumulators
-(compiled.py: ``Folds``); a model handed over compiled has its head and final norm found by structure
-(``_discover_by_structure``); attention is not measured there (counted once in ``precursors_compiled``, also when
-no module ran eagerly in the first block of a model compiled some other way). A call whose shapes are not
+Inside a compiled graph attention, the head, the final norm and the routers are measured into persistent
+accumulators (compiled.py: ``Folds``; traced_sdpa.py); a model handed over compiled has its head and final norm
+found by structure (``_discover_by_structure``), and a compiled model its attention sites
+(``_sites_by_structure``: the modules whose forward calls SDPA by name); counted once in ``precursors_compiled``,
+also when no module ran eagerly in the first block of a model compiled some other way. A call whose shapes are not
 understood is counted (``precursors_unsupported``), never guessed; no exception leaves a hook.
 """
 from __future__ import annotations
@@ -41,22 +42,15 @@ from torch import nn
 
 from gradloc.collector.precursors.intercept import SDPA, AttentionMode, SdpaSwap, Unsupported, attention_call
 from gradloc.collector.precursors.compiled import Folds
-from gradloc.collector.precursors.module_stats import ModuleStats, head_keys, norm_key, router_key
-from gradloc.collector.precursors.slots import Reduce, SlotKey, StepSlots
+from gradloc.collector.precursors.module_stats import ModuleStats, attention_keys, head_keys, norm_key, router_key
+from gradloc.collector.precursors.slots import SlotKey, StepSlots
+from gradloc.collector.precursors.structure import attention_sites, compiles_inside, head_and_norm, registered_order
+from gradloc.collector.precursors.traced_sdpa import TracedSdpa
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
 
 log = logging.getLogger("gradloc")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _compiles_inside(model: nn.Module) -> bool:
-    """Whether a module of ``model`` was compiled in place (``module.compile()``: torchtitan's per-block recipe)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
 
 
 class PrecursorHooks(ModuleStats):
@@ -82,9 +76,10 @@ class PrecursorHooks(ModuleStats):
         self.attention_on = cfg.attention
         self._steps = 0
         self._said_none = False
-        compiles = compiled or _compiles_inside(model)
+        compiles = compiled or compiles_inside(model)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.folds = Folds(device) if compiles else None  # what compiled graphs measure (compiled.py)
+        self.traced = TracedSdpa(self.folds, cfg.attention_queries, counters) if compiles and cfg.attention else None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> None:
@@ -105,14 +100,16 @@ class PrecursorHooks(ModuleStats):
             h.remove()
         self._handles.clear()
         self._leave_all()
+        if self.traced is not None:
+            self.traced.remove()
 
     def begin(self, micro_batch: int, keep: torch.Tensor | None) -> None:
         """A micro-batch block opens (``keep``: its loss positions, (B, T) bool, or None)."""
         self.micro_batch, self.keep = micro_batch, keep
         self._stack.clear()
         if self.folds is not None:
-            self.folds.begin(micro_batch)
-        if not self.discovered and self.attention_on and not self.compiled and not _compiles_inside(self.model):
+            self.folds.begin(micro_batch, attend=self._attends())
+        if not self.discovered and self.attention_on and not self.compiled and not compiles_inside(self.model):
             self._enter()  # a mode on the stack is part of dynamo's guards: a compiled model's graphs would retrace
 
     def end(self) -> None:
@@ -142,19 +139,21 @@ class PrecursorHooks(ModuleStats):
         return keys + fkeys, fpack if pack is None else torch.cat([pack, fpack])
 
     def _discover_by_structure(self) -> None:
-        """The head and the final norm of a model handed over compiled: the last module with parameters of its own
-        in registration order (HF's ``lm_head``, registered after the model) and, when a norm, the one before it;
-        no attention site (found only from an eager forward: not measured, said once)."""
-        order = [n for n, m in self.model.named_modules()
-                 if any(p.requires_grad for p in m.parameters(recurse=False))]
-        if order:
-            self.head = order[-1]
-            before = dict(self.model.named_modules()).get(order[-2]) if len(order) > 1 else None
-            self.final_norm = order[-2] if before is not None and _is_norm(before) else None
+        """The head, the final norm and the attention sites of a model handed over compiled (structure.py)."""
+        self.head, self.final_norm = head_and_norm(self.model, registered_order(self.model))
         self.discovered = True
+        self._sites_by_structure()
         self.counters["precursors_compiled"] += 1
-        log.info("gradloc: precursors: a compiled model: loss head %s, final norm %s, %d router(s) measured inside "
-                 "its graphs; attention is not", self.head, self.final_norm or "none found", len(self.routers))
+        log.info("gradloc: precursors: a compiled model: loss head %s, final norm %s, %d router(s), attention in %s "
+                 "measured inside its graphs", self.head, self.final_norm or "none found", len(self.routers),
+                 ", ".join(self.sites) or "no module (none calls SDPA by name)")
+
+    def _sites_by_structure(self) -> None:
+        """A compiled model's attention sites: by the names their forward uses (structure.attention_sites); an eager
+        call at one goes through the SDPA swap (a site that computes its softmax itself falls back to the mode)."""
+        if self.traced is not None:
+            self.sites = attention_sites(self.model)
+            self._swapped.update(self.sites)
 
     # -- discovery ----------------------------------------------------------------------------
     def _measuring(self) -> bool:
@@ -190,11 +189,10 @@ class PrecursorHooks(ModuleStats):
             h.remove()
         self._handles.clear()
         self.discovered = True
-        order = self._order
-        self.head = order[-1]
-        before = dict(self.model.named_modules()).get(order[-2]) if len(order) > 1 else None
-        self.final_norm = order[-2] if before is not None and _is_norm(before) else None
+        self.head, self.final_norm = head_and_norm(self.model, self._order)
         self._order = []
+        if not self.sites:  # a module compiled in place ran no attention under the discovery mode
+            self._sites_by_structure()
         self._install()
         log.info("gradloc: precursors: attention in %s, loss head %s, final norm %s, %d router(s)",
                  ", ".join(self.sites) or "no module (none called SDPA or a softmax over attention weights)",
@@ -206,6 +204,12 @@ class PrecursorHooks(ModuleStats):
             self._handles.append(modules[name].register_forward_hook(self._router_hook(name)))
             if self.folds is not None:
                 self.folds.prepare(router_key(name, modules[name].weight.shape[0]))  # is_router: weight (E, d)
+        if self.traced is not None and self.sites:  # SDPA inside compiled graphs (traced_sdpa.py)
+            for site in self.traced.prepare({name: modules[name] for name in self.sites}):
+                self.counters["precursors_unsupported"] += 1
+                log.info("gradloc: precursors: %s's head count is found in none of its attributes: its attention "
+                         "is not measured inside a compiled graph", site)
+            self.traced.install()
         for name in self.sites:
             self._handles.append(modules[name].register_forward_pre_hook(self._site_in(name)))
             self._handles.append(modules[name].register_forward_hook(self._site_out(name)))
@@ -249,6 +253,10 @@ class PrecursorHooks(ModuleStats):
 
     def _site_in(self, name: str):
         def pre(module: nn.Module, args: tuple) -> None:
+            if torch.compiler.is_compiling():  # traced: name the site for the SDPA wrapper (gated on the device)
+                if self.traced is not None and torch.is_grad_enabled():
+                    self.traced.site = name
+                return
             if self._attends() and self._measuring():
                 self._stack.append(name)
                 if name in self._swapped:
@@ -261,6 +269,8 @@ class PrecursorHooks(ModuleStats):
     def _site_out(self, name: str):
         def post(module: nn.Module, args: tuple, out: Any) -> None:
             if torch.compiler.is_compiling():
+                if self.traced is not None:
+                    self.traced.site = None
                 return
             if not self._stack or self._stack[-1] != name:
                 return
@@ -296,12 +306,10 @@ class PrecursorHooks(ModuleStats):
                 self._swapped.add(site)  # from the next micro-batch on: the swap, not the mode
 
     def _fold_attention(self, site: str, s: dict[str, torch.Tensor]) -> None:
-        H, mb = s["max"].numel(), self.micro_batch
-        self.slots.update(SlotKey("attn_max_logit", site, Reduce.MAX, H), s["max"], micro_batch=mb,
-                          extreme=s["max"].amax(), at=s["max_at"])
-        self.slots.update(SlotKey("attn_entropy", site, Reduce.SUM, 2 * H, lowest=True),
-                          torch.cat([s["entropy_sum"], s["rows"]]), micro_batch=mb, extreme=s["min_row"],
-                          at=s["min_at"])
+        top, ent = attention_keys(site, s["max"].numel())
+        self._record(top, s["max"], extreme=s["max"].amax(), at=s["max_at"], attention=True)
+        self._record(ent, torch.cat([s["entropy_sum"], s["rows"]]), extreme=s["min_row"], at=s["min_at"],
+                     attention=True)
 
 
 def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[str],

@@ -24,6 +24,8 @@ _AFTER: dict[tuple[int, int], torch.Tensor] = {}
 
 def _after(rows: torch.Tensor, S: int) -> torch.Tensor:
     """(Q, S) bool: key j comes after query rows[i] (a causal mask keeps it out); kept per (rows, S)."""
+    if torch.compiler.is_compiling():  # traced: part of the graph (no cache keyed by an object's id)
+        return torch.arange(S, device=rows.device)[None, :] > rows[:, None]  # (Q, S)
     key = (id(rows), S)
     hit = _AFTER.get(key)
     if hit is None:
@@ -35,11 +37,13 @@ def query_rows(T: int, queries: int, device: torch.device) -> torch.Tensor:
     """``queries`` query positions of T, evenly spaced, the first and the last among them (all of T when fewer);
     built on the host once per (T, queries, device) and kept: no transfer per call."""
     key = (T, queries, str(device))
-    rows = _ROWS.get(key)
+    rows = None if torch.compiler.is_compiling() else _ROWS.get(key)  # traced: a constant of the graph, not kept
     if rows is None:
         picked = sorted({round(i * (T - 1) / (queries - 1)) for i in range(queries)}) if 1 < queries < T else \
             list(range(T)) if queries >= T else [T - 1]
-        rows = _ROWS[key] = torch.tensor(picked, dtype=torch.long, device=device)
+        rows = torch.tensor(picked, dtype=torch.long, device=device)
+        if not torch.compiler.is_compiling():
+            _ROWS[key] = rows
     return rows
 
 
@@ -85,7 +89,8 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> d
     keys = (S - logits.isneginf().sum(-1)).to(ent.dtype)  # (B, H, Q)
     norm = torch.where(counted & (keys >= 2), ent / keys.clamp(min=2).log(), torch.full_like(ent, float("inf")))
     lb, _, lq = _unravel(norm.flatten().argmin(), (B, H, Q))
-    pos = (lambda i: rows[i]) if rows is not None else (lambda i: i)
+    # a row's position: index_select, not rows[i] (a 0-d tensor index reads it back under torch.compile)
+    pos = (lambda i: rows.index_select(0, i.reshape(1)).reshape(())) if rows is not None else (lambda i: i)
     return {"max": per_head, "max_at": torch.stack([b, pos(qi)]),
             "entropy_sum": ent0.sum(dim=(0, 2)), "rows": counted.sum(dim=(0, 2)).to(ent.dtype),  # (B, H, Q) -> (H,)
             "min_row": norm.amin(), "min_at": torch.stack([lb, pos(lq)])}

@@ -2,8 +2,9 @@
 input (the residual stream) and a MoE router's logits and choices — each a hook method of :class:`PrecursorHooks`
 (collector/precursors/hooks.py), which finds the modules and owns the state these read (``cfg``, ``slots``,
 ``folds``, ``micro_batch``, ``keep``, ``counters``). Eagerly a call's values go to the step's slots; traced into a
-compiled graph, to the module's accumulators (collector/precursors/compiled.py). No exception leaves a hook: a failure is counted
-(``precursors_errors``), a shape not understood too (``precursors_unsupported``)."""
+compiled graph, to the module's accumulators (collector/precursors/compiled.py), and eagerly too where the key has
+one. The attention sites' slot keys are here too (hooks.py and traced_sdpa.py fold into them). No exception leaves
+a hook: a failure is counted (``precursors_errors``), a shape not understood too (``precursors_unsupported``)."""
 from __future__ import annotations
 
 import logging
@@ -21,6 +22,12 @@ def head_keys(name: str) -> tuple[SlotKey, SlotKey]:
     return SlotKey("logit_max_abs", name, Reduce.MAX, 1), SlotKey("logit_lse_sq", name, Reduce.SUM, 1)
 
 
+def attention_keys(site: str, heads: int) -> tuple[SlotKey, SlotKey]:
+    """An attention site's slots: per head its largest logit; its rows' entropy sums and row counts."""
+    return (SlotKey("attn_max_logit", site, Reduce.MAX, heads),
+            SlotKey("attn_entropy", site, Reduce.SUM, 2 * heads, lowest=True))
+
+
 def norm_key(name: str) -> SlotKey:
     return SlotKey("residual_rms", name, Reduce.SUM, 1)
 
@@ -31,11 +38,12 @@ def router_key(name: str, experts: int) -> SlotKey:
 
 class ModuleStats:
     def _record(self, key: SlotKey, value: torch.Tensor, count: torch.Tensor | float = 1.0,
-                extreme: torch.Tensor | None = None, at: torch.Tensor | None = None) -> None:
-        """One call's values: into the step's slots eagerly, into the key's accumulator inside a compiled graph
-        (collector/precursors/compiled.py)."""
-        if torch.compiler.is_compiling():
-            self.folds.fold(key, value, count, extreme, at)
+                extreme: torch.Tensor | None = None, at: torch.Tensor | None = None, attention: bool = False) -> None:
+        """One call's values: into the key's accumulator inside a compiled graph (collector/precursors/compiled.py),
+        and eagerly too where the key has one (a module that may run either way, as a head outside blocks compiled
+        in place: one place per key); else into the step's slots."""
+        if self.folds is not None and (torch.compiler.is_compiling() or key in self.folds.acc):
+            self.folds.fold(key, value, count, extreme, at, attention=attention)
         else:
             self.slots.update(key, value, micro_batch=self.micro_batch, count=count, extreme=extreme, at=at)
 
