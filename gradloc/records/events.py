@@ -70,8 +70,9 @@ MONITOR_EVENTS: dict[str, str] = {
     "precursors_swap_missed": "attention modules that bound SDPA before gradloc's swap (measured under the mode "
                               "from then on; counted once per module)",
     "precursors_mode_errors": "the precursor attention mode could not be left cleanly (another mode was left open)",
-    "precursors_vocab_split": "a tensor-parallel job whose head splits its logits over the vocabulary: the head's "
-                              "logsumexp² is not measured, its largest |logit| is (counted once)",
+    "precursors_vocab_split": "a tensor-parallel job whose head splits its logits over the vocabulary and has no "
+                              "per-position logsumexps to combine (a compiled head): the head's logsumexp² is not "
+                              "measured, its largest |logit| is (counted once)",
     "precursors_nonfinite": "precursor values that were not finite (left out of the record)",
     "precursors_own_values": "steps of a multi-rank job whose precursor values were this rank's own, not the job's: "
                              "the ranks measured different slots (a pipeline's stages; a slot new on one rank)",

@@ -149,3 +149,52 @@ def test_a_rank_whose_row_fails_sends_a_row_of_the_agreed_length_and_every_rank_
     monkeypatch.undo()
     out, _ = _step(jobs, [_calls(rng, (MAX, HEAD), 1) for _ in range(2)])
     assert [job_wide for _, job_wide in out] == [True, True]
+
+
+def test_a_vocabulary_split_head_s_logsumexp_squared_is_the_whole_vocabulary_s_over_the_first_micro_batch() -> None:
+    """dp 2 × tp 2, the head's logits split over the vocabulary: each rank measures its shard (its logsumexp² alone
+    is not the layer's); the job's value is the whole vocabulary's, from the first micro-batch's per-position
+    shard logsumexps combined over the shards — against measure.head_stats on the whole logits (large ones: the
+    combination must be stable). A job without the per-position values leaves it out and says so once."""
+    from gradloc.collector.precursors import measure
+    from gradloc.collector.precursors.module_stats import head_keys, lse_parts_key
+
+    B, T, V, P = 2, 6, 10, 8
+    top, lse = head_keys("head")
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(B, T, generator=g) > 0.3  # (B, T): some positions not in the loss
+
+    def step(with_parts: bool) -> tuple[list, float, float]:
+        whole = [torch.randn(2, B, T, V, generator=g, dtype=torch.float64) * 40 for _ in range(2)]  # d -> (M, ...)
+        per_rank, expect = [], [0.0, 0.0]
+        for d in range(2):
+            ref = measure.head_stats(whole[d][0], keep, P)  # the first micro-batch, every vocabulary entry
+            expect[0] += float(ref["lse_sq_sum"])
+            expect[1] += float(ref["n"])
+            for t in range(2):
+                calls = []
+                for mb in range(2):
+                    s = measure.head_stats(whole[d][mb][..., t * V // 2:(t + 1) * V // 2], keep, P)  # the shard
+                    calls += [(top, s["max_abs"], mb, 1.0, s["max_abs"], s["max_at"]),
+                              (lse, s["lse_sq_sum"], mb, s["n"], None, None)]
+                    if mb == 0 and with_parts:
+                        calls.append((lse_parts_key("head", P), s["lse"], mb, 1.0, None, None))
+                per_rank.append(calls)
+        return per_rank, *expect
+
+    for with_parts in (True, False):
+        counters = [Counter() for _ in range(4)]
+        jobs = [JobSlots(c, tp=[0, 1, 0, 1], data=[0, 0, 1, 1]) for c in counters]
+        _step(jobs, step(with_parts)[0])  # agreeing on the layout
+        for _ in range(2):
+            per_rank, total, n = step(with_parts)
+            out, _ = _step(jobs, per_rank)
+            for values, job_wide in out:
+                assert job_wide
+                if with_parts:
+                    assert values[lse].count == n  # float32 logsumexps:
+                    assert values[lse].value[0] == pytest.approx(total, rel=1e-6)
+                    assert not any(k.stat == "logit_lse_parts" for k in values)
+                else:
+                    assert lse not in values and top in values
+        assert all(c == (Counter() if with_parts else Counter({"precursors_vocab_split": 1})) for c in counters)

@@ -283,10 +283,17 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
                                             token_losses=vocab_parallel_token_losses if sp else token_losses,
                                             finalize=sp_finalize(model, ps) if sp else None)
     out["reports"] = [essentials(r) for r in reports]
+    out["head"] = [head_precursors(r) for r in reports]
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if mon is not None:
+        out["counters"] = {k: v for k, v in mon.counters.items() if k.startswith("precursors_")}
         mon.close()
     return out
+
+
+def head_precursors(rep: Any) -> dict[str, tuple]:
+    """A step's loss-head precursor values by kind: (value, (micro-batch, row, position))."""
+    return {str(p.kind): (p.value, p.at) for p in rep.record.precursors if p.layer == "head" and p.head is None}
 
 
 def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, samples: Any,
@@ -320,5 +327,5 @@ def bitwise(rank: int, world: int, tp: int, steps: int, plant: tuple, sp: bool =
     return {**watched, "bitwise": all(torch.equal(plain["params"][n], mine[n]) for n in mine)}
 
 
-__all__ = ["MegatronToy", "bitwise", "init_method", "data", "module_norms", "surprise", "token_losses", "train",
-           "vocab_parallel_token_losses", "B", "D", "M", "SEQ", "VOCAB"]
+__all__ = ["MegatronToy", "bitwise", "head_precursors", "init_method", "data", "module_norms", "surprise",
+           "token_losses", "train", "vocab_parallel_token_losses", "B", "D", "M", "SEQ", "VOCAB"]

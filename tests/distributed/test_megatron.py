@@ -30,6 +30,7 @@ from tests.distributed.megatron_job import (
     D,
     M,
     data,
+    head_precursors,
     init_method,
     module_norms,
     token_losses,
@@ -134,7 +135,8 @@ def reference(steps: int, vocab_parallel: bool = False) -> dict[str, Any]:
 
 
 def reference_localization(plant: tuple, vocab_parallel: bool) -> dict[str, Any]:
-    """PlainToy trained as the ranks train MegatronToy (AdamW, the planted weight): the planted step's localization."""
+    """PlainToy trained as the ranks train MegatronToy (AdamW, the planted weight): the planted step's localization
+    and every step's loss-head precursor values."""
     import gradloc
     from tests.distributed.loop import run_steps
 
@@ -146,7 +148,7 @@ def reference_localization(plant: tuple, vocab_parallel: bool) -> dict[str, Any]
     mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5))
     reports, _ = run_steps(model, opt, mon, (x, y, w), STEPS, token_losses=token_losses)
     mon.close()
-    return essentials(reports[s])["loc"]
+    return essentials(reports[s])["loc"], [head_precursors(r) for r in reports]
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
@@ -184,6 +186,15 @@ def test_megatron_tensor_parallel(sp: bool):
         assert loc is not None and loc["status"] == "located" and loc["probes"] <= 3, loc
         assert loc["culprits"][0] == (0, 1, 2, 5)
     assert results[0]["reports"][PLANT_STEP]["loc"] == results[1]["reports"][PLANT_STEP]["loc"]
-    want_loc, loc = reference_localization(plant, sp), results[0]["reports"][PLANT_STEP]["loc"]
+    (want_loc, want_head), loc = reference_localization(plant, sp), results[0]["reports"][PLANT_STEP]["loc"]
+    for s in range(1, PLANT_STEP):  # the head's precursors (step 0: the ranks agree on their layout)
+        for r in results:  # Megatron's [s, b, V(/tp)] logits read as (b, s): the same rows and positions
+            assert r["head"][s]["logit_max_abs"][1] == want_head[s]["logit_max_abs"][1], s
+            assert r["head"][s]["logit_max_abs"][0] == pytest.approx(want_head[s]["logit_max_abs"][0], rel=1e-4)
+            if not sp:  # the head whole: over every micro-batch, as the reference; under sp (the head split over
+                # the vocabulary) over the first micro-batch's positions, its shards combined (the exact check of
+                # that: tests/distributed/test_precursors_job.py)
+                assert r["head"][s]["logit_lse_sq"][0] == pytest.approx(want_head[s]["logit_lse_sq"][0], rel=1e-4)
+            assert "logit_lse_sq" in r["head"][s] and not r["counters"], r["counters"]
     assert loc["probes"] == want_loc["probes"] and loc["culprits"][0][1:] == want_loc["culprits"][0][1:]
     assert loc["explained"] == pytest.approx(want_loc["explained"], rel=1e-3)  # the probes' sums are the whole model's

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from gradloc.config import PrecursorConfig
 from tests.distributed.launch import run
 
 STEPS, AGREEING = 4, 1  # the first step agrees on the layout (the head, found in its first micro-batch, measured in
@@ -96,6 +97,79 @@ def _tp_job(rank: int, world: int, tp: int, sp: bool) -> dict:
     counters = dict(mon.counters)
     mon.close()
     return {"precursors": _precursors(reports), "counters": counters}
+
+
+def _vocab_parallel_losses(logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    """Cross entropy (B, T) from this rank's vocabulary shard of the logits (B, T, V/tp), as a vocabulary-parallel
+    loss computes it: the shards' maxima, exp-sums and target logits all-reduced over ``group``; the gradient is
+    this shard's exactly (softmax − one-hot on its columns: the reduced parts enter as constants)."""
+    import torch.distributed as dist
+
+    V, lo = logits.shape[-1], dist.get_rank(group) * logits.shape[-1]
+    top = logits.detach().amax(-1)  # (B, T)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    mine = (logits - top[..., None]).exp().sum(-1)  # (B, T, V/tp) -> (B, T)
+    total = mine.detach().clone()
+    dist.all_reduce(total, group=group)
+    inside = (targets >= lo) & (targets < lo + V)
+    picked = logits.gather(-1, (targets - lo).clamp(0, V - 1)[..., None]).squeeze(-1) * inside  # (B, T)
+    target = picked.detach().clone()
+    dist.all_reduce(target, group=group)
+    return top + total.log() + (mine - mine.detach()) / total - (target + picked - picked.detach())
+
+
+def _tp_vocab_job(rank: int, world: int, steps: int) -> dict:
+    """tp = 2, the head column-parallel with its logits left split over the vocabulary (as torchtitan's loss
+    parallelism and Megatron's output layer leave them), the loss vocabulary-parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import gradloc
+    from gradloc.config import PrecursorConfig
+    from gradloc.demo.parallel import tp_plan
+    from tests.distributed.loop import run_steps
+    from tests.distributed.tp_job import Toy, data
+
+    model, mesh = Toy(), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    top, block = tp_plan(False)
+    top["head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))  # local (B, T, V/tp) logits
+    parallelize_module(model, mesh["tp"], top)
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], block)
+    group = mesh["tp"].get_group()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = gradloc.watch(model, opt, store=False, precursors=PrecursorConfig())
+    reports, _ = run_steps(model, opt, mon, data(0, steps), steps,
+                           token_losses=lambda logits, y: _vocab_parallel_losses(logits, y, group))
+    counters = dict(mon.counters)
+    mon.close()
+    return {"precursors": _precursors(reports), "counters": counters}
+
+
+def test_a_vocabulary_parallel_head_s_logsumexp_squared_is_the_whole_vocabulary_s() -> None:
+    """Each tp rank's head sees half the vocabulary: its own logsumexp² is not the model's. The job's is, over the
+    first micro-batch's sampled positions (their shard logsumexps combined on the host) — equal to the whole model's
+    logits at those positions in one process (the brute force); the largest |logit| over every micro-batch."""
+    from gradloc.collector.precursors import measure
+    from tests.distributed.tp_job import Toy, data
+
+    res = run(_tp_vocab_job, 2, STEPS, timeout_s=300)
+    x, _, _ = data(0, STEPS)
+    model = Toy()
+    for s in range(AGREEING, STEPS):
+        job = res[0]["precursors"][s]
+        assert res[1]["precursors"][s] == job
+        with torch.no_grad():
+            whole = [model(x[s, i]) for i in range(x.shape[1])]  # M × (B, T, V)
+        ref = measure.head_stats(whole[0], None, PrecursorConfig().head_positions)
+        value, _, _ = job[("logit_lse_sq", "head", None)]
+        assert math.isclose(value, float(ref["lse_sq_sum"] / ref["n"]), rel_tol=1e-5), (s, value)
+        top = max(float(measure.head_stats(w, None, PrecursorConfig().head_positions)["max_abs"]) for w in whole)
+        value, _, _ = job[("logit_max_abs", "head", None)]
+        assert math.isclose(value, top, rel_tol=1e-5), (s, value, top)
+    for r in res:
+        assert not {k for k in r["counters"] if k.startswith("precursors_")}, r["counters"]
 
 
 def _tp_reference(dp: int) -> list[dict]:

@@ -46,6 +46,7 @@ from gradloc.collector.precursors.module_stats import ModuleStats, attention_key
 from gradloc.collector.precursors.slots import SlotKey, StepSlots
 from gradloc.collector.precursors.structure import attention_sites, compiles_inside, head_and_norm, registered_order
 from gradloc.collector.precursors.traced_sdpa import TracedSdpa
+from gradloc.collector.rules.megatron import is_megatron_linear
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
 
@@ -54,9 +55,13 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class PrecursorHooks(ModuleStats):
-    def __init__(self, model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], compiled: bool = False) -> None:
-        """``compiled``: the model was handed over compiled (a torch.compile wrapper): no discovery mode."""
+    def __init__(self, model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], compiled: bool = False,
+                 tensor_parallel: bool = False) -> None:
+        """``compiled``: the model was handed over compiled (a torch.compile wrapper): no discovery mode.
+        ``tensor_parallel``: the head's per-position logsumexps are kept too (a vocabulary shard's: job.py)."""
         self.model, self.cfg, self.counters, self.compiled = model, cfg, counters, compiled
+        self.tensor_parallel = tensor_parallel
+        self.parts_taken = False  # the head's per-position logsumexps were kept this step (module_stats.py)
         self.slots = StepSlots()
         self.names = {m: n for n, m in model.named_modules()}
         self.routers = [n for n, m in model.named_modules() if is_router(m)] if cfg.router else []
@@ -129,6 +134,7 @@ class PrecursorHooks(ModuleStats):
     def take(self) -> tuple[tuple[SlotKey, ...], torch.Tensor | None]:
         """The step's slots (collector/precursors/slots.py); the next step starts empty."""
         self._steps += 1
+        self.parts_taken = False
         self.attention_on = self.cfg.attention and self._steps % self.cfg.attention_every == 0
         keys, pack = self.slots.take()
         if self.folds is None:
@@ -214,9 +220,10 @@ class PrecursorHooks(ModuleStats):
             self._handles.append(modules[name].register_forward_pre_hook(self._site_in(name)))
             self._handles.append(modules[name].register_forward_hook(self._site_out(name)))
         head, norm = self.head, self.final_norm
+        first = head is not None and is_megatron_linear(modules[head])  # Megatron's layers: [s, b, ...] by contract
         if head is not None and self.cfg.head_logits:
             self._handles.append(modules[head].register_forward_hook(
-                lambda m, a, out: self._on_head(head, out) if self._live() else None))
+                lambda m, a, out: self._on_head(head, out, first) if self._live() else None))
             for key in head_keys(head) if self.folds is not None else ():
                 self.folds.prepare(key)
         if norm is not None and self.cfg.residual:
@@ -312,8 +319,9 @@ class PrecursorHooks(ModuleStats):
                      attention=True)
 
 
-def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[str],
-                    holds_head: bool = True, compiled: bool = False, on_spike: bool = False) -> PrecursorHooks | None:
+def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], holds_head: bool = True,
+                    compiled: bool = False, on_spike: bool = False,
+                    tensor_parallel: bool = False) -> PrecursorHooks | None:
     """The monitor's precursor hooks (None: off). Under tensor parallelism a rank measures its block of the heads
     and its shard of the logits: the job's values combine them (collector/precursors/job.py). A pipeline stage
     without the loss head (``holds_head``) measures its attention only: its last module is not a head.
@@ -325,7 +333,7 @@ def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[st
         return None
     if not holds_head:
         cfg = replace(cfg, head_logits=False, residual=False)
-    return PrecursorHooks(model, cfg, counters, compiled)
+    return PrecursorHooks(model, cfg, counters, compiled, tensor_parallel)
 
 
 __all__ = ["PrecursorHooks", "make_precursors"]

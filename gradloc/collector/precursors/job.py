@@ -18,7 +18,8 @@ The slots ride the step's one gather (collector/job.py), whose rows must have on
   descriptors differ are counted (``precursors_own_values``).
 
 Under tensor parallelism a rank measures its block of each layer's heads (laid side by side in tp order: exact) and,
-with a vocabulary-parallel head, its shard's logsumexp (left out: see ``JobSlots._tensor_parallel``). A pipeline's
+with a vocabulary-parallel head, its shard's logsumexps (combined per position over the shards: see
+``JobSlots._tensor_parallel``). A pipeline's
 stages hook different modules: their layouts never agree, and each stage judges its own values (the counter says so
 every step). A combined extreme keeps where it was and on which rank (``SlotValues.rank``): the
 sample behind it is known to that rank only (engine/drift.py resolves the drivers it holds).
@@ -41,6 +42,7 @@ log = logging.getLogger("gradloc")
 DESCRIPTOR = 2  # [values of the known slots, CRC-32 of their keys]
 _SPLIT = frozenset({"attn_max_logit", "attn_entropy"})  # per-head slots: a tp rank holds a block of the heads
 _LSE = "logit_lse_sq"
+_PARTS = "logit_lse_parts"  # under tp: the step's first head call's per-position logsumexps (module_stats.py)
 _ROUTES = 16  # cached (own keys -> agreed layout) index pairs; a run has a few (attention_every alternates two)
 
 
@@ -184,7 +186,7 @@ class JobSlots:
         if not same:  # an agreement being made is not counted: the ranks hook different modules, or a rank failed
             self.counters["precursors_own_values"] += 1
         if self.tp is not None:  # a rank's own share of split heads or a vocabulary shard is not the layer's
-            mine = {k: v for k, v in mine.items() if k.stat not in _SPLIT and k.stat != _LSE}
+            mine = {k: v for k, v in mine.items() if k.stat not in _SPLIT and k.stat not in (_LSE, _PARTS)}
         return mine, False
 
     def _combine(self, vals: np.ndarray) -> dict[SlotKey, SlotValues]:
@@ -209,19 +211,26 @@ class JobSlots:
         order (its extreme, count and location are already the job's). Replicated modules (the residual, a router,
         a head with replicated logits) count every tp rank alike: their means are unchanged, their maxima too. A
         head whose logits are split over the vocabulary measures a logsumexp per shard, and the sum of shards'
-        logsumexp² is not the whole vocabulary's: known when a data index's tp ranks disagree on it, and left out
-        (``precursors_vocab_split``, once)."""
+        logsumexp² is not the whole vocabulary's: known when a data index's tp ranks disagree on it, and then
+        taken from the step's first head call's per-position logsumexps instead (``_vocab_split``); left out when those
+        are missing (a compiled head: ``precursors_vocab_split``, once)."""
         tp = int(self.tp.max()) + 1
         out = {}
         for k, v in job.items():
             at = self.agreed.offsets[k]
             cols = vals[:, at:at + k.size]  # (W, size)
+            if k.stat == _PARTS:
+                continue
             if k.stat == _LSE and any(len(np.unique(cols[self.data == d, 0])) > 1 for d in np.unique(self.data)):
-                if not self._said_vocab:
+                whole = self._vocab_split(k, vals)
+                if whole is not None:
+                    out[k] = replace(v, value=np.array([whole[0]]), count=whole[1])
+                elif not self._said_vocab:
                     self._said_vocab = True
                     self.counters["precursors_vocab_split"] += 1
                     log.info("gradloc: precursors: the head's logits are split over the vocabulary (tensor "
-                             "parallel): its logsumexp² is not measured, its largest |logit| is")
+                             "parallel) and its per-position logsumexps are missing: its logsumexp² is not "
+                             "measured, its largest |logit| is")
                 continue
             if k.stat not in _SPLIT:
                 out[k] = v
@@ -235,6 +244,27 @@ class JobSlots:
                 value = np.concatenate(per)
             out[replace(k, size=k.size * tp)] = replace(v, value=value)
         return out
+
+
+    def _vocab_split(self, lse: SlotKey, vals: np.ndarray) -> tuple[float, float] | None:
+        """Σ logsumexp² over the whole vocabulary and how many positions: per data index, each sampled position's
+        shard logsumexps (one per tp rank, the step's first head call's) combined by a logsumexp over the shards, then
+        squared; None when a rank's are missing (not exactly one call each)."""
+        parts = [k for k in self.agreed.keys if k.stat == _PARTS and k.layer == lse.layer]
+        if len(parts) != 1:
+            return None
+        k = parts[0]
+        at = self.agreed.offsets[k]
+        each, calls = vals[:, at:at + k.size], vals[:, at + k.size]  # (W, P), (W,)
+        if not (calls == 1).all():
+            return None
+        total, n = 0.0, 0
+        for d in np.unique(self.data):
+            whole = np.logaddexp.reduce(each[self.data == d], axis=0)  # (tp, P) -> (P,); −inf: not a loss position
+            kept = np.isfinite(whole)
+            total += float(np.square(whole[kept]).sum())
+            n += int(kept.sum())
+        return (total, float(n)) if n else None
 
 
 def job_slots(comm: Any, layout: Any, counters: Counter[str]) -> JobSlots | None:

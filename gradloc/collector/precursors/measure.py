@@ -100,25 +100,27 @@ def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions
     """The loss head's output logits (B, T, V) (``keep`` (B, T) bool: the loss positions, None: all), over
     ``positions`` positions evenly spaced over the B·T (0: all of them) that are kept: ``max_abs`` the largest
     |logit| and ``max_at`` (2,) its (row, position); ``lse_sq_sum`` Σ logsumexp² and ``n`` how many positions that
-    is. A pass over every logit costs a read of the micro-batch's B·T·V logits per statistic; the sampled
+    is; ``lse`` (P,) each sampled position's logsumexp (−inf where not kept: a vocabulary shard's, to combine). A pass over every logit costs a read of the micro-batch's B·T·V logits per statistic; the sampled
     positions see the same drift. Non-finite logits make the values non-finite (the host drops them)."""
     B, T, V = logits.shape
     flat = logits.reshape(B * T, V)  # (B, T, V) -> (B·T, V)
     at = query_rows(B * T, positions, logits.device) if 0 < positions < B * T else None
     sub = flat if at is None else flat[at]  # (P, V)
     per_pos = torch.maximum(sub.amax(-1), -sub.amin(-1)).float()  # (P, V) -> (P,), no |x| copy
-    lse = torch.logsumexp(sub, dim=-1).float()  # (P,)
+    lse = each = torch.logsumexp(sub, dim=-1).float()  # (P,)
     if keep is not None:
         kept = keep.reshape(-1) if at is None else keep.reshape(-1)[at]  # (P,)
         per_pos = torch.where(kept, per_pos, torch.full_like(per_pos, float("-inf")))
         lse = torch.where(kept, lse, torch.zeros_like(lse))
+        each = torch.where(kept, each, torch.full_like(each, float("-inf")))
         n = kept.sum().float()
     else:
         n = float(lse.numel())
     i = per_pos.argmax()
     r, t = _unravel(i if at is None else at.index_select(0, i.reshape(1)).reshape(()), (B, T))  # (no .item():
     # a 0-d tensor index would read it back under torch.compile)
-    return {"max_abs": per_pos.amax(), "max_at": torch.stack([r, t]), "lse_sq_sum": lse.square().sum(), "n": n}
+    return {"max_abs": per_pos.amax(), "max_at": torch.stack([r, t]), "lse_sq_sum": lse.square().sum(), "n": n,
+            "lse": each}
 
 
 def local_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -1,7 +1,7 @@
 """The precursor statistics of the modules that are not attention: the loss head's output logits, the final norm's
 input (the residual stream) and a MoE router's logits and choices — each a hook method of :class:`PrecursorHooks`
 (collector/precursors/hooks.py), which finds the modules and owns the state these read (``cfg``, ``slots``,
-``folds``, ``micro_batch``, ``keep``, ``counters``). Eagerly a call's values go to the step's slots; traced into a
+``folds``, ``micro_batch``, ``keep``, ``counters``, ``tensor_parallel``, ``parts_taken``). Eagerly a call's values go to the step's slots; traced into a
 compiled graph, to the module's accumulators (collector/precursors/compiled.py), and eagerly too where the key has
 one. The attention sites' slot keys are here too (hooks.py and traced_sdpa.py fold into them). No exception leaves
 a hook: a failure is counted (``precursors_errors``), a shape not understood too (``precursors_unsupported``)."""
@@ -28,6 +28,13 @@ def attention_keys(site: str, heads: int) -> tuple[SlotKey, SlotKey]:
             SlotKey("attn_entropy", site, Reduce.SUM, 2 * heads, lowest=True))
 
 
+def lse_parts_key(name: str, positions: int) -> SlotKey:
+    """Under tensor parallelism: the step's first head call's logsumexp at each sampled position, as this rank's head
+    computed it — a vocabulary shard's when the head's logits are split, combined over the shards on the host
+    (collector/precursors/job.py)."""
+    return SlotKey("logit_lse_parts", name, Reduce.SUM, positions)
+
+
 def norm_key(name: str) -> SlotKey:
     return SlotKey("residual_rms", name, Reduce.SUM, 1)
 
@@ -47,10 +54,13 @@ class ModuleStats:
         else:
             self.slots.update(key, value, micro_batch=self.micro_batch, count=count, extreme=extreme, at=at)
 
-    def _on_head(self, name: str, out: Any) -> None:
+    def _on_head(self, name: str, out: Any, seq_first: bool = False) -> None:
+        """``seq_first``: the logits are ``[s, b, V]`` (Megatron's output layer): read as (B, T, V)."""
         logits = out[0] if isinstance(out, (tuple, list)) and out else getattr(out, "logits", out)
         if not self.cfg.head_logits or not isinstance(logits, torch.Tensor):
             return
+        if seq_first and logits.dim() == 3:
+            logits = logits.transpose(0, 1)  # [s, b, V] -> (B, T, V), a view
         try:
             with torch.no_grad():
                 if logits.dim() != 3:
@@ -64,6 +74,9 @@ class ModuleStats:
                 top, lse = head_keys(name)
                 self._record(top, s["max_abs"], extreme=s["max_abs"], at=measure.shifted(s["max_at"], offset))
                 self._record(lse, s["lse_sq_sum"], count=s["n"])
+                if self.tensor_parallel and not self.parts_taken and not torch.compiler.is_compiling():
+                    self.parts_taken = True  # the step's first head call only (take() starts the next step over)
+                    self._record(lse_parts_key(name, s["lse"].numel()), s["lse"])
         except Exception:
             self.counters["precursors_errors"] += 1
             log.debug("gradloc: head precursors failed", exc_info=True)
