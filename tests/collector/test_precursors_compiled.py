@@ -1,8 +1,8 @@
-"""Precursor statistics of a compiled model (collector/precursors/compiled.py, traced_sdpa.py): the attention sites', the
-loss head's, the final norm's and the MoE routers' values, folded inside the compiled graph, equal the same model's
-eager values (the brute-force reference: the eager hooks) from the second step on; no graph break, no graph traced
-again per step (an attention site's graph is traced once more after its head count is known, in step 0); the
-monitor says once that the model is compiled."""
+"""Precursor statistics of a compiled model (collector/precursors/compiled.py, traced_sdpa.py): the attention sites',
+the loss head's, the final norm's and the MoE routers' values, folded inside the compiled graph, equal the same
+model's eager values (the brute-force reference: the eager hooks) from the second step on; no graph break, no graph
+traced again after the first step; the monitor says once that the model is handed over compiled.
+"""
 from __future__ import annotations
 
 import math

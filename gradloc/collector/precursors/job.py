@@ -212,8 +212,8 @@ class JobSlots:
         a head with replicated logits) count every tp rank alike: their means are unchanged, their maxima too. A
         head whose logits are split over the vocabulary measures a logsumexp per shard, and the sum of shards'
         logsumexp² is not the whole vocabulary's: known when a data index's tp ranks disagree on it, and then
-        taken from the step's first head call's per-position logsumexps instead (``_vocab_split``); left out when those
-        are missing (a compiled head: ``precursors_vocab_split``, once)."""
+        taken from the step's first head call's per-position logsumexps instead (``_vocab_split``); left out when
+        those are missing (a compiled head: ``precursors_vocab_split``, once)."""
         tp = int(self.tp.max()) + 1
         out = {}
         for k, v in job.items():
@@ -245,11 +245,10 @@ class JobSlots:
             out[replace(k, size=k.size * tp)] = replace(v, value=value)
         return out
 
-
     def _vocab_split(self, lse: SlotKey, vals: np.ndarray) -> tuple[float, float] | None:
         """Σ logsumexp² over the whole vocabulary and how many positions: per data index, each sampled position's
-        shard logsumexps (one per tp rank, the step's first head call's) combined by a logsumexp over the shards, then
-        squared; None when a rank's are missing (not exactly one call each)."""
+        shard logsumexps (one per tp rank, the step's first head call's) combined by a logsumexp over the shards,
+        then squared; None when a rank's are missing (not exactly one call each)."""
         parts = [k for k in self.agreed.keys if k.stat == _PARTS and k.layer == lse.layer]
         if len(parts) != 1:
             return None

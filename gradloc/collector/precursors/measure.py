@@ -100,7 +100,8 @@ def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions
     """The loss head's output logits (B, T, V) (``keep`` (B, T) bool: the loss positions, None: all), over
     ``positions`` positions evenly spaced over the B·T (0: all of them) that are kept: ``max_abs`` the largest
     |logit| and ``max_at`` (2,) its (row, position); ``lse_sq_sum`` Σ logsumexp² and ``n`` how many positions that
-    is; ``lse`` (P,) each sampled position's logsumexp (−inf where not kept: a vocabulary shard's, to combine). A pass over every logit costs a read of the micro-batch's B·T·V logits per statistic; the sampled
+    is; ``lse`` (P,) each sampled position's logsumexp (−inf where not kept: a vocabulary shard's, to combine).
+    A pass over every logit costs a read of the micro-batch's B·T·V logits per statistic; the sampled
     positions see the same drift. Non-finite logits make the values non-finite (the host drops them)."""
     B, T, V = logits.shape
     flat = logits.reshape(B * T, V)  # (B, T, V) -> (B·T, V)

@@ -1,10 +1,12 @@
 """The precursor statistics of the modules that are not attention: the loss head's output logits, the final norm's
 input (the residual stream) and a MoE router's logits and choices — each a hook method of :class:`PrecursorHooks`
 (collector/precursors/hooks.py), which finds the modules and owns the state these read (``cfg``, ``slots``,
-``folds``, ``micro_batch``, ``keep``, ``counters``, ``tensor_parallel``, ``parts_taken``). Eagerly a call's values go to the step's slots; traced into a
-compiled graph, to the module's accumulators (collector/precursors/compiled.py), and eagerly too where the key has
-one. The attention sites' slot keys are here too (hooks.py and traced_sdpa.py fold into them). No exception leaves
-a hook: a failure is counted (``precursors_errors``), a shape not understood too (``precursors_unsupported``)."""
+``folds``, ``micro_batch``, ``keep``, ``counters``, ``tensor_parallel``, ``parts_taken``). Eagerly a call's values
+go to the step's slots; traced into a compiled graph, to the module's accumulators
+(collector/precursors/compiled.py), and eagerly too where the key has one. The attention sites' slot keys are here
+too (hooks.py and traced_sdpa.py fold into them). No exception leaves a hook: a failure is counted
+(``precursors_errors``), a shape not understood too (``precursors_unsupported``).
+"""
 from __future__ import annotations
 
 import logging
