@@ -207,6 +207,27 @@ def test_attention_sites_by_structure_are_the_modules_whose_forward_calls_attent
     assert attention_sites(build("qwen3moe")) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
+def test_the_sdpa_wrapper_is_swapped_back_on_detach_in_again_on_attach_and_a_bound_one_still_works() -> None:
+    from collections import Counter
+
+    from gradloc.collector.precursors.compiled import Folds
+    from gradloc.collector.precursors.traced_sdpa import TracedSdpa
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    traced = TracedSdpa(Folds(torch.device("cpu")), 4, Counter())
+    q = torch.randn(1, 2, 3, 4)
+    try:
+        for _ in range(2):  # attach, detach, attach, detach
+            traced.install()
+            bound = torch.nn.functional.scaled_dot_product_attention
+            assert bound is not real
+            traced.remove()
+            assert torch.nn.functional.scaled_dot_product_attention is real
+            torch.testing.assert_close(bound(q, q, q), real(q, q, q))  # bound while attached: passes through
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+
+
 def test_an_accumulator_nothing_was_folded_into_is_left_out_and_a_call_outside_a_block_folds_nothing() -> None:
     from collections import Counter
 

@@ -30,6 +30,7 @@ from gradloc.collector.precursors.module_stats import attention_keys
 from gradloc.collector.precursors.slots import Reduce, SlotKey
 from gradloc.collector.precursors.structure import site_heads
 
+
 def unmatched_key(site: str) -> SlotKey:
     """Calls at a compiled site whose query heads are not the count its accumulators were sized by."""
     return SlotKey("attn_unmatched", site, Reduce.SUM, 1)
@@ -42,7 +43,8 @@ class TracedSdpa:
         self.folds, self.queries, self.counters = folds, queries, counters
         self.site: str | None = None  # the site whose forward is being traced (set by its traced pre-hook)
         self.heads: dict[str, int] = {}  # site -> its query heads (the accumulators' size)
-        self._saved: Callable[..., Any] | None = None
+        self._saved: Callable[..., Any] | None = None  # kept after remove: a reference bound to the wrapper still works
+        self._installed = False
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             out = self._saved(*args, **kwargs)
@@ -66,12 +68,16 @@ class TracedSdpa:
         return missing
 
     def install(self) -> None:
-        if self._saved is None:
+        """Swap the wrapper in (again after ``remove``: a monitor detached and attached)."""
+        if not self._installed:
             self._saved, F.scaled_dot_product_attention = F.scaled_dot_product_attention, self._wrapper
+            self._installed = True
 
     def remove(self) -> None:
-        if self._saved is not None and F.scaled_dot_product_attention is self._wrapper:
-            F.scaled_dot_product_attention = self._saved  # (swapped again on top of ours: ours stays, passing through)
+        """Swap the function back; swapped again on top of ours, ours stays in that chain, passing through."""
+        if self._installed and F.scaled_dot_product_attention is self._wrapper:
+            F.scaled_dot_product_attention = self._saved
+            self._installed = False
         self.site = None
 
     def _fold(self, site: str, args: tuple, kwargs: dict) -> None:
