@@ -104,7 +104,8 @@ class Monitor(Lifecycle):
         self.precursors = make_precursors(watched, cfg.precursors, self.counters, job.holds_head,
                                           compiled=type(given).__name__ == "OptimizedModule",
                                           on_spike=cfg.token_stats == "on_spike",
-                                          tensor_parallel=job.layout is not None and job.layout.size("tp") > 1)
+                                          tp=(job.layout.coord.get("tp", 0), job.layout.size("tp"))
+                                          if job.layout is not None else (0, 1))
         self.tokens = TokenPath(self.hooks, cfg.token_stats, self.layer_stats, self._params_of, job,
                                 self.counters)
         self._updates = UpdateHooks(self.update_ratios, self.meter, self.counters,

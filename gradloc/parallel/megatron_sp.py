@@ -49,6 +49,7 @@ from gradloc.collector.rules.megatron import (
     _column,
     _own_slice,
     is_megatron_linear,
+    sp_marked,
 )
 from gradloc.collector.rules.registry import rule_for, sq_norm_last
 from gradloc.collector.rules.rms_norm import HFRMSNormRule, TorchRMSNormRule
@@ -57,12 +58,6 @@ from gradloc.errors import UnsupportedModelError
 
 log = logging.getLogger("gradloc")
 _NORM_RULES = (LayerNormRule, TorchRMSNormRule, HFRMSNormRule)
-
-
-def sp_marked(module: nn.Module) -> bool:
-    """Whether ``module``'s own trainable parameters are all marked ``sequence_parallel`` (and some exist)."""
-    ps = [p for p in module.parameters(recurse=False) if p.requires_grad]
-    return bool(ps) and all(getattr(p, "sequence_parallel", False) for p in ps)
 
 
 def check_model(model: nn.Module, pp: int = 1) -> None:
@@ -240,4 +235,4 @@ class SPShardRule:
         out.register_hook(_guard(w, buf, score))
 
 
-__all__ = ["SPLinearRule", "SPShardRule", "check_model", "bias_counts", "configure", "sp_marked"]
+__all__ = ["SPLinearRule", "SPShardRule", "check_model", "bias_counts", "configure"]

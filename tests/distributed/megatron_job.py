@@ -292,8 +292,10 @@ def train(rank: int, world: int, tp: int, steps: int, plant: tuple | None = None
 
 
 def head_precursors(rep: Any) -> dict[str, tuple]:
-    """A step's loss-head precursor values by kind: (value, (micro-batch, row, position))."""
-    return {str(p.kind): (p.value, p.at) for p in rep.record.precursors if p.layer == "head" and p.head is None}
+    """A step's precursor values of the loss head and the final norm by kind: (value, (micro-batch, row,
+    position))."""
+    return {str(p.kind): (p.value, p.at) for p in rep.record.precursors
+            if p.layer in ("head", "norm") and p.head is None}
 
 
 def surprise(rank: int, world: int, tp: int, steps: int, vocab_parallel: bool, samples: Any,

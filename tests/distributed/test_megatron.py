@@ -196,5 +196,8 @@ def test_megatron_tensor_parallel(sp: bool):
                 # that: tests/distributed/test_precursors_job.py)
                 assert r["head"][s]["logit_lse_sq"][0] == pytest.approx(want_head[s]["logit_lse_sq"][0], rel=1e-4)
             assert "logit_lse_sq" in r["head"][s] and not r["counters"], r["counters"]
+            # the final norm's input: whole on every rank, or (sp) each rank's block of the sequence, placed there
+            assert r["head"][s]["residual_rms"][1] == want_head[s]["residual_rms"][1], s
+            assert r["head"][s]["residual_rms"][0] == pytest.approx(want_head[s]["residual_rms"][0], rel=1e-5)
     assert loc["probes"] == want_loc["probes"] and loc["culprits"][0][1:] == want_loc["culprits"][0][1:]
     assert loc["explained"] == pytest.approx(want_loc["explained"], rel=1e-3)  # the probes' sums are the whole model's

@@ -42,11 +42,10 @@ from torch import nn
 
 from gradloc.collector.precursors.intercept import SDPA, AttentionMode, SdpaSwap, Unsupported, attention_call
 from gradloc.collector.precursors.compiled import Folds
-from gradloc.collector.precursors.module_stats import ModuleStats, attention_keys, head_keys, norm_key, router_key
+from gradloc.collector.precursors.module_stats import ModuleStats, attention_keys, router_key
 from gradloc.collector.precursors.slots import SlotKey, StepSlots
 from gradloc.collector.precursors.structure import attention_sites, compiles_inside, head_and_norm, registered_order
 from gradloc.collector.precursors.traced_sdpa import TracedSdpa
-from gradloc.collector.rules.megatron import is_megatron_linear
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
 
@@ -56,11 +55,13 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 class PrecursorHooks(ModuleStats):
     def __init__(self, model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], compiled: bool = False,
-                 tensor_parallel: bool = False) -> None:
+                 tp: tuple[int, int] = (0, 1)) -> None:
         """``compiled``: the model was handed over compiled (a torch.compile wrapper): no discovery mode.
-        ``tensor_parallel``: the head's per-position logsumexps are kept too (a vocabulary shard's: job.py)."""
+        ``tp``: this rank's (coordinate, size) along tensor parallelism; over 1, the head's per-position
+        logsumexps are kept too (a vocabulary shard's: job.py), and a final norm of a sequence-parallel region
+        places its positions at this rank's block of the sequence."""
         self.model, self.cfg, self.counters, self.compiled = model, cfg, counters, compiled
-        self.tensor_parallel = tensor_parallel
+        self.tp_rank, self.tensor_parallel = tp[0], tp[1] > 1
         self.parts_taken = False  # the head's per-position logsumexps were kept this step (module_stats.py)
         self.slots = StepSlots()
         self.names = {m: n for n, m in model.named_modules()}
@@ -219,17 +220,7 @@ class PrecursorHooks(ModuleStats):
         for name in self.sites:
             self._handles.append(modules[name].register_forward_pre_hook(self._site_in(name)))
             self._handles.append(modules[name].register_forward_hook(self._site_out(name)))
-        head, norm = self.head, self.final_norm
-        first = head is not None and is_megatron_linear(modules[head])  # Megatron's layers: [s, b, ...] by contract
-        if head is not None and self.cfg.head_logits:
-            self._handles.append(modules[head].register_forward_hook(
-                lambda m, a, out: self._on_head(head, out, first) if self._live() else None))
-            for key in head_keys(head) if self.folds is not None else ():
-                self.folds.prepare(key)
-        if norm is not None and self.cfg.residual:
-            self._handles.append(modules[norm].register_forward_pre_hook(lambda m, a: self._on_norm(norm, a)))
-            if self.folds is not None:
-                self.folds.prepare(norm_key(norm))
+        self._hook_head_and_norm(modules)
 
     # -- the mode -----------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -321,7 +312,7 @@ class PrecursorHooks(ModuleStats):
 
 def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[str], holds_head: bool = True,
                     compiled: bool = False, on_spike: bool = False,
-                    tensor_parallel: bool = False) -> PrecursorHooks | None:
+                    tp: tuple[int, int] = (0, 1)) -> PrecursorHooks | None:
     """The monitor's precursor hooks (None: off). Under tensor parallelism a rank measures its block of the heads
     and its shard of the logits: the job's values combine them (collector/precursors/job.py). A pipeline stage
     without the loss head (``holds_head``) measures its attention only: its last module is not a head.
@@ -333,7 +324,7 @@ def make_precursors(model: nn.Module, cfg: PrecursorConfig, counters: Counter[st
         return None
     if not holds_head:
         cfg = replace(cfg, head_logits=False, residual=False)
-    return PrecursorHooks(model, cfg, counters, compiled, tensor_parallel)
+    return PrecursorHooks(model, cfg, counters, compiled, tp)
 
 
 __all__ = ["PrecursorHooks", "make_precursors"]

@@ -1,7 +1,8 @@
 """The precursor statistics of the modules that are not attention: the loss head's output logits, the final norm's
 input (the residual stream) and a MoE router's logits and choices — each a hook method of :class:`PrecursorHooks`
 (collector/precursors/hooks.py), which finds the modules and owns the state these read (``cfg``, ``slots``,
-``folds``, ``micro_batch``, ``keep``, ``counters``, ``tensor_parallel``, ``parts_taken``). Eagerly a call's values
+``folds``, ``micro_batch``, ``keep``, ``counters``, ``tensor_parallel``, ``tp_rank``, ``parts_taken``, ``head``,
+``final_norm``, ``_handles``). Eagerly a call's values
 go to the step's slots; traced into a compiled graph, to the module's accumulators
 (collector/precursors/compiled.py), and eagerly too where the key has one. The attention sites' slot keys are here
 too (hooks.py and traced_sdpa.py fold into them). No exception leaves a hook: a failure is counted
@@ -16,6 +17,7 @@ import torch
 
 from gradloc.collector.precursors import measure
 from gradloc.collector.precursors.slots import Reduce, SlotKey
+from gradloc.collector.rules.megatron import is_megatron_linear, is_megatron_module, sp_marked
 
 log = logging.getLogger("gradloc")
 
@@ -46,6 +48,24 @@ def router_key(name: str, experts: int) -> SlotKey:
 
 
 class ModuleStats:
+    def _hook_head_and_norm(self, modules: dict[str, Any]) -> None:
+        """The hooks on the loss head and the final norm (found by hooks.py), read in the layout their caller uses:
+        Megatron's output layer returns ``[s, b, V]``; a norm called by a Megatron block gets ``[s, b, h]``, and one
+        in a sequence-parallel region (its parameters marked so) this tp rank's block of the sequence."""
+        head, norm = self.head, self.final_norm
+        first = head is not None and is_megatron_linear(modules[head])
+        if head is not None and self.cfg.head_logits:
+            self._handles.append(modules[head].register_forward_hook(
+                lambda m, a, out: self._on_head(head, out, first) if self._live() else None))
+            for key in head_keys(head) if self.folds is not None else ():
+                self.folds.prepare(key)
+        if norm is not None and self.cfg.residual:
+            lay = (is_megatron_module(modules[norm.rpartition(".")[0]]),  # its caller (the model: "")
+                   self.tensor_parallel and sp_marked(modules[norm]))
+            self._handles.append(modules[norm].register_forward_pre_hook(lambda m, a: self._on_norm(norm, a, *lay)))
+            if self.folds is not None:
+                self.folds.prepare(norm_key(norm))
+
     def _record(self, key: SlotKey, value: torch.Tensor, count: torch.Tensor | float = 1.0,
                 extreme: torch.Tensor | None = None, at: torch.Tensor | None = None, attention: bool = False) -> None:
         """One call's values: into the key's accumulator inside a compiled graph (collector/precursors/compiled.py),
@@ -83,7 +103,9 @@ class ModuleStats:
             self.counters["precursors_errors"] += 1
             log.debug("gradloc: head precursors failed", exc_info=True)
 
-    def _on_norm(self, name: str, args: tuple) -> None:
+    def _on_norm(self, name: str, args: tuple, seq_first: bool = False, sequence_parallel: bool = False) -> None:
+        """``seq_first``: the input is ``[s, b, h]`` (a Megatron block's): read as (B, T, h). ``sequence_parallel``:
+        its positions are this tp rank's block of the sequence (parameters marked ``sequence_parallel``)."""
         if not self._live() or not args or not isinstance(args[0], torch.Tensor):
             return
         try:
@@ -92,7 +114,11 @@ class ModuleStats:
                 if x.dim() != 3:
                     self.counters["precursors_unsupported"] += 1
                     return
+                if seq_first:
+                    x = x.transpose(0, 1)  # [s, b, h] -> (B, T, h), a view
                 x, offset = measure.local_view(x)  # sequence parallelism: this rank's positions of every row
+                if sequence_parallel:  # Megatron's split: tp rank r holds positions [r·s/tp, (r+1)·s/tp)
+                    offset += self.tp_rank * x.shape[1]
                 s = measure.rms_stats(x)
                 self._record(norm_key(name), s["sum"], count=s["n"], extreme=s["max"],
                              at=measure.shifted(s["max_at"], offset))

@@ -60,6 +60,20 @@ def is_megatron_linear(module: nn.Module) -> bool:
     return type(module).__name__ in _CLASSES and type(module).__module__.startswith("megatron.")
 
 
+def is_megatron_module(module: nn.Module) -> bool:
+    """A module defined by megatron (``megatron.*``): by its contract, it passes activations sequence-first to the
+    modules it calls (``TransformerBlock`` to its ``final_layernorm``, whatever class that norm is: Megatron's
+    ``WrappedTorchNorm`` / ``TENorm`` build torch's or Transformer Engine's own norms)."""
+    return type(module).__module__.startswith("megatron.")
+
+
+def sp_marked(module: nn.Module) -> bool:
+    """Whether ``module``'s own trainable parameters are all marked ``sequence_parallel`` (and some exist): Megatron
+    marks the parameters of the modules that run on a sequence-parallel region's shard (its norms)."""
+    ps = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    return bool(ps) and all(getattr(p, "sequence_parallel", False) for p in ps)
+
+
 def _column(module: nn.Module) -> bool:
     return type(module).__name__ == "ColumnParallelLinear"
 
@@ -134,4 +148,4 @@ class MegatronLinearRule:
         return g.transpose(0, 1), 0, 1.0 / size  # [s, b, v] -> (b, s, v)
 
 
-__all__ = ["MegatronLinearRule", "is_megatron_linear", "tp_rank_size"]
+__all__ = ["MegatronLinearRule", "is_megatron_linear", "is_megatron_module", "sp_marked", "tp_rank_size"]

@@ -1,0 +1,56 @@
+"""Megatron-core's own ``GPTModel`` (local layer spec) on 2 gloo tensor-parallel ranks, watched by gradloc at its
+defaults: the precursor statistics equal what the model computed, read by the test's own hooks in Megatron's
+sequence-first layout (tests/distributed/megatron_gpt_job.py) — the residual stream at the final norm (its input is
+``[s, b, h]``: read batch-first, its largest RMS named by (micro-batch, row, position), not (…, position, row)),
+the output layer's vocabulary-split logits, each attention's largest logit and its lowest head's mean row entropy,
+its heads split over the two ranks."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.distributed.launch import run
+from tests.distributed.megatron_gpt_job import LAYERS
+
+STEPS = 4
+ENV = {"NO_VCS_VERSION": "1"}  # megatron's package_info would otherwise run `git rev-parse` at import
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="needs megatron-core (scripts/setup.sh)")
+
+
+def _train(rank: int, world: int) -> dict:
+    from tests.distributed.megatron_gpt_job import train
+
+    return train(rank, world, 2, STEPS)
+
+
+def _stat(got: list, kind: str, layer_part: str) -> tuple:
+    hits = [g for g in got if g[0] == kind and layer_part in g[1] and g[2] is None]
+    assert len(hits) == 1, (kind, layer_part, got)
+    return hits[0]
+
+
+def test_a_real_gpt_model_s_precursors_under_tensor_parallelism_are_what_it_computed():
+    results = run(_train, 2, timeout_s=300, env=ENV)
+    for r in results:
+        assert not r["counters"], r["counters"]
+    for s in range(1, STEPS):  # step 0: each rank's own values (the ranks agree on their layout after it)
+        wants = [r["steps"][s]["want"] for r in results]
+        for r in results:
+            got = r["steps"][s]["got"]
+            want = wants[0]
+            kind, layer, _, value, at = _stat(got, "residual_rms", "final_layernorm")
+            assert layer == "decoder.final_layernorm"
+            assert value == pytest.approx(want["residual_rms"][0], rel=1e-5)
+            assert at == want["residual_rms"][1], (s, at, want["residual_rms"])  # (micro-batch, row, position)
+            _, layer, _, value, at = _stat(got, "logit_max_abs", "output_layer")
+            assert value == pytest.approx(want["logit_max_abs"][0], rel=1e-5) and at == want["logit_max_abs"][1]
+            for i in range(LAYERS):  # the two ranks' heads together: the largest logit, the lowest head's entropy
+                site = f"decoder.layers.{i}.self_attention.core_attention.scale_mask_softmax"
+                _, _, _, value, _ = _stat(got, "attn_max_logit", f"layers.{i}.")
+                assert value == pytest.approx(max(w[site]["max"] for w in wants), rel=1e-5)
+                _, layer, _, value, _ = _stat(got, "attn_entropy", f"layers.{i}.")
+                lowest = min(e for w in wants for e in w[site]["entropy"])
+                assert layer == site and value == pytest.approx(lowest, rel=1e-6)
+    assert results[0]["steps"][1:] and results[0]["steps"][1]["got"] == results[1]["steps"][1]["got"]
