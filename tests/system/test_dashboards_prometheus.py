@@ -5,19 +5,21 @@ per-layer series) and an RL demo (RL fields) from real trainer processes, plus o
 message (a rejection); it runs with ``--max-culprits 1`` and ``--max-layers 4`` so the limit and
 series-drop counters have events. Prometheus scrapes its /metrics every second. The events a healthy demo never
 produces come from a batch sent with the trainer's codec (a skipped step, non-finite gradients, a
-shed feature, client drops, a re-sent batch: see ``_events``) and from an OTLP endpoint where nothing
-listens (export failures and drops). Each panel query (variables substituted as "All") then runs as a
-range query over the runs: every one must return at least one series.
+shed feature, client drops, a re-sent batch: see ``_events``) and from an OTLP endpoint that refuses
+every export (export failures and drops: ``_refusing_collector``). Each panel query (variables substituted
+as "All") then runs as a range query over the runs: every one must return at least one series.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -40,7 +42,7 @@ def _events(ingest: str) -> None:
     culprits are over the daemon's --max-culprits, a step with a per-sample outlier finding (a
     healthy demo has none), per-head precursor values and a MoE router's (the demo measures neither), a precursor
     finding (the demo is shorter than the drift detector's warm-up).
-    The OTLP exporters' failures and drops come from the daemon's --otlp-endpoint, where nothing listens."""
+    The OTLP exporters' failures and drops come from the daemon's --otlp-endpoint, which refuses every export."""
     now = time.time()
     bad = layer("head", float("inf"), nonfinite=2)
     outlier = SampleOutlier(kind="surprise", job=EVENT_JOB, rank=1, step=4, time_unix=now, score=8.9, z=11.0,
@@ -79,9 +81,10 @@ def _demo(ingest: str, *args: str) -> None:
 
 
 def test_every_panel_query_runs_against_prometheus(tmp_path: Path) -> None:
-    with serving(tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(tmp_path / "a.db"),
-                 "--straggler-deadline-s", "1", "--max-culprits", "1", "--max-layers", "4",
-                 "--otlp-endpoint", f"127.0.0.1:{_closed_port()}", "--otlp-interval-s", "1") as agent:
+    with _refusing_collector() as otlp, serving(
+            tmp_path, "--ingest", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(tmp_path / "a.db"),
+            "--straggler-deadline-s", "1", "--max-culprits", "1", "--max-layers", "4",
+            "--otlp-endpoint", otlp, "--otlp-interval-s", "1") as agent:
         with running_prometheus([agent["http"]]) as prom:
             start = time.time()
             with grpc.insecure_channel(agent["ingest"]) as ch:  # one rejection for the agent-health panels
@@ -91,7 +94,7 @@ def test_every_panel_query_runs_against_prometheus(tmp_path: Path) -> None:
             _demo(agent["ingest"], "--steps", "60", "--inject-step", "50", "--job", "dash")
             _demo(agent["ingest"], "--rl", "--steps", "80", "--inject-step", "60", "--job", "dash-rl")
             prom.wait_for('gradloc_incidents_total{job="dash"}', timeout=30)
-            prom.wait_for("gradloc_export_failures_total", timeout=120)  # the OTLP exports to nowhere
+            prom.wait_for("gradloc_export_failures_total", timeout=120)  # the refused OTLP exports
             time.sleep(3)  # a few more scrapes after the runs
             end = time.time()
             failed = []
@@ -109,8 +112,16 @@ def test_every_panel_query_runs_against_prometheus(tmp_path: Path) -> None:
     assert not failed, "queries with no data:\n" + "\n".join(f"{u} / {t}: {e}" for u, t, e in failed)
 
 
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _refusing_collector() -> Iterator[str]:
+    """A gRPC server on loopback that serves no method, as the daemon's OTLP collector: every metric and span
+    export fails at once (UNIMPLEMENTED, which the OTLP exporter does not retry) and is counted as a failure and
+    its spans as dropped. (A port where nothing listens fails the same way, but the exporter retries a refused
+    connection until its timeout, and the daemon's shutdown then waited ~8 s on the last export.)"""
+    server = grpc.server(ThreadPoolExecutor(2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
