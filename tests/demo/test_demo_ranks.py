@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 AGENT = str(Path(sys.executable).with_name("gradloc-agent"))
+# The plant at step 30 (the detector warms up on steps 0-25), on the run's last step: what is checked is the plant's
+# step and every step's tokens, and each step after the plant cost a 4-rank run ~1.8 s on 2 cores (tp: 36 steps
+# took 60 s, 31 steps 52 s).
+PLANT = 30
+STEPS = PLANT + 1
 
 
 def _demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -30,13 +35,13 @@ def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path,
         request.getfixturevalue("ds_shm_op")  # built once into .torch_extensions (skips without deepspeed)
         extra = ("--zero-stage", "3")
     world = "4" if backend in ("tp", "fsdp-tp", "pp") else "2"
-    res = _demo(tmp_path, "--world-size", world, "--backend", backend, "--steps", "36", "--inject-step", "30", "--json",
-                *extra)
+    res = _demo(tmp_path, "--world-size", world, "--backend", backend, "--steps", str(STEPS), "--inject-step",
+                str(PLANT), "--json", *extra)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     (planted,) = doc["planted"]
     assert planted["rank"] == 1
-    at_plant = [i for i in doc["incidents"] if i["step"] == 30]
+    at_plant = [i for i in doc["incidents"] if i["step"] == PLANT]
     assert len(at_plant) == 1, doc["incidents"]
     inc = at_plant[0]
     assert inc["scope"] == "job" and inc["rank"] == 0 and inc["status"] == "located" and 1 <= inc["probes"] <= 3
@@ -49,7 +54,7 @@ def test_the_demo_plants_on_rank_1_and_the_job_incident_names_it(tmp_path: Path,
         with IncidentStore(tmp_path / "demo.db", create=False) as store:
             totals = {(k, n): t for k, n, _, t in store.history.group_totals()}  # this run only
         seq, prompt, batch, mbs = 64, 8, 4, 4  # the demo's defaults (gradloc/demo/run.py DemoConfig)
-        assert totals[("source", "sentences")] == 36 * mbs * batch * (seq - prompt), totals
+        assert totals[("source", "sentences")] == STEPS * mbs * batch * (seq - prompt), totals
 
 
 def test_bad_combinations_are_refused_before_any_rank_starts(tmp_path: Path) -> None:
