@@ -1,7 +1,8 @@
-"""Precursor statistics of a compiled model (collector/precursors/compiled.py, traced_sdpa.py): the attention sites',
-the loss head's, the final norm's and the MoE routers' values, folded inside the compiled graph, equal the same
-model's eager values (the brute-force reference: the eager hooks) from the second step on; no graph break, no graph
-traced again after the first step; the monitor says once that the model is handed over compiled.
+"""Precursor statistics of a compiled model (collector/precursors/compiled.py, traced_attention.py): the attention
+sites' (SDPA and HF's eager attention), the loss head's, the final norm's and the MoE routers' values, folded inside
+the compiled graph, equal the same model's eager values (the brute-force reference: the eager hooks) from the second
+step on; no graph break, no graph traced again after the first step; the monitor says once that the model is handed
+over compiled.
 """
 from __future__ import annotations
 
@@ -94,6 +95,61 @@ def test_a_compiled_moe_s_routers_equal_the_eager_model_s() -> None:
         "precursors_compiled"}, counters  # (the token path says its experts' rule cannot run compiled)
     assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
     assert graphs[-1] == graphs[1], graphs
+
+
+def test_hf_eager_attention_inside_a_compiled_graph_equals_the_eager_model_s() -> None:
+    """``attn_implementation="eager"``: the attention computes its own softmax, in the modeling module's
+    ``eager_attention_forward``; compiled, it is measured from that function's arguments (grouped-query heads, the
+    additive causal mask, HF's scaling) and equals what the eager path measures from its softmax."""
+    pytest.importorskip("transformers")
+    from tests.collector.rules.hf_zoo import build
+
+    def make():
+        model = build("qwen3")
+        model.set_attn_implementation("eager")
+        return model
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    logits = (lambda out: out.logits)
+    eager, _, _ = _run(make, False, 256, logits)
+    compiled, counters, graphs = _run(make, True, 256, logits)
+    for s in range(1, STEPS):
+        _same(eager[s], compiled[s])
+    assert {k[1] for k in compiled[1] if k[0] in ("attn_entropy", "attn_max_logit")} == {
+        "model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert counters == {"precursors_compiled": 1}, counters
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
+    assert graphs[-1] == graphs[1], graphs
+
+
+def test_only_hf_s_standard_eager_attention_is_measured_under_compile() -> None:
+    """A site whose eager attention changes its logits after q·kᵀ·scaling + mask (GPT-OSS's sinks) is not measured
+    inside a compiled graph, said with why; a standard one's modeling module gets the wrapper while attached."""
+    pytest.importorskip("transformers")
+    import sys
+    from collections import Counter
+
+    from gradloc.collector.precursors.compiled import Folds
+    from gradloc.collector.precursors.traced_attention import EAGER, TracedAttention, standard_eager
+    from tests.collector.rules.hf_zoo import build
+
+    for name, standard in (("qwen3", True), ("gptoss", False)):
+        model = build(name)
+        model.set_attn_implementation("eager")
+        sites = {n: m for n, m in model.named_modules() if n.endswith("self_attn")}
+        home = sys.modules[type(next(iter(sites.values()))).__module__]
+        assert standard_eager(getattr(home, EAGER)) is standard
+        traced, real = TracedAttention(Folds(torch.device("cpu")), 4, Counter()), getattr(home, EAGER)
+        skipped = traced.prepare(sites)
+        assert [s for s, _ in skipped] == ([] if standard else sorted(sites)), skipped
+        assert all("not the standard one" in why for _, why in skipped)
+        traced.install()
+        try:
+            assert (getattr(home, EAGER) is not real) is standard
+        finally:
+            traced.remove()
+        assert getattr(home, EAGER) is real
 
 
 def _tiny():
@@ -211,10 +267,10 @@ def test_the_sdpa_wrapper_is_swapped_back_on_detach_in_again_on_attach_and_a_bou
     from collections import Counter
 
     from gradloc.collector.precursors.compiled import Folds
-    from gradloc.collector.precursors.traced_sdpa import TracedSdpa
+    from gradloc.collector.precursors.traced_attention import TracedAttention
 
     real = torch.nn.functional.scaled_dot_product_attention
-    traced = TracedSdpa(Folds(torch.device("cpu")), 4, Counter())
+    traced = TracedAttention(Folds(torch.device("cpu")), 4, Counter())
     q = torch.randn(1, 2, 3, 4)
     try:
         for _ in range(2):  # attach, detach, attach, detach

@@ -13,7 +13,7 @@ per step reaches the traced code. ``take`` (eager, at the end of the step) hands
 and resets them in place; an accumulator nothing was folded into stays at its identity and is left out on the host
 (stats.to_stats).
 
-Attention inside compiled graphs is found and measured by traced_sdpa.py into these accumulators.
+Attention inside compiled graphs is found and measured by traced_attention.py into these accumulators.
 """
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ traced once with the mode (one extra compilation, once). Nothing runs outside a 
 off (a probe, evaluation) or in a re-run forward (activation checkpointing).
 
 Inside a compiled graph attention, the head, the final norm and the routers are measured into persistent
-accumulators (compiled.py: ``Folds``; traced_sdpa.py); a model handed over compiled has its head and final norm
-found by structure (``_discover_by_structure``), and a compiled model its attention sites
+accumulators (compiled.py: ``Folds``; traced_attention.py); a model handed over compiled has its head and final
+norm found by structure (``_discover_by_structure``), and a compiled model its attention sites
 (``_sites_by_structure``: the modules whose forward calls SDPA by name); counted once in ``precursors_compiled``,
 also when no module ran eagerly in the first block of a model compiled some other way. A call whose shapes are not
 understood is counted (``precursors_unsupported``), never guessed; no exception leaves a hook.
@@ -45,7 +45,7 @@ from gradloc.collector.precursors.compiled import Folds
 from gradloc.collector.precursors.module_stats import ModuleStats, attention_keys, router_key
 from gradloc.collector.precursors.slots import SlotKey, StepSlots
 from gradloc.collector.precursors.structure import attention_sites, compiles_inside, head_and_norm, registered_order
-from gradloc.collector.precursors.traced_sdpa import TracedSdpa
+from gradloc.collector.precursors.traced_attention import TracedAttention
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
 
@@ -85,7 +85,8 @@ class PrecursorHooks(ModuleStats):
         compiles = compiled or compiles_inside(model)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.folds = Folds(device) if compiles else None  # what compiled graphs measure (compiled.py)
-        self.traced = TracedSdpa(self.folds, cfg.attention_queries, counters) if compiles and cfg.attention else None
+        self.traced = TracedAttention(self.folds, cfg.attention_queries, counters) \
+            if compiles and cfg.attention else None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> None:
@@ -211,11 +212,10 @@ class PrecursorHooks(ModuleStats):
             self._handles.append(modules[name].register_forward_hook(self._router_hook(name)))
             if self.folds is not None:
                 self.folds.prepare(router_key(name, modules[name].weight.shape[0]))  # is_router: weight (E, d)
-        if self.traced is not None and self.sites:  # SDPA inside compiled graphs (traced_sdpa.py)
-            for site in self.traced.prepare({name: modules[name] for name in self.sites}):
+        if self.traced is not None and self.sites:  # attention inside compiled graphs (traced_attention.py)
+            for site, why in self.traced.prepare({name: modules[name] for name in self.sites}):
                 self.counters["precursors_unsupported"] += 1
-                log.info("gradloc: precursors: %s's head count is found in none of its attributes: its attention "
-                         "is not measured inside a compiled graph", site)
+                log.info("gradloc: precursors: %s %s: its attention is not measured inside a compiled graph", site, why)
             self.traced.install()
         for name in self.sites:
             self._handles.append(modules[name].register_forward_pre_hook(self._site_in(name)))

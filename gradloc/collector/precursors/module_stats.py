@@ -5,7 +5,7 @@ input (the residual stream) and a MoE router's logits and choices — each a hoo
 ``final_norm``, ``_handles``). Eagerly a call's values
 go to the step's slots; traced into a compiled graph, to the module's accumulators
 (collector/precursors/compiled.py), and eagerly too where the key has one. The attention sites' slot keys are here
-too (hooks.py and traced_sdpa.py fold into them). No exception leaves a hook: a failure is counted
+too (hooks.py and traced_attention.py fold into them). No exception leaves a hook: a failure is counted
 (``precursors_errors``), a shape not understood too (``precursors_unsupported``).
 """
 from __future__ import annotations

@@ -64,7 +64,7 @@ def to_stats(values: dict[SlotKey, SlotValues], per_head: bool, counters: Counte
                 for e, c in enumerate(counts if per_head else ()):
                     add(K.EXPERT_LOAD_MAX, key.layer, float(c / mean), head=e)
             add(K.DEAD_EXPERTS, key.layer, float((counts == 0).sum()))
-        elif key.stat == "attn_unmatched" and v.count > 0:  # compiled.TracedSdpa: calls not measured
+        elif key.stat == "attn_unmatched" and v.count > 0:  # compiled.TracedAttention: calls not measured
             counters["precursors_unsupported"] += int(v.count)
     rank = {k: i for i, k in enumerate(_FIRST)}
     return tuple(sorted(out, key=lambda p: (p.head is not None, rank.get(p.kind, len(rank)))))  # stable

@@ -43,15 +43,17 @@ def _names(code: CodeType) -> set[str]:
     return out
 
 
+def forward_names(module: nn.Module) -> set[str]:
+    """The names a module's own ``forward`` code uses (decorators unwrapped; none for a forward without Python
+    code, a C extension's)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return _names(code) if code is not None else set()
+
+
 def attention_sites(model: nn.Module) -> list[str]:
     """The modules whose own ``forward`` calls attention (SDPA, or HF's attention dispatch), by the names its code
-    uses (decorators unwrapped); a forward without Python code (a C extension's) is not one."""
-    sites = []
-    for name, module in model.named_modules():
-        code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-        if code is not None and _MARKERS & _names(code):
-            sites.append(name)
-    return sites
+    uses."""
+    return [name for name, module in model.named_modules() if _MARKERS & forward_names(module)]
 
 
 _HEADS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
@@ -67,4 +69,4 @@ def site_heads(module: nn.Module) -> int | None:
     return None
 
 
-__all__ = ["attention_sites", "compiles_inside", "head_and_norm", "registered_order", "site_heads"]
+__all__ = ["attention_sites", "compiles_inside", "forward_names", "head_and_norm", "registered_order", "site_heads"]

@@ -1,22 +1,35 @@
-"""Attention inside torch.compile graphs (:class:`TracedSdpa`), measured into compiled.py's accumulators: a compiled
-model never runs the eager forward the hooks find attention from (hooks.py watches SDPA and softmax calls there), so
-its **sites** are found by structure — the modules whose own ``forward`` refers to scaled-dot-product attention or
-to HF's attention dispatch (structure.attention_sites: the names its code uses, the same innermost module the eager
-discovery names) — and ``F.scaled_dot_product_attention`` is replaced, while the hooks are attached, by a wrapper
-that dynamo traces into the graph: a site's pre-hook, traced, names the site and its post-hook clears it (a Python
-attribute dynamo tracks; set and undone inside the site, which is what an activation-checkpointed region allows),
-the wrapper measures the call as the eager path does (measure.attention_logits on the sampled query rows) and folds
-it into the site's accumulators, gated on the device by ``attend`` (the step's attention micro-batches). Nothing
-else in the traced code changes Python state. The accumulators are sized by the site's head count, read from the
-module (``num_heads``, ``n_heads``, its config's ``num_attention_heads``…: structure.site_heads) when the hooks are
-installed; a call with another count (a head-sharded attention) folds into the site's ``attn_unmatched`` count, read
-on the host as ``precursors_unsupported``; a site whose count is found nowhere is not measured (said once). The
-statistics are computed on every call there (the gate masks their fold; a compiled graph does not branch on a Python
-value), fused by the compiler. An attention that computes its softmax itself (HF's eager attention) is not measured
-under compile.
+"""Attention inside torch.compile graphs (:class:`TracedAttention`), measured into compiled.py's accumulators: a
+compiled model never runs the eager forward the hooks find attention from (hooks.py watches SDPA and softmax calls
+there), so its **sites** are found by structure — the modules whose own ``forward`` refers to scaled-dot-product
+attention or to HF's attention dispatch (structure.attention_sites: the names its code uses, the same innermost
+module the eager discovery names) — and the attention functions they call are replaced, while the hooks are
+attached, by wrappers that dynamo traces into the graph:
+
+- ``F.scaled_dot_product_attention`` (SDPA, and HF's ``sdpa`` attention, which calls it);
+- HF's ``eager_attention_forward`` — the function a site's modeling module defines and calls for
+  ``attn_implementation="eager"``, looked up there as a module global at each call — in the modeling modules of
+  the sites whose forward names it and whose config says ``eager``. It computes its softmax itself, so its logits
+  are taken from its arguments (query, key, the additive mask, ``scaling``), as SDPA's are — only for HF's standard
+  recipe (:func:`standard_eager`); a site calling another (a softcap, sinks, a position bias) is not measured
+  under compile (counted once, said why).
+
+A site's pre-hook, traced, names the site and its post-hook clears it (a Python attribute dynamo tracks; set and
+undone inside the site, which is what an activation-checkpointed region allows); the wrapper measures the call as
+the eager path does (measure.attention_logits on the sampled query rows) and folds it into the site's
+accumulators, gated on the device by ``attend`` (the step's attention micro-batches). Nothing else in the traced
+code changes Python state. The accumulators are sized by the site's head count, read from the module
+(``num_heads``, ``n_heads``, its config's ``num_attention_heads``…: structure.site_heads) when the hooks are
+installed; a call with another count (a head-sharded attention) folds into the site's ``attn_unmatched`` count,
+read on the host as ``precursors_unsupported``; a site whose count is found nowhere is not measured (said once).
+The statistics are computed on every call there (the gate masks their fold; a compiled graph does not branch on a
+Python value), fused by the compiler. Called eagerly (a model that is not compiled), a wrapper passes through: the
+eager path measures that call. An attention that computes its softmax in a function of its own other than these
+is not measured under compile.
 """
 from __future__ import annotations
 
+import inspect
+import sys
 from collections import Counter
 from typing import Any, Callable
 
@@ -28,7 +41,9 @@ from gradloc.collector.precursors import measure
 from gradloc.collector.precursors.compiled import Folds
 from gradloc.collector.precursors.module_stats import attention_keys
 from gradloc.collector.precursors.slots import Reduce, SlotKey
-from gradloc.collector.precursors.structure import site_heads
+from gradloc.collector.precursors.structure import forward_names, site_heads
+
+EAGER = "eager_attention_forward"  # HF's eager attention function, defined in each modeling module
 
 
 def unmatched_key(site: str) -> SlotKey:
@@ -36,69 +51,118 @@ def unmatched_key(site: str) -> SlotKey:
     return SlotKey("attn_unmatched", site, Reduce.SUM, 1)
 
 
-class TracedSdpa:
-    """SDPA calls inside compiled graphs, measured into :class:`Folds` (the module docstring says how)."""
+def _sdpa_call(args: tuple, kwargs: dict) -> tuple | None:
+    """SDPA's (query, key, attn_mask, is_causal, scale)."""
+    q, k = args[0], args[1]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+    return q, k, mask, bool(causal), args[6] if len(args) > 6 else kwargs.get("scale")
+
+
+_SIGNATURE = ("module", "query", "key", "value", "attention_mask", "scaling", "dropout")
+_RECIPE = frozenset({"contiguous", "dropout", "dtype", "float32", "functional", "matmul", "nn", "num_key_value_groups",
+                     "repeat_kv", "size", "softmax", "to", "torch", "training", "transpose"})
+
+
+def standard_eager(fn: Callable) -> bool:
+    """Whether a modeling module's ``eager_attention_forward`` is HF's standard recipe — softmax(q·kᵀ·scaling +
+    mask) with grouped-query heads repeated, ``scaling`` None meaning 1/√d — by its signature and the names its code
+    uses (nothing beyond the recipe's: no ``tanh`` softcap, no sinks, no position bias). 313 of transformers
+    5.24's 356 are (LLaMA, Qwen, Mistral, BERT and their kin; not Gemma, GPT-2, GPT-OSS, T5); the rest are not
+    measured under compile."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return code is not None and code.co_varnames[: len(_SIGNATURE)] == _SIGNATURE and \
+        code.co_argcount == len(_SIGNATURE) and set(code.co_names) <= _RECIPE
+
+
+def _eager_call(args: tuple, kwargs: dict) -> tuple | None:
+    """A standard ``eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)``:
+    its (query, key, additive mask cut to the keys, no causal flag, scaling)."""
+    q = args[1] if len(args) > 1 else kwargs.get("query")
+    k = args[2] if len(args) > 2 else kwargs.get("key")
+    mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
+    if mask is not None and k is not None:
+        mask = mask[..., : k.shape[-2]]  # (B, 1, T, S') -> (B, 1, T, S), as HF's eager attention cuts it
+        mask = mask.float() if mask.dtype == torch.bool else mask  # added, as that function adds it
+    return q, k, mask, False, args[5] if len(args) > 5 else kwargs.get("scaling")
+
+
+class TracedAttention:
+    """Attention calls inside compiled graphs, measured into :class:`Folds` (the module docstring says how)."""
 
     def __init__(self, folds: Folds, queries: int, counters: Counter[str]) -> None:
         self.folds, self.queries, self.counters = folds, queries, counters
         self.site: str | None = None  # the site whose forward is being traced (set by its traced pre-hook)
         self.heads: dict[str, int] = {}  # site -> its query heads (the accumulators' size)
-        self._saved: Callable[..., Any] | None = None  # kept after remove: a reference bound to the wrapper still works
-        self._installed = False
+        self._targets: dict[tuple[int, str], tuple[Any, str, Callable]] = {
+            (id(F), "scaled_dot_product_attention"): (F, "scaled_dot_product_attention", _sdpa_call)}
+        self._wrappers: dict[tuple[int, str], Callable] = {}  # made once: a reference bound to one keeps working
+        self._saved: dict[tuple[int, str], Callable] = {}  # kept after remove, for those references
+        self._installed: set[tuple[int, str]] = set()
 
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            out = self._saved(*args, **kwargs)
-            if torch.compiler.is_compiling() and self.site is not None:
-                self._fold(self.site, args, kwargs)
-            return out
-        self._wrapper = wrapper
-
-    def prepare(self, sites: dict[str, nn.Module]) -> list[str]:
-        """Eagerly, when the hooks are installed: the sites' accumulators; the sites whose head count is found
-        nowhere (not measured under compile)."""
-        missing = []
+    def prepare(self, sites: dict[str, nn.Module]) -> list[tuple[str, str]]:
+        """Eagerly, when the hooks are installed: the sites' accumulators and the modeling modules whose
+        ``eager_attention_forward`` they call; the sites not measured, each with why."""
+        skipped = []
         for site, module in sites.items():
             heads = site_heads(module)
             if heads is None:
-                missing.append(site)
+                skipped.append((site, "has its head count in none of its attributes"))
                 continue
+            home = sys.modules.get(type(module).__module__)
+            eager = getattr(home, EAGER, None) if EAGER in forward_names(module) else None
+            if callable(eager) and getattr(getattr(module, "config", None), "_attn_implementation", "") == "eager":
+                if not standard_eager(eager):
+                    skipped.append((site, f"calls an {EAGER} that is not the standard one (logits changed after "
+                                          "q·kᵀ·scaling + mask: a softcap, sinks, a bias)"))
+                    continue
+                self._targets.setdefault((id(home), EAGER), (home, EAGER, _eager_call))
             self.heads[site] = heads
             for key in (*attention_keys(site, heads), unmatched_key(site)):
                 self.folds.prepare(key)
-        return missing
+        return skipped
 
     def install(self) -> None:
-        """Swap the wrapper in (again after ``remove``: a monitor detached and attached)."""
-        if not self._installed:
-            self._saved, F.scaled_dot_product_attention = F.scaled_dot_product_attention, self._wrapper
-            self._installed = True
+        """Swap the wrappers in (again after ``remove``: a monitor detached and attached)."""
+        for key, (holder, attr, parse) in self._targets.items():
+            if key not in self._installed:
+                self._saved[key] = getattr(holder, attr)
+                setattr(holder, attr, self._wrappers.setdefault(key, self._wrapper(key, parse)))
+                self._installed.add(key)
 
     def remove(self) -> None:
-        """Swap the function back; swapped again on top of ours, ours stays in that chain, passing through."""
-        if self._installed and F.scaled_dot_product_attention is self._wrapper:
-            F.scaled_dot_product_attention = self._saved
-            self._installed = False
+        """Swap the functions back; one swapped again on top of ours keeps ours in its chain, passing through."""
+        for key in list(self._installed):
+            holder, attr, _ = self._targets[key]
+            if getattr(holder, attr) is self._wrappers[key]:
+                setattr(holder, attr, self._saved[key])
+                self._installed.discard(key)
         self.site = None
 
-    def _fold(self, site: str, args: tuple, kwargs: dict) -> None:
-        """Traced: one SDPA call of ``site`` into its accumulators (no Python state changed)."""
+    def _wrapper(self, key: tuple[int, str], parse: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = self._saved[key](*args, **kwargs)
+            if torch.compiler.is_compiling() and self.site is not None:
+                self._fold(self.site, parse(args, kwargs))
+            return out
+        return wrapper
+
+    def _fold(self, site: str, call: tuple | None) -> None:
+        """Traced: one attention call of ``site`` into its accumulators (no Python state changed)."""
         heads = self.heads.get(site)
         if heads is None:
             return
-        q, k = args[0], args[1]
-        if q.dim() != 4 or k.dim() != 4 or q.shape[1] != heads or heads % k.shape[1]:
-            self.folds.fold(unmatched_key(site), q.new_zeros(1), attention=True)  # counted, on the host
+        q, k, mask, causal, scale = call if call is not None else (None,) * 5
+        if q is None or k is None or q.dim() != 4 or k.dim() != 4 or q.shape[1] != heads or heads % k.shape[1]:
+            self.folds.fold(unmatched_key(site), torch.zeros(1, device=self.folds.device), attention=True)  # counted
             return
         top, ent = attention_keys(site, heads)
         with torch.no_grad():
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
-            scale = args[6] if len(args) > 6 else kwargs.get("scale")
             rows = measure.query_rows(q.shape[2], self.queries, q.device)
-            s = measure.attention_stats(measure.attention_logits(q, k, rows, mask, bool(causal), scale), rows)
+            s = measure.attention_stats(measure.attention_logits(q, k, rows, mask, causal, scale), rows)
             self.folds.fold(top, s["max"], extreme=s["max"].amax(), at=s["max_at"], attention=True)
             self.folds.fold(ent, torch.cat([s["entropy_sum"], s["rows"]]), extreme=s["min_row"], at=s["min_at"],
                             attention=True)
 
 
-__all__ = ["TracedSdpa", "unmatched_key"]
+__all__ = ["EAGER", "TracedAttention", "standard_eager", "unmatched_key"]
