@@ -102,7 +102,7 @@ def rl_stats(tokens: int = 100) -> RLStats:
     adv = [0] * (len(RL_ADVANTAGE_BUCKETS) + 1)
     adv[RL_ADVANTAGE_BUCKETS.index(1.0)] = tokens
     return RLStats(tokens, tuple(lr), 0.005 * tokens, 0.3, 0.0, 0.9, 0.05, tuple(adv), 0.8 * tokens, 0.8, 2.5, 1.7,
-                   kl_rollout=0.002)
+                   kl_rollout=0.002, job_entropy_mean=1.7, job_kl_rollout=0.002)
 
 
 

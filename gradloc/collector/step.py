@@ -134,8 +134,12 @@ def _parse(host: np.ndarray, layout: Pack, layers: LayerStatsCollector, x: StepI
     W = len(layout.get(host, "job")) // 3 if "job" in present else 0  # the job rows: (3W,)
     pre_rows, rl_rows = ((layout.get(host, k).reshape(W, -1) if k in present else None)  # (W·n,) -> (W, n)
                          for k in ("precursor_rows", "rl_job"))
+    rl_job = job_rl(rl_rows) if rl_rows is not None else None
+    if record.rl is not None:  # the job's policy entropy and KL in the record (one process: its own)
+        ent, kl = rl_job if rl_job is not None else (record.rl.entropy_mean, record.rl.kl_rollout)
+        record = replace(record, rl=replace(record.rl, job_entropy_mean=ent, job_kl_rollout=kl))
     return Assembled(record, previous, layout.scalar(host, "scale"), job, samples, check, groups, precursors,
-                     pre_rows, job_rl(rl_rows) if rl_rows is not None else None)
+                     pre_rows, rl_job)
 
 
 def with_update_ratios(record: StepRecord, layer_names: Sequence[str], ratios: np.ndarray) -> StepRecord:

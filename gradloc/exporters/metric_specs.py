@@ -112,6 +112,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("rl_kl_rollout", "gradloc_rl_kl_rollout", "gradloc.rl.kl_rollout", "1", JR,
        "KL(π_rollout ‖ π_trainer) per loss token, the mean of exp(r) − 1 − r over the sampled tokens (r: the "
        "mismatch log ratio)."),
+    _g("rl_job_entropy", "gradloc_rl_job_entropy", "gradloc.rl.job_entropy", "1", JR,
+       "The job's mean policy entropy over every rank's loss tokens, what the drift detector judges (every rank "
+       "exports it; on one process it is gradloc_rl_entropy)."),
+    _g("rl_job_kl_rollout", "gradloc_rl_job_kl_rollout", "gradloc.rl.job_kl_rollout", "1", JR,
+       "The job's KL(π_rollout ‖ π_trainer) per loss token over every rank's tokens (every rank exports it)."),
     _g("rl_mismatch_baseline", "gradloc_rl_mismatch_baseline_ratio", "gradloc.rl.mismatch_baseline", "1", JR,
        "The run's own healthy mismatch share (median over recent steps that were not flagged); absent before its "
        "warm-up. A share above 2 × this + 0.05 for rl_patience steps is an rl_mismatch finding."),

@@ -32,6 +32,8 @@ RANK_GAUGES: dict[str, Callable[[StepSummary], float | None]] = {
     "rl_clipped": lambda s: None if s.rl is None else s.rl.clip_fraction,
     "rl_entropy": lambda s: None if s.rl is None else s.rl.entropy_mean,
     "rl_kl_rollout": lambda s: None if s.rl is None else s.rl.kl_rollout,
+    "rl_job_entropy": lambda s: None if s.rl is None else s.rl.job_entropy_mean,
+    "rl_job_kl_rollout": lambda s: None if s.rl is None else s.rl.job_kl_rollout,
     "rl_mismatch_baseline": lambda s: None if s.samples is None else s.samples.rl_mismatch_baseline,
     "norm_mean": lambda s: s.norm_mean,
     "norm_threshold": lambda s: s.norm_threshold,

@@ -157,7 +157,9 @@ def rl() -> dict[str, Any]:
                         "a step counts toward an rl_mismatch finding (2 × the run's healthy baseline + 0.05; "
                         "GradlocRLMismatchSustained fires after 5 min above it)."),
         Panel("Clipped share of tokens", [q(f"gradloc_rl_clipped_ratio{S}", "{{job}} r{{rank}}")], "percentunit"),
-        Panel("Entropy", [q(f"gradloc_rl_entropy{S}", "{{job}} r{{rank}}")], "none"),
+        Panel("Entropy", [q(f"gradloc_rl_entropy{S}", "{{job}} r{{rank}}"),
+                          q(f"max by (job) (gradloc_rl_job_entropy{S})", "{{job}} (job)")], "none",
+              description="Each rank's mean entropy of its trained tokens, and the job's over every rank's tokens."),
         Panel("Log ratio distribution (p99 |.|)", [
             q(f"histogram_quantile(0.99, sum by (job, le) (rate(gradloc_rl_log_ratio_bucket{J}[$__rate_interval])))",
               "p99 {{job}}")], "none"),
@@ -235,10 +237,11 @@ def stability() -> dict[str, Any]:
             q(f"max by (job, rank) (gradloc_update_ratio{S})", "{{job}} r{{rank}}")], "none",
             description="‖Δθ‖/‖θ‖ of the layer that moved most in its last measured update."),
         Panel("Policy entropy and KL to the rollout policy (RL)", [
-            q(f"gradloc_rl_entropy{S}", "entropy {{job}} r{{rank}}"),
-            q(f"gradloc_rl_kl_rollout{S}", "KL {{job}} r{{rank}}")], "none",
-            description="Mean entropy of the trained tokens, as the trainer hands it over (a collapse precedes RL "
-                        "instabilities), and KL(π_rollout ‖ π_trainer) per token (jobs with RL fields only)."),
+            q(f"max by (job) (gradloc_rl_job_entropy{S})", "entropy {{job}}"),
+            q(f"max by (job) (gradloc_rl_job_kl_rollout{S})", "KL {{job}}")], "none",
+            description="The job's mean entropy of the trained tokens over every rank's, as the trainers hand it "
+                        "over (a collapse precedes RL instabilities; what the drift detector judges), and "
+                        "KL(π_rollout ‖ π_trainer) per token (jobs with RL fields only)."),
         Panel("MoE routers: routing entropy", [q(f"gradloc_router_entropy_nats{S}", "{{layer}} r{{rank}}")], "none",
               description="Mean routing entropy per router; a fall is router collapse."),
         Panel("MoE routers: load of the busiest expert, dead experts", [

@@ -111,6 +111,10 @@ class RLStats:
     # mismatch log ratio (log π_old, else log π_train, minus log π_rollout): unbiased for tokens drawn from the
     # rollout policy and never negative (Schulman's k3). None without rollout log-probs.
     kl_rollout: float | None = None
+    # the job's: over every rank's loss tokens (collector/rl_fields.job_rl), what the drift detector judges; on one
+    # process, or a rank whose job values are not known, this rank's own (``entropy_mean``, ``kl_rollout``)
+    job_entropy_mean: float | None = None
+    job_kl_rollout: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -91,7 +91,8 @@ def encode_step(rec: StepRecord, table_id: int, index: dict[str, int], job: str,
 
 
 _RL_FLOATS = ("log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction",
-              "advantage_sum", "advantage_rms", "max_abs_advantage", "entropy_mean", "kl_rollout")
+              "advantage_sum", "advantage_rms", "max_abs_advantage", "entropy_mean", "kl_rollout", "job_entropy_mean",
+              "job_kl_rollout")
 
 
 def _encode_rl(r: RLStats, out: pb.RLStatsMsg) -> None:
@@ -114,7 +115,8 @@ def _decode_rl(m: pb.RLStatsMsg, where: str) -> RLStats:
     return RLStats(v.count(m.tokens, f"{where}.tokens"), counts["log_ratio_counts"], floats["log_ratio_sum"],
                    floats["max_abs_log_ratio"], floats["mismatch_fraction"], floats["max_abs_log_ratio_old"],
                    floats["clip_fraction"], counts["advantage_counts"], floats["advantage_sum"], floats["advantage_rms"],
-                   floats["max_abs_advantage"], floats["entropy_mean"], kl_rollout=floats["kl_rollout"])
+                   floats["max_abs_advantage"], floats["entropy_mean"], kl_rollout=floats["kl_rollout"],
+                   job_entropy_mean=floats["job_entropy_mean"], job_kl_rollout=floats["job_kl_rollout"])
 
 
 def _encode_tokens(t: TokenStats, index: dict[str, int], out: pb.TokenStatsMsg) -> None:

@@ -214,7 +214,8 @@ def test_tensor_parallel_heads_are_combined_exactly(sp):
 
 def _rl_job(rank: int, world: int) -> list:
     """DDP with RL fields: rank r's tokens all have entropy r + 1 and log-probs 0.1 (r + 1) below the rollout's; the
-    JobShare each step's drift watch gets is recorded."""
+    JobShare each step's drift watch gets is recorded, and each step record's RL entropy and KL, its own and the
+    job's."""
     import gradloc
     from gradloc.demo.model import token_losses
     from gradloc.engine import drift
@@ -223,7 +224,7 @@ def _rl_job(rank: int, world: int) -> list:
     model = build("ddp")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     mon = gradloc.watch(model, opt, store=False)
-    seen = []
+    seen, records = [], []
     original = drift.DriftWatch.watch_step
 
     def spy(self, record, metas, job=None):
@@ -240,18 +241,23 @@ def _rl_job(rank: int, world: int) -> list:
                               rollout_logp=torch.full((B, SEQ), -1.0 + 0.1 * (rank + 1)),
                               entropy=torch.full((B, SEQ), float(rank + 1)))
                 loss.backward()
-        mon.end_step(loss)
+        rl = mon.end_step(loss).record.rl
+        records.append((rl.entropy_mean, rl.kl_rollout, rl.job_entropy_mean, rl.job_kl_rollout))
         opt.step()
         opt.zero_grad()
     mon.close()
-    return [(j.rank, j.rl) for j in seen]
+    return [(j.rank, j.rl) for j in seen], records
 
 
 def test_the_job_s_rl_entropy_and_kl_are_over_every_rank_s_tokens():
     res = run(_rl_job, 2, timeout_s=240)
     r = -0.1 * torch.tensor([1.0, 2.0], dtype=torch.float64)  # each rank's log ratio, trainer − rollout
     kl = float((torch.expm1(r) - r).mean())  # k3 per token, every rank with the same number of tokens
-    for rank, seen in enumerate(res):
+    for rank, (seen, records) in enumerate(res):
         assert len(seen) == 2 and all(got == rank for got, _ in seen)
         for _, (entropy, kl_job) in seen:
             assert entropy == pytest.approx(1.5, rel=1e-9) and kl_job == pytest.approx(kl, rel=1e-5)  # float32 logp
+        own = float(torch.expm1(r[rank]) - r[rank])
+        for entropy, kl_own, entropy_job, kl_job in records:  # the record (exported, sent): its own and the job's
+            assert entropy == pytest.approx(rank + 1.0) and kl_own == pytest.approx(own, rel=1e-5)
+            assert entropy_job == pytest.approx(1.5, rel=1e-9) and kl_job == pytest.approx(kl, rel=1e-5)

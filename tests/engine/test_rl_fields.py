@@ -118,6 +118,7 @@ def test_every_step_carries_the_distributions():
     # KL(π_rollout ‖ π_trainer) per token, k3: engine ≈ trainer gives ~r²/2 with r ~ 0.01; the planted token
     # (r ≈ +8, the engine scored it 8 nats lower) alone gives exp(8) − 1 − 8 over the step's tokens
     assert 0 < healthy.kl_rollout < 1e-3
+    assert (healthy.job_entropy_mean, healthy.job_kl_rollout) == (healthy.entropy_mean, healthy.kl_rollout)  # 1 rank
     assert spike.kl_rollout == pytest.approx((math.exp(8.0) - 9.0) / spike.tokens, rel=0.05)
 
 

@@ -107,7 +107,7 @@ def rl_stats(draw: st.DrawFn) -> RLStats:
     counts = lambda n: st.one_of(st.just(()), st.lists(st.integers(0, 2**40), min_size=n, max_size=n).map(tuple))  # noqa: E731
     return RLStats(draw(small_int), draw(counts(len(RL_LOG_RATIO_BUCKETS) + 1)), *(draw(opt(finite)) for _ in range(5)),
                    draw(counts(len(RL_ADVANTAGE_BUCKETS) + 1)), *(draw(opt(finite)) for _ in range(4)),
-                   kl_rollout=draw(opt(nonneg)))
+                   kl_rollout=draw(opt(nonneg)), job_entropy_mean=draw(opt(finite)), job_kl_rollout=draw(opt(nonneg)))
 
 
 _tag_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=MAX_TAG)

@@ -278,7 +278,7 @@ class SampleOutlierMsg(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., score: _Optional[float] = ..., z: _Optional[float] = ..., baseline: _Optional[float] = ..., micro_batch: _Optional[int] = ..., sample: _Optional[int] = ..., sample_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[int] = ..., text: _Optional[str] = ..., detail: _Optional[str] = ..., sample_info: _Optional[_Union[SampleInfoMsg, _Mapping]] = ...) -> None: ...
 
 class RLStatsMsg(_message.Message):
-    __slots__ = ("tokens", "log_ratio_counts", "log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction", "advantage_counts", "advantage_rms", "max_abs_advantage", "entropy_mean", "advantage_sum", "kl_rollout")
+    __slots__ = ("tokens", "log_ratio_counts", "log_ratio_sum", "max_abs_log_ratio", "mismatch_fraction", "max_abs_log_ratio_old", "clip_fraction", "advantage_counts", "advantage_rms", "max_abs_advantage", "entropy_mean", "advantage_sum", "kl_rollout", "job_entropy_mean", "job_kl_rollout")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOG_RATIO_COUNTS_FIELD_NUMBER: _ClassVar[int]
     LOG_RATIO_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,8 @@ class RLStatsMsg(_message.Message):
     ENTROPY_MEAN_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_SUM_FIELD_NUMBER: _ClassVar[int]
     KL_ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENTROPY_MEAN_FIELD_NUMBER: _ClassVar[int]
+    JOB_KL_ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     log_ratio_counts: _containers.RepeatedScalarFieldContainer[int]
     log_ratio_sum: float
@@ -305,7 +307,9 @@ class RLStatsMsg(_message.Message):
     entropy_mean: float
     advantage_sum: float
     kl_rollout: float
-    def __init__(self, tokens: _Optional[int] = ..., log_ratio_counts: _Optional[_Iterable[int]] = ..., log_ratio_sum: _Optional[float] = ..., max_abs_log_ratio: _Optional[float] = ..., mismatch_fraction: _Optional[float] = ..., max_abs_log_ratio_old: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., advantage_counts: _Optional[_Iterable[int]] = ..., advantage_rms: _Optional[float] = ..., max_abs_advantage: _Optional[float] = ..., entropy_mean: _Optional[float] = ..., advantage_sum: _Optional[float] = ..., kl_rollout: _Optional[float] = ...) -> None: ...
+    job_entropy_mean: float
+    job_kl_rollout: float
+    def __init__(self, tokens: _Optional[int] = ..., log_ratio_counts: _Optional[_Iterable[int]] = ..., log_ratio_sum: _Optional[float] = ..., max_abs_log_ratio: _Optional[float] = ..., mismatch_fraction: _Optional[float] = ..., max_abs_log_ratio_old: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., advantage_counts: _Optional[_Iterable[int]] = ..., advantage_rms: _Optional[float] = ..., max_abs_advantage: _Optional[float] = ..., entropy_mean: _Optional[float] = ..., advantage_sum: _Optional[float] = ..., kl_rollout: _Optional[float] = ..., job_entropy_mean: _Optional[float] = ..., job_kl_rollout: _Optional[float] = ...) -> None: ...
 
 class TokenStatsMsg(_message.Message):
     __slots__ = ("tokens", "total_score", "top_share", "micro_batch_shares", "unattributed_share", "dropped_calls", "micro_batch", "sample", "position", "score", "share", "token_id", "sample_id", "sample_id_none", "layer_count", "layer_index", "layer_share", "extra_layers")
