@@ -15,7 +15,7 @@ What it patches, on the engine *instance* (``detach()`` restores the class metho
   wrapper maps the micro-batch to gradloc's packed layout (:mod:`gradloc.integrations.verl_batch`),
   enters ``mon.micro_batch`` and hands the engine a loss function that records the ``log_probs`` the
   real loss sees; after the loss it gives ``mon.rl_fields`` logp, old/rollout log-probs, advantages,
-  ratio and clipped. The block stays open: verl calls ``loss.backward()`` after ``forward_step``
+  ratio and clipped, and the token entropies when the engine computed them (``calculate_entropy``). The block stays open: verl calls ``loss.backward()`` after ``forward_step``
   returns, so the block closes when the next ``forward_step`` starts. Forward-only calls
   (``compute_log_prob``, the reference policy) pass straight through.
 - ``forward_backward_batch(data, loss_function, forward_only)``: closes the last micro-batch's
@@ -119,7 +119,8 @@ class GradlocVerlHooks:
 
         def recording(*args: Any, **kw: Any) -> Any:
             if "model_output" in kw:  # the loss call (verl also passes the loss function as a logits processor)
-                seen["log_probs"], seen["data"] = kw["model_output"].get("log_probs"), kw.get("data")
+                out = kw["model_output"]
+                seen.update(log_probs=out.get("log_probs"), entropy=out.get("entropy"), data=kw.get("data"))
             return loss_function(*args, **kw)
 
         try:
@@ -130,7 +131,8 @@ class GradlocVerlHooks:
             raise
         if meta is not None and "data" in seen:
             self.blocks.guard(lambda: self.mon.rl_fields(**rl_fields(
-                lay, seen["data"], seen["log_probs"], clip_ratio=self._clip(loss_function))), "rl_fields")
+                lay, seen["data"], seen["log_probs"], clip_ratio=self._clip(loss_function), entropy=seen["entropy"])),
+                "rl_fields")
         self.blocks.guard(lambda: self.blocks.add_loss(loss), "loss")
         return loss, output
 

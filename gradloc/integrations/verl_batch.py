@@ -172,11 +172,13 @@ def layout(micro_batch: Mapping[str, Any], *, cu_seqlens: Any = None, packed: bo
 
 
 def rl_fields(lay: VerlLayout, micro_batch: Mapping[str, Any], log_probs: Any = None, *,
-              clip_ratio: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+              clip_ratio: tuple[float, float] | None = None, entropy: Any = None) -> dict[str, torch.Tensor]:
     """``mon.rl_fields(**...)`` for one micro-batch: ``logp`` from the model output the loss used
     (``model_output["log_probs"]``), ``old_logp`` = old_log_probs, ``rollout_logp`` =
     rollout_log_probs, ``advantages``; ``ratio`` = exp(clamp(logp − old, ±20)) as verl computes it, and
-    with ``clip_ratio`` = (low, high) ``clipped`` (the PPO min took the clipped term: verl's pg_clipfrac)."""
+    with ``clip_ratio`` = (low, high) ``clipped`` (the PPO min took the clipped term: verl's pg_clipfrac);
+    ``entropy`` from the model output when the engine computed it (``calculate_entropy``: the policy's token
+    entropies, laid out as the log-probs)."""
     out: dict[str, torch.Tensor] = {}
     for name, key in (("old_logp", "old_log_probs"), ("rollout_logp", "rollout_log_probs"),
                       ("advantages", "advantages")):
@@ -185,6 +187,8 @@ def rl_fields(lay: VerlLayout, micro_batch: Mapping[str, Any], log_probs: Any = 
             out[name] = lay.to_positions(value, name=key)
     if log_probs is not None:
         out["logp"] = lay.values_to_positions(log_probs)
+    if entropy is not None:
+        out["entropy"] = lay.values_to_positions(entropy).detach()
     if "logp" in out and "old_logp" in out:
         ratio = torch.exp(torch.clamp(out["logp"] - out["old_logp"].to(out["logp"].device), -20.0, 20.0))
         out["ratio"] = ratio

@@ -22,8 +22,8 @@ STEPS, SPIKE = 8, 7
 def _rank_main(rank: int, world: int, model_dir: str) -> dict:
     from tests.verl_tier.inside.verl_job import train
 
-    watched = train(rank, world, model_dir, STEPS, (1, SPIKE), True)
-    plain = train(rank, world, model_dir, STEPS, (1, SPIKE), False)
+    watched = train(rank, world, model_dir, STEPS, (1, SPIKE), True, entropy=True)
+    plain = train(rank, world, model_dir, STEPS, (1, SPIKE), False, entropy=True)
     watched["same_params"] = all(torch.equal(p, watched["params"][n]) for n, p in plain["params"].items())
     watched["plain_norms"] = plain["grad_norms"]
     del watched["params"]
@@ -62,6 +62,20 @@ def test_an_is_weight_planted_on_rank_1_is_one_job_incident_located_in_lockstep(
         assert 0.9 < loc.explained_share < 1.1, loc.explained_share
         locs.append(loc)
     assert repr(locs[0]) == repr(locs[1])
+
+
+def test_the_policy_entropy_is_verls_on_each_rank_and_the_job_s_over_both(ranks):
+    """The engine's token entropies (``calculate_entropy``) reach gradloc from the model output: each rank's record
+    has its own mean over its response tokens and the job's over both ranks' (what the drift detector judges), as
+    the test reads them from the model output the loss gets."""
+    for s in range(SPIKE):  # (the spike step's probes call the loss again)
+        sums = [r["entropy_sums"][s] for r in ranks]
+        job = sum(e for e, _ in sums) / sum(n for _, n in sums)
+        for r, (total, n) in zip(ranks, sums):
+            own, job_got = r["entropy"][s]
+            assert n > 0 and own == pytest.approx(total / n, rel=1e-9) and job_got == pytest.approx(job, rel=1e-9)
+            assert own != pytest.approx(job, rel=1e-8)  # the ranks' own differ from the job's (a random policy's
+            # entropies are near log 96 everywhere: ~1e-6 apart)
 
 
 def test_training_is_bitwise_identical_with_and_without_gradloc(ranks):

@@ -130,8 +130,11 @@ def make_batch(g: Any, engine: Any, world: int, plant: bool, ref: bool = False) 
 
 
 def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, int] | None, watched: bool,
-          lr: float = 1e-2, **watch: Any) -> dict:
-    """``steps`` PPO updates (one mini-batch each) on this rank; what the tests check, by value."""
+          lr: float = 1e-2, entropy: bool = False, **watch: Any) -> dict:
+    """``steps`` PPO updates (one mini-batch each) on this rank; what the tests check, by value. ``entropy``: the
+    engine computes the token entropies (``calculate_entropy``; the loss's coefficient stays 0), and the result
+    has per step this rank's Σ entropy over its response tokens and their count, read from the model output the
+    loss gets (``entropy_sums``)."""
     import torch
 
     from tests.verl_tier.inside.verl_cpu import install_cpu_platform
@@ -150,19 +153,34 @@ def train(rank: int, world: int, model_dir: str, steps: int, plant: tuple[int, i
     finally:
         uninstall()
     hooks = getattr(engine, "gradloc", None)
-    loss_fn = partial(ppo_loss, config=actor_config())
+    ppo = partial(ppo_loss, config=actor_config())
+    sums: list[list[float]] = []
+
+    def loss_fn(model_output: Any, data: Any, dp_group: Any = None) -> Any:
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        if model_output.get("entropy") is not None:  # (a spike step's probes call it again: added there too)
+            e = no_padding_2_padding(model_output["entropy"], data).detach()  # (B, R)
+            m = data["response_mask"].to(bool)  # (B, R)
+            sums[-1][0] += float(e[m].double().sum())
+            sums[-1][1] += int(m.sum())
+        return ppo(model_output=model_output, data=data, dp_group=dp_group)
+
     g = torch.Generator().manual_seed(100 + rank)
     grad_norms = []
     with engine.train_mode():
         for step in range(steps):
             batch = make_batch(g, engine, world, plant is not None and plant == (rank, step))
-            out = engine.train_batch(_no_padding(batch, world), loss_function=loss_fn)
+            sums.append([0.0, 0])
+            out = engine.train_batch(_no_padding(batch, world, entropy=entropy), loss_function=loss_fn)
             grad_norms.append(float(out["metrics"]["grad_norm"]))
     params = {n: p.full_tensor().detach().clone() for n, p in engine.module.named_parameters()}
-    result = {"grad_norms": grad_norms, "params": params, "watched": hooks is not None}
+    result = {"grad_norms": grad_norms, "params": params, "watched": hooks is not None, "entropy_sums": sums}
     if hooks is not None:
         result.update(kind=hooks.mon.job.kind, probes=hooks.probes, errors=hooks.blocks.errors,
                       counters=dict(hooks.mon.counters),
+                      entropy=[(r.record.rl.entropy_mean, r.record.rl.job_entropy_mean) if r.record.rl else None
+                               for r in hooks.reports],
                       reports=[(r.record.global_norm, r.spike.kinds, r.incident.scope if r.incident else None,
                                 r.incident.localization if r.incident else None) for r in hooks.reports])
         hooks.detach()
