@@ -19,6 +19,7 @@ from gradloc.collector import compiled
 from gradloc.collector.fit import fit_call, score
 from gradloc.collector.head_read import read_head
 from gradloc.collector.rules import rule_for
+from gradloc.collector.rules.megatron import sequence_first_view
 from gradloc.collector.rules.registry import reusing_sq_norm, sq_norm_last
 from gradloc.collector.scores_buffer import MicroBatchScores
 from gradloc.collector.shards import InnerSite, TPContext, is_dtensor, local, redistributes_inside
@@ -41,7 +42,8 @@ class TokenHooks:
         by_name = dict(model.named_modules())
         for name, module in by_name.items():
             trains = any(p.requires_grad for p in module.parameters(recurse=False))
-            rule = rule_for(module)
+            caller = by_name.get(name.rsplit(".", 1)[0] if "." in name else "")
+            rule = sequence_first_view(rule_for(module), caller if name else None)
             site = module
             if rule is not None and hasattr(rule, "site"):  # hooked on the caller that holds its routing
                 site = rule.site(module, by_name.get(name.rsplit(".", 1)[0]) if "." in name else None)

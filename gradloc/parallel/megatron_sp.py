@@ -31,7 +31,8 @@ Transformer Engine's fused layers), a module mixing ``sequence_parallel`` parame
 linear called twice in one micro-batch keeps its first call; the second is a dropped call (counted, its gradient
 unattributed). The per-sample surprise reads a column-parallel head's vocabulary shard as without SP (its output
 gradient covers every position). Norms on a batch-first view ``(b, s/tp, h)`` are placed (the torch rules' (B, T)
-lead); a norm called sequence-first ``[s/tp, b, h]`` is dropped, as it is without SP.
+lead), and so is a torch norm a Megatron module calls on ``[s/tp, b, h]`` (rules/megatron.SequenceFirstNorm, read as
+(b, s/tp); not run here: Megatron's own SP norms are Transformer Engine's or apex's, neither installed).
 """
 from __future__ import annotations
 

@@ -47,7 +47,9 @@ class Seen:
         self.rms: list[torch.Tensor] = []  # per micro-batch (B, T): each position's RMS at the final norm
         self.logits: list[torch.Tensor] = []  # per micro-batch (B, T, V): the whole vocabulary
         self.scores: dict[str, list[torch.Tensor]] = {}  # site -> per micro-batch (B, heads/tp, T, T), −inf masked
+        self.embedding: list[torch.Tensor] = []  # per micro-batch (B, T): ‖g_p‖² at the word embedding's output
         model.decoder.final_layernorm.register_forward_pre_hook(self._norm)
+        model.embedding.word_embeddings.register_forward_hook(self._embedding)
         model.output_layer.register_forward_hook(self._head)
         for i, layer in enumerate(model.decoder.layers):
             site = f"decoder.layers.{i}.self_attention.core_attention.scale_mask_softmax"
@@ -56,6 +58,9 @@ class Seen:
     def _norm(self, module: Any, args: tuple) -> None:
         x = args[0].detach().transpose(0, 1).float()  # [s, b, h] -> (B, T, h)
         self.rms.append(x.pow(2).mean(-1).sqrt())  # (B, T)
+
+    def _embedding(self, module: Any, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: self.embedding.append(g.detach().pow(2).sum(-1)))  # (B, T, h) -> (B, T)
 
     def _head(self, module: Any, args: tuple, out: Any) -> None:
         import torch.distributed as dist
@@ -85,6 +90,7 @@ def expected(seen: Seen) -> dict[str, Any]:
     top = torch.stack(seen.logits).abs().amax(-1)  # (M, B, T, V) -> (M, B, T)
     at = torch.unravel_index(top.argmax(), top.shape)
     out["logit_max_abs"] = (float(top.max()), tuple(int(i) for i in at))
+    out["embedding"] = torch.stack(seen.embedding).tolist()  # (M, B, T): every position's id is one rank's row
     for site, calls in seen.scores.items():
         s = calls[0]  # (B, h, T, T): the first micro-batch
         p = torch.softmax(s, dim=-1)
@@ -95,7 +101,8 @@ def expected(seen: Seen) -> dict[str, Any]:
 
 def train(rank: int, world: int, tp: int, steps: int) -> dict[str, Any]:
     """``steps`` AdamW steps of the GPTModel on random tokens, ``M`` micro-batches of (B, SEQ) each; per step the
-    precursor values gradloc reported (kind, layer, head, value, at) and :func:`expected`'s; gradloc's
+    precursor values gradloc reported (kind, layer, head, value, at) and :func:`expected`'s, the top tokens
+    (micro-batch, sample, position, score, the word embedding's part of it) and the unattributed share; gradloc's
     precursor counters."""
     import torch.nn.functional as F  # noqa: F401  (the loss is Megatron's own: labels given)
 
@@ -112,7 +119,7 @@ def train(rank: int, world: int, tp: int, steps: int) -> dict[str, Any]:
     pos = torch.arange(SEQ).expand(B, SEQ)
     out: dict[str, Any] = {"steps": []}
     for _ in range(steps):
-        seen.rms, seen.logits, seen.scores = [], [], {}
+        seen.rms, seen.logits, seen.scores, seen.embedding = [], [], {}, []
         total = torch.zeros(())
         for _ in range(M):
             ids = torch.randint(VOCAB, (B, SEQ + 1), generator=g)
@@ -123,7 +130,11 @@ def train(rank: int, world: int, tp: int, steps: int) -> dict[str, Any]:
             total += loss.detach()
         rep = mon.end_step(total)
         got = [(str(p.kind), p.layer, p.head, p.value, p.at) for p in rep.record.precursors]
-        out["steps"].append({"got": got, "want": expected(seen)})
+        tok = rep.record.tokens
+        top = [(t.micro_batch, t.sample, t.position, t.score,
+                sum(ls.share for ls in t.layers if ls.layer == "embedding.word_embeddings") * t.score) for t in tok.top]
+        out["steps"].append({"got": got, "want": expected(seen), "top": top, "unattributed": tok.unattributed_share,
+                             "dropped": tok.dropped_calls})
         opt.step()
         opt.zero_grad()
     out["counters"] = {k: v for k, v in mon.counters.items() if k.startswith("precursors_") and v}

@@ -54,3 +54,14 @@ def test_a_real_gpt_model_s_precursors_under_tensor_parallelism_are_what_it_comp
                 lowest = min(e for w in wants for e in w[site]["entropy"])
                 assert layer == site and value == pytest.approx(lowest, rel=1e-6)
     assert results[0]["steps"][1:] and results[0]["steps"][1]["got"] == results[1]["steps"][1]["got"]
+    compared = 0
+    for s in range(STEPS):  # per-token scores: every parameter has a rule (the vocabulary-parallel embedding, the
+        for r in results:  # norms Megatron calls on [s, b, h]): nothing unattributed, no call dropped
+            step = r["steps"][s]
+            assert step["unattributed"] == pytest.approx(0.0, abs=1e-9) and step["dropped"] == 0, step
+            for mb, b, p, score, emb in step["top"]:  # the tp ranks' rows together: the whole table's ‖g_p‖²
+                if emb > 0:  # (a token lists its five largest layer parts)
+                    assert emb == pytest.approx(step["want"]["embedding"][mb][b][p], rel=1e-4), (s, mb, b, p)
+                    assert emb < score
+                    compared += 1
+    assert compared >= STEPS, compared

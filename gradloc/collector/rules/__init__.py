@@ -7,6 +7,7 @@ from gradloc.collector.rules import (  # noqa: F401  (registers)
     layer_norm,
     linear,
     megatron,
+    megatron_embedding,
     rms_norm,
     router,
     sinks,

@@ -51,7 +51,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gradloc.collector.rules.layer_norm import LayerNormRule
 from gradloc.collector.rules.registry import register_duck_rule, sq_norm_last
+from gradloc.collector.rules.rms_norm import HFRMSNormRule, TorchRMSNormRule
 
 _CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
 
@@ -72,6 +74,34 @@ def sp_marked(module: nn.Module) -> bool:
     marks the parameters of the modules that run on a sequence-parallel region's shard (its norms)."""
     ps = [p for p in module.parameters(recurse=False) if p.requires_grad]
     return bool(ps) and all(getattr(p, "sequence_parallel", False) for p in ps)
+
+
+class SequenceFirstNorm:
+    """A torch norm (LayerNorm, RMSNorm) that a Megatron module calls on its hidden states ``[s, b, h]`` — Megatron's
+    ``WrappedTorchNorm`` builds torch's own norms, and ``TransformerLayer`` / ``TransformerBlock`` call them
+    sequence-first: the norm's rule, its lead reported as (b, s) and its scores transposed to (b, s). A norm
+    called on more dims (Megatron's q/k layernorm on ``[s, b, heads, d]``) is not placed (dropped, counted)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
+        lead = self.inner.lead_shape(module, x, y)
+        return (lead[1], lead[0]) if len(lead) == 2 else ()  # [s, b] -> (b, s)
+
+    def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> object:
+        return self.inner.capture(module, x, y)
+
+    def score(self, module: nn.Module, saved: object, g: torch.Tensor) -> torch.Tensor:
+        return self.inner.score(module, saved, g).t().contiguous()  # [s, b] -> (b, s)
+
+
+def sequence_first_view(rule: object, caller: nn.Module | None) -> object:
+    """``rule`` as the hooks should apply it to a module ``caller`` calls: a norm's wrapped when the caller is
+    Megatron's (:class:`SequenceFirstNorm`), any other rule as it is (Megatron's embeddings are called
+    batch-first, its parallel linears' rule reads ``[s, b, h]`` itself)."""
+    norm = isinstance(rule, (LayerNormRule, TorchRMSNormRule, HFRMSNormRule))
+    return SequenceFirstNorm(rule) if norm and caller is not None and is_megatron_module(caller) else rule
 
 
 def _column(module: nn.Module) -> bool:
@@ -148,4 +178,5 @@ class MegatronLinearRule:
         return g.transpose(0, 1), 0, 1.0 / size  # [s, b, v] -> (b, s, v)
 
 
-__all__ = ["MegatronLinearRule", "is_megatron_linear", "is_megatron_module", "sp_marked", "tp_rank_size"]
+__all__ = ["MegatronLinearRule", "SequenceFirstNorm", "is_megatron_linear", "is_megatron_module", "sequence_first_view",
+           "sp_marked", "tp_rank_size"]
