@@ -99,11 +99,13 @@ def expected(seen: Seen) -> dict[str, Any]:
     return out
 
 
-def train(rank: int, world: int, tp: int, steps: int) -> dict[str, Any]:
-    """``steps`` AdamW steps of the GPTModel on random tokens, ``M`` micro-batches of (B, SEQ) each; per step the
-    precursor values gradloc reported (kind, layer, head, value, at) and :func:`expected`'s, the top tokens
-    (micro-batch, sample, position, score, the word embedding's part of it) and the unattributed share; gradloc's
-    precursor counters."""
+def train(rank: int, world: int, tp: int, steps: int, plant: tuple[int, int, int, int]) -> dict[str, Any]:
+    """``steps`` AdamW steps of the GPTModel on random tokens, ``M`` micro-batches of (B, SEQ) each, one token's loss
+    × 3000 at ``plant`` = (step, micro-batch, sample, position); per step the precursor values gradloc reported
+    (kind, layer, head, value, at) and :func:`expected`'s, the top tokens (micro-batch, sample, position, score, the
+    word embedding's part of it), the unattributed share and the incident's localization (status, probes,
+    culprits); gradloc's precursor counters. (The probes run the model again: the plant step's expectations are
+    not the step's.)"""
     import torch.nn.functional as F  # noqa: F401  (the loss is Megatron's own: labels given)
 
     import gradloc
@@ -113,28 +115,39 @@ def train(rank: int, world: int, tp: int, steps: int) -> dict[str, Any]:
     model = _model(tp)
     seen = Seen(model, ps.get_tensor_model_parallel_group())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mon = gradloc.watch(model, opt, store=False)
+    mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5))
     g = torch.Generator().manual_seed(7)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked (Megatron's convention)
     pos = torch.arange(SEQ).expand(B, SEQ)
     out: dict[str, Any] = {"steps": []}
-    for _ in range(steps):
+    for step in range(steps):
         seen.rms, seen.logits, seen.scores, seen.embedding = [], [], {}, []
+        batch = [torch.randint(VOCAB, (B, SEQ + 1), generator=g) for _ in range(M)]
+        weight = torch.ones(M, B, SEQ)
+        if step == plant[0]:
+            weight[plant[1:]] = 3000.0
+
+        def loss_for(i: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+            ids = batch[i]
+            losses = model(ids[:, :-1], pos, mask, labels=ids[:, 1:]) * weight[i]  # (B, T): Megatron's own CE
+            return (losses if keep is None else losses * keep).sum() / (B * SEQ * M)
+
         total = torch.zeros(())
-        for _ in range(M):
-            ids = torch.randint(VOCAB, (B, SEQ + 1), generator=g)
-            with mon.micro_batch(ids[:, 1:]):
-                losses = model(ids[:, :-1], pos, mask, labels=ids[:, 1:])  # (B, T): Megatron's vocab-parallel CE
-                loss = losses.mean() / M
+        for i in range(M):
+            with mon.micro_batch(batch[i][:, 1:]):
+                loss = loss_for(i)
                 loss.backward()
             total += loss.detach()
-        rep = mon.end_step(total)
+        rep = mon.end_step(total, probe=loss_for)
+        loc = rep.incident.localization if rep.incident is not None else None
         got = [(str(p.kind), p.layer, p.head, p.value, p.at) for p in rep.record.precursors]
         tok = rep.record.tokens
         top = [(t.micro_batch, t.sample, t.position, t.score,
                 sum(ls.share for ls in t.layers if ls.layer == "embedding.word_embeddings") * t.score) for t in tok.top]
         out["steps"].append({"got": got, "want": expected(seen), "top": top, "unattributed": tok.unattributed_share,
-                             "dropped": tok.dropped_calls})
+                             "dropped": tok.dropped_calls, "loc": None if loc is None else (
+                                 str(loc.status), loc.probes, [(c.rank, c.micro_batch, c.sample, c.position)
+                                                               for c in loc.culprits])})
         opt.step()
         opt.zero_grad()
     out["counters"] = {k: v for k, v in mon.counters.items() if k.startswith("precursors_") and v}

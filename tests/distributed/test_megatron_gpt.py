@@ -3,7 +3,8 @@ defaults: the precursor statistics equal what the model computed, read by the te
 sequence-first layout (tests/distributed/megatron_gpt_job.py) — the residual stream at the final norm (its input is
 ``[s, b, h]``: read batch-first, its largest RMS named by (micro-batch, row, position), not (…, position, row)),
 the output layer's vocabulary-split logits, each attention's largest logit and its lowest head's mean row entropy,
-its heads split over the two ranks."""
+its heads split over the two ranks; its per-token scores cover every parameter (the vocabulary-parallel embedding,
+the norms called sequence-first), and a token planted with 3000× its loss is located in ≤ 3 probes."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +14,7 @@ import pytest
 from tests.distributed.launch import run
 from tests.distributed.megatron_gpt_job import LAYERS
 
-STEPS = 4
+STEPS, PLANT = 7, (6, 1, 2, 5)  # the last step: (step, micro-batch, sample, position)
 ENV = {"NO_VCS_VERSION": "1"}  # megatron's package_info would otherwise run `git rev-parse` at import
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="needs megatron-core (scripts/setup.sh)")
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
 def _train(rank: int, world: int) -> dict:
     from tests.distributed.megatron_gpt_job import train
 
-    return train(rank, world, 2, STEPS)
+    return train(rank, world, 2, STEPS, PLANT)
 
 
 def _stat(got: list, kind: str, layer_part: str) -> tuple:
@@ -35,7 +36,7 @@ def test_a_real_gpt_model_s_precursors_under_tensor_parallelism_are_what_it_comp
     results = run(_train, 2, timeout_s=300, env=ENV)
     for r in results:
         assert not r["counters"], r["counters"]
-    for s in range(1, STEPS):  # step 0: each rank's own values (the ranks agree on their layout after it)
+    for s in range(1, PLANT[0]):  # step 0: each rank's own values (the ranks agree on their layout after it)
         wants = [r["steps"][s]["want"] for r in results]
         for r in results:
             got = r["steps"][s]["got"]
@@ -55,7 +56,7 @@ def test_a_real_gpt_model_s_precursors_under_tensor_parallelism_are_what_it_comp
                 assert layer == site and value == pytest.approx(lowest, rel=1e-6)
     assert results[0]["steps"][1:] and results[0]["steps"][1]["got"] == results[1]["steps"][1]["got"]
     compared = 0
-    for s in range(STEPS):  # per-token scores: every parameter has a rule (the vocabulary-parallel embedding, the
+    for s in range(PLANT[0]):  # per-token scores: every parameter has a rule (the vocabulary-parallel embedding, the
         for r in results:  # norms Megatron calls on [s, b, h]): nothing unattributed, no call dropped
             step = r["steps"][s]
             assert step["unattributed"] == pytest.approx(0.0, abs=1e-9) and step["dropped"] == 0, step
@@ -64,4 +65,9 @@ def test_a_real_gpt_model_s_precursors_under_tensor_parallelism_are_what_it_comp
                     assert emb == pytest.approx(step["want"]["embedding"][mb][b][p], rel=1e-4), (s, mb, b, p)
                     assert emb < score
                     compared += 1
-    assert compared >= STEPS, compared
+    assert compared >= PLANT[0], compared
+    for r in results:  # the planted token: one incident, located on its rank (tp rank 0: the tp group is one data
+        # index) in at most 3 probes
+        assert all(step["loc"] is None for step in r["steps"][:PLANT[0]])
+        status, probes, culprits = r["steps"][PLANT[0]]["loc"]
+        assert status == "located" and 1 <= probes <= 3 and culprits[0] == (0, *PLANT[1:]), (status, probes, culprits)
