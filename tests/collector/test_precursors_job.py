@@ -185,7 +185,9 @@ def test_a_vocabulary_split_head_s_logsumexp_squared_is_the_whole_vocabulary_s_o
     for with_parts in (True, False):
         counters = [Counter() for _ in range(4)]
         jobs = [JobSlots(c, tp=[0, 1, 0, 1], data=[0, 0, 1, 1]) for c in counters]
-        _step(jobs, step(with_parts)[0])  # agreeing on the layout
+        agreeing, _ = _step(jobs, step(with_parts)[0])  # agreeing on the layout: each rank's own values
+        assert all(not job_wide and top not in values and lse not in values for values, job_wide in agreeing)
+        # (its shard's largest |logit| and logsumexp² are not the head's)
         for _ in range(2):
             per_rank, total, n = step(with_parts)
             out, _ = _step(jobs, per_rank)

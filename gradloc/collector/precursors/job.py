@@ -43,6 +43,8 @@ DESCRIPTOR = 2  # [values of the known slots, CRC-32 of their keys]
 _SPLIT = frozenset({"attn_max_logit", "attn_entropy"})  # per-head slots: a tp rank holds a block of the heads
 _LSE = "logit_lse_sq"
 _PARTS = "logit_lse_parts"  # under tp: the step's first head call's per-position logsumexps (module_stats.py)
+# a vocabulary-split head's: on a rank's own values, its shard's (the largest |logit| too), not the layer's
+_SHARD = frozenset({"logit_max_abs", _LSE, _PARTS})
 _ROUTES = 16  # cached (own keys -> agreed layout) index pairs; a run has a few (attention_every alternates two)
 
 
@@ -186,7 +188,7 @@ class JobSlots:
         if not same:  # an agreement being made is not counted: the ranks hook different modules, or a rank failed
             self.counters["precursors_own_values"] += 1
         if self.tp is not None:  # a rank's own share of split heads or a vocabulary shard is not the layer's
-            mine = {k: v for k, v in mine.items() if k.stat not in _SPLIT and k.stat not in (_LSE, _PARTS)}
+            mine = {k: v for k, v in mine.items() if k.stat not in _SPLIT and k.stat not in _SHARD}
         return mine, False
 
     def _combine(self, vals: np.ndarray) -> dict[SlotKey, SlotValues]:
