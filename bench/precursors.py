@@ -121,7 +121,9 @@ def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
                                               change=round(f.change, 3), z=round(f.z, 1),
                                               drivers=[(d.step, d.sample_id, d.position) for d in f.drivers[:3]])
                                          for f in out["findings"]],
-                               levels=levels(out, cfg.warmup, fail))
+                               levels=levels(out, cfg.warmup, fail),
+                               failure_localization=next((x for x in out.get("located", ()) if x["step"] == fail),
+                                                         None))
     if out["role"] == "control":
         judged = max(1, (fail if fail is not None else steps) - cfg.warmup)
         per_stat = Counter(f.statistic for f in findings)

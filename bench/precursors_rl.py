@@ -80,6 +80,7 @@ class GrpoRun(Watched):
         self.mon = gradloc.watch(self.model, self.opt, **kw)
         self.step_no = 0
         self.rewards: list[float] = []
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's rewards and advantages (N,)
 
     @torch.no_grad()
     def sample(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +107,7 @@ class GrpoRun(Watched):
         grouped = reward.view(c.prompts, c.group)  # (N,) -> (P, G)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(n)  # (N,)
         self.rewards.append(float(reward.mean()))
+        self._last = (reward, adv)
         inputs, targets = seq[:, :-1], seq[:, 1:]  # (N, L − 1) each: position t predicts id t + 1
         mask = torch.zeros(n, L - 1)
         mask[:, c.prompt - 1:] = 1.0  # the response's ids
@@ -141,6 +143,17 @@ class GrpoRun(Watched):
                 loss.backward()
             total += loss.detach()
         return self.finish(total, loss_for)
+
+    def describe(self, sample_id: str) -> dict[str, Any]:
+        """The last step's response ``sample_id`` ("g<step>-<r>"): its reward and advantage, its group's rewards,
+        and how its |advantage| ranks among the step's (1: the largest) — what an incident's culprit was."""
+        reward, adv = self._last
+        r = int(sample_id.rsplit("-", 1)[1])
+        g = r // self.cfg.group
+        rank = int((adv.abs() > adv[r].abs()).sum()) + 1
+        return dict(reward=round(float(reward[r]), 3), advantage=round(float(adv[r]), 3), abs_advantage_rank=rank,
+                    group_rewards=[round(float(x), 3) for x in reward[g * self.cfg.group:(g + 1) * self.cfg.group]],
+                    zero_advantage_share=round(float((adv.abs() < 1e-3).float().mean()), 3))
 
 
 __all__ = ["GrpoConfig", "GrpoRun"]

@@ -98,12 +98,28 @@ class RampRun(Run):
         return loss_for
 
 
+def localized(step: int, incident: Any, describe: Any = None) -> dict[str, Any]:
+    """An incident's localization in brief: status, level, probes, its top culprits (micro-batch, sample, position,
+    sample id, share) and, where the run can say (``describe(sample_id)``: a GRPO run's advantage and rewards),
+    what that sample was."""
+    loc = incident.localization
+    if loc is None:  # an incident not localized (e.g. a divergence)
+        return dict(step=step, status="not localized", level=None, probes=0, explained=None, culprits=[])
+    top = [(c.micro_batch, c.sample, c.position, c.sample_id, round(c.share, 3)) for c in loc.culprits[:3]]
+    out: dict[str, Any] = dict(step=step, status=str(loc.status), level=str(loc.level), probes=loc.probes,
+                               explained=None if loc.explained_share is None else round(loc.explained_share, 3),
+                               culprits=top)
+    if describe is not None and top and top[0][3] is not None:
+        out["culprit_sample"] = describe(top[0][3])
+    return out
+
+
 def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
     """Train ``sc`` with gradloc watching; every step's statistics as arrays (``series``: key -> (steps,) values,
     NaN where a step had none; key = "kind|layer|head")."""
     torch.manual_seed(sc.run.seed)
     run = GrpoRun(sc.run, **watch) if isinstance(sc.run, GrpoConfig) else RampRun(sc.run, **watch)
-    loss, norm, lr, spikes, incidents, findings = [], [], [], [], [], []
+    loss, norm, lr, spikes, incidents, findings, located = [], [], [], [], [], [], []
     series: dict[str, list[float]] = {}
     at: dict[str, list[tuple[int, int, int] | None]] = {}
     t0 = time.perf_counter()
@@ -118,6 +134,7 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
                 spikes.append((s, sorted(str(k) for k in rep.spike.kinds)))
             if rep.incident is not None:
                 incidents.append((s, sorted(str(k) for k in rep.incident.spike.kinds)))
+                located.append(localized(s, rep.incident, getattr(run, "describe", None)))
             findings.extend(getattr(rec, "precursor_findings", ()))
             values = [(f"{p.kind}|{p.layer}|{'' if p.head is None else p.head}", p.value, p.at) for p in rec.precursors]
             if rec.rl is not None:  # the RL statistics the drift detector judges (no layer)
@@ -135,7 +152,7 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
         run.close()
     return dict(scenario=sc.name, role=sc.role, instability=sc.instability, detail=sc.detail,
                 loss=np.asarray(loss), norm=np.asarray(norm), lr=np.asarray(lr), spikes=spikes, incidents=incidents,
-                findings=findings, series={k: np.asarray(v) for k, v in series.items()}, at=at,
+                findings=findings, located=located, series={k: np.asarray(v) for k, v in series.items()}, at=at,
                 seconds=time.perf_counter() - t0, params=run.params, judge_loss=getattr(run, "judge_loss", True),
                 rewards=np.asarray(getattr(run, "rewards", [])))
 

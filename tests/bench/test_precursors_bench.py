@@ -153,6 +153,15 @@ def test_grpo_steps_hand_the_monitor_the_policy_s_own_entropy_and_rewards():
             assert rec.rl is not None and rec.rl.entropy_mean == pytest.approx(entropy, rel=1e-4)
             assert 0.0 < rec.rl.entropy_mean <= math.log(run.corpus.vocab) + 1e-6
             assert rec.rl.kl_rollout == pytest.approx(0.0, abs=1e-6)
+            reward = run.word_start[seq[:, cfg.prompt:]].float().mean(1)  # (N,)
+            for r in range(len(reward)):  # what an incident's culprit sample was (bench/precursors_runs.localized)
+                got, group = run.describe(f"g{step}-{r}"), reward.view(-1, cfg.group)[r // cfg.group]
+                assert got["reward"] == pytest.approx(float(reward[r]), abs=1e-3)
+                assert got["group_rewards"] == pytest.approx(group.tolist(), abs=1e-3)
+                centred = float(reward[r] - group.mean())
+                assert got["advantage"] == pytest.approx(0.0, abs=1e-3) if abs(centred) < 1e-6 else \
+                    math.copysign(1.0, got["advantage"]) == math.copysign(1.0, centred)
+                assert 1 <= got["abs_advantage_rank"] <= len(reward)
     finally:
         run.close()
 
