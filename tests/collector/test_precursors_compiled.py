@@ -147,6 +147,7 @@ def test_only_hf_s_standard_eager_attention_is_measured_under_compile() -> None:
         traced.install()
         try:
             assert (getattr(home, EAGER) is not real) is standard
+            assert standard_eager(getattr(home, EAGER)) is standard  # a second monitor sees the function wrapped
         finally:
             traced.remove()
         assert getattr(home, EAGER) is real

@@ -127,7 +127,9 @@ class TracedAttention:
         for key, (holder, attr, parse) in self._targets.items():
             if key not in self._installed:
                 self._saved[key] = getattr(holder, attr)
-                setattr(holder, attr, self._wrappers.setdefault(key, self._wrapper(key, parse)))
+                wrapper = self._wrappers.setdefault(key, self._wrapper(key, parse))
+                wrapper.__wrapped__ = self._saved[key]  # another monitor's prepare reads the function it wraps
+                setattr(holder, attr, wrapper)
                 self._installed.add(key)
 
     def remove(self) -> None:
