@@ -51,7 +51,7 @@ def unmatched_key(site: str) -> SlotKey:
     return SlotKey("attn_unmatched", site, Reduce.SUM, 1)
 
 
-def _sdpa_call(args: tuple, kwargs: dict) -> tuple | None:
+def _sdpa_call(args: tuple, kwargs: dict) -> tuple:
     """SDPA's (query, key, attn_mask, is_causal, scale)."""
     q, k = args[0], args[1]
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
@@ -75,7 +75,7 @@ def standard_eager(fn: Callable) -> bool:
         code.co_argcount == len(_SIGNATURE) and set(code.co_names) <= _RECIPE
 
 
-def _eager_call(args: tuple, kwargs: dict) -> tuple | None:
+def _eager_call(args: tuple, kwargs: dict) -> tuple:
     """A standard ``eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)``:
     its (query, key, additive mask cut to the keys, no causal flag, scaling)."""
     q = args[1] if len(args) > 1 else kwargs.get("query")
@@ -149,12 +149,12 @@ class TracedAttention:
             return out
         return wrapper
 
-    def _fold(self, site: str, call: tuple | None) -> None:
+    def _fold(self, site: str, call: tuple) -> None:
         """Traced: one attention call of ``site`` into its accumulators (no Python state changed)."""
         heads = self.heads.get(site)
         if heads is None:
             return
-        q, k, mask, causal, scale = call if call is not None else (None,) * 5
+        q, k, mask, causal, scale = call
         if q is None or k is None or q.dim() != 4 or k.dim() != 4 or q.shape[1] != heads or heads % k.shape[1]:
             self.folds.fold(unmatched_key(site), torch.zeros(1, device=self.folds.device), attention=True)  # counted
             return
