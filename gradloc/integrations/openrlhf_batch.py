@@ -108,11 +108,13 @@ def layout(experience: Any, *, packed: bool = False, sample_ids: Sequence[object
 
 
 def rl_fields(lay: ExperienceLayout, experience: Any, log_probs: torch.Tensor | None = None, *,
-              clip_eps: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+              clip_eps: tuple[float, float] | None = None, entropy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``mon.rl_fields(**...)``: ``logp`` = the actor's action log-probs the loss used, ``old_logp`` =
     action_log_probs, ``rollout_logp`` = rollout_log_probs (None without IS correction),
     ``advantages``; ``ratio`` = exp(clamp(logp − old, ±20)) as PolicyLoss computes it, and with
-    ``clip_eps`` = (low, high) ``clipped`` (surr2 < surr1: PolicyLoss's clip_ratio)."""
+    ``clip_eps`` = (low, high) ``clipped`` (surr2 < surr1: PolicyLoss's clip_ratio). ``entropy``: the actor
+    output's token entropies (B, T − 1), as ``training_step`` computes them for its entropy loss; its last
+    A columns are the actions' (A = action_mask's width, as ``training_step`` slices them)."""
     out: dict[str, torch.Tensor] = {}
     for name, attr in (("old_logp", "action_log_probs"), ("rollout_logp", "rollout_log_probs"),
                        ("advantages", "advantages")):
@@ -121,6 +123,11 @@ def rl_fields(lay: ExperienceLayout, experience: Any, log_probs: torch.Tensor | 
             out[name] = lay.to_positions(value, attr)
     if log_probs is not None:
         out["logp"] = lay.to_positions(log_probs.detach(), "log_probs")
+    if entropy is not None:
+        A = experience.action_mask.shape[1]
+        if isinstance(entropy, torch.Tensor) and entropy.dim() == 2:
+            entropy = entropy.detach()[:, -A:]  # (B, T − 1) -> (B, A); another shape: to_positions says which
+        out["entropy"] = lay.to_positions(entropy, "entropy")  # (B, A) -> the layout's positions
     if "logp" in out and "old_logp" in out:
         ratio = torch.exp(torch.clamp(out["logp"] - out["old_logp"], -20.0, 20.0))
         out["ratio"] = ratio

@@ -204,6 +204,45 @@ def test_a_corrupted_rollout_logprob_is_located_and_classified(packing):
     assert rep.record.rl.mismatch_fraction == pytest.approx(1 / rep.record.rl.tokens)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_policy_entropy_is_the_actor_output_s_over_the_trained_actions(packing):
+    """With ``actor.entropy_coef`` set (0: computed, not in the loss) the actor's token entropies reach
+    ``mon.rl_fields``: each step's ``rl.entropy_mean`` is the actions' mean entropy of the outputs the loss got
+    (read here by a hook of the test's own on the actor); without it nothing is computed and no entropy is said."""
+    g = torch.Generator().manual_seed(5)
+    for coef in (0.0, None):
+        trainer = make_trainer(entropy_coef=coef, packing=packing)
+        seen: list[tuple[float, float]] = []
+
+        def read(_m, args, _kw, out):  # (action_log_probs, output): the output's entropy over the action mask
+            if isinstance(out, tuple) and "entropy" in out[1]:
+                mask = args[1].float()
+                seen.append((float((out[1].entropy.detach()[:, -mask.shape[1]:] * mask).sum()), float(mask.sum())))
+
+        handle = trainer.actor.register_forward_hook(read, with_kwargs=True)
+        hooks = GradlocOpenRLHF(trainer, **WATCH)
+        for s in range(3):
+            exps = [make_experience(random_rows(g), advantages=torch.randn(4, generator=g).tolist()) for _ in range(GAS)]
+            for e in exps:
+                fill_logprobs(trainer.actor, e, noise=0.01, g=g)
+            info = step_norms(exps, GAS)
+            for k, e in enumerate(exps):
+                trainer.training_step(e, 0.0, s * GAS + k, info)
+        handle.remove()
+        rl = [r.record.rl for r in hooks.reports]
+        assert len(rl) == 3 and hooks.mon.counters.get("rl_fields_errors", 0) == 0
+        hooks.detach()
+        assert "forward" not in vars(trainer.actor)  # the actor's own forward again
+        if coef is None:
+            assert seen == [] and all(x.entropy_mean is None for x in rl)
+            continue
+        assert len(seen) == 3 * GAS
+        for s, x in enumerate(rl):
+            part = seen[s * GAS:(s + 1) * GAS]
+            want = sum(a for a, _ in part) / sum(n for _, n in part)
+            assert x.entropy_mean == pytest.approx(want, rel=1e-6) and x.job_entropy_mean == x.entropy_mean
+
+
 def test_the_hooks_never_change_the_update():
     plain, *_ = _train(plant=True, hooks=False)
     watched, hooks, _ = _train(plant=True, hooks=True)

@@ -75,7 +75,8 @@ class PPOTrainer:
         if self.args.actor.entropy_coef is not None:
             entropy_loss = aggregate_loss(output.entropy[:, -experience.action_mask.shape[1]:], experience.action_mask,
                                           **loss_batch_info)
-            loss -= entropy_loss * self.args.actor.entropy_coef
+            if self.args.actor.entropy_coef != 0:
+                loss -= entropy_loss * self.args.actor.entropy_coef
         self.strategy.backward(loss, self.actor, self.actor_optim)
         self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler, name="actor")
         return {"metrics": {"policy_loss": actor_loss.detach(), "actor_grad_norm": self.strategy.get_grad_norm(self.actor)},
@@ -92,7 +93,8 @@ def build(stage: int, lr: float = 1e-3) -> PPOTrainer:
 
     world = torch.distributed.get_world_size()
     args = SimpleNamespace(ds=SimpleNamespace(param_dtype="fp32", packing_samples=False),
-                           train=SimpleNamespace(dynamic_batch_enable=False), actor=SimpleNamespace(entropy_coef=None),
+                           # entropy_coef 0: the actor computes its token entropies (logged, not in the loss)
+                           train=SimpleNamespace(dynamic_batch_enable=False), actor=SimpleNamespace(entropy_coef=0.0),
                            algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False, init_coef=0.0)))
     strategy = DeepspeedStrategy(seed=0, max_norm=1.0, micro_train_batch_size=B, train_batch_size=B * GAS * world,
                                  zero_stage=stage, args=args)
@@ -158,8 +160,18 @@ def train(rank: int, world: int, stage: int, steps: int, plant: tuple[int, int] 
     hooks = GradlocOpenRLHF(trainer, detector=gradloc.DetectorConfig(warmup=5), update_ratio="off", store=False,
                             **watch) if watched else None
     g = torch.Generator().manual_seed(7 + rank)
-    ds_norms, planted = [], None
+    ds_norms, planted, ent = [], None, [[0.0, 0.0] for _ in range(steps)]
+    at = [0]
+
+    def read(_m: Any, args: Any, _kw: Any, out: Any) -> None:  # the actor output's Σ entropy over the actions
+        if isinstance(out, tuple) and getattr(out[1], "entropy", None) is not None:
+            mask = args[1].float()
+            ent[at[0]][0] += float((out[1].entropy.detach()[:, -mask.shape[1]:] * mask).sum())
+            ent[at[0]][1] += float(mask.sum())
+
+    handle = trainer.actor.register_forward_hook(read, with_kwargs=True)
     for s in range(steps):
+        at[0] = s
         exps = [experience(g, trainer.actor) for _ in range(GAS)]
         if plant == (rank, s):
             j = int(exps[1].action_mask[PLANT_ROW].nonzero()[PLANT_ACTION])
@@ -168,11 +180,13 @@ def train(rank: int, world: int, stage: int, steps: int, plant: tuple[int, int] 
         for k, (e, info) in enumerate(iter_grad_accum_global_norm(exps, trainer.strategy, GAS, lambda e: e.action_mask)):
             status = trainer.training_step(e, 0.0, s * GAS + k, info)
         ds_norms.append(status["metrics"]["actor_grad_norm"])  # DeepSpeed's pre-clip norm (get_global_grad_norm)
-    out = {"ds_norms": ds_norms, "params": engine_params(engine, stage), "planted": planted}
+    handle.remove()
+    out = {"ds_norms": ds_norms, "params": engine_params(engine, stage), "planted": planted, "entropy_sums": ent}
     if hooks is not None:
         out.update(kind=hooks.mon.job.kind, probes=hooks.probes, errors=hooks.blocks.errors,
                    counters=dict(hooks.mon.counters),
                    reports=[(r.record.global_norm, r.spike.kinds, r.incident.scope if r.incident else None,
-                             r.incident.localization if r.incident else None) for r in hooks.reports])
+                             r.incident.localization if r.incident else None) for r in hooks.reports],
+                   entropy=[(r.record.rl.entropy_mean, r.record.rl.job_entropy_mean) for r in hooks.reports])
         hooks.detach()
     return out

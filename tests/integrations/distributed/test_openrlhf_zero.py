@@ -79,5 +79,20 @@ def test_the_norm_is_deepspeeds_pre_clip_norm(ranks, stage):
         assert [rep[0] for rep in got["reports"]] == pytest.approx(got["ds_norms"], rel=1e-5)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_policy_entropy_is_the_actor_s_on_each_rank_and_the_job_s_over_both(ranks, stage):
+    """OpenRLHF's Actor computes the token entropies (``entropy_coef`` 0): each rank's record has the mean over its
+    actions of the outputs its loss got (read by the job's own hook on the actor), every rank the job's over both.
+    The spike step is left out: its probes run the actor again (the hook reads those too)."""
+    runs = [r["runs"][(stage, True)] for r in ranks]
+    for s in range(SPIKE):
+        sums = [r["entropy_sums"][s] for r in runs]
+        job = sum(a for a, _ in sums) / sum(n for _, n in sums)
+        for r, (a, n) in zip(runs, sums):
+            own, job_got = r["entropy"][s]
+            assert own == pytest.approx(a / n, rel=1e-6) and job_got == pytest.approx(job, rel=1e-6)
+    assert runs[0]["entropy"][0][0] != runs[1]["entropy"][0][0]  # the ranks' own differ: the job's is a combination
+
+
 def test_zero2_training_is_bitwise_identical_with_and_without_gradloc(ranks):
     assert all(r["runs"][(2, True)]["same_params"] for r in ranks)
