@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from bench import early, torch_threads
+from bench.drift_rates import pooled, run_rates
 from bench.natural import Run, RunConfig
 from bench.natural_faults import FAULTS, Fault, inject
-from gradloc.config import DetectorConfig
+from gradloc.config import DetectorConfig, DriftConfig
 from gradloc.detector import SpikeDetector, opens_incident
 from gradloc.records import StepRecord
 
@@ -201,7 +202,8 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
     for t in healthy:
         runs.append({"family": t.family, "seed": t.seed, "steps": len(t.records), "params": t.params,
                      "final_loss": round(t.records[-1].loss, 4), "wall_s": t.wall_s,
-                     "live_incidents": len(t.live_incidents), "extremes": extremes(t), "incidents": {}})
+                     "live_incidents": len(t.live_incidents), "extremes": extremes(t), "incidents": {},
+                     "precursors": run_rates(t.records, DriftConfig().warmup)})  # the live drift detector's
     for name in cfg.settings:
         det_cfg = DetectorConfig(sensitivity=name)
         total = steps = 0
@@ -235,6 +237,7 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
             "from_step0": early.summarize(judged, steps),
         }
     return {"settings": settings, "runs": runs, "replay_matches_live": True if check_live else None,
+            "precursors": pooled([r["precursors"] for r in runs]),
             "fault_signals": fault_signals(faulty),
             "fault_runs": [{"family": t.family, "seed": t.seed, "steps": len(t.records), "faults": len(t.faults),
                             "live_incidents": len(t.live_incidents), "wall_s": t.wall_s} for t in faulty]}
@@ -320,6 +323,11 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"  {r['family']:8s} seed {r['seed']}  {r['steps']} steps  {r['params']:,} params  "
                      f"final loss {r['final_loss']:.3f}  {per}  (norm up to {x['norm_ratio_max']:.2f}× its mean, "
                      f"z up to {x['norm_z_max']:.0f}; loss z up to {x['loss_z_max']:.2f}; {r['wall_s']} s)")
+        p = r["precursors"]
+        lines.append(f"    precursor findings {p['count']} in {p['judged_steps']} judged steps, {p['pages']} pages")
+    p = res["precursors"]
+    lines.append(f"precursor findings (live drift detector): {p['findings_per_1000']:.2f} per 1,000 judged steps "
+                 f"({p['findings']} in {p['judged_steps']}), {p['pages']} pages")
     s = res["setup"]
     lines.append(f"{s['micro_batches']} × ({s['batch']} × {s['seq']}) tokens/step, d_model {s['d_model']}, "
                  f"{s['n_layers']} layers; corpus {s['corpus']['tokens']:,} tokens; total {res['wall_s']} s")

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from bench.drift_rates import control_rates
 from bench.precursors_runs import Scenario, record_run, scenarios
 from gradloc.config import DriftConfig
 from gradloc.records.precursors import FALLING_STATISTICS
@@ -125,13 +126,7 @@ def score(out: dict[str, Any], cfg: DriftConfig) -> dict[str, Any]:
                                failure_localization=next((x for x in out.get("located", ()) if x["step"] == fail),
                                                          None))
     if out["role"] == "control":
-        judged = max(1, (fail if fail is not None else steps) - cfg.warmup)
-        per_stat = Counter(f.statistic for f in findings)
-        row.update(judged_steps=judged, findings_per_1000=round(1000 * len(findings) / judged, 2),
-                   pages=sum(f.pages for f in findings),
-                   per_statistic={k: dict(findings=n, per_1000=round(1000 * n / judged, 2),
-                                          pages=sum(f.pages for f in findings if f.statistic == k))
-                                  for k, n in per_stat.items()})
+        row.update(control_rates(findings, (fail if fail is not None else steps) - cfg.warmup))
         return row
     layer = failing_layer(out, cfg.warmup, fail) if fail is not None else None
     first: dict[str, Any] = {}

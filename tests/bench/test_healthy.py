@@ -54,6 +54,9 @@ def test_healthy_quick_json():
     lo, mid, hi = sig["planted_token"]["top_share"]
     assert lo <= mid <= hi and lo >= 0.5  # a planted token carries most of its step's gradient
     assert res["setup"]["corpus"]["tokens"] > 100_000
+    # the live drift detector's findings: 150 steps are all inside its warm-up, so none is judged
+    assert run["precursors"]["judged_steps"] == 0 and run["precursors"]["count"] == 0
+    assert res["precursors"] == dict(judged_steps=0, findings=0, findings_per_1000=0.0, pages=0, runs_over_1_per_1000=0)
 
 
 def test_replay_of_a_trace_must_match_its_live_monitor():

@@ -72,6 +72,25 @@ def test_scores_lead_time_layer_and_control_rates():
     assert s["instabilities_announced"] == 1 and s["control_pages"] == 1
 
 
+def test_healthy_runs_count_their_live_findings_after_the_warm_up():
+    from types import SimpleNamespace
+
+    from bench.drift_rates import pooled, run_rates
+
+    recs = [SimpleNamespace(step=s, precursor_findings=()) for s in range(1500)]
+    recs[1200] = SimpleNamespace(step=1200, precursor_findings=(_finding(1200, "residual_rms", "norm"),))
+    recs[1400] = SimpleNamespace(step=1400, precursor_findings=(_finding(1400, "attn_entropy", "l1", pages=True),
+                                                               _finding(1400, "attn_max_logit", "l1")))
+    a = run_rates(recs, 1000)
+    assert a["judged_steps"] == 500 and a["count"] == 3 and a["findings_per_1000"] == 6.0 and a["pages"] == 1
+    assert a["at"] == [(1200, "residual_rms", "norm", False), (1400, "attn_entropy", "l1", True),
+                       (1400, "attn_max_logit", "l1", False)]
+    b = run_rates(recs[:800], 1000)  # all inside the warm-up: nothing judged, nothing found
+    assert b["judged_steps"] == 0 and b["count"] == 0 and b["findings_per_1000"] == 0.0
+    both = pooled([a, b, run_rates([SimpleNamespace(step=s, precursor_findings=()) for s in range(3000)], 1000)])
+    assert both == dict(judged_steps=2500, findings=3, findings_per_1000=1.2, pages=1, runs_over_1_per_1000=1)
+
+
 @pytest.mark.slow
 def test_a_short_real_run_goes_through_the_monitor(capsys: pytest.CaptureFixture[str]):
     pytest.importorskip("transformers")
