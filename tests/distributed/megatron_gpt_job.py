@@ -22,7 +22,7 @@ import torch
 VOCAB, SEQ, B, M, D, HEADS, LAYERS = 64, 12, 3, 2, 32, 4, 2  # B != SEQ: a transposed read would not fit
 
 
-def _model(tp: int) -> Any:
+def _model(tp: int, qk_layernorm: bool = False) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed", GPTModel's deprecation
         from megatron.core import tensor_parallel
@@ -33,9 +33,9 @@ def _model(tp: int) -> Any:
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         cfg = TransformerConfig(num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS,
                                 tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                attention_dropout=0.0, hidden_dropout=0.0)
+                                attention_dropout=0.0, hidden_dropout=0.0, qk_layernorm=qk_layernorm)
         torch.manual_seed(0)  # every tp rank draws the same master weights (the norms are replicated)
-        return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+        return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_layernorm), vocab_size=VOCAB,
                         max_sequence_length=SEQ)
 
 
@@ -99,20 +99,21 @@ def expected(seen: Seen) -> dict[str, Any]:
     return out
 
 
-def train(rank: int, world: int, tp: int, steps: int, plant: tuple[int, int, int, int]) -> dict[str, Any]:
+def train(rank: int, world: int, tp: int, steps: int, plant: tuple[int, int, int, int],
+          qk_layernorm: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps of the GPTModel on random tokens, ``M`` micro-batches of (B, SEQ) each, one token's loss
     × 3000 at ``plant`` = (step, micro-batch, sample, position); per step the precursor values gradloc reported
     (kind, layer, head, value, at) and :func:`expected`'s, the top tokens (micro-batch, sample, position, score, the
     word embedding's part of it), the unattributed share and the incident's localization (status, probes,
     culprits); gradloc's precursor counters. (The probes run the model again: the plant step's expectations are
-    not the step's.)"""
+    not the step's.) ``qk_layernorm``: Megatron's q/k layernorm in every attention (``[s, b, heads, d]``)."""
     import torch.nn.functional as F  # noqa: F401  (the loss is Megatron's own: labels given)
 
     import gradloc
     from tests.distributed.megatron_job import setup
 
     ps = setup(tp)
-    model = _model(tp)
+    model = _model(tp, qk_layernorm)
     seen = Seen(model, ps.get_tensor_model_parallel_group())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = gradloc.watch(model, opt, store=False, detector=gradloc.DetectorConfig(warmup=5))

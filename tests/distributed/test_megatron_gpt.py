@@ -71,3 +71,24 @@ def test_a_real_gpt_model_s_precursors_under_tensor_parallelism_are_what_it_comp
         assert all(step["loc"] is None for step in r["steps"][:PLANT[0]])
         status, probes, culprits = r["steps"][PLANT[0]]["loc"]
         assert status == "located" and 1 <= probes <= 3 and culprits[0] == (0, *PLANT[1:]), (status, probes, culprits)
+
+
+def _train_qk(rank: int, world: int) -> dict:
+    from tests.distributed.megatron_gpt_job import train
+
+    return train(rank, world, 1, STEPS, PLANT, qk_layernorm=True)
+
+
+def test_megatron_s_q_k_layernorm_is_scored_per_position_without_tensor_parallelism():
+    """Megatron's q/k layernorm (``qk_layernorm=True``: torch norms each attention calls on ``[s, b, heads, d]``),
+    one process, tp = 1: every call is placed at its (b, s) — the heads share the norm, so a position's gradient is
+    summed over them (rules/megatron.SequenceFirstNorm, its brute-force test in tests/collector/rules) — nothing is
+    unattributed or dropped, and the planted token is located. Under tp > 1 each rank holds only its heads' part of
+    a position's gradient: such calls are dropped and counted (the same brute-force test)."""
+    (r,) = run(_train_qk, 1, timeout_s=300, env=ENV)
+    assert not r["counters"], r["counters"]
+    for s, step in enumerate(r["steps"][:PLANT[0]]):
+        assert step["unattributed"] == pytest.approx(0.0, abs=1e-9) and step["dropped"] == 0, (s, step)
+        assert step["loc"] is None
+    status, probes, culprits = r["steps"][PLANT[0]]["loc"]
+    assert status == "located" and 1 <= probes <= 3 and culprits[0][1:] == PLANT[1:], (status, probes, culprits)

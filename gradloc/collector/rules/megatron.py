@@ -79,21 +79,30 @@ def sp_marked(module: nn.Module) -> bool:
 class SequenceFirstNorm:
     """A torch norm (LayerNorm, RMSNorm) that a Megatron module calls on its hidden states ``[s, b, h]`` — Megatron's
     ``WrappedTorchNorm`` builds torch's own norms, and ``TransformerLayer`` / ``TransformerBlock`` call them
-    sequence-first: the norm's rule, its lead reported as (b, s) and its scores transposed to (b, s). A norm
-    called on more dims (Megatron's q/k layernorm on ``[s, b, heads, d]``) is not placed (dropped, counted)."""
+    sequence-first: the norm's rule, its lead reported as (b, s) and its scores transposed to (b, s). A norm called
+    per head (Megatron's q/k layernorm on ``[s, b, heads, d]``) reports (b, s, heads): the heads share its
+    parameters, so each position's gradient is summed over them before squaring (``score_grouped``, collector/fit.py),
+    as for HF's per-head norms. ``per_head=False`` — the caller splits its heads over tensor-parallel ranks — leaves
+    such a call unplaced (dropped, counted): each rank holds its heads' part of a position's gradient, which
+    Megatron sums over tp (``finalize_model_grads``), and the square of that sum needs every rank's part."""
 
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
+    def __init__(self, inner: object, per_head: bool = True) -> None:
+        self.inner, self.per_head = inner, per_head
 
     def lead_shape(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, ...]:
         lead = self.inner.lead_shape(module, x, y)
-        return (lead[1], lead[0]) if len(lead) == 2 else ()  # [s, b] -> (b, s)
+        if len(lead) < 2 or (len(lead) > 2 and not self.per_head):
+            return ()  # not a position layout; or a tp rank's part of its heads
+        return (lead[1], lead[0], *lead[2:])  # [s, b, *h] -> (b, s, *h)
 
     def capture(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> object:
         return self.inner.capture(module, x, y)
 
     def score(self, module: nn.Module, saved: object, g: torch.Tensor) -> torch.Tensor:
-        return self.inner.score(module, saved, g).t().contiguous()  # [s, b] -> (b, s)
+        return self.score_grouped(module, saved, g, 0)
+
+    def score_grouped(self, module: nn.Module, saved: object, g: torch.Tensor, extra: int) -> torch.Tensor:
+        return self.inner.score_grouped(module, saved, g, extra).t().contiguous()  # [s, b] -> (b, s)
 
 
 def sequence_first_view(rule: object, caller: nn.Module | None) -> object:
@@ -101,7 +110,10 @@ def sequence_first_view(rule: object, caller: nn.Module | None) -> object:
     Megatron's (:class:`SequenceFirstNorm`), any other rule as it is (Megatron's embeddings are called
     batch-first, its parallel linears' rule reads ``[s, b, h]`` itself)."""
     norm = isinstance(rule, (LayerNormRule, TorchRMSNormRule, HFRMSNormRule))
-    return SequenceFirstNorm(rule) if norm and caller is not None and is_megatron_module(caller) else rule
+    if not (norm and caller is not None and is_megatron_module(caller)):
+        return rule
+    tp = getattr(getattr(caller, "config", None), "tensor_model_parallel_size", 1)
+    return SequenceFirstNorm(rule, per_head=not (isinstance(tp, int) and tp > 1))
 
 
 def _column(module: nn.Module) -> bool:

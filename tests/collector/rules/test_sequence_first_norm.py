@@ -5,6 +5,8 @@ rule as it is. No megatron import: the caller is a module whose class says it is
 test)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -34,8 +36,21 @@ def test_a_norm_megatron_calls_sequence_first_is_scored_per_position_batch_first
         got = rule.score(norm, rule.capture(norm, x, y), g)  # (b, s)
     want = per_position_reference(norm, x, g, 1).t()  # [s, b] -> (b, s)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-9)
-    heads = x[..., None, :].expand(S, B, 2, 8)  # [s, b, heads, d]: q/k layernorm's 3 lead dims are not placed
-    assert rule.lead_shape(norm, heads, norm(heads)) == ()
+    # q/k layernorm: [s, b, heads, d], the heads sharing the norm's parameters — position (b, s)'s gradient is the
+    # sum over its heads' (the reference treats (heads, d) as the features of one call)
+    xh, gh = torch.randn(S, B, 3, 8), torch.randn(S, B, 3, 8)
+    yh = norm(xh)
+    assert rule.lead_shape(norm, xh, yh) == (B, S, 3)
+    with torch.no_grad():
+        got = rule.score_grouped(norm, rule.capture(norm, xh, yh), gh, 1)  # (b, s)
+    want = per_position_reference(norm, xh, gh, 2).t()  # [s, b] -> (b, s)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-9)
+    # the caller's heads split over 2 tp ranks: a rank's part of a position's gradient is not its whole (Megatron
+    # sums the q/k layernorm's gradient over tp), so the per-head call is not placed; [s, b, h] calls still are
+    split = TransformerLayer()
+    split.config = SimpleNamespace(tensor_model_parallel_size=2)
+    on_tp = sequence_first_view(rule_for(norm), split)
+    assert on_tp.lead_shape(norm, xh, yh) == () and on_tp.lead_shape(norm, x, y) == (B, S)
 
 
 def test_other_callers_and_other_rules_are_left_as_they_are() -> None:
