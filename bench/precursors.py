@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true", help="progress on stderr")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="change every chosen run's settings (bench/precursors_runs.RampConfig fields: lr_end, "
-                         "experts, top_k, tied, z_loss, balance, ...), to try a reproduction")
+                         "experts, top_k, tied, z_loss, balance, balance_until, ...), to try a reproduction")
     a = ap.parse_args(argv)
     import torch
 

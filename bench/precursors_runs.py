@@ -25,11 +25,13 @@ from bench.precursors_rl import GrpoConfig, GrpoRun
 class RampConfig(RunConfig):
     """``lr`` at step 0 rising exponentially to ``lr_end`` at the last step (no warm-up, no decay); ``z_loss``: the
     coefficient of Wortsman et al.'s mean logsumexp² term added to the loss (0: none); ``balance``: a MoE's
-    load-balancing loss coefficient (Switch Transformer's, as transformers computes it; 0: none)."""
+    load-balancing loss coefficient (Switch Transformer's, as transformers computes it; 0: none), applied before step
+    ``balance_until`` only (None: every step) — a balancing loss switched off mid-run."""
 
     lr_end: float | None = None  # None: RunConfig's warm-up and cosine
     z_loss: float = 0.0
     balance: float = 0.0  # a MoE's load-balancing loss coefficient (0: none)
+    balance_until: float | None = None  # the step the balancing loss stops at (None: never)
 
     def lr_at(self, step: int) -> float:
         if self.lr_end is None:
@@ -80,7 +82,8 @@ class RampRun(Run):
     """:class:`bench.natural.Run` with the z-loss and load-balancing terms when configured."""
 
     def closure(self, batch):  # noqa: ANN001 - the base class's signature
-        z, balance = self.cfg.z_loss, self.cfg.balance
+        z, until = self.cfg.z_loss, self.cfg.balance_until
+        balance = self.cfg.balance if until is None or self.step_no < until else 0.0
         if not (z or balance):
             return super().closure(batch)
         n, M = batch.weights.numel(), batch.windows.shape[0]

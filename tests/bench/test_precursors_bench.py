@@ -136,6 +136,32 @@ def test_runs_can_be_changed_from_the_command_line():
             with_overrides(moe, bad)
 
 
+def test_a_balancing_loss_can_stop_mid_run():
+    """``--set balance=0.01 balance_until=1000``: the aux loss is in the step's loss before step 1,000 only."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.precursors import with_overrides
+    from bench.precursors_runs import RampRun, scenarios
+
+    moe = next(s for s in scenarios(100) if s.name == "moe_ramp")
+    cfg = with_overrides(moe, ["balance=0.01", "balance_until=1000"]).run
+    assert (cfg.balance, cfg.balance_until) == (0.01, 1000.0)
+    logits = torch.zeros(1, 3, 5)  # uniform: each position's loss is log 5
+    model = lambda ids: logits  # noqa: E731
+    model.aux_loss = torch.tensor(2.0)
+    batch = SimpleNamespace(weights=torch.ones(1, 1, 3), windows=torch.zeros(1, 1, 4, dtype=torch.long),
+                            inputs=lambda i: None, targets=lambda i: torch.zeros(1, 3, dtype=torch.long))
+    def at(step: int) -> float:
+        run = RampRun.__new__(RampRun)  # the loss closure only (no model built, no monitor)
+        run.cfg, run.step_no, run.model = cfg, step, model
+        return float(run.closure(batch)(0))
+
+    before, after = at(999), at(1000)
+    assert before == pytest.approx(math.log(5) + 0.01 * 2.0) and after == pytest.approx(math.log(5))
+
+
 def test_a_grpo_run_s_loss_is_not_judged_its_incidents_are():
     rising = np.concatenate([np.full(500, 0.1), np.full(500, -3.0)])  # a policy-gradient loss moves either way
     run = _run("instability", [], rising)
