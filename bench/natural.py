@@ -274,13 +274,16 @@ class Watched:
 class Run(Watched):
     """One model trained on the natural corpus with gradloc attached (``watch``: WatchConfig fields)."""
 
-    def __init__(self, cfg: RunConfig, **watch: Any) -> None:
+    def __init__(self, cfg: RunConfig, wrap: Callable[[nn.Module], nn.Module] | None = None, **watch: Any) -> None:
+        """``wrap``: the model as training holds it (e.g. ``DistributedDataParallel``), watched as it is."""
         import gradloc
 
         self.cfg = cfg
         self.corpus = natural_corpus(cfg.vocab)
         self.model = build_model(cfg.family, self.corpus.vocab, cfg.seq, cfg.d_model, cfg.n_layers, cfg.n_heads,
                                  seed=cfg.seed, experts=cfg.experts, top_k=cfg.top_k, tied=cfg.tied)
+        if wrap is not None:
+            self.model = wrap(self.model)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

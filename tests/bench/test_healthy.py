@@ -141,3 +141,16 @@ def test_reused_traces_are_loaded_not_trained(tmp_path, monkeypatch):
     again = healthy.run_healthy(cfg, traces=str(tmp_path), reuse=True)
     assert again["setup"]["reused_traces"] == ["healthy-qwen2-0.pkl"]
     assert again["settings"] == first["settings"] and again["replay_matches_live"] is True
+
+
+def test_healthy_ddp_quick_json():
+    """``--ddp 2``: a 2-rank DDP job (its defaults) on natural text; the ranks report the same job-wide precursor
+    values every step after the first, the same incidents and findings (none judged in 30 steps: the warm-up)."""
+    res = run_bench("healthy", "--ddp", "2", "--quick", "--steps", "30", "--json", timeout=300)
+    (job,) = res["jobs"]
+    assert job["job_kind"] == "ddp" and job["steps"] == 30 and job["series"] >= 5  # head, norm, attention...
+    assert job["values_agree_after_step_0"] and job["incidents_agree"] and job["findings_agree"]
+    for r in job["ranks"]:
+        assert r["precursors"]["judged_steps"] == 0 and r["precursors"]["count"] == 0
+        assert not {k for k in r["counters"] if k.endswith("errors")}, r["counters"]
+    assert res["world_size"] == 2 and res["precursors"]["judged_steps"] == 0
