@@ -10,9 +10,10 @@ What it patches, on the objects (``detach()`` restores them), and why:
   forward, PolicyLoss (+ KL, entropy), ``strategy.backward`` and ``strategy.optimizer_step``. The
   wrapper maps the experience to gradloc's layout (:mod:`gradloc.integrations.openrlhf_batch`) and
   holds ``mon.micro_batch`` open around it.
-- ``trainer.actor.forward``: keeps the output's token entropies when the step computes them (OpenRLHF asks the
-  actor for them when ``actor.entropy_coef`` is set, 0 included), for ``mon.rl_fields(entropy=...)``: the policy's
-  entropy series and the drift detector's ``rl_entropy``. Nothing is computed that the step does not compute.
+- a forward hook on ``trainer.actor`` (removed by ``detach()``): keeps the output's token entropies when the step
+  computes them (OpenRLHF asks the actor for them when ``actor.entropy_coef`` is set, 0 included), for
+  ``mon.rl_fields(entropy=...)``: the policy's entropy series and the drift detector's ``rl_entropy``. Nothing is
+  computed that the step does not compute.
 - ``trainer.actor_loss_fn``: records the action log-probs the loss sees, for ``mon.rl_fields``.
 - ``trainer.strategy.backward``: records each loss ÷ gas (DeepSpeed scales the backward by 1/gas).
 - ``trainer.strategy.optimizer_step``: DeepSpeed clips and steps inside ``engine.step()`` at the
@@ -98,10 +99,10 @@ class GradlocOpenRLHF:
         self._in_step = self._probing = False
         self._entropy: Any = None  # the actor output's token entropies of the held micro-batch (None: not computed)
         patches = ((trainer, "training_step", self._training_step), (trainer, "actor_loss_fn", self._loss_fn),
-                   (trainer.actor, "forward", self._actor_forward),
                    (strategy, "backward", self._backward), (strategy, "optimizer_step", self._optimizer_step))
         self.patches = Patches(patches)
         self._orig = self.patches.orig
+        self._entropy_hook = trainer.actor.register_forward_hook(lambda _m, _a, out: self._keep_entropy(out))
         trainer._gradloc_hooks = self
 
     @property
@@ -111,6 +112,7 @@ class GradlocOpenRLHF:
     def detach(self) -> None:
         """Restore the trainer and strategy; close the monitor if these hooks made it."""
         self.patches.undo()
+        self._entropy_hook.remove()
         self.trainer._gradloc_hooks = None
         self.blocks.close()
         if self.own_monitor:
@@ -134,14 +136,12 @@ class GradlocOpenRLHF:
         self.blocks.close()  # no boundary in this call: the block ends with the call
         return status
 
-    def _actor_forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._orig["forward"](*args, **kwargs)
+    def _keep_entropy(self, out: Any) -> None:  # the actor's forward hook: returns None (the output unchanged)
         if self._held is not None and not self._probing and isinstance(out, tuple) and len(out) == 2:
             try:
                 self._entropy = out[1].entropy  # set by the actor under return_entropy=True
             except Exception:  # noqa: BLE001 - not computed this step (a ModelOutput or dict without it)
                 self._entropy = None
-        return out
 
     def _loss_fn(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                  *args: Any, **kwargs: Any) -> Any:
