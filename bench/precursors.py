@@ -31,7 +31,7 @@ import json
 import math
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any, Sequence
 
 import numpy as np
