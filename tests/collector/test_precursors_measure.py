@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradloc.collector.precursors import measure
+from gradloc.collector.precursors.intercept import SDPA, attention_call
 from gradloc.collector.precursors.slots import Reduce, SlotKey, StepSlots, unpack
 from gradloc.collector.precursors.stats import to_stats
 from gradloc.config import PrecursorConfig
@@ -60,7 +61,8 @@ def test_sampled_attention_matches_the_whole_matrix_read_at_its_rows(case: str) 
     k = torch.randn(B, Hk, T, D, generator=g)
     rows = measure.query_rows(T, 5, q.device)
     assert rows.tolist() == [0, 3, 6, 8, 11]  # evenly spaced, first and last
-    got = measure.attention_stats(measure.attention_logits(q, k, rows, mask, causal, scale), rows)
+    # what an SDPA call is measured with (a causal call without a mask: its rows' key counts from causal())
+    got = attention_call(SDPA, (q, k, None), {"attn_mask": mask, "is_causal": causal, "scale": scale}, 5)
     logits, ent = _reference_attention(q, k, mask, causal, scale)
     at = logits[:, :, rows]  # (B, H, Q, S)
     finite = torch.where(torch.isinf(at), torch.full_like(at, -math.inf), at)

@@ -19,17 +19,22 @@ def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 _ROWS: dict[tuple[int, int, str], torch.Tensor] = {}
-_AFTER: dict[tuple[int, int], torch.Tensor] = {}
+_CAUSAL: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _after(rows: torch.Tensor, S: int) -> torch.Tensor:
-    """(Q, S) bool: key j comes after query rows[i] (a causal mask keeps it out); kept per (rows, S)."""
-    if torch.compiler.is_compiling():  # traced: part of the graph (no cache keyed by an object's id)
-        return torch.arange(S, device=rows.device)[None, :] > rows[:, None]  # (Q, S)
+def causal(rows: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal mask at query ``rows`` over S keys (SDPA's top-left alignment: key j takes part for query i when
+    j <= i): (Q, S) float32 additive (0, or −inf where key j comes after the row) and (Q,) float32 how many keys each
+    row sees; kept per (rows, S). Added to the logits in place, it costs a fraction of a ``masked_fill`` with a
+    broadcast bool mask, and the key counts spare a pass over the logits (BENCHMARKS §1)."""
     key = (id(rows), S)
-    hit = _AFTER.get(key)
-    if hit is None:
-        hit = _AFTER[key] = torch.arange(S, device=rows.device)[None, :] > rows[:, None]  # (Q, S)
+    hit = None if torch.compiler.is_compiling() else _CAUSAL.get(key)  # traced: part of the graph (no cache
+    if hit is None:                                                      # keyed by an object's id)
+        after = torch.arange(S, device=rows.device)[None, :] > rows[:, None]  # (Q, S)
+        bias = torch.zeros(after.shape, device=rows.device).masked_fill_(after, float("-inf"))  # (Q, S)
+        hit = bias, (rows + 1).clamp(max=S).float()  # (Q,)
+        if not torch.compiler.is_compiling():
+            _CAUSAL[key] = hit
     return hit
 
 
@@ -57,19 +62,24 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, attn_
     if Hk != H:
         k = k.repeat_interleave(H // Hk, dim=1)  # (B, Hk, S, D) -> (B, H, S, D)
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    logits = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * s  # (B, H, Q, D) @ (B, H, D, S) -> (B, H, Q, S)
+    # the scale on the Q sampled rows, not on the (Q, S) logits; k made contiguous (a view of a fused projection,
+    # as most models make it, would be copied by the matmul in a slower kernel): both a fraction of the call
+    rows_q = q.index_select(2, rows).float() * s  # (B, H, T, D) -> (B, H, Q, D)
+    logits = rows_q @ k.float().contiguous().transpose(-1, -2)  # (B, H, Q, D) @ (B, H, D, S) -> (B, H, Q, S)
     S = k.shape[2]
     if is_causal:
-        logits = logits.masked_fill(_after(rows, S), float("-inf"))
+        logits.add_(causal(rows, S)[0])  # −inf after the row
     if attn_mask is not None:
         m = attn_mask.expand(*attn_mask.shape[:-2], q.shape[2], S)[..., rows, :]  # (.., T, S) -> (.., Q, S)
-        logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
+        logits = logits.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else logits.add_(m.float())
     return logits
 
 
-def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None,
+                    keys: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per head of one call's attention logits (B, H, Q, S) (−inf: masked; ``rows``: the positions of the Q query
-    rows, None: all of them): ``max`` (H,) the largest logit, ``max_at`` (2,) the (row, position) of the largest
+    rows, None: all of them; ``keys``: how many keys each row sees, (Q,) or broadcastable to (B, H, Q), None: the
+    keys not −inf, counted): ``max`` (H,) the largest logit, ``max_at`` (2,) the (row, position) of the largest
     over heads, ``entropy_sum`` (H,) the sum of its rows' entropies (nats) and ``rows`` (H,) how many rows counted
     (a row with every key masked does not), ``min_row`` the lowest entropy of a row over its most possible
 (log of the keys it sees: rows of at least 2 keys) and ``min_at`` (2,) where."""
@@ -86,7 +96,7 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None) -> d
     ent0 = torch.where(counted, ent, torch.zeros_like(ent))
     # the most concentrated row: entropy over its most possible, log(keys it may see) — a causal row with one or two
     # keys is low by construction and names nothing; rows of fewer than 2 keys are not candidates
-    keys = (S - logits.isneginf().sum(-1)).to(ent.dtype)  # (B, H, Q)
+    keys = (S - logits.isneginf().sum(-1)).to(ent.dtype) if keys is None else keys.to(ent.dtype)  # (B, H, Q)
     norm = torch.where(counted & (keys >= 2), ent / keys.clamp(min=2).log(), torch.full_like(ent, float("inf")))
     lb, _, lq = _unravel(norm.flatten().argmin(), (B, H, Q))
     # a row's position: index_select, not rows[i] (a 0-d tensor index reads it back under torch.compile)
@@ -166,4 +176,4 @@ def router_stats(logits: torch.Tensor, chosen: torch.Tensor | None, top_k: int) 
     return {"entropy_sum": ent.sum(), "n": float(flat.shape[0]), "counts": counts}
 
 
-__all__ = ["attention_logits", "attention_stats", "head_stats", "query_rows", "router_stats", "rms_stats"]
+__all__ = ["attention_logits", "attention_stats", "causal", "head_stats", "query_rows", "router_stats", "rms_stats"]
