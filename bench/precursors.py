@@ -3,7 +3,8 @@ on instabilities that reproduce on this machine, and its false findings on their
 
 Each scenario (:func:`bench.precursors_runs.scenarios`) trains a small model with gradloc attached, the drift
 detector on at its defaults, and keeps every step's loss, incidents and ``StepRecord.precursor_findings`` — the
-findings come from the monitor itself, not from a replay. Scoring:
+findings come from the monitor itself, not from a replay (``--replay DIR --drift KEY=VALUE``
+scores runs saved with ``--save DIR`` again under other detector settings: bench/precursors_replay.py). Scoring:
 
 - *failure* of a run: the first grad-spike, divergence or non-finite incident after the drift detector's warm-up,
   or the step where the 100-step mean loss first exceeds 1.1 × its lowest value after the warm-up, whichever comes
@@ -36,6 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from bench import precursors_replay as replaying
 from bench.drift_rates import control_rates
 from bench.precursors_runs import Scenario, record_run, scenarios
 from gradloc.config import DriftConfig
@@ -179,14 +181,22 @@ def with_overrides(sc: Scenario, pairs: Sequence[str]) -> Scenario:
     detail says what was changed."""
     if not pairs:
         return sc
-    fields = {f.name: f for f in dataclasses.fields(sc.run)}
+    changes = typed_fields(sc.run, pairs, "--set", frozenset({"family"}))
+    return dataclasses.replace(sc, run=dataclasses.replace(sc.run, **changes),
+                               detail=f"{sc.detail}; set {', '.join(pairs)}")
+
+
+def typed_fields(obj: Any, pairs: Sequence[str], flag: str, fixed: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs read as the dataclass ``obj``'s fields, each value as its field's type (``fixed``: fields
+    not to be set; a tuple field cannot be)."""
+    fields = {f.name: f for f in dataclasses.fields(obj)}
     changes: dict[str, Any] = {}
     for pair in pairs:
         key, eq, text = pair.partition("=")
-        if not eq or key not in fields or key == "family":
-            raise ValueError(f"--set takes KEY=VALUE with KEY a run field other than family ({sorted(fields)}), "
+        if not eq or key not in fields or key in fixed or isinstance(getattr(obj, key), tuple):
+            raise ValueError(f"{flag} takes KEY=VALUE with KEY one of {sorted(k for k in fields if k not in fixed)}, "
                              f"got {pair!r}")
-        now = getattr(sc.run, key)
+        now = getattr(obj, key)
         if text.lower() == "none" and "None" in str(fields[key].type):
             value: Any = None
         elif key == "tied" or now is None:
@@ -197,17 +207,31 @@ def with_overrides(sc: Scenario, pairs: Sequence[str]) -> Scenario:
         else:
             value = type(now)(text)
         changes[key] = value
-    return dataclasses.replace(sc, run=dataclasses.replace(sc.run, **changes),
-                               detail=f"{sc.detail}; set {', '.join(pairs)}")
+    return changes
 
 
-def run(selected: Sequence[Scenario], progress: bool = False) -> dict[str, Any]:
+def run(selected: Sequence[Scenario], progress: bool = False, save_to: str | None = None) -> dict[str, Any]:
+    """Train and score each scenario (``save_to``: also save each run's record there, for ``--replay``)."""
     cfg = DriftConfig()
     rows, t0 = [], time.perf_counter()
     for i, sc in enumerate(selected):
         if progress:
             print(f"[{i + 1}/{len(selected)}] {sc.name}: {sc.detail}", file=sys.stderr, flush=True)
-        rows.append(score(record_run(sc), cfg))
+        out = record_run(sc)
+        if save_to is not None:
+            replaying.save(out, save_to)
+        rows.append(score(out, cfg))
+    return _result(rows, cfg, t0)
+
+
+def rescore(outs: Sequence[dict[str, Any]], cfg: DriftConfig) -> dict[str, Any]:
+    """Saved runs scored on the findings a drift detector under ``cfg`` makes on them (bench/precursors_replay.py)."""
+    t0 = time.perf_counter()
+    rows = [score(dict(out, findings=replaying.replay(out, cfg)), cfg) for out in outs]
+    return dict(_result(rows, cfg, t0), replayed=True)
+
+
+def _result(rows: list[dict[str, Any]], cfg: DriftConfig, t0: float) -> dict[str, Any]:
     return dict(date=time.strftime("%Y-%m-%d"), drift=dict(warmup=cfg.warmup, reference=cfg.reference,
                                                             window=cfg.window, z_threshold=cfg.z_threshold,
                                                             min_change=cfg.min_change, patience=cfg.patience),
@@ -250,7 +274,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="change every chosen run's settings (bench/precursors_runs.RampConfig fields: lr_end, "
                          "experts, top_k, tied, z_loss, balance, balance_until, ...), to try a reproduction")
+    ap.add_argument("--save", metavar="DIR", help="also save each run's record in DIR (for --replay)")
+    ap.add_argument("--replay", metavar="DIR", help="score the runs saved in DIR again instead of training "
+                    "(bench/precursors_replay.py), under --drift's settings")
+    ap.add_argument("--drift", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="with --replay: the drift detector's settings (gradloc.config.DriftConfig fields: warmup, "
+                         "reference, window, z_threshold, min_change, tau, patience, ...)")
     a = ap.parse_args(argv)
+    if a.replay is not None or a.drift:
+        if a.replay is None or a.save is not None or a.set:
+            ap.error("--drift goes with --replay, which trains nothing (no --save or --set)")
+        try:
+            cfg = dataclasses.replace(DriftConfig(), **typed_fields(DriftConfig(), a.drift, "--drift",
+                                                                    frozenset({"enabled", "statistics"})))
+            res = rescore(replaying.load(a.replay, a.only), cfg)
+        except (ValueError, KeyError, FileNotFoundError) as e:  # a bad setting (ConfigError is a ValueError)
+            ap.error(str(e))
+        print(json.dumps(res, default=str) if a.json else format_table(res))
+        return 0
     import torch
 
     torch.set_num_threads(1)
@@ -261,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [with_overrides(s, a.set) for s in chosen]
     except (ValueError, KeyError) as e:
         ap.error(str(e))
-    res = run(chosen, progress=a.verbose)
+    res = run(chosen, progress=a.verbose, save_to=a.save)
     print(json.dumps(res, default=str) if a.json else format_table(res))
     return 0
 
