@@ -186,3 +186,16 @@ def test_the_head_s_logsumexp_on_sampled_positions_is_their_mean_over_kept_ones(
     r, t = got["max_at"].tolist()
     assert r * 10 + t in at.tolist() and keep[r, t]
     assert float(logits[r, t].abs().max()) == pytest.approx(float(got["max_abs"]))
+
+
+def test_the_causal_masks_kept_are_bounded_and_right_after_a_clear() -> None:
+    """Sequences of many lengths (dynamic padding) keep at most ``_CAUSAL_KEPT`` masks; one rebuilt is the same."""
+    rows = measure.query_rows(40, 5, torch.device("cpu"))
+    first = [t.clone() for t in measure.causal(rows, 40)]
+    for S in range(41, 41 + 2 * measure._CAUSAL_KEPT):
+        measure.causal(rows, S)
+        assert len(measure._CAUSAL) <= measure._CAUSAL_KEPT
+    bias, keys = measure.causal(rows, 40)  # cleared since: built again
+    assert torch.equal(bias, first[0]) and torch.equal(keys, first[1])
+    assert keys.tolist() == [r + 1 for r in rows.tolist()]
+    assert torch.equal(torch.isinf(bias), torch.arange(40)[None, :] > rows[:, None])  # −inf after each row

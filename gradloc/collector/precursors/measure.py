@@ -19,7 +19,8 @@ def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 _ROWS: dict[tuple[int, int, str], torch.Tensor] = {}
-_CAUSAL: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_CAUSAL: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # keyed by id(rows): _ROWS keeps them alive
+_CAUSAL_KEPT = 64
 
 
 def causal(rows: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +35,8 @@ def causal(rows: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         bias = torch.zeros(after.shape, device=rows.device).masked_fill_(after, float("-inf"))  # (Q, S)
         hit = bias, (rows + 1).clamp(max=S).float()  # (Q,)
         if not torch.compiler.is_compiling():
+            if len(_CAUSAL) >= _CAUSAL_KEPT:  # sequences of many lengths (dynamic padding): bounded, rebuilt on demand
+                _CAUSAL.clear()
             _CAUSAL[key] = hit
     return hit
 
