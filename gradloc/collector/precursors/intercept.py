@@ -84,8 +84,7 @@ def attention_call(func: Any, args: tuple, kwargs: dict, queries: int) -> dict[s
         causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
         scale = args[6] if len(args) > 6 else kwargs.get("scale")
         rows = measure.query_rows(q.shape[2], queries, q.device)
-        keys = measure.causal(rows, k.shape[2])[1] if causal and mask is None else None  # else: counted
-        return measure.attention_stats(measure.attention_logits(q, k, rows, mask, bool(causal), scale), rows, keys)
+        return measure.sampled_attention_stats(q, k, rows, mask, bool(causal), scale)
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or dim not in (-1, 3):

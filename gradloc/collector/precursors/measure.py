@@ -78,6 +78,14 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, attn_
     return logits
 
 
+def sampled_attention_stats(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, attn_mask: torch.Tensor | None,
+                            is_causal: bool, scale: float | None) -> dict[str, torch.Tensor]:
+    """:func:`attention_stats` of an SDPA call at query ``rows`` (:func:`attention_logits`'s arguments); a causal call
+    without a mask takes its rows' key counts from :func:`causal`, any other counts them from its −inf logits."""
+    keys = causal(rows, k.shape[2])[1] if is_causal and attn_mask is None else None
+    return attention_stats(attention_logits(q, k, rows, attn_mask, is_causal, scale), rows, keys)
+
+
 def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None,
                     keys: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per head of one call's attention logits (B, H, Q, S) (−inf: masked; ``rows``: the positions of the Q query
@@ -179,4 +187,4 @@ def router_stats(logits: torch.Tensor, chosen: torch.Tensor | None, top_k: int) 
     return {"entropy_sum": ent.sum(), "n": float(flat.shape[0]), "counts": counts}
 
 
-__all__ = ["attention_logits", "attention_stats", "causal", "head_stats", "query_rows", "router_stats", "rms_stats"]
+__all__ = ["attention_logits", "attention_stats", "causal", "sampled_attention_stats", "head_stats", "query_rows", "router_stats", "rms_stats"]

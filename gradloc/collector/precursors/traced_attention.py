@@ -161,8 +161,7 @@ class TracedAttention:
         top, ent = attention_keys(site, heads)
         with torch.no_grad():
             rows = measure.query_rows(q.shape[2], self.queries, q.device)
-            keys = measure.causal(rows, k.shape[2])[1] if causal and mask is None else None
-            s = measure.attention_stats(measure.attention_logits(q, k, rows, mask, causal, scale), rows, keys)
+            s = measure.sampled_attention_stats(q, k, rows, mask, causal, scale)
             self.folds.fold(top, s["max"], extreme=s["max"].amax(), at=s["max_at"], attention=True)
             self.folds.fold(ent, torch.cat([s["entropy_sum"], s["rows"]]), extreme=s["min_row"], at=s["min_at"],
                             attention=True)
