@@ -127,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     he.add_argument("--ddp", type=int, default=None, metavar="N",
                     help="each healthy run as an N-rank DDP job (its defaults), the drift detector judging the job's "
                          "values; no fault runs, no replay (bench/healthy_ddp.py)")
+    he.add_argument("--drift", nargs="+", default=None, metavar="KEY=VALUE",
+                    help="also replay the drift detector under these settings (gradloc.config.DriftConfig fields) over "
+                         "the healthy runs' step records, or each DDP job's (bench/drift_rates.replay)")
     he.add_argument("--other-detector", action="store_true",
                     help="with --from-traces: the traces were recorded under another detector version, so the check "
                          "that a replay with the live config opens the live incidents is skipped (reported as null)")
@@ -173,16 +176,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not set(hc.families) <= set(FAMILIES):
             parser.error(f"--families: each of {FAMILIES}, got {args.families!r}")
+        drift = None
+        if args.drift is not None:
+            from bench.precursors import drift_config
+
+            try:
+                drift = drift_config(args.drift)
+            except (ValueError, KeyError) as e:  # a bad setting (ConfigError is a ValueError)
+                parser.error(str(e))
         if args.ddp is not None:
             from bench.healthy_ddp import format_ddp, run_healthy_ddp
 
             if args.ddp < 2 or args.traces:
                 parser.error("--ddp takes N >= 2 ranks, and no --traces")
-            res = run_healthy_ddp(replace(hc.run, steps=hc.steps), hc.families, hc.seeds, args.ddp)
+            res = run_healthy_ddp(replace(hc.run, steps=hc.steps), hc.families, hc.seeds, args.ddp, drift=drift)
             print(json.dumps(res) if args.json else format_ddp(res))
             return 0
         res = run_healthy(hc, _progress(args.verbose), traces=args.traces, from_traces=args.from_traces,
-                          check_live=not args.other_detector, reuse=args.reuse_traces)
+                          check_live=not args.other_detector, reuse=args.reuse_traces, drift=drift)
         print(json.dumps(res) if args.json else format_table(res))
         return 0
 

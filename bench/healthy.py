@@ -22,15 +22,15 @@ from __future__ import annotations
 import pickle
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from bench import early, torch_threads
+from bench import drift_rates, early, torch_threads
 from bench.drift_rates import pooled, run_rates
+from bench.healthy_signals import extremes, fault_signals
 from bench.natural import Run, RunConfig
 from bench.natural_faults import FAULTS, Fault, inject
 from gradloc.config import DetectorConfig, DriftConfig
@@ -71,6 +71,7 @@ class Trace:
     params: int
     wall_s: float
     live_config: DetectorConfig | None = None  # the live monitor's detector (resolved); None: not known
+    live_drift: DriftConfig | None = None  # its drift detector's settings; None: the defaults (older traces)
 
 
 def fault_schedule(cfg: HealthyConfig, seed: int) -> dict[int, str]:
@@ -86,8 +87,9 @@ def fault_schedule(cfg: HealthyConfig, seed: int) -> dict[int, str]:
 
 
 def train(run_cfg: RunConfig, faults: dict[int, str] | None = None,
-          progress: Callable[[str], None] | None = None) -> Trace:
-    run = Run(run_cfg)
+          progress: Callable[[str], None] | None = None, **watch: Any) -> Trace:
+    """One run (``watch``: WatchConfig fields other than the defaults; the benchmark's runs take none)."""
+    run = Run(run_cfg, **watch)
     records: list[StepRecord] = []
     injected: list[Fault] = []
     gen = torch.Generator().manual_seed(20_011 + run_cfg.seed)
@@ -104,7 +106,7 @@ def train(run_cfg: RunConfig, faults: dict[int, str] | None = None,
         live = [i.step for i in run.mon.incidents]
         layers = list(run.mon.layer_stats.layers)
         return Trace(run_cfg.family, run_cfg.seed, layers, records, live, injected, run.params,
-                     round(time.perf_counter() - t0, 1), run.mon.detector.config)
+                     round(time.perf_counter() - t0, 1), run.mon.detector.config, run.mon.config.precursors.drift)
     finally:
         run.close()
 
@@ -118,51 +120,6 @@ def replay(trace: Trace, det_cfg: DetectorConfig) -> list[tuple[int, tuple[str, 
         if opens_incident(ev):
             out.append((rec.step, ev.kinds))
     return out
-
-
-def extremes(trace: Trace) -> dict[str, Any]:
-    """What the healthy run's steps looked like to the default detector: the largest global norm over
-    its EMA mean, the largest z of the norm and its 99.9th percentile, the largest z of log(loss), the
-    largest top-token share of a step whose norm was outside its band (z > z_threshold)."""
-    det = SpikeDetector(DetectorConfig(), trace.layers)
-    ratio, zs, loss_z, share = [], [], [], [0.0]
-    for rec in trace.records:
-        ev = det.observe(rec)
-        if ev.mean is None:
-            continue
-        ratio.append(rec.global_norm / ev.mean)
-        if ev.z is not None:
-            zs.append(ev.z)
-            if ev.z > det.config.z_threshold and rec.tokens is not None:
-                share.append(rec.tokens.top_share)
-        if ev.loss_z is not None:
-            loss_z.append(ev.loss_z)
-    top = sorted(range(len(ratio)), key=lambda i: -ratio[i])[:3]
-    return {"norm_ratio_max": round(max(ratio), 3), "norm_ratio_top3": [round(ratio[i], 3) for i in top],
-            "norm_z_max": round(max(zs), 2), "norm_z_q999": round(float(np.quantile(zs, 0.999)), 2),
-            "steps_over_2_5_z": sum(z > 2.5 for z in zs), "loss_z_max": round(max(loss_z), 2),
-            "top_share_max_out_of_band": round(max(share), 3)}
-
-
-def fault_signals(traces: list[Trace]) -> dict[str, dict[str, list[float]]]:
-    """Per fault kind, what its steps looked like to the default detector: [min, median, max] of the
-    global norm over its EMA mean, of the z of log(loss) and of the top-token share."""
-    seen: dict[str, dict[str, list[float]]] = {}
-    for t in traces:
-        at = {f.step: f.kind for f in t.faults}
-        det = SpikeDetector(DetectorConfig(), t.layers)
-        for rec in t.records:
-            ev = det.observe(rec)
-            if rec.step not in at or ev.mean is None:
-                continue
-            row = seen.setdefault(at[rec.step], {"norm_ratio": [], "loss_z": [], "top_share": []})
-            row["norm_ratio"].append(rec.global_norm / ev.mean)
-            if ev.loss_z is not None:
-                row["loss_z"].append(ev.loss_z)
-            if rec.tokens is not None:
-                row["top_share"].append(rec.tokens.top_share)
-    return {k: {name: [round(float(f(v)), 3) for f in (np.min, np.median, np.max)] if v else []
-                for name, v in row.items()} for k, row in sorted(seen.items())}
 
 
 def _per_1000(n: int, steps: int) -> float:
@@ -192,18 +149,24 @@ def check_replay(traces: list[Trace]) -> None:
             raise AssertionError(f"replay {got[:20]} != live {t.live_incidents[:20]} ({t.family} seed {t.seed})")
 
 
-def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], check_live: bool = True) -> dict[str, Any]:
-    """Per setting: false incidents on the healthy traces, recall on the fault traces. ``check_live`` False:
-    traces recorded under another detector version (the live check cannot hold; ``replay_matches_live`` null)."""
+def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], check_live: bool = True,
+              drift: DriftConfig | None = None) -> dict[str, Any]:
+    """Per setting: false incidents on the healthy traces, recall on the fault traces; ``drift``: the drift
+    detector's findings on the healthy traces under those settings too (a replay). ``check_live`` False: traces
+    recorded under another detector version (the live checks cannot hold; ``replay_matches_live`` null)."""
     if check_live:
         check_replay(healthy + faulty)
+        for t in healthy:
+            drift_rates.check_replay(t.records, t.live_drift or DriftConfig(), f"{t.family} seed {t.seed}")
     settings: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     for t in healthy:
         runs.append({"family": t.family, "seed": t.seed, "steps": len(t.records), "params": t.params,
                      "final_loss": round(t.records[-1].loss, 4), "wall_s": t.wall_s,
                      "live_incidents": len(t.live_incidents), "extremes": extremes(t), "incidents": {},
-                     "precursors": run_rates(t.records, DriftConfig().warmup)})  # the live drift detector's
+                     "precursors": run_rates(t.records, (t.live_drift or DriftConfig()).warmup)})
+        if drift is not None:
+            runs[-1]["precursors_replayed"] = drift_rates.replay_rates(t.records, drift)
     for name in cfg.settings:
         det_cfg = DetectorConfig(sensitivity=name)
         total = steps = 0
@@ -238,6 +201,8 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
         }
     return {"settings": settings, "runs": runs, "replay_matches_live": True if check_live else None,
             "precursors": pooled([r["precursors"] for r in runs]),
+            **({} if drift is None else {"drift_replayed": dict(settings=asdict(drift), **pooled(
+                [r["precursors_replayed"] for r in runs]))}),
             "fault_signals": fault_signals(faulty),
             "fault_runs": [{"family": t.family, "seed": t.seed, "steps": len(t.records), "faults": len(t.faults),
                             "live_incidents": len(t.live_incidents), "wall_s": t.wall_s} for t in faulty]}
@@ -245,13 +210,14 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
 
 def run_healthy(cfg: HealthyConfig, progress: Callable[[int, int, Any], None] | None = None,
                 traces: str | None = None, from_traces: bool = False, check_live: bool = True,
-                reuse: bool = False) -> dict[str, Any]:
+                reuse: bool = False, drift: DriftConfig | None = None) -> dict[str, Any]:
     """Train the runs (or, ``from_traces``, load the ones saved in ``traces``) and summarize.
 
     ``traces``: a directory where each run's trace is pickled (``<kind>-<family>-<seed>.pkl``), so
     that settings can be compared again later without training (``from_traces``): the replay is
     checked against each trace's own live monitor either way. ``reuse``: a run whose trace is already in
-    ``traces`` is loaded instead of trained (more seeds added to a measured set).
+    ``traces`` is loaded instead of trained (more seeds added to a measured set). ``drift``: other drift settings,
+    replayed over the healthy runs (:func:`summarize`).
     """
     from bench.natural import natural_corpus
 
@@ -285,7 +251,7 @@ def run_healthy(cfg: HealthyConfig, progress: Callable[[int, int, Any], None] | 
             if cfg.fault_steps:
                 rc = replace(rc, steps=cfg.fault_steps)
                 faulty.append(get("fault", rc, fault_schedule(cfg, seed)))
-    res = summarize(cfg, healthy, faulty, check_live)
+    res = summarize(cfg, healthy, faulty, check_live, drift)
     r = cfg.run
     res["setup"] = {"families": list(cfg.families), "seeds": cfg.seeds, "steps": cfg.steps,
                     "fault_steps": cfg.fault_steps, "fault_after": cfg.fault_after, "fault_every": cfg.fault_every,
@@ -325,9 +291,11 @@ def format_table(res: dict[str, Any]) -> str:
                      f"z up to {x['norm_z_max']:.0f}; loss z up to {x['loss_z_max']:.2f}; {r['wall_s']} s)")
         p = r["precursors"]
         lines.append(f"    precursor findings {p['count']} in {p['judged_steps']} judged steps, {p['pages']} pages")
-    p = res["precursors"]
-    lines.append(f"precursor findings (live drift detector): {p['findings_per_1000']:.2f} per 1,000 judged steps "
-                 f"({p['findings']} in {p['judged_steps']}), {p['pages']} pages")
+    for name, label in (("precursors", "live drift detector"), ("drift_replayed", "drift replayed")):
+        if name in res:
+            p = res[name]
+            lines.append(f"precursor findings ({label}): {p['findings_per_1000']:.2f} per 1,000 judged steps "
+                         f"({p['findings']} in {p['judged_steps']}), {p['pages']} pages")
     s = res["setup"]
     lines.append(f"{s['micro_batches']} × ({s['batch']} × {s['seq']}) tokens/step, d_model {s['d_model']}, "
                  f"{s['n_layers']} layers; corpus {s['corpus']['tokens']:,} tokens; total {res['wall_s']} s")

@@ -210,6 +210,13 @@ def typed_fields(obj: Any, pairs: Sequence[str], flag: str, fixed: frozenset[str
     return changes
 
 
+def drift_config(pairs: Sequence[str]) -> DriftConfig:
+    """``--drift KEY=VALUE ...`` (``bench precursors --replay``, ``bench healthy``): the drift detector's settings
+    to replay (not ``enabled`` or ``statistics``: the series judged stay the live run's)."""
+    return dataclasses.replace(DriftConfig(), **typed_fields(DriftConfig(), pairs, "--drift",
+                                                             frozenset({"enabled", "statistics"})))
+
+
 def run(selected: Sequence[Scenario], progress: bool = False, save_to: str | None = None) -> dict[str, Any]:
     """Train and score each scenario (``save_to``: also save each run's record there, for ``--replay``)."""
     cfg = DriftConfig()
@@ -285,8 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.replay is None or a.save is not None or a.set:
             ap.error("--drift goes with --replay, which trains nothing (no --save or --set)")
         try:
-            cfg = dataclasses.replace(DriftConfig(), **typed_fields(DriftConfig(), a.drift, "--drift",
-                                                                    frozenset({"enabled", "statistics"})))
+            cfg = drift_config(a.drift)
             res = rescore(replaying.load(a.replay, a.only), cfg)
         except (ValueError, KeyError, FileNotFoundError) as e:  # a bad setting (ConfigError is a ValueError)
             ap.error(str(e))

@@ -119,10 +119,10 @@ def localized(step: int, incident: Any, describe: Any = None) -> dict[str, Any]:
 
 def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
     """Train ``sc`` with gradloc watching; every step's statistics as arrays (``series``: key -> (steps,) values,
-    NaN where a step had none; key = "kind|layer|head")."""
+    NaN where a step had none; key = "kind|layer|head"; ``records``: the monitor's step records, for a replay)."""
     torch.manual_seed(sc.run.seed)
     run = GrpoRun(sc.run, **watch) if isinstance(sc.run, GrpoConfig) else RampRun(sc.run, **watch)
-    loss, norm, lr, spikes, incidents, findings, located = [], [], [], [], [], [], []
+    loss, norm, lr, spikes, incidents, findings, located, records = [], [], [], [], [], [], [], []
     series: dict[str, list[float]] = {}
     at: dict[str, list[tuple[int, int, int] | None]] = {}
     t0 = time.perf_counter()
@@ -130,6 +130,7 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
         for s in range(sc.run.steps):
             rep = run.step()
             rec = rep.record
+            records.append(rec)
             loss.append(float(rec.loss) if rec.loss is not None else math.nan)
             norm.append(rec.global_norm)
             lr.append(sc.run.lr_at(s))
@@ -156,6 +157,7 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
     return dict(scenario=sc.name, role=sc.role, instability=sc.instability, detail=sc.detail,
                 loss=np.asarray(loss), norm=np.asarray(norm), lr=np.asarray(lr), spikes=spikes, incidents=incidents,
                 findings=findings, located=located, series={k: np.asarray(v) for k, v in series.items()}, at=at,
+                records=records,
                 seconds=time.perf_counter() - t0, params=run.params, judge_loss=getattr(run, "judge_loss", True),
                 rewards=np.asarray(getattr(run, "rewards", [])))
 

@@ -145,8 +145,10 @@ def test_reused_traces_are_loaded_not_trained(tmp_path, monkeypatch):
 
 def test_healthy_ddp_quick_json():
     """``--ddp 2``: a 2-rank DDP job (its defaults) on natural text; the ranks report the same job-wide precursor
-    values every step after the first, the same incidents and findings (none judged in 30 steps: the warm-up)."""
-    res = run_bench("healthy", "--ddp", "2", "--quick", "--steps", "30", "--json", timeout=300)
+    values every step after the first, the same incidents and findings (none judged in 30 steps: the warm-up);
+    ``--drift`` replays the job's findings under other settings."""
+    res = run_bench("healthy", "--ddp", "2", "--quick", "--steps", "30", "--json", "--drift", "z_threshold=4",
+                    "warmup=20", timeout=300)
     (job,) = res["jobs"]
     assert job["job_kind"] == "ddp" and job["steps"] == 30 and job["series"] >= 5  # head, norm, attention...
     assert job["values_agree_after_step_0"] and job["incidents_agree"] and job["findings_agree"]
@@ -154,3 +156,44 @@ def test_healthy_ddp_quick_json():
         assert r["precursors"]["judged_steps"] == 0 and r["precursors"]["count"] == 0
         assert not {k for k in r["counters"] if k.endswith("errors")}, r["counters"]
     assert res["world_size"] == 2 and res["precursors"]["judged_steps"] == 0
+    # --drift: the job's findings replayed under other settings (after the replay at the defaults matched live)
+    assert res["drift_replayed"]["settings"]["z_threshold"] == 4 and res["drift_replayed"]["judged_steps"] == 10
+    assert job["replayed"]["judged_steps"] == 10
+
+
+def test_the_drift_replay_over_a_healthy_run_makes_its_live_findings(tmp_path):
+    """``bench healthy --drift``: the drift detector replayed over a run's step records (bench/drift_rates.replay,
+    the monitor's own path) makes the live findings at the live settings, other findings at others; a trace whose
+    live findings were not these fails the check (a replay that measured nothing real)."""
+    from dataclasses import replace as dc_replace
+
+    from bench import drift_rates
+    from bench.healthy import summarize
+    from gradloc.config import DriftConfig, PrecursorConfig
+
+    talk = DriftConfig(warmup=16, reference=16, window=8, patience=2, z_threshold=0.5, min_change=1.01, tau=0.0,
+                       page_steps=8)
+    trace = train(TINY, precursors=PrecursorConfig(drift=talk))
+    live = [f for r in trace.records for f in r.precursor_findings]
+    assert trace.live_drift == talk and len(live) >= 2, len(live)  # the run speaks: something to compare
+    assert len(drift_rates.check_replay(trace.records, talk, "tiny")) == len(live)
+    assert drift_rates.replay(trace.records, dc_replace(talk, z_threshold=1e6)) == []
+    res = summarize(HealthyConfig(families=("qwen2",), seeds=1, steps=60, fault_steps=0, settings=("default",),
+                                  run=TINY), [trace], [], drift=dc_replace(talk, z_threshold=1e6))
+    assert res["precursors"]["findings"] == len(live) and res["replay_matches_live"] is True
+    quiet = res["drift_replayed"]  # the replay follows its own settings, not the live run's
+    assert quiet["settings"]["z_threshold"] == 1e6 and quiet["judged_steps"] == 60 - 16 and quiet["findings"] == 0
+    assert res["runs"][0]["precursors_replayed"]["count"] == 0
+    at = next(i for i, r in enumerate(trace.records) if r.precursor_findings)
+    trace.records[at] = dc_replace(trace.records[at], precursor_findings=())  # live findings that are not the replay's
+    with pytest.raises(AssertionError, match="not the live ones"):
+        summarize(HealthyConfig(families=("qwen2",), seeds=1, steps=60, fault_steps=0, settings=("default",),
+                                run=TINY), [trace], [])
+
+
+def test_healthy_drift_flag_is_checked():
+    for bad in (["--drift", "z=1"], ["--drift", "window=0"], ["--drift", "enabled=false"]):
+        with pytest.raises(SystemExit):
+            from bench.__main__ import main
+
+            main(["healthy", "--quick", *bad])
