@@ -1,19 +1,17 @@
 """What ``bench healthy``'s runs looked like to the default spike detector: a healthy run's extremes (how close it
-came to an incident) and each injected fault kind's signal (how far its steps stood out)."""
+came to an incident) and each injected fault kind's signal (how far its steps stood out). A trace is a
+bench.healthy.Trace (its records, layers and faults), not imported: that module imports this one."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from gradloc.config import DetectorConfig
 from gradloc.detector import SpikeDetector
 
-if TYPE_CHECKING:
-    from bench.healthy import Trace
 
-
-def extremes(trace: Trace) -> dict[str, Any]:
+def extremes(trace: Any) -> dict[str, Any]:
     """What the healthy run's steps looked like to the default detector: the largest global norm over
     its EMA mean, the largest z of the norm and its 99.9th percentile, the largest z of log(loss), the
     largest top-token share of a step whose norm was outside its band (z > z_threshold)."""
@@ -37,7 +35,7 @@ def extremes(trace: Trace) -> dict[str, Any]:
             "top_share_max_out_of_band": round(max(share), 3)}
 
 
-def fault_signals(traces: list[Trace]) -> dict[str, dict[str, list[float]]]:
+def fault_signals(traces: Sequence[Any]) -> dict[str, dict[str, list[float]]]:
     """Per fault kind, what its steps looked like to the default detector: [min, median, max] of the
     global norm over its EMA mean, of the z of log(loss) and of the top-token share."""
     seen: dict[str, dict[str, list[float]]] = {}
