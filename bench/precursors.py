@@ -4,7 +4,8 @@ on instabilities that reproduce on this machine, and its false findings on their
 Each scenario (:func:`bench.precursors_runs.scenarios`) trains a small model with gradloc attached, the drift
 detector on at its defaults, and keeps every step's loss, incidents and ``StepRecord.precursor_findings`` — the
 findings come from the monitor itself, not from a replay (``--replay DIR --drift KEY=VALUE``
-scores runs saved with ``--save DIR`` again under other detector settings: bench/precursors_replay.py). Scoring:
+scores runs saved with ``--save DIR`` again under other detector settings: bench/precursors_replay.py; every run's
+step records replayed at the live settings must make its live findings, checked as it ends). Scoring:
 
 - *failure* of a run: the first grad-spike, divergence or non-finite incident after the drift detector's warm-up,
   or the step where the 100-step mean loss first exceeds 1.1 × its lowest value after the warm-up, whichever comes
@@ -38,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from bench import precursors_replay as replaying
-from bench.drift_rates import control_rates
+from bench.drift_rates import check_replay, control_rates
 from bench.precursors_runs import Scenario, record_run, scenarios
 from gradloc.config import DriftConfig
 from gradloc.records.precursors import FALLING_STATISTICS
@@ -225,6 +226,7 @@ def run(selected: Sequence[Scenario], progress: bool = False, save_to: str | Non
         if progress:
             print(f"[{i + 1}/{len(selected)}] {sc.name}: {sc.detail}", file=sys.stderr, flush=True)
         out = record_run(sc)
+        check_replay(out["records"], cfg, sc.name)  # so that --replay's scores are what runs would have had
         if save_to is not None:
             replaying.save(out, save_to)
         rows.append(score(out, cfg))
