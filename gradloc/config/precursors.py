@@ -25,7 +25,7 @@ class DriftConfig:
     warmup: int = 1000
     reference: int = 300
     window: int = 50
-    z_threshold: float = 6.0
+    z_threshold: float = 4.0  # chosen on replays of docs/BENCHMARKS.md §8 and §5 (6 before 2026-11-30)
     min_change: float = 1.5
     tau: float = 0.3
     oscillation: float = 4.0
