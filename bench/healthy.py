@@ -71,7 +71,7 @@ class Trace:
     params: int
     wall_s: float
     live_config: DetectorConfig | None = None  # the live monitor's detector (resolved); None: not known
-    live_drift: DriftConfig | None = None  # its drift detector's settings; None: the defaults (older traces)
+    live_drift: DriftConfig | None = None  # its drift detector's settings; None: not known (an older trace)
 
 
 def fault_schedule(cfg: HealthyConfig, seed: int) -> dict[int, str]:
@@ -156,8 +156,9 @@ def summarize(cfg: HealthyConfig, healthy: list[Trace], faulty: list[Trace], che
     recorded under another detector version (the live checks cannot hold; ``replay_matches_live`` null)."""
     if check_live:
         check_replay(healthy + faulty)
-        for t in healthy:
-            drift_rates.check_replay(t.records, t.live_drift or DriftConfig(), f"{t.family} seed {t.seed}")
+        for t in healthy:  # a trace pickled before live_drift existed ran under the defaults of its day: unknown
+            if t.live_drift is not None:
+                drift_rates.check_replay(t.records, t.live_drift, f"{t.family} seed {t.seed}")
     settings: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     for t in healthy:
