@@ -199,3 +199,48 @@ def test_the_causal_masks_kept_are_bounded_and_right_after_a_clear() -> None:
     assert torch.equal(bias, first[0]) and torch.equal(keys, first[1])
     assert keys.tolist() == [r + 1 for r in rows.tolist()]
     assert torch.equal(torch.isinf(bias), torch.arange(40)[None, :] > rows[:, None])  # −inf after each row
+
+
+def test_a_slot_folds_its_calls_as_they_came_whatever_their_number() -> None:
+    """Calls are folded at ``take``: one call is packed as it is, several as folding them one by one into the slot's
+    identity makes it — a NaN extreme never taken (the next finite one is), sums in float64."""
+    slots = StepSlots()
+    key = SlotKey("residual_rms", "norm", Reduce.SUM, 1)
+    slots.update(key, torch.tensor([1.0]), micro_batch=0, count=4.0, extreme=torch.tensor(math.nan),
+                 at=torch.tensor([0, 1]))
+    slots.update(key, torch.tensor([2.0 ** -30]), micro_batch=1, count=torch.tensor(2.0), extreme=torch.tensor(3.0),
+                 at=torch.tensor([1, 5]))
+    slots.update(key, torch.tensor([1.0]), micro_batch=2, count=4.0, extreme=torch.tensor(2.0), at=torch.tensor([0, 2]))
+    lone = SlotKey("logit_max_abs", "head", Reduce.MAX, 1, lowest=False)
+    slots.update(lone, torch.tensor([math.nan]), micro_batch=0, extreme=torch.tensor(math.nan), at=torch.tensor([0, 0]))
+    plain = SlotKey("logit_lse_sq", "head", Reduce.SUM, 1)
+    slots.update(plain, torch.tensor([7.5]), micro_batch=1, count=3.0)
+    keys, pack = slots.take()
+    assert pack.dtype == torch.float64 and keys == (key, lone, plain)
+    got = unpack(keys, pack.numpy())
+    assert got[key].value[0] == 2.0 + 2.0 ** -30  # float32 would lose the small term
+    assert got[key].count == 10.0 and got[key].extreme == 3.0 and got[key].at == (1, 1, 5)
+    assert math.isnan(got[lone].value[0]) and got[lone].extreme == -math.inf and got[lone].at is None
+    assert got[plain].value[0] == 7.5 and got[plain].count == 3.0 and got[plain].extreme == -math.inf
+    assert not slots and slots.take() == ((), None)
+
+
+def test_large_logits_keep_their_digits() -> None:
+    """A collapsed attention row (logits in the thousands, entropy ~1e-6) and a head with logits in the hundreds:
+    the entropy and the logsumexp against float64 references."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(1, 2, 3, 64, generator=g) * 3
+    logits[0, 0, 1, 7] = 4000.0 + 18.0  # one key dominates: entropy ~ 64·18·e^-18 ≈ 1.8e-5
+    logits[0, 0, 1] += 4000.0
+    got = measure.attention_stats(logits.float())
+    ref = torch.softmax(logits.double(), -1)
+    ent = -(ref * torch.log_softmax(logits.double(), -1)).sum(-1)  # (1, 2, 3)
+    assert torch.allclose(got["entropy_sum"].double(), ent.sum(dim=(0, 2)), rtol=1e-5)
+    assert float(ent[0, 0, 1]) < 1e-4  # the most concentrated row, its entropy to 4 digits
+    assert float(got["min_row"]) == pytest.approx(float(ent[0, 0, 1]) / math.log(64), rel=1e-4)
+    assert got["min_at"].tolist() == [0, 1]
+    head = torch.randn(2, 5, 300, generator=g) * 200
+    s = measure.head_stats(head)
+    lse = torch.logsumexp(head.double().reshape(10, 300), -1)
+    assert float(s["lse_sq_sum"]) == pytest.approx(float(lse.square().sum()), rel=1e-6)
+    assert torch.allclose(s["lse"].double(), lse, rtol=1e-6)

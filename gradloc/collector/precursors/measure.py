@@ -95,26 +95,31 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None,
     (a row with every key masked does not), ``min_row`` the lowest entropy of a row over its most possible
 (log of the keys it sees: rows of at least 2 keys) and ``min_at`` (2,) where."""
     B, H, Q, S = logits.shape
-    # Few full passes over the logits, each a vectorized kernel: on a CPU the elementwise exp and entr and a flat
-    # argmax over the whole tensor ran scalar (in-step cost: `python -m bench overhead --profile`, BENCHMARKS §1)
+    # Few full passes over the logits, each a vectorized kernel (on a CPU the elementwise exp, entr and xlogy and a
+    # flat argmax over the whole tensor ran scalar), and few small ops: the call is dispatch-bound in a step
+    # (in-step cost: `python -m bench overhead --profile`, BENCHMARKS §1)
     row_max = logits.amax(dim=-1)  # (B, H, Q, S) -> (B, H, Q); −inf on a row with every key masked
     per_head = row_max.amax(dim=(0, 2))  # (B, H, Q) -> (H,)
-    b, _, qi = _unravel(row_max.flatten().argmax(), (B, H, Q))  # the row holding the largest logit
+    i = row_max.flatten().argmax()  # the row holding the largest logit, flat over (B, H, Q)
     logp = torch.log_softmax(logits, dim=-1)  # (B, H, Q, S); −inf where masked, NaN on a row with every key masked
     p = torch.softmax(logits, dim=-1)  # (B, H, Q, S): its own kernel (exp of logp ran scalar on a CPU)
-    ent = -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)  # (B, H, Q); a masked key: 0 · finite = 0
+    # −Σ p·log p (no difference of near-equal values: a collapsed row's small entropy keeps its digits); a masked
+    # key's log p clamped finite: 0 · finite = 0, not 0 · −inf
+    ent = -torch.linalg.vecdot(p, logp.clamp_(min=torch.finfo(logp.dtype).min))  # (B, H, Q)
     counted = torch.isfinite(ent)
     ent0 = torch.where(counted, ent, torch.zeros_like(ent))
     # the most concentrated row: entropy over its most possible, log(keys it may see) — a causal row with one or two
     # keys is low by construction and names nothing; rows of fewer than 2 keys are not candidates
     keys = (S - logits.isneginf().sum(-1)).to(ent.dtype) if keys is None else keys.to(ent.dtype)  # (B, H, Q)
-    norm = torch.where(counted & (keys >= 2), ent / keys.clamp(min=2).log(), torch.full_like(ent, float("inf")))
-    lb, _, lq = _unravel(norm.flatten().argmin(), (B, H, Q))
-    # a row's position: index_select, not rows[i] (a 0-d tensor index reads it back under torch.compile)
-    pos = (lambda i: rows.index_select(0, i.reshape(1)).reshape(())) if rows is not None else (lambda i: i)
-    return {"max": per_head, "max_at": torch.stack([b, pos(qi)]),
+    norm = (ent / keys.clamp(min=2).log()).masked_fill(keys < 2, float("inf")).nan_to_num_(nan=float("inf"))
+    j = norm.flatten().argmin()  # flat over (B, H, Q)
+    # (row, position) of a flat (B, H, Q) index; a row's position by index_select, not rows[i] (a 0-d tensor index
+    # reads it back under torch.compile)
+    pos = (lambda f: rows.index_select(0, f.reshape(1)).reshape(())) if rows is not None else (lambda f: f)
+    where = lambda f: torch.stack([torch.div(f, H * Q, rounding_mode="floor"), pos(f % Q)])  # noqa: E731
+    return {"max": per_head, "max_at": where(i),
             "entropy_sum": ent0.sum(dim=(0, 2)), "rows": counted.sum(dim=(0, 2)).to(ent.dtype),  # (B, H, Q) -> (H,)
-            "min_row": norm.amin(), "min_at": torch.stack([lb, pos(lq)])}
+            "min_row": norm.amin(), "min_at": where(j)}
 
 
 def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions: int = 0) -> dict[str, torch.Tensor]:
@@ -127,9 +132,12 @@ def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions
     B, T, V = logits.shape
     flat = logits.reshape(B * T, V)  # (B, T, V) -> (B·T, V)
     at = query_rows(B * T, positions, logits.device) if 0 < positions < B * T else None
-    sub = flat if at is None else flat[at]  # (P, V)
-    per_pos = torch.maximum(sub.amax(-1), -sub.amin(-1)).float()  # (P, V) -> (P,), no |x| copy
-    lse = each = torch.logsumexp(sub, dim=-1).float()  # (P,)
+    sub = flat if at is None else flat.index_select(0, at)  # (P, V); a fifth of ``flat[at]``'s cost on a CPU
+    top = sub.amax(-1)  # (P, V) -> (P,)
+    per_pos = torch.maximum(top, -sub.amin(-1)).float()  # (P,), no |x| copy
+    # logsumexp = max − max(log-softmax), the log-softmax's largest term being the one at the max: one vectorized
+    # log-softmax and a reduction, half of ``torch.logsumexp``'s cost on a CPU (its exp ran scalar), as exact
+    lse = each = (top - torch.log_softmax(sub, dim=-1).amax(-1)).float()  # (P,)
     if keep is not None:
         kept = keep.reshape(-1) if at is None else keep.reshape(-1)[at]  # (P,)
         per_pos = torch.where(kept, per_pos, torch.full_like(per_pos, float("-inf")))

@@ -40,21 +40,42 @@ def identity(key: SlotKey) -> list[float]:
     return [-big if key.reduce is Reduce.MAX else 0.0] * key.size + [0.0, big if key.lowest else -big, -1.0, -1.0, -1.0]
 
 
-class _Slot:
-    def __init__(self, key: SlotKey, device: torch.device) -> None:
-        big = float("inf")  # identity(key), made on the device (no host copy on the hot path)
-        self.value = torch.full((key.size,), -big if key.reduce is Reduce.MAX else 0.0, dtype=torch.float64,
-                                device=device)
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
-        self.extreme = torch.full((), big if key.lowest else -big, dtype=torch.float64, device=device)
-        self.at = torch.full((3,), -1.0, dtype=torch.float64, device=device)
+@dataclass(frozen=True)
+class _Call:
+    value: torch.Tensor
+    count: torch.Tensor | float
+    extreme: torch.Tensor | None
+    at: torch.Tensor | None
+    micro_batch: int
+
+
+class _Constants:
+    """Small float64 device constants the packs repeat every step (a count, a micro-batch index, an identity's
+    tail), made once per device and value: a ``torch.full`` each per slot and step otherwise. Bounded."""
+
+    KEPT = 256
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, tuple[float, ...]], torch.Tensor] = {}
+
+    def __call__(self, device: torch.device, *values: float) -> torch.Tensor:
+        key = (str(device), values)
+        hit = self._kept.get(key)
+        if hit is None:
+            if len(self._kept) >= self.KEPT:  # counts that change every step (a mask's kept positions): rebuilt
+                self._kept.clear()
+            hit = self._kept[key] = torch.tensor(values, dtype=torch.float64).to(device)
+        return hit
 
 
 class StepSlots:
-    """The step's slots (``update`` in hooks, ``take`` at end_step)."""
+    """The step's slots (``update`` in hooks, ``take`` at end_step). A call's values are kept as they came and folded
+    at ``take``: most slots get one call a step (an attention layer in the first micro-batch), packed as it is, where
+    folding each call into its slot's identity as it came cost ~15 small device ops a call (BENCHMARKS §1)."""
 
     def __init__(self) -> None:
-        self._slots: dict[SlotKey, _Slot] = {}
+        self._slots: dict[SlotKey, list[_Call]] = {}
+        self._const = _Constants()
 
     def __bool__(self) -> bool:
         return bool(self._slots)
@@ -62,28 +83,51 @@ class StepSlots:
     def update(self, key: SlotKey, value: torch.Tensor, *, micro_batch: int, count: torch.Tensor | float = 1.0,
                extreme: torch.Tensor | None = None, at: torch.Tensor | None = None) -> None:
         """Fold one call's ``value`` (``key.size`` values) into the step's; ``extreme`` (a 0-d tensor) and ``at``
-        ((row, position)) replace the kept ones when more extreme (smaller when ``key.lowest``, else larger)."""
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._slots[key] = _Slot(key, value.device)
-        v = value.detach().reshape(-1).to(torch.float64)  # (size,)
-        slot.value = torch.maximum(slot.value, v) if key.reduce is Reduce.MAX else slot.value + v
-        slot.count = slot.count + count
-        if extreme is not None and at is not None:
-            e = extreme.detach().to(torch.float64)
-            better = e < slot.extreme if key.lowest else e > slot.extreme
-            here = torch.cat([torch.full((1,), float(micro_batch), dtype=torch.float64, device=e.device),
-                              at.detach().to(torch.float64).reshape(2)])  # (3,): micro-batch, row, position
-            slot.extreme = torch.where(better, e, slot.extreme)
-            slot.at = torch.where(better, here, slot.at)
+        ((row, position)) replace the kept ones when more extreme (smaller when ``key.lowest``, else larger; a NaN
+        never does)."""
+        located = extreme is not None and at is not None
+        self._slots.setdefault(key, []).append(_Call(
+            value=value.detach(), count=count.detach() if isinstance(count, torch.Tensor) else float(count),
+            extreme=extreme.detach() if located else None, at=at.detach() if located else None,
+            micro_batch=micro_batch))
+
+    def _fold(self, key: SlotKey, calls: list[_Call]) -> list[torch.Tensor]:
+        """A slot's pack ``[value | count | extreme | at (3)]`` from its calls, as folding them one by one into its
+        identity (``identity``) makes it: a NaN extreme never taken (left at ∓inf, where its place is not read:
+        ``unpack`` reads none for an extreme not finite)."""
+        first, dev = calls[0], calls[0].value.device
+        inf, big = float("inf"), float("inf") if key.lowest else float("-inf")
+        value = first.value.reshape(-1)  # (size,)
+        counts = [c.count for c in calls]
+        count = self._const(dev, sum(counts)) if not any(isinstance(c, torch.Tensor) for c in counts) else \
+            sum(c.reshape(1).to(torch.float64) if isinstance(c, torch.Tensor) else c for c in counts)
+        located = [c for c in calls if c.extreme is not None]
+        if located:
+            extreme = located[0].extreme.reshape(1).nan_to_num(nan=big, posinf=inf, neginf=-inf)
+            if len(located) == 1:  # its place as two parts of the pack: no cat of its own
+                return [value, count, extreme, self._const(dev, float(located[0].micro_batch)),
+                        located[0].at.reshape(2)]
+            extreme = extreme.to(torch.float64)
+            here = torch.cat([self._const(dev, float(located[0].micro_batch)), located[0].at.reshape(2)])  # (3,)
+        for c in calls[1:]:
+            v = c.value.reshape(-1).to(torch.float64)
+            value = torch.maximum(value, v) if key.reduce is Reduce.MAX else value.to(torch.float64) + v
+        for c in located[1:]:
+            e = c.extreme.reshape(1).to(torch.float64)
+            better = e < extreme if key.lowest else e > extreme
+            extreme = torch.where(better, e, extreme)
+            here = torch.where(better, torch.cat([self._const(dev, float(c.micro_batch)), c.at.reshape(2)]), here)
+        if not located:
+            return [value, count, self._const(dev, big, -1.0, -1.0, -1.0)]
+        return [value, count, extreme, here]
 
     def take(self) -> tuple[tuple[SlotKey, ...], torch.Tensor | None]:
         """The step's keys and their packed values (None when nothing was measured); the slots start over."""
         slots, self._slots = self._slots, {}
         if not slots:
             return (), None
-        parts = [torch.cat([s.value, s.count.reshape(1), s.extreme.reshape(1), s.at]) for s in slots.values()]
-        return tuple(slots), torch.cat(parts)  # Σ (size + 5) values
+        parts = [p for k, calls in slots.items() for p in self._fold(k, calls)]
+        return tuple(slots), torch.cat(parts).to(torch.float64)  # Σ (size + 5) values (a float64 part promotes all)
 
     def clear(self) -> None:
         self._slots = {}
