@@ -64,7 +64,10 @@ class _Constants:
         if hit is None:
             if len(self._kept) >= self.KEPT:  # counts that change every step (a mask's kept positions): rebuilt
                 self._kept.clear()
-            hit = self._kept[key] = torch.tensor(values, dtype=torch.float64).to(device)
+            hit = torch.empty(len(values), dtype=torch.float64, device=device)
+            for i, v in enumerate(values):  # filled on the device: a copy from the host (``torch.tensor(...,
+                hit[i].fill_(v)             # device=...)``) would wait for the device's stream on a GPU
+            self._kept[key] = hit
         return hit
 
 
