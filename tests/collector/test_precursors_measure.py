@@ -223,6 +223,11 @@ def test_a_slot_folds_its_calls_as_they_came_whatever_their_number() -> None:
     assert math.isnan(got[lone].value[0]) and got[lone].extreme == -math.inf and got[lone].at is None
     assert got[plain].value[0] == 7.5 and got[plain].count == 3.0 and got[plain].extreme == -math.inf
     assert not slots and slots.take() == ((), None)
+    # a slot whose calls do not all carry an extreme: every value folded, the located one kept
+    slots.update(key, torch.tensor([1.5]), micro_batch=0, count=1.0, extreme=torch.tensor(0.5), at=torch.tensor([2, 3]))
+    slots.update(key, torch.tensor([2.5]), micro_batch=1, count=1.0)
+    got = unpack(*(lambda k, p: (k, p.numpy()))(*slots.take()))[key]
+    assert got.value[0] == 4.0 and got.count == 2.0 and got.extreme == 0.5 and got.at == (0, 2, 3)
 
 
 def test_large_logits_keep_their_digits() -> None:

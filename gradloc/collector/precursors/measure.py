@@ -96,8 +96,8 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None,
 (log of the keys it sees: rows of at least 2 keys) and ``min_at`` (2,) where."""
     B, H, Q, S = logits.shape
     # Few full passes over the logits, each a vectorized kernel (on a CPU the elementwise exp, entr and xlogy and a
-    # flat argmax over the whole tensor ran scalar), and few small ops: the call is dispatch-bound in a step
-    # (in-step cost: `python -m bench overhead --profile`, BENCHMARKS §1)
+    # flat argmax over the whole tensor ran scalar), and few small ops (each a kernel launch on a GPU; in-step cost:
+    # `python -m bench overhead --profile`, BENCHMARKS §1)
     row_max = logits.amax(dim=-1)  # (B, H, Q, S) -> (B, H, Q); −inf on a row with every key masked
     per_head = row_max.amax(dim=(0, 2))  # (B, H, Q) -> (H,)
     i = row_max.flatten().argmax()  # the row holding the largest logit, flat over (B, H, Q)

@@ -107,7 +107,7 @@ class StepSlots:
         located = [c for c in calls if c.extreme is not None]
         if located:
             extreme = located[0].extreme.reshape(1).nan_to_num(nan=big, posinf=inf, neginf=-inf)
-            if len(located) == 1:  # its place as two parts of the pack: no cat of its own
+            if len(calls) == 1:  # its place as two parts of the pack: no cat of its own
                 return [value, count, extreme, self._const(dev, float(located[0].micro_batch)),
                         located[0].at.reshape(2)]
             extreme = extreme.to(torch.float64)
