@@ -132,6 +132,7 @@ class CausalLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.hf(input_ids=ids)
         self.aux_loss = getattr(out, "aux_loss", None)  # a MoE's load-balancing loss (output_router_logits)
+        self.router_logits = getattr(out, "router_logits", None)  # a MoE's per-layer router logits, (B·T, E) each
         return out.logits
 
 

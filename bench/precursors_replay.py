@@ -6,7 +6,7 @@ series and the monitor's own step records) to ``DIR/<scenario>.pkl``; ``--replay
 step records again under the settings ``--drift`` gives, through the monitor's own drift path
 (bench/drift_rates.replay, as ``bench healthy --drift`` does; drivers carry micro-batch, row and position, not the
 sample id, which only the live run knew). Its findings replace the live ones and are scored as they are
-(bench/precursors.score). At the live run's own settings the replay's findings are the live ones, step for step
+(bench/precursors_score.score). At the live run's own settings the replay's findings are the live ones, step for step
 (tests/bench/test_precursors_replay.py): a setting's lead times and control rates are what a run under it would
 have had — on these runs. A setting chosen on them still needs the healthy runs of ``bench healthy --drift``
 (docs/BENCHMARKS.md §5) before it can become a default.
@@ -42,6 +42,7 @@ def load(directory: str | Path, names: Sequence[str] | None = None) -> list[dict
                 out = pickle.load(f)
             if "records" not in out:
                 raise ValueError(f"{p} was saved without its step records (an older bench): train it again with --save")
+            out.setdefault("data_by_step", out.get("judge_loss", True))  # saved before it was kept: GRPO's were not
             outs.append(out)
     if not outs:
         raise FileNotFoundError(f"no saved run{'' if names is None else ' among ' + ', '.join(names)} in {directory}")

@@ -11,7 +11,7 @@ batch, so the ratio to the sampling policy is 1 and nothing is clipped; the loss
 tokens / their count, with an optional entropy bonus. The RL fields go to ``mon.rl_fields`` (log-probs, the
 sampling-time log-probs as the rollout's, advantages, ratio, per-token entropy of the full distribution), so
 ``rl_entropy`` and ``rl_kl_rollout`` are the monitor's own series. What the failure is (grad-spike incidents; the
-loss of a policy-gradient step is no health measure and is not judged) is bench/precursors.py's.
+loss of a policy-gradient step is no health measure and is not judged) is bench/precursors_score.py's.
 """
 from __future__ import annotations
 

@@ -26,12 +26,20 @@ class RampConfig(RunConfig):
     """``lr`` at step 0 rising exponentially to ``lr_end`` at the last step (no warm-up, no decay); ``z_loss``: the
     coefficient of Wortsman et al.'s mean logsumexp² term added to the loss (0: none); ``balance``: a MoE's
     load-balancing loss coefficient (Switch Transformer's, as transformers computes it; 0: none), applied before step
-    ``balance_until`` only (None: every step) — a balancing loss switched off mid-run."""
+    ``balance_until`` only (None: every step) — a balancing loss switched off mid-run; ``router_z_loss``: ST-MoE's
+    router z-loss coefficient (Zoph et al. 2022: the mean over tokens of each router's logsumexp², summed over the
+    layers, which keeps router logits from growing; 0: none)."""
 
     lr_end: float | None = None  # None: RunConfig's warm-up and cosine
     z_loss: float = 0.0
     balance: float = 0.0  # a MoE's load-balancing loss coefficient (0: none)
     balance_until: float | None = None  # the step the balancing loss stops at (None: never)
+    router_z_loss: float = 0.0  # a MoE's router z-loss coefficient (0: none)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.balance or self.router_z_loss) and self.family != "qwen3moe":
+            raise ValueError(f"balance and router_z_loss need a MoE (family qwen3moe), not {self.family!r}")
 
     def lr_at(self, step: int) -> float:
         if self.lr_end is None:
@@ -84,7 +92,8 @@ class RampRun(Run):
     def closure(self, batch):  # noqa: ANN001 - the base class's signature
         z, until = self.cfg.z_loss, self.cfg.balance_until
         balance = self.cfg.balance if until is None or self.step_no < until else 0.0
-        if not (z or balance):
+        router_z = self.cfg.router_z_loss
+        if not (z or balance or router_z):
             return super().closure(batch)
         n, M = batch.weights.numel(), batch.windows.shape[0]
 
@@ -96,7 +105,12 @@ class RampRun(Run):
                 per_token = per_token + z * torch.logsumexp(logits.float(), dim=-1).square()  # (B, T)
             loss = (per_token * w).sum() / n
             aux = self.model.aux_loss
-            return loss + balance * aux / M if balance and aux is not None else loss
+            if balance and aux is not None:
+                loss = loss + balance * aux / M
+            if router_z and self.model.router_logits:  # each layer's (B·T, E) router logits
+                loss = loss + router_z * sum(torch.logsumexp(r.float(), dim=-1).square().mean()
+                                             for r in self.model.router_logits) / M
+            return loss
 
         return loss_for
 
@@ -159,6 +173,7 @@ def record_run(sc: Scenario, **watch: Any) -> dict[str, Any]:
                 findings=findings, located=located, series={k: np.asarray(v) for k, v in series.items()}, at=at,
                 records=records,
                 seconds=time.perf_counter() - t0, params=run.params, judge_loss=getattr(run, "judge_loss", True),
+                data_by_step=not isinstance(sc.run, GrpoConfig),  # its batches fixed by seed and step (GRPO: sampled)
                 rewards=np.asarray(getattr(run, "rewards", [])))
 
 

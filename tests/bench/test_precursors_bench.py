@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from bench.precursors import failure, failing_layer, main, score, summarize
+from bench.precursors import main
+from bench.precursors_score import failure, failing_layer, score, summarize
 from gradloc.config import DriftConfig
 from gradloc.records import PrecursorFinding
 
@@ -161,6 +162,12 @@ def test_a_balancing_loss_can_stop_mid_run():
     before, after = at(999), at(1000)
     assert before == pytest.approx(math.log(5) + 0.01 * 2.0) and after == pytest.approx(math.log(5))
 
+    cfg = with_overrides(moe, ["router_z_loss=0.001"]).run  # ST-MoE's router z-loss: Σ over layers of mean lse²
+    model.router_logits = (torch.zeros(3, 4), torch.full((3, 4), 2.0))  # each layer's lse: log 4, 2 + log 4
+    assert at(5) == pytest.approx(math.log(5) + 0.001 * (math.log(4) ** 2 + (2 + math.log(4)) ** 2))
+    with pytest.raises(ValueError, match="need a MoE"):
+        with_overrides(next(s for s in scenarios(100) if s.name == "llama_ramp"), ["router_z_loss=0.001"])
+
 
 def test_a_grpo_run_s_loss_is_not_judged_its_incidents_are():
     rising = np.concatenate([np.full(500, 0.1), np.full(500, -3.0)])  # a policy-gradient loss moves either way
@@ -223,3 +230,39 @@ def test_a_policy_entropy_collapse_is_the_policy_s_and_only_its_entropy_names_it
     assert first["rl_entropy"]["names_failing_layer"] and not first["rl_kl_rollout"]["names_failing_layer"]
     run["series"] = {"rl_entropy||": np.linspace(7.6, 5.0, n)}  # ×0.66: no collapse
     assert not score(run, CFG)["reproduced"]
+
+
+def _located(step: int, sample_id: str | None) -> dict:
+    culprits = [] if sample_id is None else [(0, 1, 5, sample_id, 0.9)]
+    return dict(step=step, status="located", level="sample", probes=1, explained=0.9, culprits=culprits)
+
+
+def test_an_incident_a_control_shares_on_the_same_sample_is_the_datas_not_the_failure():
+    from bench.precursors_score import score_all, shared_incidents
+
+    loss = np.full(1000, 3.0)
+    bad = _run("instability", [_finding(600, "attn_entropy", "l1")], loss,
+               incidents=[(500, ["grad_spike"]), (800, ["grad_spike"])])
+    ctl = _run("control", [], loss, incidents=[(500, ["grad_spike"])])
+    for r in (bad, ctl):
+        r["data_by_step"] = True
+    bad["located"], ctl["located"] = [_located(500, "s500-0-1"), _located(800, "s800-1-0")], [_located(500, "s500-0-1")]
+    assert shared_incidents(bad, [ctl], 100) == [500]
+    row, crow = score_all([bad, ctl], CFG)
+    assert row["failure"] == 800 and row["shared_with_control"] == [500]
+    assert row["first_by_statistic"]["attn_entropy"]["lead"] == 200  # counted to 800, not to the data's spike at 500
+    assert crow["failure"] == 500 and crow["shared_with_control"] == []  # a control's own incidents always count
+    alone = score(bad, CFG)  # without its control: the first incident is the failure, as before
+    assert alone["failure"] == 500 and alone["shared_with_control"] == []
+
+    ctl["located"] = [_located(500, "s500-2-3")]  # the same step, another sample: not the same data's spike
+    assert shared_incidents(bad, [ctl], 100) == [] and score_all([bad, ctl], CFG)[0]["failure"] == 500
+    ctl["located"] = []  # the control's incident not localized: the step alone says it
+    assert shared_incidents(bad, [ctl], 100) == [500]
+    ctl["incidents"] = [(501, ["grad_spike"]), (500, ["loss_spike"])]  # another step; a kind that is no failure
+    assert shared_incidents(bad, [ctl], 100) == []
+    ctl["incidents"] = [(500, ["grad_spike"])]
+    ctl["data_by_step"] = False  # a GRPO control samples its own data: a step's batch is not the same
+    assert shared_incidents(bad, [ctl], 100) == []
+    other = dict(ctl, data_by_step=True, instability="router_collapse")  # another instability's control
+    assert score_all([bad, other], CFG)[0]["failure"] == 500
