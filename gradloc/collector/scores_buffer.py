@@ -102,7 +102,12 @@ class MicroBatchScores:
             self.matched_modules.add(w.name)  # called or not: one without a gradient adds nothing unattributed
             if sink.grad is not None:
                 self.matched_calls += 1
-                self.add(w.layer, sink.grad.detach())
+                try:
+                    self.add(w.layer, sink.grad.detach())
+                except Exception as exc:  # noqa: BLE001 - never raise into the training loop: counted, unscored
+                    self.hook_errors += 1
+                    self.first_error = self.first_error or f"{w.name} (compiled tap): {type(exc).__name__}: {exc}"
+                    continue
                 self.scored_modules.add(w.name)
 
     @property

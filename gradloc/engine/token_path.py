@@ -13,6 +13,7 @@ from torch import nn
 from gradloc.collector.batch import MicroBatchMeta
 from gradloc.collector.layer_stats import LayerStatsCollector
 from gradloc.collector.scores_buffer import MicroBatchScores
+from gradloc.collector.shards import is_dtensor
 from gradloc.collector.token_hooks import TokenHooks
 from gradloc.collector.token_summary import StepScores, stack_step
 from gradloc.engine import on_spike
@@ -144,17 +145,20 @@ class TokenPath:
                         "for such calls; counted in mon.counters['hook_errors'] (said once)", buf.first_error)
 
     def _say_uncompilable(self, buf: MicroBatchScores) -> None:
-        """Once: watched modules whose rule cannot run inside a compiled graph (MoE experts) went unscored."""
+        """Once: watched modules whose rule cannot run inside a compiled graph (MoE experts: data-dependent
+        recomputation; a tensor-parallel module: DTensor shards, placed by the eager hooks only) went unscored."""
         if buf.sinks is None or self.counters["uncompilable_said"]:
             return
+        sharded = lambda m: any(is_dtensor(p) for p in m.parameters(recurse=False))  # noqa: E731
         names = [w.name for w, sink in zip(self.hooks.watched, buf.sinks)
-                 if sink.grad is None and not getattr(w.rule, "compilable", True)]
+                 if sink.grad is None and w.name not in buf.scored_modules  # (an eager module's hooks scored it)
+                 and (not getattr(w.rule, "compilable", True) or sharded(w.module))]
         if names:
             self.counters["uncompilable_said"] += 1
             log.warning("gradloc: %d watched module(s) ran inside a torch.compile graph where their per-token rule "
-                        "cannot (%s%s: data-dependent recomputation); their gradient is reported as unattributed_share. "
-                        "Compile per block around them, or use token_stats='on_spike'", len(names),
-                        ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
+                        "cannot (%s%s: data-dependent recomputation, or tensor-parallel shards); their gradient is "
+                        "reported as unattributed_share. Compile per block around them, or use "
+                        "token_stats='on_spike'", len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
 
     def rerun(self, scope: Any, x: Any, *, breakdown: bool, labels: Callable[[MicroBatchMeta], Any]) -> Any:
         """token_stats='on_spike': the flagged step's inputs (``engine/spike.SpikeInputs``) with the scores of its

@@ -23,13 +23,17 @@ def _run(make, compiled: bool | str, vocab: int, logits=lambda out: out, fullgra
          **cfg) -> tuple[list[dict], dict, list[int]]:
     """``STEPS`` steps of ``M`` micro-batches at LR 0 (both runs see the same weights); each step's precursor values
     by (kind, layer, head), the monitor's counters and the compiled graphs traced after each step. ``compiled``:
-    True hands the model over compiled; ``"blocks"`` compiles its blocks in place (torchtitan's recipe)."""
+    True hands the model over compiled; ``"blocks"`` compiles its blocks in place (torchtitan's recipe); ``"head"``
+    its final norm and head in place."""
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     if compiled == "blocks":
         for block in model.blocks:
             block.compile()
+    if compiled == "head":
+        model.ln_f.compile()
+        model.head.compile()
     run = torch.compile(model, fullgraph=fullgraph) if compiled is True else model
     mon = gradloc.watch(run, opt, store=False, precursors=PrecursorConfig(head_positions=0, **cfg))
     g = torch.Generator().manual_seed(1)
@@ -173,15 +177,23 @@ def test_attention_every_other_step_and_in_every_micro_batch_under_compile_equal
     assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
 
 
-def test_blocks_compiled_in_place_have_their_attention_measured_inside_their_graphs() -> None:
+@pytest.mark.parametrize("mode,expect", [
+    ("blocks", {("attn_max_logit", "blocks.0"), ("attn_max_logit", "blocks.1")}),
+    ("head", {("logit_max_abs", "head"), ("residual_rms", "ln_f")})])
+def test_modules_compiled_in_place_are_measured_inside_their_graphs(mode: str, expect: set) -> None:
+    """Blocks compiled in place (torchtitan's recipe): their attention measured inside their graphs, the outer
+    model's head and norm found by the eager discovery. A head and final norm compiled in place: their hooks run
+    only while dynamo traces them, so the discovery does not see them run; they are put where registration order
+    places them (structure.complete_order), not replaced by the last module it saw (the blocks' last linear was
+    named the head, its output read as logits)."""
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     eager, _, _ = _run(_tiny, False, 64)
-    compiled, counters, graphs = _run(_tiny, "blocks", 64)
+    compiled, counters, graphs = _run(_tiny, mode, 64)
     for s in range(1, STEPS):
         _same(eager[s], compiled[s])
-    assert {k[1] for k in compiled[1] if k[0] == "attn_max_logit"} == {"blocks.0", "blocks.1"}
-    assert not counters, counters  # the outer model ran eagerly: its head and norm were found by discovery
+    assert {k[:2] for k in compiled[1] if k[0] in {kind for kind, _ in expect}} == expect
+    assert not counters, counters  # whatever ran eagerly was measured there: nothing skipped, nothing said
     assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
     assert graphs[-1] == graphs[1], graphs
 
@@ -306,3 +318,47 @@ def test_an_accumulator_nothing_was_folded_into_is_left_out_and_a_call_outside_a
     assert (stat.value, stat.at) == (3.0, (1, 0, 1))
     keys, pack = folds.take()  # reset by the take before
     assert to_stats(unpack(keys, pack.numpy()), False, counters) == ()
+
+
+def test_a_first_call_fold_keeps_the_step_s_first_call_in_a_block_as_it_is() -> None:
+    """``fold(first=True)`` (the head's per-position logsumexps under tensor parallelism, module_stats.py): the step's
+    first call inside a block, −inf included (a padded position), the later ones and calls outside a block not."""
+    from gradloc.collector.precursors.compiled import Folds
+    from gradloc.collector.precursors.module_stats import lse_parts_key
+    from gradloc.collector.precursors.slots import unpack
+
+    folds, key = Folds(torch.device("cpu")), lse_parts_key("head", 3)
+    folds.prepare(key)
+    inf = float("-inf")
+    folds.fold(key, torch.tensor([9.0, 9.0, 9.0]), first=True)  # no block open: nothing
+    folds.begin(0)
+    folds.fold(key, torch.tensor([1.0, 2.0, inf]), first=True)
+    folds.fold(key, torch.tensor([5.0, 5.0, 5.0]), first=True)  # a second call of the step: not kept
+    folds.end()
+    folds.begin(1)
+    folds.fold(key, torch.tensor([7.0, 7.0, 7.0]), first=True)
+    folds.end()
+    keys, pack = folds.take()
+    v = unpack(keys, pack.numpy())[key]
+    assert list(v.value) == [1.0, 2.0, inf] and v.count == 1
+    folds.begin(0)  # the next step starts over
+    folds.fold(key, torch.tensor([4.0, inf, inf]), first=True)
+    folds.end()
+    keys, pack = folds.take()
+    v = unpack(keys, pack.numpy())[key]
+    assert list(v.value) == [4.0, inf, inf] and v.count == 1
+
+
+def test_the_forward_order_takes_in_modules_compiled_in_place_themselves_not_those_inside_a_compiled_block() -> None:
+    from gradloc.collector.precursors.structure import complete_order
+
+    model = _tiny()
+    seen = ["tok", "pos", "ln_f"]  # what an eager discovery saw with the blocks and the head compiled in place
+    assert complete_order(model, seen) == seen  # nothing compiled: as seen
+    for block in model.blocks:
+        block.compile()
+    assert complete_order(model, seen) == seen  # the blocks' modules: their place is not known, none is the head
+    model.head.compile()
+    assert complete_order(model, seen) == ["tok", "pos", "ln_f", "head"]
+    model.ln_f.compile()
+    assert complete_order(model, ["tok", "pos"]) == ["tok", "pos", "ln_f", "head"]

@@ -118,9 +118,13 @@ def _vocab_parallel_losses(logits: torch.Tensor, targets: torch.Tensor, group) -
     return top + total.log() + (mine - mine.detach()) / total - (target + picked - picked.detach())
 
 
-def _tp_vocab_job(rank: int, world: int, steps: int) -> dict:
+def _tp_vocab_job(rank: int, world: int, steps: int, compiled: bool = False) -> dict:
     """tp = 2, the head column-parallel with its logits left split over the vocabulary (as torchtitan's loss
-    parallelism and Megatron's output layer leave them), the loss vocabulary-parallel."""
+    parallelism and Megatron's output layer leave them), the loss vocabulary-parallel; ``compiled``: the head compiled
+    in place (its statistics measured inside its graph, collector/precursors/compiled.py). This toy's TP blocks do not
+    compile on torch 2.13 here, with or without gradloc (backward: a DTensor redistribution handed a plain tensor),
+    nor does the whole model under one ``torch.compile`` (dynamo fails on the row-parallel embedding's
+    ``_MaskPartial`` output)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -139,6 +143,8 @@ def _tp_vocab_job(rank: int, world: int, steps: int) -> dict:
         parallelize_module(layer, mesh["tp"], block)
     group = mesh["tp"].get_group()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if compiled:
+        model.head.compile()
     mon = gradloc.watch(model, opt, store=False, precursors=PrecursorConfig())
     reports, _ = run_steps(model, opt, mon, data(0, steps), steps,
                            token_losses=lambda logits, y: _vocab_parallel_losses(logits, y, group))
@@ -147,18 +153,20 @@ def _tp_vocab_job(rank: int, world: int, steps: int) -> dict:
     return {"precursors": _precursors(reports), "counters": counters}
 
 
-def test_a_vocabulary_parallel_head_s_logsumexp_squared_is_the_whole_vocabulary_s() -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_vocabulary_parallel_head_s_logsumexp_squared_is_the_whole_vocabulary_s(compiled: bool) -> None:
     """Each tp rank's head sees half the vocabulary: its own logsumexp² is not the model's. The job's is, over the
     first micro-batch's sampled positions (their shard logsumexps combined on the host) — equal to the whole model's
-    logits at those positions in one process (the brute force); the largest |logit| over every micro-batch."""
+    logits at those positions in one process (the brute force); the largest |logit| over every micro-batch. The
+    same with the head compiled: the step's first call's logsumexps kept inside its graph."""
     from gradloc.collector.precursors import measure
     from tests.distributed.tp_job import Toy, data
 
-    res = run(_tp_vocab_job, 2, STEPS, timeout_s=300)
+    res = run(_tp_vocab_job, 2, STEPS, compiled, timeout_s=600 if compiled else 300)
     x, _, _ = data(0, STEPS)
     model = Toy()
-    for s in range(AGREEING, STEPS):
-        job = res[0]["precursors"][s]
+    for s in range(AGREEING + compiled, STEPS):  # compiled: the ranks agree one step later (the head's accumulators
+        job = res[0]["precursors"][s]            # join the layout after the first step)
         assert res[1]["precursors"][s] == job
         with torch.no_grad():
             whole = [model(x[s, i]) for i in range(x.shape[1])]  # M × (B, T, V)
@@ -170,6 +178,9 @@ def test_a_vocabulary_parallel_head_s_logsumexp_squared_is_the_whole_vocabulary_
         assert math.isclose(value, top, rel_tol=1e-5), (s, value, top)
     for r in res:
         assert not {k for k in r["counters"] if k.startswith("precursors_")}, r["counters"]
+        # the per-token scores: a compiled column-parallel head is left unscored and said once, never an error (its
+        # DTensor scores once made end_step raise)
+        assert r["counters"].get("uncompilable_said", 0) == int(compiled) and not r["counters"].get("hook_errors")
 
 
 def _tp_reference(dp: int) -> list[dict]:

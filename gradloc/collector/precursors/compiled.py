@@ -48,16 +48,24 @@ class Folds:
         self.attend.fill_(0.0)
 
     def fold(self, key: SlotKey, value: torch.Tensor, count: torch.Tensor | float = 1.0,
-             extreme: torch.Tensor | None = None, at: torch.Tensor | None = None, attention: bool = False) -> None:
+             extreme: torch.Tensor | None = None, at: torch.Tensor | None = None, attention: bool = False,
+             first: bool = False) -> None:
         """Fold one call into ``key``'s accumulator, in place (traced into the compiled graph); a key not prepared
-        is not measured. ``attention``: gated by ``attend``, not only by an open block."""
+        is not measured. ``attention``: gated by ``attend``, not only by an open block. ``first``: only the step's
+        first call is kept (a device test on the accumulator's count: no Python state), its values as they are
+        (−inf too)."""
         acc = self.acc.get(key)
         if acc is None:
             return
         n, on = key.size, self.attend if attention else self.on
+        if first:
+            on = on * (acc[n] == 0)
         v = value.detach().reshape(-1).to(torch.float64)  # (size,)
         cur = acc[:n]
-        new = torch.where(on > 0, torch.maximum(cur, v), cur) if key.reduce is Reduce.MAX else cur + v * on
+        if key.reduce is Reduce.MAX:
+            new = torch.where(on > 0, torch.maximum(cur, v), cur)
+        else:  # a first call's values replace the identity as they are; a sum's are added, off blocks adding 0
+            new = torch.where(on > 0, cur + v, cur) if first else cur + v * on
         parts = [new, (acc[n] + on * count).reshape(1)]
         if extreme is not None and at is not None:
             e = extreme.detach().to(torch.float64).reshape(())

@@ -44,7 +44,8 @@ from gradloc.collector.precursors.intercept import SDPA, AttentionMode, SdpaSwap
 from gradloc.collector.precursors.compiled import Folds
 from gradloc.collector.precursors.module_stats import ModuleStats, attention_keys, router_key
 from gradloc.collector.precursors.slots import SlotKey, StepSlots
-from gradloc.collector.precursors.structure import attention_sites, compiles_inside, head_and_norm, registered_order
+from gradloc.collector.precursors.structure import (attention_sites, compiled_in_place, compiles_inside,
+                                                   complete_order, head_and_norm, inside, registered_order)
 from gradloc.collector.precursors.traced_attention import TracedAttention
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
@@ -197,7 +198,7 @@ class PrecursorHooks(ModuleStats):
             h.remove()
         self._handles.clear()
         self.discovered = True
-        self.head, self.final_norm = head_and_norm(self.model, self._order)
+        self.head, self.final_norm = head_and_norm(self.model, complete_order(self.model, self._order))
         self._order = []
         if not self.sites:  # a module compiled in place ran no attention under the discovery mode
             self._sites_by_structure()
@@ -213,9 +214,12 @@ class PrecursorHooks(ModuleStats):
             if self.folds is not None:
                 self.folds.prepare(router_key(name, modules[name].weight.shape[0]))  # is_router: weight (E, d)
         if self.traced is not None and self.sites:  # attention inside compiled graphs (traced_attention.py)
+            regions = [""] if self.compiled else compiled_in_place(self.model)
             for site, why in self.traced.prepare({name: modules[name] for name in self.sites}):
-                self.counters["precursors_unsupported"] += 1
-                log.info("gradloc: precursors: %s %s: its attention is not measured inside a compiled graph", site, why)
+                if inside(site, regions):  # one that runs eagerly is measured there (the SDPA swap, the mode)
+                    self.counters["precursors_unsupported"] += 1
+                    log.info("gradloc: precursors: %s %s: its attention is not measured inside a compiled graph",
+                             site, why)
             self.traced.install()
         for name in self.sites:
             self._handles.append(modules[name].register_forward_pre_hook(self._site_in(name)))

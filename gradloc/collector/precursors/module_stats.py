@@ -59,6 +59,8 @@ class ModuleStats:
                 lambda m, a, out: self._on_head(head, out, first) if self._live() else None))
             for key in head_keys(head) if self.folds is not None else ():
                 self.folds.prepare(key)
+            if self.folds is not None and self.tensor_parallel and self.cfg.head_positions:
+                self.folds.prepare(lse_parts_key(head, self.cfg.head_positions))  # padded to its size (_on_head)
         if norm is not None and self.cfg.residual:
             lay = (is_megatron_module(modules[norm.rpartition(".")[0]]),  # its caller (the model: "")
                    self.tensor_parallel and sp_marked(modules[norm]))
@@ -96,12 +98,26 @@ class ModuleStats:
                 top, lse = head_keys(name)
                 self._record(top, s["max_abs"], extreme=s["max_abs"], at=measure.shifted(s["max_at"], offset))
                 self._record(lse, s["lse_sq_sum"], count=s["n"])
-                if self.tensor_parallel and not self.parts_taken and not torch.compiler.is_compiling():
-                    self.parts_taken = True  # the step's first head call only (take() starts the next step over)
-                    self._record(lse_parts_key(name, s["lse"].numel()), s["lse"])
+                if self.tensor_parallel:
+                    self._lse_parts(name, s["lse"])
         except Exception:
             self.counters["precursors_errors"] += 1
             log.debug("gradloc: head precursors failed", exc_info=True)
+
+    def _lse_parts(self, name: str, lse: torch.Tensor) -> None:
+        """Under tensor parallelism, the step's first head call's per-position logsumexps (lse_parts_key). Inside
+        a compiled graph (and eagerly too once the key has an accumulator) they are padded with −inf to
+        ``head_positions`` (a micro-batch of fewer positions: every one) and the accumulator keeps the step's first
+        call; eagerly, a flag does (take() starts the next step over)."""
+        key = lse_parts_key(name, self.cfg.head_positions)
+        if self.folds is not None and (torch.compiler.is_compiling() or key in self.folds.acc):
+            if lse.numel() <= key.size:
+                pad = lse.new_full((key.size - lse.numel(),), float("-inf"))  # (P − P',): not a position
+                self.folds.fold(key, torch.cat([lse.reshape(-1), pad]), first=True)
+            return
+        if not self.parts_taken and not torch.compiler.is_compiling():
+            self.parts_taken = True
+            self._record(lse_parts_key(name, lse.numel()), lse)
 
     def _on_norm(self, name: str, args: tuple, seq_first: bool = False, sequence_parallel: bool = False) -> None:
         """``seq_first``: the input is ``[s, b, h]`` (a Megatron block's): read as (B, T, h). ``sequence_parallel``:

@@ -10,9 +10,37 @@ from types import CodeType
 from torch import nn
 
 
+def compiled_in_place(model: nn.Module) -> list[str]:
+    """The modules of ``model`` compiled in place (``module.compile()``: torchtitan's per-block recipe), by name."""
+    return [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
 def compiles_inside(model: nn.Module) -> bool:
-    """Whether a module of ``model`` was compiled in place (``module.compile()``: torchtitan's per-block recipe)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    """Whether a module of ``model`` was compiled in place."""
+    return bool(compiled_in_place(model))
+
+
+def inside(name: str, regions: list[str]) -> bool:
+    """Whether module ``name`` is one of ``regions`` or inside one ("" is the whole model)."""
+    return any(r == "" or name == r or name.startswith(r + ".") for r in regions)
+
+
+def complete_order(model: nn.Module, order: list[str]) -> list[str]:
+    """The forward order an eager discovery saw (modules with parameters of their own), with the ones it could not
+    see because they are compiled in place themselves — their hooks run only while dynamo traces them (a head, a
+    final norm compiled on its own) — put where registration order places them: after the last seen module
+    registered before them. The modules inside a compiled block are left out: their forward place is not known
+    (the block is not seen either), and none of them is the head or the final norm a discovery looks for."""
+    regions = set(compiled_in_place(model))
+    if not regions:
+        return order
+    out, registered = list(order), registered_order(model)
+    for i, name in enumerate(registered):
+        if name in out or name not in regions:
+            continue
+        before = next((registered[j] for j in range(i - 1, -1, -1) if registered[j] in out), None)
+        out.insert(len(out) - out[::-1].index(before) if before is not None else 0, name)  # after its last run
+    return out
 
 
 def head_and_norm(model: nn.Module, order: list[str]) -> tuple[str | None, str | None]:
@@ -69,4 +97,4 @@ def site_heads(module: nn.Module) -> int | None:
     return None
 
 
-__all__ = ["attention_sites", "compiles_inside", "forward_names", "head_and_norm", "registered_order", "site_heads"]
+__all__ = ["attention_sites", "compiled_in_place", "compiles_inside", "complete_order", "inside", "forward_names", "head_and_norm", "registered_order", "site_heads"]

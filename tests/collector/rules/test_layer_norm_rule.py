@@ -39,11 +39,12 @@ def test_layer_norm_matches_per_position_autograd(lead, feat, affine, eps, scale
     assert score.dtype == torch.float32 and tuple(score.shape) == tuple(lead)
     # The rule normalizes in float32 (as fused kernels do): rounding x to float32 moves x̂ by about
     # ulp(max|x|) / σ, so the tolerance grows with the condition number κ = max|x| / sqrt(var + eps)
-    # (shift 3, scale 0.1 and two features can make σ tiny against |x|).
+    # (shift 3, scale 0.1 and two features can make σ tiny against |x|). The constant: the float32 mean, variance and
+    # x̂ each round; hypothesis found 19.2·κ·2⁻²⁴ (3 features, shift 3, scale 0.1, seed 3732) over 16 before.
     dims = tuple(range(x.dim() - len(feat), x.dim()))
     var = x.var(dim=dims, unbiased=False) if x.dim() else x.new_zeros(())
     kappa = float((x.abs().amax(dim=dims) / (var + eps).sqrt()).max()) if dims else 1.0
-    torch.testing.assert_close(score.double(), ref, rtol=max(2e-5, 16 * kappa * 2.0 ** -24), atol=1e-8)
+    torch.testing.assert_close(score.double(), ref, rtol=max(2e-5, 32 * kappa * 2.0 ** -24), atol=1e-8)
 
 
 def test_layer_norm_without_affine_scores_zero():
