@@ -37,14 +37,17 @@ def test_layer_norm_matches_per_position_autograd(lead, feat, affine, eps, scale
     assert isinstance(rule, LayerNormRule)
     assert got_lead == tuple(lead)
     assert score.dtype == torch.float32 and tuple(score.shape) == tuple(lead)
-    # The rule normalizes in float32 (as fused kernels do): rounding x to float32 moves x̂ by about
-    # ulp(max|x|) / σ, so the tolerance grows with the condition number κ = max|x| / sqrt(var + eps)
-    # (shift 3, scale 0.1 and two features can make σ tiny against |x|). The constant: the float32 mean, variance and
-    # x̂ each round; hypothesis found 19.2·κ·2⁻²⁴ (3 features, shift 3, scale 0.1, seed 3732) over 16 before.
+    # The rule normalizes in float32 (as fused kernels do): rounding x to float32 moves x − μ by about
+    # ulp(max|x|), relative to x − μ's own size σ — not sqrt(var + eps): eps damps x̂, not that relative error —
+    # so the tolerance grows with the condition number κ = max|x| / σ (shift 3, scale 0.1 and two features can
+    # make σ tiny against |x|). With sqrt(var + eps), hypothesis found cases at 19 and 48 κ·2⁻²⁴ (eps 0.01 ≫ var);
+    # with σ, 12,000 examples at 16 κ·2⁻²⁴ passed (2026-12-01).
     dims = tuple(range(x.dim() - len(feat), x.dim()))
     var = x.var(dim=dims, unbiased=False) if x.dim() else x.new_zeros(())
-    kappa = float((x.abs().amax(dim=dims) / (var + eps).sqrt()).max()) if dims else 1.0
-    torch.testing.assert_close(score.double(), ref, rtol=max(2e-5, 32 * kappa * 2.0 ** -24), atol=1e-8)
+    # a single feature: x − μ is exactly 0 in float32 too (no error to allow for): κ 1, the check kept
+    cond = torch.where(var > 0, x.abs().amax(dim=dims) / var.clamp_min(1e-300).sqrt(), torch.ones_like(var))
+    kappa = float(cond.max()) if dims else 1.0
+    torch.testing.assert_close(score.double(), ref, rtol=max(2e-5, 16 * kappa * 2.0 ** -24), atol=1e-8)
 
 
 def test_layer_norm_without_affine_scores_zero():
