@@ -63,8 +63,8 @@ def _incidents(out: dict[str, Any], warmup: int) -> dict[int, Any]:
 def shared_incidents(out: dict[str, Any], controls: Sequence[dict[str, Any]], warmup: int) -> list[int]:
     """The steps at which an instability run and one of its controls both have a failure-kind incident, naming the
     same sample where both name one: a run's batches depend only on the seed and the step (bench/natural.py), so a
-    spike that a stable counterpart shares at the same step on the same sample is the data's, not the
-    instability's. Only between runs whose data is fixed that way (``data_by_step``; a GRPO run samples its own)."""
+    spike that a control — the same data, the stabilizer on; stable or not — shares at the same step on the same
+    sample is the data's, not the instability's. Only between runs whose data is fixed that way (``data_by_step``; a GRPO run samples its own)."""
     if not out.get("data_by_step", False):
         return []
     mine = _incidents(out, warmup)
