@@ -44,8 +44,8 @@ from gradloc.collector.precursors.intercept import SDPA, AttentionMode, SdpaSwap
 from gradloc.collector.precursors.compiled import Folds
 from gradloc.collector.precursors.module_stats import ModuleStats, attention_keys, router_key
 from gradloc.collector.precursors.slots import SlotKey, StepSlots
-from gradloc.collector.precursors.structure import (attention_sites, compiled_in_place, compiles_inside,
-                                                   complete_order, head_and_norm, inside, registered_order)
+from gradloc.collector.precursors.structure import (attention_sites, calls_attention, compiled_in_place,
+                                                   compiles_inside, complete_order, head_and_norm, inside, registered_order)
 from gradloc.collector.precursors.traced_attention import TracedAttention
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
@@ -155,14 +155,16 @@ class PrecursorHooks(ModuleStats):
         self.counters["precursors_compiled"] += 1
         log.info("gradloc: precursors: a compiled model: loss head %s, final norm %s, %d router(s), attention in %s "
                  "measured inside its graphs", self.head, self.final_norm or "none found", len(self.routers),
-                 ", ".join(self.sites) or "no module (none calls SDPA by name)")
+                 ", ".join(self.sites) or "no module (none calls attention or a softmax by name)")
 
     def _sites_by_structure(self) -> None:
         """A compiled model's attention sites: by the names their forward uses (structure.attention_sites); an eager
-        call at one goes through the SDPA swap (a site that computes its softmax itself falls back to the mode)."""
+        call at one calling attention by name goes through the SDPA swap (HF's eager falls back to the mode), at
+        one calling a softmax through the mode."""
         if self.traced is not None:
+            modules = dict(self.model.named_modules())
             self.sites = attention_sites(self.model)
-            self._swapped.update(self.sites)
+            self._swapped.update(s for s in self.sites if calls_attention(modules[s]))
 
     # -- discovery ----------------------------------------------------------------------------
     def _measuring(self) -> bool:

@@ -85,11 +85,16 @@ def attention_call(func: Any, args: tuple, kwargs: dict, queries: int) -> dict[s
         scale = args[6] if len(args) > 6 else kwargs.get("scale")
         rows = measure.query_rows(q.shape[2], queries, q.device)
         return measure.sampled_attention_stats(q, k, rows, mask, bool(causal), scale)
-    x = args[0]
+    x = softmax_input(args, kwargs)
+    return None if x is None else measure.attention_stats(x.detach())
+
+
+def softmax_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A softmax call's input when it is over the last dim of a 4-D tensor (attention weights' logits (B, H, T, S));
+    None for any other softmax (a router's, a head's: not attention)."""
+    x = args[0] if args else kwargs.get("input")
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or dim not in (-1, 3):
-        return None
-    return measure.attention_stats(x.detach())
+    return x if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) else None
 
 
-__all__ = ["SDPA", "AttentionMode", "SdpaSwap", "Unsupported", "attention_call"]
+__all__ = ["SDPA", "AttentionMode", "SdpaSwap", "Unsupported", "attention_call", "softmax_input"]

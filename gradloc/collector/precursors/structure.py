@@ -9,6 +9,8 @@ from types import CodeType
 
 from torch import nn
 
+from gradloc.collector.rules.router import is_router
+
 
 def compiled_in_place(model: nn.Module) -> list[str]:
     """The modules of ``model`` compiled in place (``module.compile()``: torchtitan's per-block recipe), by name."""
@@ -78,10 +80,17 @@ def forward_names(module: nn.Module) -> set[str]:
     return _names(code) if code is not None else set()
 
 
+def calls_attention(module: nn.Module) -> bool:
+    """Whether a module's own ``forward`` calls SDPA or HF's attention dispatch, by the names its code uses."""
+    return bool(_MARKERS & forward_names(module))
+
+
 def attention_sites(model: nn.Module) -> list[str]:
-    """The modules whose own ``forward`` calls attention (SDPA, or HF's attention dispatch), by the names its code
-    uses."""
-    return [name for name, module in model.named_modules() if _MARKERS & forward_names(module)]
+    """The modules whose own ``forward`` calls attention, by the names its code uses: SDPA or HF's attention
+    dispatch; or a softmax, in a module with a head count (a hand-written attention: a router calls softmax too,
+    and has no head count — and is known by type, left out)."""
+    return [name for name, module in model.named_modules() if calls_attention(module) or (
+        "softmax" in forward_names(module) and site_heads(module) is not None and not is_router(module))]
 
 
 _HEADS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
@@ -97,4 +106,4 @@ def site_heads(module: nn.Module) -> int | None:
     return None
 
 
-__all__ = ["attention_sites", "compiled_in_place", "compiles_inside", "complete_order", "inside", "forward_names", "head_and_norm", "registered_order", "site_heads"]
+__all__ = ["attention_sites", "calls_attention", "compiled_in_place", "compiles_inside", "complete_order", "inside", "forward_names", "head_and_norm", "registered_order", "site_heads"]

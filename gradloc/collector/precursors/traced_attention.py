@@ -1,17 +1,26 @@
 """Attention inside torch.compile graphs (:class:`TracedAttention`), measured into compiled.py's accumulators: a
 compiled model never runs the eager forward the hooks find attention from (hooks.py watches SDPA and softmax calls
 there), so its **sites** are found by structure — the modules whose own ``forward`` refers to scaled-dot-product
-attention or to HF's attention dispatch (structure.attention_sites: the names its code uses, the same innermost
-module the eager discovery names) — and the attention functions they call are replaced, while the hooks are
-attached, by wrappers that dynamo traces into the graph:
+attention or to HF's attention dispatch, or to a softmax in a module with a head count (structure.attention_sites:
+the names its code uses, the same innermost module the eager discovery names) — and the attention functions they
+call are replaced, while the hooks are attached, by wrappers that dynamo traces into the graph:
 
 - ``F.scaled_dot_product_attention`` (SDPA, and HF's ``sdpa`` attention, which calls it);
 - HF's ``eager_attention_forward`` — the function a site's modeling module defines and calls for
   ``attn_implementation="eager"``, looked up there as a module global at each call — in the modeling modules of
   the sites whose forward names it and whose config says ``eager``. It computes its softmax itself, so its logits
-  are taken from its arguments (query, key, the additive mask, ``scaling``), as SDPA's are — only for HF's standard
-  recipe (:func:`standard_eager`); a site calling another (a softcap, sinks, a position bias) is not measured
-  under compile (counted once, said why).
+  are taken from its arguments (query, key, the additive mask, ``scaling``), as SDPA's are — for HF's standard
+  recipe (:func:`standard_eager`); a site calling another (a softcap, sinks, a position bias) is a softmax site;
+- ``F.softmax`` and ``torch.softmax`` at the **softmax sites** — a hand-written attention (nanoGPT's
+  ``F.softmax(q·kᵀ·scale masked, dim=-1)``) and HF's non-standard eager ones (``nn.functional.softmax``): a
+  last-dim softmax over a 4-D tensor there is measured from its input, every row, as the eager path's mode measures
+  it (its logits exist: no T×T is built for the statistics); any other softmax (a router's) is not attention and
+  passes. Dynamo knows both functions by name in a map it builds once, on first use (trace_rules): it is built
+  before they are swapped (:func:`_known_to_dynamo`), or dynamo would take the wrapper for the function and put it
+  in the graph untraced. Not measured under compile: the method ``x.softmax(...)`` (dynamo traces a method of an
+  intermediate tensor as the op itself, whatever ``torch.Tensor`` holds) and a softmax bound before ``watch``.
+  These wrappers work inside activation-checkpointed regions (a torch-function mode entered there would not:
+  dynamo refuses the mode-stack change inside the checkpoint's higher-order op).
 
 A site's pre-hook, traced, names the site and its post-hook clears it (a Python attribute dynamo tracks; set and
 undone inside the site, which is what an activation-checkpointed region allows); the wrapper measures the call as
@@ -23,12 +32,13 @@ installed; a call with another count (a head-sharded attention) folds into the s
 read on the host as ``precursors_unsupported``; a site whose count is found nowhere is not measured (said once).
 The statistics are computed on every call there (the gate masks their fold; a compiled graph does not branch on a
 Python value), fused by the compiler. Called eagerly (a model that is not compiled), a wrapper passes through: the
-eager path measures that call. An attention that computes its softmax in a function of its own other than these
-is not measured under compile.
+eager path measures that call. An attention whose forward calls its softmax from a helper of its own (a method) is
+not found by structure, and not measured under compile.
 """
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from collections import Counter
 from typing import Any, Callable
@@ -39,10 +49,12 @@ from torch import nn
 
 from gradloc.collector.precursors import measure
 from gradloc.collector.precursors.compiled import Folds
+from gradloc.collector.precursors.intercept import softmax_input
 from gradloc.collector.precursors.module_stats import attention_keys
 from gradloc.collector.precursors.slots import Reduce, SlotKey
-from gradloc.collector.precursors.structure import forward_names, site_heads
+from gradloc.collector.precursors.structure import calls_attention, forward_names, site_heads
 
+log = logging.getLogger("gradloc")
 EAGER = "eager_attention_forward"  # HF's eager attention function, defined in each modeling module
 
 
@@ -87,6 +99,21 @@ def _eager_call(args: tuple, kwargs: dict) -> tuple:
     return q, k, mask, False, args[5] if len(args) > 5 else kwargs.get("scaling")
 
 
+def _known_to_dynamo() -> bool:
+    """Have dynamo map the torch functions it calls into graphs by name (``torch.softmax``,
+    ``torch.nn.functional.softmax``…) before the softmax wrappers take those names: that map is built once, on
+    first use, from the names; built with a wrapper in place, dynamo would take the wrapper for the function (and
+    put it in the graph, not trace it) and the function, reached through it, for an unknown builtin. False: this
+    torch has no such map to build (its private API moved): the softmax is then not swapped."""
+    try:
+        from torch._dynamo import trace_rules
+
+        trace_rules.get_torch_obj_rule_map()
+        return True
+    except Exception:
+        return False
+
+
 class TracedAttention:
     """Attention calls inside compiled graphs, measured into :class:`Folds` (the module docstring says how)."""
 
@@ -94,6 +121,7 @@ class TracedAttention:
         self.folds, self.queries, self.counters = folds, queries, counters
         self.site: str | None = None  # the site whose forward is being traced (set by its traced pre-hook)
         self.heads: dict[str, int] = {}  # site -> its query heads (the accumulators' size)
+        self.softmax_sites: set[str] = set()  # sites measured at their softmax (the module docstring)
         self._targets: dict[tuple[int, str], tuple[Any, str, Callable]] = {
             (id(F), "scaled_dot_product_attention"): (F, "scaled_dot_product_attention", _sdpa_call)}
         self._wrappers: dict[tuple[int, str], Callable] = {}  # made once: a reference bound to one keeps working
@@ -111,12 +139,13 @@ class TracedAttention:
                 continue
             home = sys.modules.get(type(module).__module__)
             eager = getattr(home, EAGER, None) if EAGER in forward_names(module) else None
-            if callable(eager) and getattr(getattr(module, "config", None), "_attn_implementation", "") == "eager":
-                if not standard_eager(eager):
-                    skipped.append((site, f"calls an {EAGER} that is not the standard one (logits changed after "
-                                          "q·kᵀ·scaling + mask: a softcap, sinks, a bias)"))
-                    continue
+            eager_config = getattr(getattr(module, "config", None), "_attn_implementation", "") == "eager"
+            if callable(eager) and eager_config and standard_eager(eager):
                 self._targets.setdefault((id(home), EAGER), (home, EAGER, _eager_call))
+            elif (callable(eager) and eager_config) or not calls_attention(module):  # it computes its softmax
+                self.softmax_sites.add(site)
+                for holder in (F, torch):
+                    self._targets.setdefault((id(holder), "softmax"), (holder, "softmax", softmax_input))
             self.heads[site] = heads
             for key in (*attention_keys(site, heads), unmatched_key(site)):
                 self.folds.prepare(key)
@@ -124,6 +153,13 @@ class TracedAttention:
 
     def install(self) -> None:
         """Swap the wrappers in (again after ``remove``: a monitor detached and attached)."""
+        if self.softmax_sites and not _known_to_dynamo():
+            self.counters["precursors_unsupported"] += len(self.softmax_sites)
+            log.info("gradloc: precursors: %s compute their softmax themselves and this torch's dynamo has no "
+                     "function map to build before swapping it: not measured inside a compiled graph",
+                     ", ".join(sorted(self.softmax_sites)))
+            self._targets = {k: t for k, t in self._targets.items() if t[2] is not softmax_input}
+            self.softmax_sites.clear()
         for key, (holder, attr, parse) in self._targets.items():
             if key not in self._installed:
                 self._saved[key] = getattr(holder, attr)
@@ -142,26 +178,44 @@ class TracedAttention:
         self.site = None
 
     def _wrapper(self, key: tuple[int, str], parse: Callable) -> Callable:
+        softmax = parse is softmax_input  # (a trace-time constant, as everything the branches below read)
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             out = self._saved[key](*args, **kwargs)
-            if torch.compiler.is_compiling() and self.site is not None:
-                self._fold(self.site, parse(args, kwargs))
+            if not torch.compiler.is_dynamo_compiling():  # eager, or AOT tracing a graph dynamo made
+                return out
+            site = self.site
+            if site is not None and (site in self.softmax_sites) is softmax:
+                call = parse(args, kwargs)
+                if call is not None:
+                    self.site = None  # the statistics' own softmax is not the site's (set back: no state changed)
+                    self._fold(site, call)
+                    self.site = site
             return out
         return wrapper
 
-    def _fold(self, site: str, call: tuple) -> None:
+    def _stats(self, call: tuple | torch.Tensor, heads: int) -> dict[str, torch.Tensor] | None:
+        """The statistics of one call: an SDPA-like call's (query, key, mask, causal, scale) at the sampled query
+        rows, a softmax's input (B, H, T, S) every row; None when its heads are not ``heads``."""
+        if isinstance(call, torch.Tensor):
+            return measure.attention_stats(call.detach()) if call.shape[1] == heads else None
+        q, k, mask, causal, scale = call
+        if q is None or k is None or q.dim() != 4 or k.dim() != 4 or q.shape[1] != heads or heads % k.shape[1]:
+            return None
+        rows = measure.query_rows(q.shape[2], self.queries, q.device)
+        return measure.sampled_attention_stats(q, k, rows, mask, causal, scale)
+
+    def _fold(self, site: str, call: tuple | torch.Tensor) -> None:
         """Traced: one attention call of ``site`` into its accumulators (no Python state changed)."""
         heads = self.heads.get(site)
         if heads is None:
             return
-        q, k, mask, causal, scale = call
-        if q is None or k is None or q.dim() != 4 or k.dim() != 4 or q.shape[1] != heads or heads % k.shape[1]:
-            self.folds.fold(unmatched_key(site), torch.zeros(1, device=self.folds.device), attention=True)  # counted
-            return
         top, ent = attention_keys(site, heads)
         with torch.no_grad():
-            rows = measure.query_rows(q.shape[2], self.queries, q.device)
-            s = measure.sampled_attention_stats(q, k, rows, mask, causal, scale)
+            s = self._stats(call, heads)
+            if s is None:  # counted
+                self.folds.fold(unmatched_key(site), torch.zeros(1, device=self.folds.device), attention=True)
+                return
             self.folds.fold(top, s["max"], extreme=s["max"].amax(), at=s["max_at"], attention=True)
             self.folds.fold(ent, torch.cat([s["entropy_sum"], s["rows"]]), extreme=s["min_row"], at=s["min_at"],
                             attention=True)
