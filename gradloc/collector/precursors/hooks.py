@@ -45,7 +45,8 @@ from gradloc.collector.precursors.compiled import Folds
 from gradloc.collector.precursors.module_stats import ModuleStats, attention_keys, router_key
 from gradloc.collector.precursors.slots import SlotKey, StepSlots
 from gradloc.collector.precursors.structure import (attention_sites, calls_attention, compiled_in_place,
-                                                   compiles_inside, complete_order, head_and_norm, inside, registered_order)
+                                                   compiles_inside, complete_order, head_and_norm, inside,
+                                                   registered_order)
 from gradloc.collector.precursors.traced_attention import TracedAttention
 from gradloc.collector.rules.router import is_router
 from gradloc.config import PrecursorConfig
