@@ -24,28 +24,53 @@ V, T, D, H = 64, 16, 32, 4
 
 
 class SoftmaxAttention(nn.Module):
-    """Causal self-attention written out, as nanoGPT writes it when flash attention is off; its softmax called as
-    ``F.softmax`` or ``torch.softmax`` (``style``)."""
+    """Causal self-attention written out, as nanoGPT writes it when flash attention is off: ``F.softmax``."""
 
-    def __init__(self, style: str = "F") -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.n_head, self.style = H, style
+        self.n_head = H
         self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
         self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The masked logits (B, H, S, S) and the values (B, H, S, C/H)."""
         B, S, C = x.shape
         q, k, v = (t.view(B, S, H, C // H).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))  # (B,S,C)->(B,H,S,C/H)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, H, S, S)
-        att = att.masked_fill(self.bias[:, :, :S, :S] == 0, float("-inf"))
-        att = F.softmax(att, dim=-1) if self.style == "F" else torch.softmax(att, -1)
-        return self.proj((att @ v).transpose(1, 2).reshape(B, S, C))  # (B, H, S, C/H) -> (B, S, C)
+        return att.masked_fill(self.bias[:, :, :S, :S] == 0, float("-inf")), v
+
+    def out(self, att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, _, S, _ = att.shape
+        return self.proj((att @ v).transpose(1, 2).reshape(B, S, D))  # (B, H, S, C/H) -> (B, S, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        att, v = self.scores(x)
+        return self.out(F.softmax(att, dim=-1), v)
+
+
+class TorchSoftmaxAttention(SoftmaxAttention):
+    """The same with ``torch.softmax``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        att, v = self.scores(x)
+        return self.out(torch.softmax(att, -1), v)
+
+
+class MethodSoftmaxAttention(SoftmaxAttention):
+    """The same with the tensor method (not measured under compile: dynamo traces it as the op)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        att, v = self.scores(x)
+        return self.out(att.softmax(dim=-1), v)
+
+
+STYLES = {"F": SoftmaxAttention, "torch": TorchSoftmaxAttention, "method": MethodSoftmaxAttention}
 
 
 class Block(nn.Module):
     def __init__(self, style: str) -> None:
         super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(D), SoftmaxAttention(style), nn.LayerNorm(D)
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(D), STYLES[style](), nn.LayerNorm(D)
         self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,3 +247,20 @@ def test_without_dynamo_s_function_map_the_softmax_is_not_swapped_and_says_so(mo
         assert counters["precursors_unsupported"] == len(SITES)
     finally:
         traced.remove()
+
+
+def test_a_site_calling_softmax_as_a_tensor_method_is_said_not_measured_under_compile() -> None:
+    """Dynamo traces an intermediate tensor's ``.softmax`` as the op itself, past any wrapper: such a site is said
+    (with why) rather than left silently empty; the function forms are not mistaken for it."""
+    from collections import Counter
+
+    from gradloc.collector.precursors.compiled import Folds
+    from gradloc.collector.precursors.structure import softmax_as_method
+    from gradloc.collector.precursors.traced_attention import TracedAttention
+
+    assert [softmax_as_method(STYLES[style]()) for style in ("F", "torch", "method")] == [False, False, True]
+    assert not softmax_as_method(TinyGPT(GPTConfig(vocab=V, seq=T, d_model=D, n_layers=1, n_heads=H)).blocks[0])
+    traced = TracedAttention(Folds(torch.device("cpu")), 4, Counter())
+    skipped = traced.prepare({"a": MethodSoftmaxAttention(), "b": SoftmaxAttention()})
+    assert [site for site, _ in skipped] == ["a"] and "tensor method" in skipped[0][1]
+    assert traced.softmax_sites == {"b"}

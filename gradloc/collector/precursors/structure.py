@@ -4,9 +4,12 @@ head and the final norm from the order modules with parameters run (or are regis
 by the names their ``forward`` uses, and an attention module's head count from its attributes."""
 from __future__ import annotations
 
+import dis
 import inspect
 from types import CodeType
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradloc.collector.rules.router import is_router
@@ -93,6 +96,25 @@ def attention_sites(model: nn.Module) -> list[str]:
         "softmax" in forward_names(module) and site_heads(module) is not None and not is_router(module))]
 
 
+def softmax_as_method(module: nn.Module) -> bool:
+    """Whether a module's own ``forward`` calls ``softmax`` as a tensor method (``att.softmax(-1)``), by its
+    bytecode: the name loaded as an attribute of anything but ``torch``, ``torch.nn.functional`` or a ``functional``
+    attribute (``F.softmax``, ``torch.softmax``, ``nn.functional.softmax`` are functions)."""
+    fn = inspect.unwrap(type(module).forward)
+    code, spaces = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if code is None:
+        return False
+    functions = {id(torch), id(F)}
+    prev = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "softmax":
+            if prev is None or not ((prev.opname == "LOAD_GLOBAL" and id(spaces.get(prev.argval)) in functions)
+                                    or (prev.opname == "LOAD_ATTR" and prev.argval == "functional")):
+                return True
+        prev = ins
+    return False
+
+
 _HEADS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
 
 
@@ -106,4 +128,5 @@ def site_heads(module: nn.Module) -> int | None:
     return None
 
 
-__all__ = ["attention_sites", "calls_attention", "compiled_in_place", "compiles_inside", "complete_order", "inside", "forward_names", "head_and_norm", "registered_order", "site_heads"]
+__all__ = ["attention_sites", "calls_attention", "softmax_as_method", "compiled_in_place", "compiles_inside",
+           "complete_order", "inside", "forward_names", "head_and_norm", "registered_order", "site_heads"]

@@ -18,7 +18,8 @@ call are replaced, while the hooks are attached, by wrappers that dynamo traces 
   passes. Dynamo knows both functions by name in a map it builds once, on first use (trace_rules): it is built
   before they are swapped (:func:`_known_to_dynamo`), or dynamo would take the wrapper for the function and put it
   in the graph untraced. Not measured under compile: the method ``x.softmax(...)`` (dynamo traces a method of an
-  intermediate tensor as the op itself, whatever ``torch.Tensor`` holds) and a softmax bound before ``watch``.
+  intermediate tensor as the op itself, whatever ``torch.Tensor`` holds: a site whose forward calls it so, by its
+  bytecode — structure.softmax_as_method — is said, not measured) and a softmax bound before ``watch``.
   These wrappers work inside activation-checkpointed regions (a torch-function mode entered there would not:
   dynamo refuses the mode-stack change inside the checkpoint's higher-order op).
 
@@ -52,7 +53,7 @@ from gradloc.collector.precursors.compiled import Folds
 from gradloc.collector.precursors.intercept import softmax_input
 from gradloc.collector.precursors.module_stats import attention_keys
 from gradloc.collector.precursors.slots import Reduce, SlotKey
-from gradloc.collector.precursors.structure import calls_attention, forward_names, site_heads
+from gradloc.collector.precursors.structure import calls_attention, forward_names, site_heads, softmax_as_method
 
 log = logging.getLogger("gradloc")
 EAGER = "eager_attention_forward"  # HF's eager attention function, defined in each modeling module
@@ -142,6 +143,9 @@ class TracedAttention:
             eager_config = getattr(getattr(module, "config", None), "_attn_implementation", "") == "eager"
             if callable(eager) and eager_config and standard_eager(eager):
                 self._targets.setdefault((id(home), EAGER), (home, EAGER, _eager_call))
+            elif not calls_attention(module) and softmax_as_method(module):
+                skipped.append((site, "calls softmax as a tensor method (dynamo traces it as the op itself)"))
+                continue
             elif (callable(eager) and eager_config) or not calls_attention(module):  # it computes its softmax
                 self.softmax_sites.add(site)
                 for holder in (F, torch):
