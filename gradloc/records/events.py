@@ -63,8 +63,8 @@ MONITOR_EVENTS: dict[str, str] = {
     "groups_dropped": "data groups (sources, tags, length buckets) past records.groups.MAX_GROUPS in a step, not counted",
     "group_errors": "steps whose per-group data count failed (no groups that step)",
     "precursors_compiled": "runs of a model handed over compiled (its head, final norm and attention modules found "
-                           "by structure; an attention that computes its own softmax is not measured there) or "
-                           "with no module run eagerly in its first micro-batch (nothing measured until one is); once",
+                           "by structure; an attention whose softmax is a method call or in a helper of its own is "
+                           "not measured there) or with no module run eagerly in its first micro-batch (nothing measured until one is); once",
     "precursors_unsupported": "module calls whose shapes the precursor statistics do not understand (not measured)",
     "precursors_errors": "precursor measurements that failed (that call not measured)",
     "precursors_swap_missed": "attention modules that bound SDPA before gradloc's swap (measured under the mode "
