@@ -101,17 +101,14 @@ def test_a_compiled_moe_s_routers_equal_the_eager_model_s() -> None:
     assert graphs[-1] == graphs[1], graphs
 
 
-def test_hf_eager_attention_inside_a_compiled_graph_equals_the_eager_model_s() -> None:
-    """``attn_implementation="eager"``: the attention computes its own softmax, in the modeling module's
-    ``eager_attention_forward``; compiled, it is measured from that function's arguments (grouped-query heads, the
-    additive causal mask, HF's scaling) and equals what the eager path measures from its softmax."""
-    pytest.importorskip("transformers")
-    from tests.collector.rules.hf_zoo import build
-
+def hf_eager_compiled_equals_eager(build, family: str) -> tuple[list[dict], dict, list[int]]:
+    """An HF ``family`` model with ``attn_implementation="eager"``, compiled, measures what the eager model does from
+    step 1 on (compared here); the compiled run's steps, counters and graphs. Dropout off (GPT-2's): eager and
+    compiled draw their masks differently."""
     def make():
-        model = build("qwen3")
+        model = build(family)
         model.set_attn_implementation("eager")
-        return model
+        return model.eval()
 
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
@@ -120,6 +117,17 @@ def test_hf_eager_attention_inside_a_compiled_graph_equals_the_eager_model_s() -
     compiled, counters, graphs = _run(make, True, 256, logits)
     for s in range(1, STEPS):
         _same(eager[s], compiled[s])
+    return compiled, counters, graphs
+
+
+def test_hf_eager_attention_inside_a_compiled_graph_equals_the_eager_model_s() -> None:
+    """``attn_implementation="eager"``: the attention computes its own softmax, in the modeling module's
+    ``eager_attention_forward``; compiled, it is measured from that function's arguments (grouped-query heads, the
+    additive causal mask, HF's scaling) and equals what the eager path measures from its softmax."""
+    pytest.importorskip("transformers")
+    from tests.collector.rules.hf_zoo import build
+
+    compiled, counters, graphs = hf_eager_compiled_equals_eager(build, "qwen3")
     assert {k[1] for k in compiled[1] if k[0] in ("attn_entropy", "attn_max_logit")} == {
         "model.layers.0.self_attn", "model.layers.1.self_attn"}
     assert counters == {"precursors_compiled": 1}, counters

@@ -18,7 +18,7 @@ from torch import nn
 import gradloc
 from gradloc.config import PrecursorConfig
 from gradloc.demo.model import GPTConfig, TinyGPT
-from tests.collector.test_precursors_compiled import STEPS, _run, _same
+from tests.collector.test_precursors_compiled import STEPS, _run, _same, hf_eager_compiled_equals_eager
 
 V, T, D, H = 64, 16, 32, 4
 
@@ -136,18 +136,7 @@ def test_hf_eager_attention_that_is_not_the_standard_recipe_is_measured_at_its_s
     pytest.importorskip("transformers")
     from tests.collector.rules.hf_zoo import build
 
-    def make():
-        model = build(family)
-        model.set_attn_implementation("eager")
-        return model.eval()  # GPT-2's dropout off: eager and compiled draw their masks differently
-
-    torch._dynamo.reset()
-    dynamo_utils.counters.clear()
-    logits = (lambda out: out.logits)
-    eager, _, _ = _run(make, False, 256, logits)
-    got, counters, graphs = _run(make, True, 256, logits)
-    for s in range(1, STEPS):
-        _same(eager[s], got[s])
+    got, counters, graphs = hf_eager_compiled_equals_eager(build, family)
     assert len({k[1] for k in got[1] if k[0] == "attn_entropy"}) == 2
     assert {k: n for k, n in counters.items() if k.startswith("precursors_")} == {"precursors_compiled": 1}, counters
     # (GPT-OSS's fused experts' per-token rule says once that it cannot run compiled: uncompilable_said)
