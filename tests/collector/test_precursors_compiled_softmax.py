@@ -247,7 +247,17 @@ def test_a_site_calling_softmax_as_a_tensor_method_is_said_not_measured_under_co
     from gradloc.collector.precursors.structure import softmax_as_method
     from gradloc.collector.precursors.traced_attention import TracedAttention
 
+    class ModuleSoftmax(SoftmaxAttention):  # an nn.Softmax submodule (older BERT-style code): it calls F.softmax
+        def __init__(self) -> None:
+            super().__init__()
+            self.softmax = nn.Softmax(dim=-1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            att, v = self.scores(x)
+            return self.out(self.softmax(att), v)
+
     assert [softmax_as_method(STYLES[style]()) for style in ("F", "torch", "method")] == [False, False, True]
+    assert not softmax_as_method(ModuleSoftmax())
     assert not softmax_as_method(TinyGPT(GPTConfig(vocab=V, seq=T, d_model=D, n_layers=1, n_heads=H)).blocks[0])
     traced = TracedAttention(Folds(torch.device("cpu")), 4, Counter())
     skipped = traced.prepare({"a": MethodSoftmaxAttention(), "b": SoftmaxAttention()})

@@ -99,7 +99,8 @@ def attention_sites(model: nn.Module) -> list[str]:
 def softmax_as_method(module: nn.Module) -> bool:
     """Whether a module's own ``forward`` calls ``softmax`` as a tensor method (``att.softmax(-1)``), by its
     bytecode: the name loaded as an attribute of anything but ``torch``, ``torch.nn.functional`` or a ``functional``
-    attribute (``F.softmax``, ``torch.softmax``, ``nn.functional.softmax`` are functions)."""
+    attribute (``F.softmax``, ``torch.softmax``, ``nn.functional.softmax`` are functions; ``self.softmax`` is a
+    submodule, an ``nn.Softmax``, which calls ``F.softmax``). Its own code only, not nested code objects."""
     fn = inspect.unwrap(type(module).forward)
     code, spaces = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is None:
@@ -109,7 +110,8 @@ def softmax_as_method(module: nn.Module) -> bool:
     for ins in dis.get_instructions(code):
         if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "softmax":
             if prev is None or not ((prev.opname == "LOAD_GLOBAL" and id(spaces.get(prev.argval)) in functions)
-                                    or (prev.opname == "LOAD_ATTR" and prev.argval == "functional")):
+                                    or (prev.opname == "LOAD_ATTR" and prev.argval == "functional")
+                                    or (prev.opname == "LOAD_FAST" and prev.argval == "self")):  # nn.Softmax
                 return True
         prev = ins
     return False
