@@ -39,7 +39,6 @@ not found by structure, and not measured under compile.
 from __future__ import annotations
 
 import inspect
-import logging
 import sys
 from collections import Counter
 from typing import Any, Callable
@@ -55,7 +54,6 @@ from gradloc.collector.precursors.module_stats import attention_keys
 from gradloc.collector.precursors.slots import Reduce, SlotKey
 from gradloc.collector.precursors.structure import calls_attention, forward_names, site_heads, softmax_as_method
 
-log = logging.getLogger("gradloc")
 EAGER = "eager_attention_forward"  # HF's eager attention function, defined in each modeling module
 
 
@@ -104,8 +102,9 @@ def _known_to_dynamo() -> bool:
     """Have dynamo map the torch functions it calls into graphs by name (``torch.softmax``,
     ``torch.nn.functional.softmax``…) before the softmax wrappers take those names: that map is built once, on
     first use, from the names; built with a wrapper in place, dynamo would take the wrapper for the function (and
-    put it in the graph, not trace it) and the function, reached through it, for an unknown builtin. False: this
-    torch has no such map to build (its private API moved): the softmax is then not swapped."""
+    put it in the graph, not trace it) and the function, reached through it, for an unknown builtin. Called by
+    ``prepare``, before any swap (built once: cached by dynamo). False: this torch has no such map to build (its
+    private API moved): the site is not measured under compile (said, with why)."""
     try:
         from torch._dynamo import trace_rules
 
@@ -147,6 +146,10 @@ class TracedAttention:
                 skipped.append((site, "calls softmax as a tensor method (dynamo traces it as the op itself)"))
                 continue
             elif (callable(eager) and eager_config) or not calls_attention(module):  # it computes its softmax
+                if not _known_to_dynamo():
+                    skipped.append((site, "computes its softmax itself and this torch's dynamo has no function map "
+                                          "to build before swapping it"))
+                    continue
                 self.softmax_sites.add(site)
                 for holder in (F, torch):
                     self._targets.setdefault((id(holder), "softmax"), (holder, "softmax", softmax_input))
@@ -157,13 +160,6 @@ class TracedAttention:
 
     def install(self) -> None:
         """Swap the wrappers in (again after ``remove``: a monitor detached and attached)."""
-        if self.softmax_sites and not _known_to_dynamo():
-            self.counters["precursors_unsupported"] += len(self.softmax_sites)
-            log.info("gradloc: precursors: %s compute their softmax themselves and this torch's dynamo has no "
-                     "function map to build before swapping it: not measured inside a compiled graph",
-                     ", ".join(sorted(self.softmax_sites)))
-            self._targets = {k: t for k, t in self._targets.items() if t[2] is not softmax_input}
-            self.softmax_sites.clear()
         for key, (holder, attr, parse) in self._targets.items():
             if key not in self._installed:
                 self._saved[key] = getattr(holder, attr)
