@@ -37,6 +37,7 @@ import torch
 
 from gradloc.collector.fit import fit_call, score
 from gradloc.collector.rules.registry import TokenRule
+from gradloc.collector.shards import is_dtensor
 
 log = logging.getLogger("gradloc")
 
@@ -94,7 +95,7 @@ def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, f
         return None
     if not region:
         state.reached = True  # a store of a constant: no guard, dynamo replays it whenever the graph runs
-    if not getattr(rule, "compilable", True) or sharded(out) or sharded(args[0]):
+    if not getattr(rule, "compilable", True) or is_dtensor(out) or is_dtensor(args[0]):
         return None  # its sink gets no gradient: unscored, said once (engine/token_path.py); a tensor-parallel
         # module's DTensors need the shard placement the eager hooks do (token_hooks.py, shards.py), not done here
     fit = fit_call(rule, module, args[0], out, state.batch, state.seq)
@@ -106,16 +107,6 @@ def tap(state: TapState, index: int, rule: TokenRule, module: torch.nn.Module, f
         state.last = index
     tapped = fn.apply(fit.out, state.sinks[index], saved, fit.extra)
     return (tapped, *whole[1:]) if whole is not out else tapped
-
-
-def sharded(t: Any) -> bool:
-    """Whether ``t`` is a DTensor — by ``isinstance``, which dynamo answers at trace time (an attribute probe on a
-    traced DTensor is not)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 @torch._dynamo.assume_constant_result  # called at trace time, its answer a constant of the graph (no guard)

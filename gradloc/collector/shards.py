@@ -18,6 +18,7 @@ weight is split by input features (factor 1); its replicated bias is counted onc
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,11 @@ from torch import nn
 
 
 def is_dtensor(t: Any) -> bool:
-    return hasattr(t, "placements") and hasattr(t, "to_local")
+    """Whether ``t`` is a DTensor — by ``isinstance``, which dynamo answers at trace time (an attribute probe on a
+    traced DTensor is not). Read from ``sys.modules``: a job that never imported DTensor holds none, and pays no
+    import for asking."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: Any) -> Any:
