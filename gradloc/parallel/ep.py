@@ -31,6 +31,7 @@ from torch import nn
 
 from gradloc.collector.rules.grouped_experts import GroupedExpertsRule, weights
 from gradloc.collector.rules.routed import ExpertMath, glu, routed_scores
+from gradloc.collector.shards import local
 from gradloc.parallel.backend import ModelBackend, register_backend
 from gradloc.parallel.tp import mesh_dim
 
@@ -197,7 +198,7 @@ def _row_scores(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, g: tor
     """(R,) the score of each row (x (R, D), g (R, D): each row's routing weight already in g) for the local
     experts, rows grouped expert by expert in ``counts`` (e,)."""
     p1, p3, p2 = weights(module)
-    w1, w3, w2 = (p.to_local() if hasattr(p, "to_local") else p for p in (p1, p3, p2))
+    w1, w3, w2 = (local(p) for p in (p1, p3, p2))
     F_ = w1.shape[1]
     expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts.long())  # (R,)
     math = ExpertMath(n_experts=w1.shape[0], act=glu(F.silu), down_t=lambda e, d: d @ w2[e],  # (n, D) -> (n, F)

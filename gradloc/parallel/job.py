@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import gradloc.parallel.data  # noqa: F401  (registers the data backends)
+from gradloc.collector.shards import is_dtensor
 from gradloc.config import WatchConfig
 from gradloc.errors import AttachError, ConfigError, UnsupportedModelError
 from gradloc.parallel.backend import Backend, DataBackend, ModelBackend, backends, default_slice_key
@@ -186,7 +187,7 @@ class Job:
         claimed = {b.dim for b in self.parts}
         fsdp = isinstance(self.data, FSDP)
         for name, p in params:
-            placements = getattr(p, "placements", None)
+            placements = getattr(p, "placements", None)  # duck-read: the unit tests pass mesh metadata alone
             if not placements:
                 continue
             dims = getattr(p.device_mesh, "mesh_dim_names", None)
@@ -212,7 +213,7 @@ class Job:
         if self.world is None or self.data.own_partitions:
             return
         g = self.layers
-        if any(hasattr(p, "placements") for p in layer_stats.params):  # DTensor parameters: gradients may differ
+        if any(is_dtensor(p) for p in layer_stats.params):  # DTensor parameters: gradients may differ
             self.grad_view = GradView(self.comm_for)
         layer_stats.relayout(g.names, g.numel, g.index, self.weights, self.grad_view)
         if hooks is not None:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from gradloc.collector.layer_stats import local
+from gradloc.collector.shards import is_dtensor
 from gradloc.errors import AttachError
 
 SliceKey = tuple  # (parameter name, global shape, offset, local shape)
@@ -29,7 +30,7 @@ SliceKey = tuple  # (parameter name, global shape, offset, local shape)
 
 def dtensor_slice(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(global shape, offset, local shape) of a DTensor's local shard; a plain tensor is whole."""
-    if not hasattr(t, "placements"):
+    if not is_dtensor(t):
         return tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -65,7 +66,7 @@ def _overlap(pieces: set[tuple]) -> str:
 
 def partial_dims(t: torch.Tensor | None) -> tuple[int, ...]:
     """Mesh dims along which a DTensor is Partial (its local tensor is a summand)."""
-    if t is None or not hasattr(t, "placements"):
+    if not is_dtensor(t):
         return ()
     return tuple(i for i, p in enumerate(t.placements) if p.is_partial())
 
@@ -115,7 +116,7 @@ class GradView:
                  ) -> tuple[list[torch.Tensor | None], list[float]]:
         factors = []
         for p, g in zip(params, grads):
-            if g is None or not hasattr(g, "placements") or not hasattr(p, "placements"):
+            if not (is_dtensor(g) and is_dtensor(p)):
                 factors.append(1.0)
                 continue
             key = (id(p), g.placements)

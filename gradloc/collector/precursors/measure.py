@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from gradloc.collector.shards import is_dtensor
+
 
 def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
     """The multi-index of a flat index into ``shape`` (device tensors, no sync)."""
@@ -157,13 +159,12 @@ def local_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A DTensor's local shard (under a tensor-parallel plan: a sequence shard of a norm's input with sequence
     parallelism, a vocabulary shard of a column-parallel head's logits) and where its positions (dim 1) start in the
     whole; a plain tensor as it is, from 0. Only metadata is read: no collective, no copy."""
-    to_local = getattr(x, "to_local", None)
-    if to_local is None:
+    if not is_dtensor(x):
         return x, 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
-    return to_local(), int(offset[1]) if len(offset) > 1 else 0
+    return x.to_local(), int(offset[1]) if len(offset) > 1 else 0
 
 
 def shifted(at: torch.Tensor, offset: int) -> torch.Tensor:

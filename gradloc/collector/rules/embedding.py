@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gradloc.collector.rules.registry import register_duck_rule, register_rule, sq_norm_last
+from gradloc.collector.shards import is_dtensor, local
 
 
 @register_rule(nn.Embedding)
@@ -34,9 +35,10 @@ def _row_shard(weight: torch.Tensor, dim_name: str = "tp") -> tuple[int, int] | 
     """(first row, rows) of this rank's vocabulary shard when a DTensor table is split by rows along the tensor-
     parallel mesh dim (the lookup itself split: each rank sees only its ids); None otherwise. A split along any
     other dim is FSDP's storage, gathered whole for the lookup."""
-    placements = getattr(weight, "placements", None)
-    names = getattr(getattr(weight, "device_mesh", None), "mesh_dim_names", None) or ()
-    if not placements or dim_name not in names:
+    if not is_dtensor(weight):
+        return None
+    placements, names = weight.placements, weight.device_mesh.mesh_dim_names or ()
+    if dim_name not in names:
         return None
     i = names.index(dim_name)
     p = placements[i]
@@ -68,7 +70,7 @@ class VocabParallelEmbeddingRule(EmbeddingRule):
             return keep
         import torch.distributed as dist
 
-        rows = module.weight.to_local().shape[0] if hasattr(module.weight, "to_local") else module.weight.shape[0]
+        rows = local(module.weight).shape[0]
         offset = dist.get_rank(group) * ((module.num_embeddings + dist.get_world_size(group) - 1)
                                          // dist.get_world_size(group))
         mine = (x >= offset) & (x < offset + rows)  # (*lead) bool

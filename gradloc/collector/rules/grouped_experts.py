@@ -24,6 +24,7 @@ from torch import nn
 
 from gradloc.collector.rules.registry import feature_lead, register_duck_rule, sq_norm_last
 from gradloc.collector.rules.routed import ExpertMath, glu, routed_scores
+from gradloc.collector.shards import local
 
 _NAMES = (("w1_EFD", "w3_EFD", "w2_EDF"), ("w1", "w3", "w2"))
 
@@ -41,11 +42,6 @@ def weights(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter
 
 def is_grouped_experts(module: nn.Module) -> bool:
     return weights(module) is not None and not hasattr(module, "gate_up_proj")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a DTensor (EP, FSDP): the experts this rank holds
-    return to_local() if to_local is not None else t
 
 
 @register_duck_rule(is_grouped_experts)
@@ -74,7 +70,7 @@ class GroupedExpertsRule:
     def score(self, module: nn.Module, saved: Any, g: torch.Tensor) -> torch.Tensor:
         x, idx, w = saved  # (T, D), (T, K), (T, K)
         p1, p3, p2 = weights(module)
-        w1, w3, w2 = _local(p1), _local(p3), _local(p2)
+        w1, w3, w2 = local(p1), local(p3), local(p2)
         F_ = w1.shape[1]
         dtype = w1.dtype
 
