@@ -7,6 +7,10 @@
 - Every process the tests start runs torch on one intra-op thread (``OMP_NUM_THREADS=1``): with two
   OpenMP threads on a busy 2-core machine, spinning barriers made subprocess runs 10–50× slower
   (a demo that takes 15 s hit a 300 s timeout). In-process tests set it per test (tests/helpers.py).
+- Under pytest-xdist (the README's test command: ``-n 2 --dist loadgroup``) every test gets a group: the tests
+  that start processes of their own or assert a wall-clock bound (``PROCESSES``, below) share one group, so they
+  run one at a time as they always did, beside at most one in-process test; every other test is grouped with
+  its module, whose module-scoped fixtures are then built once.
 """
 from __future__ import annotations
 
@@ -15,6 +19,31 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Tests that must never run beside one another under xdist: those that start processes (ranks, daemons, servers,
+# benchmarks, a browser, another test environment) and those that assert a wall-clock bound.
+PROCESSES_MARKERS = ("distributed", "integration", "defaults", "browser", "vllm", "wallclock")
+PROCESSES_PATHS = ("bench/test_bench_smoke.py", "bench/test_healthy.py", "bench/test_patterns.py",  # run `-m bench`
+                   "system/", "reliability/", "demo/", "defaults/", "verl_tier/", "vllm_tier/", "integrations/distributed/")
+PROCESSES_FIXTURES = ("ds_shm_op",)
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The xdist group of ``item``: ``processes`` (see above) or its module's path."""
+    rel = os.path.relpath(str(item.fspath), os.path.dirname(__file__)).replace(os.sep, "/")
+    if (any(item.get_closest_marker(m) for m in PROCESSES_MARKERS)
+            or rel.startswith(PROCESSES_PATHS)
+            or any(f in getattr(item, "fixturenames", ()) for f in PROCESSES_FIXTURES)):
+        return "processes"
+    return rel
+
+
+@pytest.hookimpl(trylast=True)  # after the folders' own hooks have added their markers (tests/distributed)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):  # the tier environments run without it
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -22,7 +22,7 @@ def _bash_blocks(text: str) -> list[str]:
 def test_readme_commands_and_ci() -> None:
     demo, tests = _bash_blocks((ROOT / "README.md").read_text())[:2]
     assert demo == "bash scripts/setup_demo.sh && .venv/bin/gradloc-agent demo"
-    assert tests == "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+    assert tests == "bash scripts/setup.sh && .venv/bin/python -m pytest -q -n 2 --dist loadgroup"
     assert (ROOT / ".ci/run").read_text().strip().splitlines()[-1] == tests
     full = (ROOT / "scripts/setup.sh").read_text()
     assert "bash scripts/setup_demo.sh" in full  # the test set-up includes the demo's

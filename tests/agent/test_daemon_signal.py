@@ -21,6 +21,7 @@ class _Stub:
         self.stops += 1
 
 
+@pytest.mark.wallclock  # asserts a wall-clock bound (tests/conftest.py: never beside a multi-process test)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_it_once_and_restores_the_handlers(signum):
     before = signal.getsignal(signum)

@@ -46,6 +46,8 @@ from tests.builders import (
 )
 from tests.exporters.otlp_receiver import OtlpReceiver, attrs, closed_port
 
+pytestmark = pytest.mark.wallclock  # the OTLP flush is timed (tests/conftest.py: never beside a multi-process test)
+
 JOB = "llm-7b"
 LAYERS = ("blocks.0", "blocks.1", "head")
 SPANS_PER_INCIDENT = 9  # make_incident: root + 2 detect + 2 localize + 4 micro-batch

@@ -351,6 +351,7 @@ def test_promtool_on_the_openmetrics_format():
 
 # -- cost -------------------------------------------------------------------------------------
 
+@pytest.mark.wallclock  # asserts a wall-clock bound (tests/conftest.py: never beside a multi-process test)
 def test_scrape_of_8_ranks_by_256_layers_is_fast():
     state = TelemetryState()
     rng = np.random.default_rng(0)

@@ -277,6 +277,7 @@ def test_iter_incidents_pages_oldest_first(store: IncidentStore) -> None:
 
 # -- steps ------------------------------------------------------------------------------------
 
+@pytest.mark.wallclock  # asserts a wall-clock bound (tests/conftest.py: never beside a multi-process test)
 def test_put_steps_handles_thousands_of_rows_per_second(store: IncidentStore) -> None:
     rows = [step_summary("llm-7b", r, s, T0 + s) for s in range(2000) for r in range(3)]
     start = time.perf_counter()

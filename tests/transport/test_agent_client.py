@@ -67,6 +67,7 @@ def test_config_is_validated_on_construction(kw):
 
 
 # -- the training thread -------------------------------------------------------------------------------
+@pytest.mark.wallclock  # asserts a wall-clock bound (tests/conftest.py: never beside a multi-process test)
 def test_without_a_server_on_step_is_fast_and_nothing_raises():
     c = client(f"127.0.0.1:{free_port()}", timeout_s=0.2)
     rec = step_record(layers=(layer("a"),))
@@ -89,6 +90,7 @@ def test_without_a_server_on_step_is_fast_and_nothing_raises():
     assert counts["sent_steps"] == 0 and counts["send_failed"] == 300 and counts["queue_full"] == 0
 
 
+@pytest.mark.wallclock  # asserts a wall-clock bound (tests/conftest.py: never beside a multi-process test)
 def test_shutdown_abandons_a_call_begun_before_it_and_the_worker_ends():
     """A stalled daemon (a socket that listens and never answers): the hello is in flight with the
     full 30 s timeout_s when shutdown begins. Shutdown cancels it at its own deadline, so the worker
