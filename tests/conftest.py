@@ -24,7 +24,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # benchmarks, a browser, another test environment) and those that assert a wall-clock bound.
 PROCESSES_MARKERS = ("distributed", "integration", "defaults", "browser", "vllm", "wallclock")
 PROCESSES_PATHS = ("bench/test_bench_smoke.py", "bench/test_healthy.py", "bench/test_patterns.py",  # run `-m bench`
-                   "system/", "reliability/", "demo/", "defaults/", "verl_tier/", "vllm_tier/", "integrations/distributed/")
+                   "distributed/", "integrations/distributed/", "defaults/", "demo/", "system/", "reliability/",
+                   "verl_tier/", "vllm_tier/")  # by path: these folders' conftests mark their tests after this hook
 PROCESSES_FIXTURES = ("ds_shm_op",)
 
 
@@ -38,12 +39,22 @@ def xdist_group(item: pytest.Item) -> str:
     return rel
 
 
-@pytest.hookimpl(trylast=True)  # after the folders' own hooks have added their markers (tests/distributed)
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):  # the tier environments run without it
         return
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's hook, which puts each test's group into its node id
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``--dist loadgroup`` the groups must have taken: a pytest whose node ids xdist cannot rename (pytest 9.2
+    with xdist 3.8: constraints.txt pins pytest below it) would run the process tests beside one another."""
+    config = session.config
+    if session.items and getattr(config.option, "loadgroup", False) and not any("@" in i.nodeid for i in session.items):
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests (no '@group' in their node "
+                                f"ids; pytest {pytest.__version__}): see constraints.txt")
 
 
 @pytest.fixture(autouse=True, scope="session")
