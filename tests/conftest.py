@@ -8,7 +8,7 @@
   OpenMP threads on a busy 2-core machine, spinning barriers made subprocess runs 10–50× slower
   (a demo that takes 15 s hit a 300 s timeout). In-process tests set it per test (tests/helpers.py).
 - Under pytest-xdist (the README's test command: ``-n 2 --dist loadgroup``) every test gets a group: the tests
-  that start processes of their own or assert a wall-clock bound (``PROCESSES``, below) share one group, so they
+  that start processes of their own or assert a wall-clock bound (the ``PROCESSES_*`` lists below) share one group: they
   run one at a time as they always did, beside at most one in-process test; every other test is grouped with
   its module, whose module-scoped fixtures are then built once.
 """
