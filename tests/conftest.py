@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # benchmarks, a browser, another test environment) and those that assert a wall-clock bound.
 PROCESSES_MARKERS = ("distributed", "integration", "defaults", "browser", "vllm", "wallclock")
 PROCESSES_PATHS = ("bench/test_bench_smoke.py", "bench/test_healthy.py", "bench/test_patterns.py",  # run `-m bench`
+                   "test_xdist_groups.py",  # runs pytest with two workers
                    "distributed/", "integrations/distributed/", "defaults/", "demo/", "system/", "reliability/",
                    "verl_tier/", "vllm_tier/")  # by path: these folders' conftests mark their tests after this hook
 PROCESSES_FIXTURES = ("ds_shm_op",)
@@ -47,14 +48,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
 
 
+_UNGROUPED = pytest.StashKey[str]()
+
+
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which puts each test's group into its node id
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Under ``--dist loadgroup`` the groups must have taken: a pytest whose node ids xdist cannot rename (pytest 9.2
-    with xdist 3.8: constraints.txt pins pytest below it) would run the process tests beside one another."""
+    with xdist 3.8: constraints.txt pins pytest below it) would run the process tests beside one another. Every test
+    then fails in its set-up with the reason (:func:`pytest_runtest_setup`): an error raised here, in a worker, reaches
+    the user only as xdist's INTERNALERROR about a crashed item (seen with pytest 9.2.0), without it."""
     config = session.config
     if session.items and getattr(config.option, "loadgroup", False) and not any("@" in i.nodeid for i in session.items):
-        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests (no '@group' in their node "
-                                f"ids; pytest {pytest.__version__}): see constraints.txt")
+        config.stash[_UNGROUPED] = ("pytest-xdist's --dist loadgroup did not group the tests (no '@group' in their "
+                                    f"node ids; pytest {pytest.__version__}): see constraints.txt")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    reason = item.config.stash.get(_UNGROUPED, None)
+    if reason:
+        pytest.fail(reason, pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")
