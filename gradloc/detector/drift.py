@@ -13,7 +13,8 @@ whose danger is falling (entropies):
   floored at 1% of a step);
 - trend: Kendall's τ of the recent window against time, times d;
 - *drifting* when ``z ≥ z_threshold``, ``gap ≥ log(min_change)`` and ``τ ≥ tau``; *oscillating* when the
-  recent window's step-to-step spread is ``oscillation`` × σ and it is not drifting either way.
+  recent window's step-to-step spread is ``oscillation`` × σ and it is not drifting either way (not judged for the
+  dead-experts count: ``_LEVEL_ONLY``).
 
 ``patience`` drifting (or oscillating) steps in a row open a finding; one finding per episode: the series is quiet
 again after ``patience`` steps without. The finding names the series, its trend, the level against the baseline,
@@ -43,6 +44,10 @@ from gradloc.records.precursors import FALLING_STATISTICS, MAX_DRIVERS, Precurso
 _EPS = {"attn_entropy": 1e-3, "router_entropy": 1e-3, "rl_entropy": 1e-3, "dead_experts": 1.0,
         "rl_kl_rollout": 1e-4, "update_ratio": 1e-8}  # log(x + eps): a value at 0 stays finite
 _SIGMA_FLOOR = 0.01  # on the log scale: 1% of a step
+# a count of a few integers (experts no token reached) flips between 0 and 1 from step to step with the routing: a
+# swing there is noise (on the MoE controls of docs/BENCHMARKS.md §8 every finding the statistic made was one), so
+# only its level is judged — experts dying and staying dead
+_LEVEL_ONLY = frozenset({"dead_experts"})
 REFRESH = 10  # a series' reference median and spread are recomputed every REFRESH of its values
 
 
@@ -137,6 +142,8 @@ class DriftDetector:
         gap = d * (np.median(recent, axis=1) - med_ref)  # (ready,): toward the danger
         level = (gap / sigma >= cfg.z_threshold) & (gap >= math.log(cfg.min_change))  # away from its history
         swings = _spreads(recent) >= cfg.oscillation * sigma
+        if any(o.statistic in _LEVEL_ONLY for _, o in ready):
+            swings &= np.array([o.statistic not in _LEVEL_ONLY for _, o in ready])  # (ready,)
         found = []
         for i, (s, o) in enumerate(ready):
             if s.open is None and not s.streak and not (level[i] or swings[i]):

@@ -83,6 +83,20 @@ def test_oscillation_without_a_trend():
     assert 1500 < found[0].step <= 1600
 
 
+def test_dead_experts_are_judged_by_their_level_not_their_swings():
+    """A count of a few integers (experts no token reached) that starts flipping 0 ↔ 1 after a quiet reference is
+    routing noise (BENCHMARKS §8's MoE controls): no oscillation finding, where a continuous statistic with the same
+    log-scale swings makes one; experts dying and staying dead is still a rising finding."""
+    flips = np.zeros(3000)
+    flips[1500:] = np.arange(1500) % 2  # 0, 1, 0, 1...
+    assert run({("dead_experts", "layers.1.mlp.gate"): flips}) == []
+    assert [f.trend for f in run({("expert_load_max", "layers.1.mlp.gate"): 1.0 + flips})] == [Trend.OSCILLATING]
+    dying = np.zeros(3000)
+    dying[1500:] = np.minimum(np.arange(1500) // 100, 6)  # one more dead expert every 100 steps, up to 6
+    found = run({("dead_experts", "layers.1.mlp.gate"): dying})
+    assert [f.trend for f in found] == [Trend.RISING] and 1500 < found[0].step <= 1900
+
+
 def test_a_one_step_spike_is_not_a_drift():
     rng = np.random.default_rng(5)
     x = noisy(rng, 3000)
