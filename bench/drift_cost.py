@@ -15,7 +15,11 @@ from gradloc.detector.drift import DriftDetector, Observation
 
 def ms_per_step(series: int, steps: int = 1200, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
-    det = DriftDetector(DriftConfig(warmup=0))
+    cfg = DriftConfig(warmup=0)
+    filled = cfg.reference_of("attn_max_logit") + cfg.window  # the series' values before it is judged
+    if steps <= filled:
+        raise ValueError(f"--steps must exceed {filled} (the series are judged from then on), got {steps}")
+    det = DriftDetector(cfg)
     where = dict(job="cost", rank=0, time_unix=0.0)
     times = []
     for s in range(steps):
@@ -24,7 +28,7 @@ def ms_per_step(series: int, steps: int = 1200, seed: int = 0) -> float:
         t0 = time.perf_counter()
         det.observe(s, obs, where)
         times.append(time.perf_counter() - t0)
-    return round(1000.0 * float(np.median(times[det.length:])), 3)
+    return round(1000.0 * float(np.median(times[filled:])), 3)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,9 +65,19 @@ def typed_fields(obj: Any, pairs: Sequence[str], flag: str, fixed: frozenset[str
 
 def drift_config(pairs: Sequence[str]) -> DriftConfig:
     """``--drift KEY=VALUE ...`` (``bench precursors --replay``, ``bench healthy``): the drift detector's settings
-    to replay (not ``enabled`` or ``statistics``: the series judged stay the live run's)."""
-    return dataclasses.replace(DriftConfig(), **typed_fields(DriftConfig(), pairs, "--drift",
-                                                             frozenset({"enabled", "statistics"})))
+    to replay (not ``enabled`` or ``statistics``: the series judged stay the live run's). ``references`` takes
+    ``STAT:STEPS,...`` (``references=none``: every statistic at ``reference``)."""
+    own = [p for p in pairs if p.startswith("references=")]
+    changes = typed_fields(DriftConfig(), [p for p in pairs if p not in own], "--drift",
+                           frozenset({"enabled", "statistics"}))
+    for pair in own:
+        text = pair.partition("=")[2]
+        try:
+            changes["references"] = () if text.lower() in ("", "none") else tuple(
+                (stat, int(steps)) for stat, _, steps in (item.partition(":") for item in text.split(",")))
+        except ValueError:
+            raise ValueError(f"--drift references takes STAT:STEPS,... (or none), got {pair!r}") from None
+    return dataclasses.replace(DriftConfig(), **changes)
 
 
 def run(selected: Sequence[Scenario], progress: bool = False, save_to: str | None = None) -> dict[str, Any]:
@@ -95,7 +105,8 @@ def rescore(outs: Sequence[dict[str, Any]], cfg: DriftConfig) -> dict[str, Any]:
 def _result(rows: list[dict[str, Any]], cfg: DriftConfig, t0: float) -> dict[str, Any]:
     return dict(date=time.strftime("%Y-%m-%d"), drift=dict(warmup=cfg.warmup, reference=cfg.reference,
                                                             window=cfg.window, z_threshold=cfg.z_threshold,
-                                                            min_change=cfg.min_change, patience=cfg.patience),
+                                                            min_change=cfg.min_change, patience=cfg.patience,
+                                                            references=dict(cfg.references)),
                 runs=rows, summary=summarize(rows), seconds=round(time.perf_counter() - t0, 1))
 
 
@@ -117,8 +128,10 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"  failing layer {named}; announced {r['announced']} "
                          f"(naming it: {r['announced_naming_layer']})")
             for k, v in r["first_by_statistic"].items():
+                later = (f"  (the failing layer named {v['failing_layer_lead']} ahead)"
+                         if not v["names_failing_layer"] and v["failing_layer_lead"] is not None else "")
                 lines.append(f"  {k:<24} step {v['step']:>5}  lead {v['lead']}  {v['layer']} {v['trend']}"
-                             f"{'  (failing layer)' if v['names_failing_layer'] else ''}")
+                             f"{'  (failing layer)' if v['names_failing_layer'] else ''}{later}")
     s = res["summary"]
     lines.append(f"\nannounced {s['instabilities_announced']}/{s['instabilities']} reproduced instabilities "
                  f"(not reproduced: {', '.join(s['not_reproduced']) or 'none'}); stable controls: max "

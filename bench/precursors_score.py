@@ -13,7 +13,9 @@ statistic's lead time, the controls' false findings:
   instability run where none did is *not reproduced* (it may still fail otherwise) and is left out of the announced
   count;
 - per instability run: for each statistic, its first finding before the failure, the lead time (failure − its
-  step), the layer it named and whether that is the failing layer; the first paging finding likewise;
+  step), the layer it named and whether that is the failing layer, and the lead of its first finding that names the
+  failing layer (two routers collapsing together are named in turn: the first may be the other one); the first
+  paging finding likewise;
 - per control run: findings and pages per 1,000 judged steps (after the warm-up, before its own failure), per
   statistic; a control that fails itself is not a stable run: its row says so and the bound leaves it out.
 """
@@ -151,14 +153,18 @@ def score(out: dict[str, Any], cfg: DriftConfig, controls: Sequence[dict[str, An
         key = f.statistic + (" (page)" if f.pages else "")
         if key not in first:
             first[key] = dict(step=f.step, lead=fail - f.step if fail is not None else None, layer=f.layer,
-                              head=f.head, trend=str(f.trend), names_failing_layer=_names(f, layer, out))
+                              head=f.head, trend=str(f.trend), names_failing_layer=_names(f, layer, out),
+                              failing_layer_lead=None)
+        if first[key]["failing_layer_lead"] is None and fail is not None and _names(f, layer, out):
+            first[key]["failing_layer_lead"] = fail - f.step
     healthy = (fail if fail is not None else steps) - cfg.warmup
     leads = [v["lead"] for v in first.values() if v["lead"] is not None]
     row.update(failing_layer=layer, reproduced=layer is not None, first_by_statistic=first,
                lead=max(leads) if leads else None, healthy_prefix=healthy,
                announced=bool(leads) and max(leads) >= min(100, 0.2 * healthy),
-               announced_naming_layer=any(v["lead"] is not None and v["lead"] >= min(100, 0.2 * healthy)
-                                          and v["names_failing_layer"] for v in first.values()))
+               announced_naming_layer=any(v["failing_layer_lead"] is not None
+                                          and v["failing_layer_lead"] >= min(100, 0.2 * healthy)
+                                          for v in first.values()))
     return row
 
 
@@ -177,7 +183,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             for k, v in r["first_by_statistic"].items():
                 if not k.endswith("(page)"):
-                    stats[k]["leads"][r["scenario"]] = dict(lead=v["lead"], layer_ok=v["names_failing_layer"])
+                    stats[k]["leads"][r["scenario"]] = dict(lead=v["lead"], layer_ok=v["names_failing_layer"],
+                                                            failing_layer_lead=v["failing_layer_lead"])
     off = sorted(k for k, v in stats.items()
                  if v["control_pages"] or any(x > 1.0 for x in v["control_per_1000"].values()))
     controls = [r for r in rows if r["role"] == "control" and r["failure"] is None]

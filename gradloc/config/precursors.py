@@ -18,8 +18,12 @@ class DriftConfig:
     without such a trend. ``patience`` such steps in a row open a finding; the series is quiet again after
     ``max(patience, window)`` steps in a row without its level (or swing) — no trend needed while open. A finding pages
     once it has lasted ``page_steps`` and, for ``patience`` steps in a row, a quadratic fit over the drift so far has a
-    slope at its end ``page_acceleration`` × its slope at its start (a steady drift on the log scale never pages). ``statistics``: which series are judged (None: every
-    one); ``max_series``: series judged at once (the rest are counted as ``drift_series_dropped``)."""
+    slope at its end ``page_acceleration`` × its slope at its start (a steady drift on the log scale never pages). ``references``: a statistic's own reference
+    length where it differs from ``reference`` — (statistic, steps) pairs; by default the three entropies (attention,
+    router, RL policy) are held to their last 900 values: a collapse of entropy is slow (×1.2–1.3 per 175 steps before
+    a router collapse in docs/BENCHMARKS.md §8), and against 300 values that move along with it the ×1.5 gap never
+    opens. ``statistics``: which series are judged (None: every one); ``max_series``: series judged at once (the rest
+    are counted as ``drift_series_dropped``)."""
 
     enabled: bool = True
     warmup: int = 1000
@@ -32,8 +36,13 @@ class DriftConfig:
     patience: int = 20
     page_steps: int = 200
     page_acceleration: float = 2.0
+    references: tuple[tuple[str, int], ...] = (("attn_entropy", 900), ("router_entropy", 900), ("rl_entropy", 900))
     statistics: tuple[str, ...] | None = None
     max_series: int = 512
+
+    def reference_of(self, statistic: str) -> int:
+        """The reference length ``statistic``'s series are judged against (``references``, else ``reference``)."""
+        return dict(self.references).get(statistic, self.reference)
 
     def __post_init__(self) -> None:
         check(isinstance(self.enabled, bool), f"drift.enabled must be a bool, got {self.enabled!r}")
@@ -48,6 +57,12 @@ class DriftConfig:
             v = getattr(self, name)
             check(isinstance(v, (int, float)) and v > low, f"drift.{name} must be a number > {low}, got {v!r}")
         check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau < 1.0, f"drift.tau must be in [0, 1), got {self.tau!r}")
+        check(isinstance(self.references, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and p[0] in STATISTICS and isinstance(p[1], int)
+            and not isinstance(p[1], bool) and p[1] >= 2 * self.window for p in self.references)
+            and len({p[0] for p in self.references}) == len(self.references),
+            f"drift.references must be a tuple of (statistic, steps) pairs, each statistic one of {list(STATISTICS)} "
+            f"once and steps an int >= 2 × window ({2 * self.window}), got {self.references!r}")
         if self.statistics is not None:
             check(isinstance(self.statistics, tuple) and all(s in STATISTICS for s in self.statistics),
                   f"drift.statistics must be None or a tuple of {list(STATISTICS)}, got {self.statistics!r}")

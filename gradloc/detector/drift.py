@@ -5,7 +5,7 @@ drift persists and accelerates.
 
 Every series (statistic, layer[, head]) is judged on a log scale (a collapse of entropy toward 0 and a growth of a
 logit by 10× are both large there, and a ratio means the same at every level). Per step, once ``warmup`` steps are
-in and the series has ``reference + window`` values, with d = +1 for a statistic whose danger is rising, −1 for one
+in and the series has ``reference + window`` values (its statistic's own reference: ``DriftConfig.references``), with d = +1 for a statistic whose danger is rising, −1 for one
 whose danger is falling (entropies):
 
 - level: ``gap = d · (median(recent window) − median(reference))`` and ``z = gap / σ``, σ the reference's
@@ -69,6 +69,7 @@ class Observation:
 @dataclass
 class _Series:
     row: int  # its row in the ring
+    reference: int  # its reference length (DriftConfig.reference_of its statistic)
     n: int = 0  # values seen (the next one goes to column n % length)
     streak: int = 0  # drifting / oscillating steps in a row
     quiet: int = 0  # steps in a row without, while a finding is open
@@ -84,7 +85,9 @@ class _Series:
 class DriftDetector:
     def __init__(self, cfg: DriftConfig, on_drop: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
-        self.length = cfg.reference + cfg.window
+        # every series' values in one ring as long as the longest reference needs; a series reads its own last
+        # reference + window of them
+        self.length = max([cfg.reference, *(r for _, r in cfg.references)]) + cfg.window
         self.ring = np.full((8, self.length), np.nan)  # (series, values): log values, value i of a series at i % length
         # each series' reference median and spread, and its value count when they were computed (REFRESH values
         # later they are again: the reference window moves by REFRESH of its values in between)
@@ -106,7 +109,7 @@ class DriftDetector:
                 grown = np.zeros_like(self.ref)
                 grown[:, 2] = -np.inf
                 self.ref = np.vstack([self.ref, grown])
-            s = self.series[key] = _Series(row=len(self.series))
+            s = self.series[key] = _Series(row=len(self.series), reference=self.cfg.reference_of(key[0]))
         return s
 
     def observe(self, step: int, observations: Iterable[Observation], where: dict) -> list[PrecursorFinding]:
@@ -128,15 +131,17 @@ class DriftDetector:
                         s.drivers.popleft()
                 seen.append((s, o))
         self.steps += 1
-        ready = [(s, o) for s, o in seen if s.n >= self.length] if self.steps > cfg.warmup else []
+        ready = [(s, o) for s, o in seen if s.n >= s.reference + cfg.window] if self.steps > cfg.warmup else []
         if not ready:
             return []
         idx, n = np.array([s.row for s, _ in ready]), np.array([s.n for s, _ in ready])  # (ready,) each
+        lengths = np.array([s.reference for s, _ in ready])  # (ready,): each series' reference length
         recent = self._values(idx, n, cfg.window)  # (ready, W), oldest first
         stale = n - self.ref[idx, 2] >= REFRESH  # (ready,)
-        if stale.any():
-            ref = self._values(idx[stale], n[stale], self.length)[:, :cfg.reference]  # (stale, R)
-            self.ref[idx[stale]] = np.stack([np.median(ref, axis=1), _spreads(ref), n[stale]], axis=1)
+        for r in np.unique(lengths[stale]):  # one numpy call per reference length (one or two of them)
+            rows = stale & (lengths == r)  # (ready,)
+            ref = self._values(idx[rows], n[rows], int(r) + cfg.window)[:, :r]  # (rows, r)
+            self.ref[idx[rows]] = np.stack([np.median(ref, axis=1), _spreads(ref), n[rows]], axis=1)
         med_ref, sigma = self.ref[idx, 0], self.ref[idx, 1]  # (ready,) each
         d = np.array([-1.0 if o.statistic in FALLING_STATISTICS else 1.0 for _, o in ready])  # (ready,)
         gap = d * (np.median(recent, axis=1) - med_ref)  # (ready,): toward the danger
@@ -148,7 +153,7 @@ class DriftDetector:
         for i, (s, o) in enumerate(ready):
             if s.open is None and not s.streak and not (level[i] or swings[i]):
                 continue  # nothing to decide: the healthy path, no Python per series beyond this
-            y = self._values(idx[i:i + 1], n[i:i + 1], self.length)[0]  # (R + W,): its whole ring, oldest first
+            y = self._values(idx[i:i + 1], n[i:i + 1], s.reference + cfg.window)[0]  # (R + W,): oldest first
             f = self._judge(step, s, o, y, where, float(d[i]), float(gap[i]), float(sigma[i]),
                             bool(level[i]), bool(swings[i]))
             if f is not None:
@@ -163,7 +168,7 @@ class DriftDetector:
     def _judge(self, step: int, s: _Series, o: Observation, y: np.ndarray, where: dict, d: float, gap: float,
                sigma: float, level: bool, swings: bool) -> PrecursorFinding | None:
         cfg = self.cfg
-        recent = y[cfg.reference:]
+        recent = y[s.reference:]
         if s.open is not None:  # an open finding stays open while its level (or its swing) holds: no τ needed
             held = swings if s.open.trend == Trend.OSCILLATING else level
             s.quiet = 0 if held else s.quiet + 1
@@ -209,8 +214,8 @@ class DriftDetector:
                  sigma: float, pages: bool, since: int) -> PrecursorFinding:
         cfg = self.cfg
         eps = _EPS.get(o.statistic, 1e-6)
-        base = math.exp(float(np.nanmedian(y[:cfg.reference]))) - eps
-        now = math.exp(float(np.nanmedian(y[cfg.reference:]))) - eps
+        base = math.exp(float(np.nanmedian(y[:s.reference]))) - eps
+        now = math.exp(float(np.nanmedian(y[s.reference:]))) - eps
         w = cfg.window
         rate = (-1.0 if o.statistic in FALLING_STATISTICS else 1.0) * (
             float(np.nanmedian(y[-w // 2:]) - np.nanmedian(y[-w:-w // 2]))) * 100.0 / (w / 2)

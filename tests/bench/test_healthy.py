@@ -172,7 +172,7 @@ def test_the_drift_replay_over_a_healthy_run_makes_its_live_findings(tmp_path):
     from gradloc.config import DriftConfig, PrecursorConfig
 
     talk = DriftConfig(warmup=16, reference=16, window=8, patience=2, z_threshold=0.5, min_change=1.01, tau=0.0,
-                       page_steps=8)
+                       page_steps=8, references=())
     trace = train(TINY, precursors=PrecursorConfig(drift=talk))
     live = [f for r in trace.records for f in r.precursor_findings]
     assert trace.live_drift == talk and len(live) >= 2, len(live)  # the run speaks: something to compare

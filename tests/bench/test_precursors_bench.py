@@ -55,6 +55,17 @@ def test_scores_lead_time_layer_and_control_rates():
     assert first["attn_entropy (page)"]["lead"] == 150 and "attn_max_logit" not in first  # after the failure
     assert not first["residual_rms"]["names_failing_layer"]
     assert row["announced"] and row["announced_naming_layer"]
+    assert first["attn_entropy"]["failing_layer_lead"] == 300 and first["residual_rms"]["failing_layer_lead"] is None
+    # another layer named first (two routers collapsing together): the failing layer's own lead is kept beside it
+    two = score(_run("instability", [_finding(400, "attn_entropy", "l0"), _finding(600, "attn_entropy", "l1")],
+                     loss, incidents=[(800, ["grad_spike"])]), CFG)
+    ent = two["first_by_statistic"]["attn_entropy"]
+    assert (ent["lead"], ent["layer"], ent["names_failing_layer"], ent["failing_layer_lead"]) == (400, "l0", False, 200)
+    assert two["announced_naming_layer"] and summarize([two])["per_statistic"]["attn_entropy"]["leads"][
+        "instability-run"] == dict(lead=400, layer_ok=False, failing_layer_lead=200)
+    late = score(_run("instability", [_finding(400, "attn_entropy", "l0"), _finding(750, "attn_entropy", "l1")],
+                      loss, incidents=[(800, ["grad_spike"])]), CFG)
+    assert late["announced"] and not late["announced_naming_layer"]  # the failing layer only 50 steps ahead
     ctl = score(_run("control", [_finding(400, "residual_rms", "norm"), _finding(500, "residual_rms", "norm"),
                                  _finding(600, "attn_max_logit", "l0", pages=True)], loss), CFG)
     assert ctl["judged_steps"] == 900 and ctl["findings_per_1000"] == pytest.approx(3.33, abs=0.01)

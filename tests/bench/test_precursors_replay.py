@@ -13,7 +13,7 @@ from bench.precursors_runs import record_run, scenarios
 from gradloc.config import DriftConfig, PrecursorConfig
 
 # a short Llama ramp (LR 1e-4 -> 0.1 over 300 steps) under a detector that speaks early: findings within the run
-FAST = DriftConfig(warmup=60, reference=60, window=20, patience=5, z_threshold=3.0, page_steps=40)
+FAST = DriftConfig(warmup=60, reference=60, window=20, patience=5, z_threshold=3.0, page_steps=40, references=())
 
 
 def _key(f) -> tuple:  # noqa: ANN001 - a PrecursorFinding
@@ -40,7 +40,7 @@ def test_saved_runs_are_scored_again_under_other_settings(llama_run: dict, tmp_p
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     replaying.save(llama_run, tmp_path)
     assert main(["--replay", str(tmp_path), "--json", "--drift", "warmup=60", "reference=60", "window=20",
-                 "patience=5", "z_threshold=3", "page_steps=40"]) == 0
+                 "patience=5", "z_threshold=3", "page_steps=40", "references=none"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["replayed"] and res["drift"]["z_threshold"] == 3.0 and res["drift"]["warmup"] == 60
     (row,) = res["runs"]
@@ -48,7 +48,11 @@ def test_saved_runs_are_scored_again_under_other_settings(llama_run: dict, tmp_p
     assert sorted((f["step"], f["statistic"], f["layer"]) for f in row["findings"]) == live
     assert main(["--replay", str(tmp_path), "--json", "--drift", "z_threshold=1e6"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"][0]["findings"] == []
-    for bad in (["--replay", str(tmp_path), "--drift", "statistics=x"], ["--replay", str(tmp_path), "--drift", "z=1"],
+    assert main(["--replay", str(tmp_path), "--json", "--drift", "references=attn_entropy:700,rl_entropy:800"]) == 0
+    assert json.loads(capsys.readouterr().out)["drift"]["references"] == {"attn_entropy": 700, "rl_entropy": 800}
+    for bad in (["--replay", str(tmp_path), "--drift", "references=attn_entropy"],
+                ["--replay", str(tmp_path), "--drift", "references=loss:900"],
+                ["--replay", str(tmp_path), "--drift", "statistics=x"], ["--replay", str(tmp_path), "--drift", "z=1"],
                 ["--replay", str(tmp_path), "--drift", "window=0"], ["--drift", "window=5"],
                 ["--replay", str(tmp_path / "none")], ["--replay", str(tmp_path), "--set", "lr_end=1"]):
         with pytest.raises(SystemExit):

@@ -184,7 +184,10 @@ def test_statistics_filter_and_non_finite_values():
 
 def test_config_is_validated():
     for bad in (dict(window=4), dict(reference=60, window=50), dict(min_change=1.0), dict(tau=1.0),
-                dict(statistics=("loss",)), dict(patience=0), dict(warmup=-1), dict(enabled=1)):
+                dict(statistics=("loss",)), dict(patience=0), dict(warmup=-1), dict(enabled=1),
+                dict(references=(("loss", 900),)), dict(references=(("attn_entropy", 60),)),
+                dict(references=(("attn_entropy", 900), ("attn_entropy", 600))), dict(references={"attn_entropy": 900}),
+                dict(references=(("attn_entropy", 900.0),))):
         with pytest.raises(ConfigError):
             DriftConfig(**bad)
 
@@ -205,3 +208,24 @@ def test_kendall_and_spread_match_brute_force():
         assert _kendall(y) == pytest.approx(tau)
         d = np.diff(y)
         assert _spread(y) == pytest.approx(max(1.4826 * np.median(np.abs(d - np.median(d))) / math.sqrt(2), 0.01))
+
+
+def test_an_entropy_falling_slowly_is_held_to_its_longer_reference():
+    """A steady fall of ×1.25 per 175 steps (the router collapse of docs/BENCHMARKS.md §8's seed study): against the
+    300 values before the window the gap stays at ×1.25 for ever, under min_change; held to its last 900 values (the
+    entropies' default ``references``) it is found, falling, ~400 steps in. The longer reference is the entropies'
+    only: the same fall mirrored on a rising statistic is judged against 300 values."""
+    rng = np.random.default_rng(3)
+    x = noisy(rng, 3200, level=1.0, noise=0.02)
+    x[1200:] *= np.exp(-math.log(1.25) / 175 * np.arange(2000))  # ×0.8 every 175 steps from step 1200
+    key = ("router_entropy", "layers.0.router")
+    assert DriftConfig().reference_of("router_entropy") == 900 and DriftConfig().reference_of("attn_max_logit") == 300
+    assert run({key: x}, DriftConfig(references=())) == []
+    found = run({key: x})
+    assert len(found) == 1, found
+    f = found[0]
+    assert (f.statistic, f.trend) == ("router_entropy", Trend.FALLING) and 1300 < f.since_step < 1700, f
+    assert f.change <= 1 / 1.5 and "falling" in f.detail
+    assert run({("attn_max_logit", "layers.0"): 1.0 / x}) == []  # rising, reference 300: not found
+    assert len(run({("attn_max_logit", "layers.0"): 1.0 / x},
+                   DriftConfig(references=(("attn_max_logit", 900),)))) == 1  # its own longer reference: found

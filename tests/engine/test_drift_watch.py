@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from tests.collector.rules.hf_zoo import build  # noqa: E402
 
 B, T = 2, 16
-FAST = DriftConfig(warmup=0, reference=16, window=8, patience=3, z_threshold=3.0, min_change=1.2)
+FAST = DriftConfig(warmup=0, reference=16, window=8, patience=3, z_threshold=3.0, min_change=1.2, references=())
 
 
 def test_a_layer_whose_attention_logits_grow_is_named_with_its_samples(tmp_path) -> None:
