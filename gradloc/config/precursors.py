@@ -1,6 +1,7 @@
 """``PrecursorConfig``: the slow instabilities measured every step (records/precursors.py, collector/precursors/)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gradloc.config.options import check
@@ -19,7 +20,7 @@ class DriftConfig:
     ``max(patience, window)`` steps in a row without its level (or swing) — no trend needed while open. A finding pages
     once it has lasted ``page_steps`` and, for ``patience`` steps in a row, a quadratic fit over the drift so far has a
     slope at its end ``page_acceleration`` × its slope at its start (a steady drift on the log scale never pages). ``references``: a statistic's own reference
-    length where it differs from ``reference`` — (statistic, steps) pairs; by default the three entropies (attention,
+    length where it differs from ``reference`` — (statistic, steps) pairs (or a dict); by default the three entropies (attention,
     router, RL policy) are held to their last 900 values: a collapse of entropy is slow (×1.2–1.3 per 175 steps before
     a router collapse in docs/BENCHMARKS.md §8), and against 300 values that move along with it the ×1.5 gap never
     opens. ``statistics``: which series are judged (None: every one); ``max_series``: series judged at once (the rest
@@ -45,6 +46,14 @@ class DriftConfig:
         return dict(self.references).get(statistic, self.reference)
 
     def __post_init__(self) -> None:
+        # a dict {statistic: steps} or a list of pairs (a YAML or JSON config's) is taken as the tuple of pairs, a list
+        # of statistics as the tuple
+        if isinstance(self.references, Mapping) or (isinstance(self.references, list) and all(
+                isinstance(p, (list, tuple)) for p in self.references)):
+            items = self.references.items() if isinstance(self.references, Mapping) else self.references
+            object.__setattr__(self, "references", tuple(tuple(p) for p in items))
+        if isinstance(self.statistics, list):
+            object.__setattr__(self, "statistics", tuple(self.statistics))
         check(isinstance(self.enabled, bool), f"drift.enabled must be a bool, got {self.enabled!r}")
         for name in ("warmup", "reference", "window", "patience", "page_steps", "max_series"):
             v = getattr(self, name)
