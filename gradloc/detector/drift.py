@@ -8,9 +8,9 @@ logit by 10× are both large there, and a ratio means the same at every level). 
 in and the series has ``reference + window`` values (its statistic's own reference: ``DriftConfig.references``), with d = +1 for a statistic whose danger is rising, −1 for one
 whose danger is falling (entropies):
 
-- level: ``gap = d · (median(recent window) − median(reference))`` and ``z = gap / σ``, σ the reference's
-  step-to-step spread (1.4826 × MAD of its differences / √2: a trend inside the reference does not inflate it,
-  floored at 1% of a step);
+- level: ``gap = d · (median(recent window) − median(reference))`` and ``z = gap / σ``, σ the step-to-step spread
+  of the last ``reference`` values before the window (1.4826 × MAD of their differences / √2: a trend there does not
+  inflate it, floored at 1% of a step) — of those 300 even where the statistic's own reference is longer;
 - trend: Kendall's τ of the recent window against time, times d;
 - *drifting* when ``z ≥ z_threshold``, ``gap ≥ log(min_change)`` and ``τ ≥ tau``; *oscillating* when the
   recent window's step-to-step spread is ``oscillation`` × σ and it is not drifting either way (not judged for the
@@ -141,7 +141,11 @@ class DriftDetector:
         for r in np.unique(lengths[stale]):  # one numpy call per reference length (one or two of them)
             rows = stale & (lengths == r)  # (ready,)
             ref = self._values(idx[rows], n[rows], int(r) + cfg.window)[:, :r]  # (rows, r)
-            self.ref[idx[rows]] = np.stack([np.median(ref, axis=1), _spreads(ref), n[rows]], axis=1)
+            # the level against the median of the series' own reference; the spread (z's unit, the swings' yardstick)
+            # of its last ``reference`` values either way — a longer reference looks further back for a slow fall,
+            # not for how much a step swings now (early training, at a lower LR, swung less)
+            self.ref[idx[rows]] = np.stack([np.median(ref, axis=1), _spreads(ref[:, -cfg.reference:]), n[rows]],
+                                           axis=1)
         med_ref, sigma = self.ref[idx, 0], self.ref[idx, 1]  # (ready,) each
         d = np.array([-1.0 if o.statistic in FALLING_STATISTICS else 1.0 for _, o in ready])  # (ready,)
         gap = d * (np.median(recent, axis=1) - med_ref)  # (ready,): toward the danger

@@ -242,3 +242,15 @@ def test_an_entropy_falling_slowly_is_held_to_its_longer_reference():
     assert run({("attn_max_logit", "layers.0"): 1.0 / x}) == []  # rising, reference 300: not found
     assert len(run({("attn_max_logit", "layers.0"): 1.0 / x},
                    DriftConfig(references=(("attn_max_logit", 900),)))) == 1  # its own longer reference: found
+
+
+def test_a_longer_reference_judges_the_level_not_the_swings():
+    """Step-to-step swings growing with a ramping LR (×10 over 600 steps, no change of level): against the spread of
+    the last ``reference`` (300) values they grow ×2 at most — no oscillation — whatever the statistic's own longer
+    reference; measured against its 900 values (mostly of the calmer era) they would be ×6 and an oscillation."""
+    rng = np.random.default_rng(5)
+    amp = 0.005 * 10 ** (np.clip(np.arange(3000) - 1500, 0, 600) / 600)  # the log-noise's spread per step
+    x = np.exp(rng.normal(0.0, 1.0, 3000) * amp)
+    assert DriftConfig().reference_of("attn_entropy") == 900
+    assert run({("attn_entropy", "layers.0"): x}) == []
+    assert run({("attn_entropy", "layers.0"): x}, DriftConfig(references=())) == []
