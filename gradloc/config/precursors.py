@@ -19,14 +19,14 @@ class DriftConfig:
     without such a trend. ``patience`` such steps in a row open a finding; the series is quiet again after
     ``max(patience, window)`` steps in a row without its level (or swing) — no trend needed while open. A finding pages
     once it has lasted ``page_steps`` and, for ``patience`` steps in a row, a quadratic fit over the drift so far has a
-    slope at its end ``page_acceleration`` × its slope at its start (a steady drift on the log scale never pages). ``references``: a statistic's own reference
-    length where it differs from ``reference`` — (statistic, steps) pairs (or a dict): the level is compared with the
-    median of that many values, the step-to-step spread (z's unit, the oscillation's yardstick) is still the last
-    ``reference`` values' (early training, at a lower LR, swung less); by default the three entropies (attention,
-    router, RL policy) are held to their last 900 values: a collapse of entropy is slow (×1.2–1.3 per 175 steps before
-    a router collapse in docs/BENCHMARKS.md §8), and against 300 values that move along with it the ×1.5 gap never
-    opens. ``statistics``: which series are judged (None: every one); ``max_series``: series judged at once (the rest
-    are counted as ``drift_series_dropped``)."""
+    slope at its end ``page_acceleration`` × its slope at its start (a steady drift on the log scale never pages).
+    ``references``: a statistic's own reference length where it differs from ``reference`` — (statistic, steps) pairs
+    (or a dict): the level is compared with the median of that many values, the step-to-step spread (z's unit, the
+    oscillation's yardstick) is still the last ``reference`` values' (early training, at a lower LR, swung less); by
+    default the three entropies (attention, router, RL policy) are held to their last 900 values: a collapse of
+    entropy is slow (×1.2–1.3 per 175 steps before a router collapse in docs/BENCHMARKS.md §8), and against 300 values
+    that move along with it the ×1.5 gap never opens. ``statistics``: which series are judged (None: every one);
+    ``max_series``: series judged at once (the rest are counted as ``drift_series_dropped``)."""
 
     enabled: bool = True
     warmup: int = 1000

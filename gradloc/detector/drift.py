@@ -5,8 +5,8 @@ drift persists and accelerates.
 
 Every series (statistic, layer[, head]) is judged on a log scale (a collapse of entropy toward 0 and a growth of a
 logit by 10× are both large there, and a ratio means the same at every level). Per step, once ``warmup`` steps are
-in and the series has ``reference + window`` values (its statistic's own reference: ``DriftConfig.references``), with d = +1 for a statistic whose danger is rising, −1 for one
-whose danger is falling (entropies):
+in and the series has ``reference + window`` values (its statistic's own reference: ``DriftConfig.references``),
+with d = +1 for a statistic whose danger is rising, −1 for one whose danger is falling (entropies):
 
 - level: ``gap = d · (median(recent window) − median(reference))`` and ``z = gap / σ``, σ the step-to-step spread
   of the last ``reference`` values before the window (1.4826 × MAD of their differences / √2: a trend there does not

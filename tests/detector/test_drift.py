@@ -186,7 +186,8 @@ def test_config_is_validated():
     for bad in (dict(window=4), dict(reference=60, window=50), dict(min_change=1.0), dict(tau=1.0),
                 dict(statistics=("loss",)), dict(patience=0), dict(warmup=-1), dict(enabled=1),
                 dict(references=(("loss", 900),)), dict(references=(("attn_entropy", 60),)),
-                dict(references=(("attn_entropy", 900), ("attn_entropy", 600))), dict(references={"attn_entropy": "900"}),
+                dict(references=(("attn_entropy", 900), ("attn_entropy", 600))),
+                dict(references={"attn_entropy": "900"}),
                 dict(references=(("attn_entropy", 900.0),))):
         with pytest.raises(ConfigError):
             DriftConfig(**bad)
@@ -196,7 +197,8 @@ def test_references_and_statistics_from_a_dict_or_lists():
     """A YAML or JSON config (an integration's ``gradloc=`` dict) gives lists and dicts, taken as the tuples."""
     from gradloc.integrations.loop import as_config
 
-    cfg = as_config({"precursors": {"drift": {"references": {"router_entropy": 1200}, "statistics": ["router_entropy"]}}})
+    cfg = as_config({"precursors": {"drift": {"references": {"router_entropy": 1200},
+                                              "statistics": ["router_entropy"]}}})
     drift = cfg.precursors.drift
     assert drift.references == (("router_entropy", 1200),) and drift.statistics == ("router_entropy",)
     assert drift.reference_of("router_entropy") == 1200 and drift.reference_of("attn_entropy") == drift.reference
