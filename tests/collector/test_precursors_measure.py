@@ -75,7 +75,8 @@ def test_sampled_attention_matches_the_whole_matrix_read_at_its_rows(case: str) 
     # the most concentrated row: entropy / log(keys it sees), over rows that see at least 2 keys
     keys = (~torch.isinf(at)).sum(-1).double()  # (B, H, Q)
     norm = torch.where(~torch.isnan(e) & (keys >= 2), e / keys.clamp(min=2).log(), torch.full_like(e, math.inf))
-    assert float(got["min_row"]) == pytest.approx(float(norm.min()), rel=1e-5)
+    # float32's floor on a row's entropy: its s = Σ exp(logit − max) = 1 + r rounds at ~6e-8 (measure.py)
+    assert float(got["min_row"]) == pytest.approx(float(norm.min()), rel=1e-5, abs=2e-7)
     lb, lt = got["min_at"].tolist()
     assert float(norm[lb, :, rows.tolist().index(lt)].min()) == pytest.approx(float(norm.min()), rel=1e-5)
 
