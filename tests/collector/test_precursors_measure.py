@@ -231,6 +231,20 @@ def test_a_slot_folds_its_calls_as_they_came_whatever_their_number() -> None:
     assert got.value[0] == 4.0 and got.count == 2.0 and got.extreme == 0.5 and got.at == (0, 2, 3)
 
 
+def test_low_precision_weights_are_measured_in_float32() -> None:
+    """An eager bf16 attention's softmax input: the entropies are those of its bf16 values, computed in float32 (in
+    bf16 a concentrated row's entropy, ~1e-3 here, is below the dtype's resolution near 1)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 4, 16, 64, generator=g) * 2
+    logits[..., 0] += 9.0  # every row concentrated on its first key
+    low = logits.to(torch.bfloat16)
+    got = measure.attention_stats(low)
+    ref = -(torch.softmax(low.double(), -1) * torch.log_softmax(low.double(), -1)).sum(-1)  # (B, H, Q)
+    assert got["entropy_sum"].dtype == torch.float32
+    assert torch.allclose(got["entropy_sum"].double(), ref.sum(dim=(0, 2)), rtol=1e-5)
+    assert float(got["min_row"]) == pytest.approx(float((ref / math.log(64)).min()), rel=1e-4)
+
+
 def test_large_logits_keep_their_digits() -> None:
     """A collapsed attention row (logits in the thousands, entropy ~1e-6) and a head with logits in the hundreds:
     the entropy and the logsumexp against float64 references."""

@@ -107,9 +107,10 @@ def attention_stats(logits: torch.Tensor, rows: torch.Tensor | None = None,
     # one softmax kernel (a log-softmax beside it made two; a plain exp ran 2× slower on a CPU over −inf, 30× over
     # denormal results). Both terms are ≥ 0: a collapsed row's small entropy is a sum, not a difference of near-equal
     # values; its floor is float32's rounding of s = 1 + r (~6e-8), as with the log-softmax. A masked key: p 0 and y
-    # clamped finite (0 · finite = 0, not 0 · −inf); a row with every key masked: NaN (its max −inf)
-    p = torch.softmax(logits, dim=-1)  # (B, H, Q, S)
-    y = (logits - row_max.unsqueeze(-1)).clamp_(min=torch.finfo(logits.dtype).min)  # (B, H, Q, S)
+    # clamped finite (0 · finite = 0, not 0 · −inf); a row with every key masked: NaN (its max −inf). In float32
+    # whatever the weights' dtype (an eager bf16 attention's: a collapsed row's entropy is below bf16's resolution)
+    p = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (B, H, Q, S)
+    y = (logits.float() - row_max.float().unsqueeze(-1)).clamp_(min=torch.finfo(torch.float32).min)  # (B, H, Q, S)
     ent = -p.amax(dim=-1).log() - torch.linalg.vecdot(p, y)  # (B, H, Q, S) -> (B, H, Q)
     counted = torch.isfinite(ent)
     ent0 = torch.where(counted, ent, torch.zeros_like(ent))
