@@ -232,8 +232,9 @@ def test_a_slot_folds_its_calls_as_they_came_whatever_their_number() -> None:
 
 
 def test_low_precision_weights_are_measured_in_float32() -> None:
-    """An eager bf16 attention's softmax input: the entropies are those of its bf16 values, computed in float32 (in
-    bf16 a concentrated row's entropy, ~1e-3 here, is below the dtype's resolution near 1)."""
+    """An eager bf16 attention's softmax input and a bf16 head's logits: the entropies and logsumexps are those of
+    their bf16 values, computed in float32 (in bf16 a concentrated row's entropy, ~1e-3 here, is below the dtype's
+    resolution near 1, and a logsumexp keeps 3 digits)."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 4, 16, 64, generator=g) * 2
     logits[..., 0] += 9.0  # every row concentrated on its first key
@@ -243,6 +244,9 @@ def test_low_precision_weights_are_measured_in_float32() -> None:
     assert got["entropy_sum"].dtype == torch.float32
     assert torch.allclose(got["entropy_sum"].double(), ref.sum(dim=(0, 2)), rtol=1e-5)
     assert float(got["min_row"]) == pytest.approx(float((ref / math.log(64)).min()), rel=1e-4)
+    head = (torch.randn(2, 8, 500, generator=g) * 6).to(torch.bfloat16)  # a bf16 head's logits (B, T, V)
+    lse = torch.logsumexp(head.double().reshape(16, 500), -1)  # (B·T,)
+    assert float(measure.head_stats(head)["lse_sq_sum"]) == pytest.approx(float(lse.square().sum()), rel=1e-6)
 
 
 def test_large_logits_keep_their_digits() -> None:

@@ -142,8 +142,9 @@ def head_stats(logits: torch.Tensor, keep: torch.Tensor | None = None, positions
     top = sub.amax(-1)  # (P, V) -> (P,)
     per_pos = torch.maximum(top, -sub.amin(-1)).float()  # (P,), no |x| copy
     # logsumexp = max − max(log-softmax), the log-softmax's largest term being the one at the max: one vectorized
-    # log-softmax and a reduction, half of ``torch.logsumexp``'s cost on a CPU (its exp ran scalar), as exact
-    lse = each = (top - torch.log_softmax(sub, dim=-1).amax(-1)).float()  # (P,)
+    # log-softmax and a reduction, half of ``torch.logsumexp``'s cost on a CPU (its exp ran scalar), as exact; in
+    # float32 whatever the logits' dtype (a bf16 head's log-softmax rounds its log s to bf16's 3 digits)
+    lse = each = top.float() - torch.log_softmax(sub, dim=-1, dtype=torch.float32).amax(-1)  # (P,)
     if keep is not None:
         kept = keep.reshape(-1) if at is None else keep.reshape(-1)[at]  # (P,)
         per_pos = torch.where(kept, per_pos, torch.full_like(per_pos, float("-inf")))
